@@ -1,0 +1,9 @@
+"""moebench: benchmark and autotuning harness for Mixture-of-Experts GPU kernels."""
+
+from moebench.kernels.modular import ActivationFormat, FusedMoEKernel
+from moebench.kernels.reference import reference_moe
+from moebench.kernels.registry import check_combination, make_kernel
+from moebench.layout import ParallelLayout
+
+__version__ = "0.1.0"
+__all__ = ["ActivationFormat", "FusedMoEKernel", "ParallelLayout", "check_combination", "make_kernel", "reference_moe"]

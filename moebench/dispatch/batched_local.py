@@ -1,0 +1,41 @@
+"""`batched-local`: the BatchedExperts layout without communication (one process). Scatters each
+(token, k) pair into (E_local, M, H) and gathers back with the router weights on finalize, so
+BatchedExperts backends can run and be checked on a single rank."""
+
+from __future__ import annotations
+
+import torch
+
+from moebench.kernels.modular import (
+    ActivationFormat,
+    PrepareAndFinalize,
+    PrepareResult,
+    TopKWeightAndReduce,
+    TopKWeightAndReduceBatched,
+)
+from moebench.kernels.registry import register_prepare_finalize
+from moebench.kernels.token_layout import batched_slots, local_topk_ids, scatter_to_batched
+
+
+@register_prepare_finalize
+class BatchedLocalPrepareAndFinalize(PrepareAndFinalize):
+    name = "batched-local"
+    activation_format = ActivationFormat.BATCHED
+    max_world_size = 1
+
+    def default_weight_and_reduce(self) -> TopKWeightAndReduce:
+        return TopKWeightAndReduceBatched()
+
+    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map) -> PrepareResult:
+        num_local = num_local_experts
+        max_tokens = max(x.shape[0], 1)  # an expert receives each token at most once
+        local = local_topk_ids(topk_ids, expert_map)
+        slot_map, counts = batched_slots(local, num_local, max_tokens)
+        a = scatter_to_batched(x, slot_map, num_local, max_tokens)
+        return PrepareResult(
+            a=a, topk_ids=None, topk_weights=None, expert_num_tokens=counts,
+            expert_map=expert_map, num_experts=num_experts, handle=slot_map,
+        )
+
+    def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:
+        return weight_and_reduce.apply(out, topk_weights, prep.handle)

@@ -1,0 +1,33 @@
+"""`no-dpep`: no communication. Tokens stay where they are (Standard format); the TP path
+all-reduces after finalize when tp > 1 (done by the runtime, not here)."""
+
+from __future__ import annotations
+
+import torch
+
+from moebench.kernels.modular import (
+    ActivationFormat,
+    PrepareAndFinalize,
+    PrepareResult,
+    TopKWeightAndReduce,
+    TopKWeightAndReduceContiguous,
+)
+from moebench.kernels.registry import register_prepare_finalize
+
+
+@register_prepare_finalize
+class NoDPEPPrepareAndFinalize(PrepareAndFinalize):
+    name = "no-dpep"
+    activation_format = ActivationFormat.STANDARD
+
+    def default_weight_and_reduce(self) -> TopKWeightAndReduce:
+        return TopKWeightAndReduceContiguous()
+
+    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map) -> PrepareResult:
+        return PrepareResult(
+            a=x, topk_ids=topk_ids, topk_weights=topk_weights, expert_num_tokens=None,
+            expert_map=expert_map, num_experts=num_experts,
+        )
+
+    def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:
+        return weight_and_reduce.apply(out, topk_weights, None)

@@ -1,0 +1,270 @@
+"""The modular MoE kernel: prepare/finalize (communication) + experts (GEMMs).
+
+    FusedMoEKernel(prepare_finalize, experts).apply(x, w13, w2, topk_weights, topk_ids)
+      1. prepare_finalize.prepare()  -> PrepareResult in the P/F's activation format
+      2. experts.apply()             GEMM1 -> SiLU-and-mul -> GEMM2
+      3. prepare_finalize.finalize() combine + top-k weight-and-reduce -> (M, H)
+
+Shapes use the same letters everywhere: M tokens on this rank, H hidden, I intermediate (per
+rank), E global experts, E_local experts on this rank, K = topk.
+Weights follow vLLM: w13 (E_local, 2I, H) = gate rows then up rows; w2 (E_local, H, I).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator
+
+import torch
+
+from moebench.errors import FormatMismatchError
+
+
+class ActivationFormat(enum.Enum):
+    """How activations reach the experts.
+
+    STANDARD: (M, H) tokens plus topk_ids / topk_weights (M, K).
+    BATCHED:  (E_local, max_tokens, H) plus expert_num_tokens (E_local,).
+    """
+
+    STANDARD = "Standard"
+    BATCHED = "BatchedExperts"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# ---------------------------------------------------------------------------------------------
+# Output allocation with optional poisoning: in check mode every buffer a backend allocates for
+# its output starts as NaN, so an element that a kernel forgets to write cannot pass the check.
+
+_POISON = False
+
+
+@contextlib.contextmanager
+def poisoned_outputs(enabled: bool = True) -> Iterator[None]:
+    """Within this context, `alloc_output` fills new buffers with NaN."""
+    global _POISON
+    old, _POISON = _POISON, enabled
+    try:
+        yield
+    finally:
+        _POISON = old
+
+
+def alloc_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Allocate an output buffer (uninitialised, or NaN inside `poisoned_outputs`)."""
+    if _POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# What prepare hands to the experts.
+
+
+@dataclass
+class PrepareResult:
+    """Activations in a P/F's format, plus what its finalize needs later.
+
+    a:                 STANDARD (M', H); BATCHED (E_local, max_tokens, H)
+    topk_ids:          STANDARD (M', K) global expert ids; None for BATCHED
+    topk_weights:      STANDARD (M', K) float32; None for BATCHED
+    expert_num_tokens: BATCHED (E_local,) int32 valid rows per expert; None for STANDARD
+    expert_map:        (E,) int32 global -> local expert id, -1 when remote; None = all local
+    num_experts:       E, the global number of experts
+    handle:            private state of the P/F for finalize (slot maps, split sizes, ...)
+    """
+
+    a: torch.Tensor
+    topk_ids: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    expert_num_tokens: torch.Tensor | None
+    expert_map: torch.Tensor | None
+    num_experts: int
+    handle: Any = field(default=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Who applies the top-k weights and sums over k: exactly one side, once.
+
+
+class TopKWeightAndReduce(ABC):
+    """Turns the experts' output into the (M, H) weighted sum over k."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def apply(self, out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor | None) -> torch.Tensor:
+        """out: the experts' output; topk_weights (M, K); slot_map as the format needs (or None)."""
+
+
+class TopKWeightAndReduceNoOp(TopKWeightAndReduce):
+    """The experts already weighted and summed: out is (M, H)."""
+
+    name = "noop"
+
+    def apply(self, out, topk_weights, slot_map):
+        return out
+
+
+class TopKWeightAndReduceContiguous(TopKWeightAndReduce):
+    """out is (M, K, H) unweighted: multiply by topk_weights and sum over K."""
+
+    name = "contiguous"
+
+    def apply(self, out, topk_weights, slot_map):
+        m, k, h = out.shape
+        w = topk_weights.to(torch.float32).unsqueeze(-1)
+        return (out.to(torch.float32) * w).sum(dim=1).to(out.dtype)
+
+
+class TopKWeightAndReduceBatched(TopKWeightAndReduce):
+    """out is (E_local, T, H) unweighted; slot_map (M, K) gives each (token, k) its flat row
+    index e * T + t in out, or -1 when that expert is not here (contributes zero)."""
+
+    name = "batched"
+
+    def apply(self, out, topk_weights, slot_map):
+        assert slot_map is not None
+        e, t, h = out.shape
+        flat = out.reshape(e * t, h)
+        m, k = slot_map.shape
+        valid = slot_map >= 0
+        rows = flat.index_select(0, slot_map.clamp(min=0).reshape(-1)).reshape(m, k, h).to(torch.float32)
+        w = (topk_weights.to(torch.float32) * valid).unsqueeze(-1)
+        return (rows * w).sum(dim=1).to(out.dtype)
+
+
+class TopKWeightAndReduceDelegate(TopKWeightAndReduce):
+    """The experts leave the choice to the prepare/finalize (its default reduce is used)."""
+
+    name = "delegate"
+
+    def apply(self, out, topk_weights, slot_map):
+        raise RuntimeError("TopKWeightAndReduceDelegate must be resolved by the prepare/finalize")
+
+
+# ---------------------------------------------------------------------------------------------
+# The two halves. Each backend declares its capabilities as class attributes; the registry
+# combines them (moebench.kernels.registry.check_combination) to say yes or no with a reason.
+
+
+class PrepareAndFinalize(ABC):
+    """Communication half: dispatch before the experts, combine after."""
+
+    name: ClassVar[str]
+    activation_format: ClassVar[ActivationFormat]
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    min_world_size: ClassVar[int] = 1
+    max_world_size: ClassVar[int | None] = None
+    needs_expert_parallel: ClassVar[bool] = False
+
+    @classmethod
+    def unavailable_reason(cls, device: str, world_size: int) -> str | None:
+        """None when usable here, else why not (package missing, too few GPUs...)."""
+        return None
+
+    @abstractmethod
+    def default_weight_and_reduce(self) -> TopKWeightAndReduce:
+        """What this P/F does when the experts delegate."""
+
+    @abstractmethod
+    def prepare(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_experts: int,
+        num_local_experts: int,
+        expert_map: torch.Tensor | None,
+    ) -> PrepareResult:
+        """x (M, H), topk_weights (M, K) float32, topk_ids (M, K) global ids; num_experts = E
+        (global), num_local_experts = E_local (w13.shape[0]); expert_map (E,) or None."""
+
+    @abstractmethod
+    def finalize(
+        self,
+        out: torch.Tensor,
+        prep: PrepareResult,
+        topk_weights: torch.Tensor,
+        weight_and_reduce: TopKWeightAndReduce,
+    ) -> torch.Tensor:
+        """out: the experts' output for `prep`. Returns (M, H) in x's dtype."""
+
+    def resolve(self, weight_and_reduce: TopKWeightAndReduce) -> TopKWeightAndReduce:
+        if isinstance(weight_and_reduce, TopKWeightAndReduceDelegate):
+            return self.default_weight_and_reduce()
+        return weight_and_reduce
+
+
+class Experts(ABC):
+    """GEMM half: GEMM1 over w13, SiLU(gate) * up, GEMM2 over w2."""
+
+    name: ClassVar[str]
+    activation_format: ClassVar[ActivationFormat]
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    #: False for correctness-only backends (the float64 reference): never timed as a contender.
+    timed: ClassVar[bool] = True
+
+    @classmethod
+    def unavailable_reason(cls, device: str) -> str | None:
+        """None when usable here, else why not."""
+        return None
+
+    @abstractmethod
+    def weight_and_reduce(self) -> TopKWeightAndReduce:
+        """Which top-k weight-and-reduce the output of `apply` still needs."""
+
+    @abstractmethod
+    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """w13 (E_local, 2I, H), w2 (E_local, H, I).
+
+        STANDARD: returns (M', H) when weight_and_reduce() is no-op, (M', K, H) for contiguous.
+        BATCHED:  returns (E_local, max_tokens, H), unweighted.
+        """
+
+
+class FusedMoEKernel:
+    """prepare -> experts -> finalize. Final: plug halves in, do not subclass."""
+
+    def __init__(self, prepare_finalize: PrepareAndFinalize, experts: Experts):
+        pf_fmt, ex_fmt = prepare_finalize.activation_format, experts.activation_format
+        if pf_fmt != ex_fmt:
+            raise FormatMismatchError(
+                f"prepare/finalize '{prepare_finalize.name}' produces {pf_fmt} activations but experts "
+                f"'{experts.name}' expect {ex_fmt}; pair '{prepare_finalize.name}' with a {pf_fmt} "
+                f"experts backend"
+            )
+        self.prepare_finalize = prepare_finalize
+        self.experts = experts
+
+    @property
+    def name(self) -> str:
+        return f"{self.prepare_finalize.name}+{self.experts.name}"
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None = None,
+        num_experts: int | None = None,
+    ) -> torch.Tensor:
+        """x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_* (M, K) -> (M, H).
+
+        expert_map (E,) maps global to local expert ids (-1 = remote); num_experts is the global E
+        (defaults to w13.shape[0] when there is no expert_map).
+        """
+        if num_experts is None:
+            num_experts = expert_map.shape[0] if expert_map is not None else w13.shape[0]
+        prep = self.prepare_finalize.prepare(x, topk_weights, topk_ids, num_experts, w13.shape[0], expert_map)
+        out = self.experts.apply(prep, w13, w2)
+        war = self.prepare_finalize.resolve(self.experts.weight_and_reduce())
+        return self.prepare_finalize.finalize(out, prep, topk_weights, war)

@@ -1,0 +1,63 @@
+"""Float64 reference: a plain loop over experts. Correctness only; never timed as a contender."""
+
+from __future__ import annotations
+
+import torch
+
+from moebench.kernels.modular import (
+    ActivationFormat,
+    Experts,
+    PrepareResult,
+    TopKWeightAndReduceNoOp,
+)
+from moebench.kernels.registry import register_experts
+from moebench.kernels.token_layout import local_topk_ids
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2I) = [gate | up] -> (..., I) = silu(gate) * up."""
+    i = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[..., :i]) * gate_up[..., i:]
+
+
+def reference_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y[t] = sum_k w[t,k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])), in float64.
+
+    x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_* (M, K) with global ids;
+    expert_map (E,) global -> local (-1: remote, contributes zero). Returns (M, H) float64 on x's device.
+    """
+    xd = x.double()
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    local = local_topk_ids(topk_ids, expert_map)
+    w = topk_weights.double()
+    for e in torch.unique(local).tolist():
+        if e < 0:
+            continue
+        tok, kk = torch.nonzero(local == e, as_tuple=True)
+        h = silu_and_mul(xd[tok] @ w13[e].double().t())
+        y = h @ w2[e].double().t()
+        out.index_add_(0, tok, y * w[tok, kk].unsqueeze(-1))
+    return out
+
+
+@register_experts
+class ReferenceExperts(Experts):
+    """float64 loop over experts (Standard); output (M, H) already weighted and summed."""
+
+    name = "reference"
+    activation_format = ActivationFormat.STANDARD
+    timed = False
+
+    def weight_and_reduce(self):
+        return TopKWeightAndReduceNoOp()
+
+    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        out = reference_moe(prep.a, w13, w2, prep.topk_weights, prep.topk_ids, prep.expert_map)
+        return out.to(prep.a.dtype)
