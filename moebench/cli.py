@@ -1,0 +1,250 @@
+"""Command line: parses, calls the Python API, prints. No logic a script could not reach."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from moebench.errors import MoebenchError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+# -- shared option parsing ---------------------------------------------------------------------
+
+def parse_tokens(value: str) -> list[int]:
+    """'1,16,64' -> [1, 16, 64]; each a non-negative integer."""
+    out = []
+    for part in str(value).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            n = int(part)
+        except ValueError:
+            raise MoebenchError(f"--tokens: '{part}' is not an integer; give a comma list like 1,16,64") from None
+        if n < 0:
+            raise MoebenchError(f"--tokens: {n} is negative; token counts are >= 0")
+        out.append(n)
+    if not out:
+        raise MoebenchError("--tokens is empty; give a comma list like 1,16,64")
+    return out
+
+
+def resolve_device(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MoebenchError("--device cuda asked for, but no CUDA GPU is visible here; use --device cpu")
+    return device
+
+
+def resolve_shape(model, num_experts, topk, hidden, intermediate):
+    from moebench.models import custom_shape, get_model
+
+    sizes = (num_experts, topk, hidden, intermediate)
+    if model is not None:
+        if any(v is not None for v in sizes):
+            raise MoebenchError("give either --model or the four size flags (--num-experts --topk --hidden --intermediate), not both")
+        return get_model(model)
+    if all(v is None for v in sizes):
+        return get_model("qwen3-30b-a3b")
+    if any(v is None for v in sizes):
+        missing = [f for f, v in zip(("--num-experts", "--topk", "--hidden", "--intermediate"), sizes) if v is None]
+        raise MoebenchError(f"a custom shape needs all four size flags; missing {' '.join(missing)}")
+    return custom_shape(num_experts, topk, hidden, intermediate)
+
+
+def shape_options(f):
+    """Options every command that runs kernels takes (design.md)."""
+    opts = [
+        click.option("--model", default=None, help="Preset name (see `moebench models`) or a local HuggingFace config.json."),
+        click.option("--num-experts", "num_experts", type=int, default=None, help="E, for a custom shape."),
+        click.option("--topk", type=int, default=None, help="Experts per token, for a custom shape."),
+        click.option("--hidden", type=int, default=None, help="H, for a custom shape."),
+        click.option("--intermediate", type=int, default=None, help="MoE intermediate size I, for a custom shape."),
+        click.option("--tokens", default=None, help="Comma list of token counts per rank [cpu: 1,16,64; cuda: 1..4096]."),
+        click.option("--tp", type=int, default=None, help="Tensor-parallel size."),
+        click.option("--dp", type=int, default=None, help="Data-parallel size."),
+        click.option("--ep", type=int, default=None, help="Expert parallelism over N ranks (N = dp * tp)."),
+        click.option("--world-size", "world_size", type=int, default=None, help="Ranks to run (spawned processes)."),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present."),
+        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="Default: bf16 on cuda, fp32 on cpu."),
+        click.option("--routing", default="uniform", show_default=True, help="uniform | zipf:S | hot:F | file:PATH"),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True, help="Results folder."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="moebench")
+def cli():
+    """moebench: benchmark and tune Mixture-of-Experts kernels (TP vs EP, backends, Triton configs)."""
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--calibrate", is_flag=True, help="Measure memory and matmul ceilings on this device and cache them.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None)
+def env(as_json: bool, calibrate: bool, device: str | None):
+    """What this machine has: device, versions, ceilings, and which backends can run (and why not)."""
+    from moebench.bench.hardware import calibrate as do_calibrate, device_summary, get_ceilings
+    from moebench.kernels.registry import backend_infos
+
+    device = resolve_device(device)
+    world = torch.cuda.device_count() if device == "cuda" else 1
+    ceilings = do_calibrate(device) if calibrate else get_ceilings(device)
+    info = {
+        "device": device_summary(device),
+        "ceilings": ceilings.as_dict() if ceilings is not None else None,
+        "backends": [b.as_dict() for b in backend_infos(device, max(world, 1))],
+    }
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    t = Table(title="device", show_header=False)
+    for k, v in info["device"].items():
+        t.add_row(k, str(v))
+    if ceilings is not None:
+        for k, v in info["ceilings"].items():
+            t.add_row(f"ceiling {k}", str(v))
+    else:
+        t.add_row("ceilings", "none known; run `moebench env --calibrate`")
+    console.print(t)
+    bt = Table(title="backends")
+    for c in ("kind", "name", "format", "dtypes", "devices", "usable", "reason"):
+        bt.add_column(c)
+    for b in info["backends"]:
+        bt.add_row(b["kind"], b["name"], b["activation_format"], b["dtypes"], b["devices"],
+                   "[green]yes[/]" if b["usable"] else "[red]no[/]", b["reason"])
+    console.print(bt)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+def models(as_json: bool):
+    """MoE shape presets (E, topk, hidden, moe intermediate)."""
+    from moebench.models import list_models
+
+    ms = list_models()
+    if as_json:
+        click.echo(json.dumps([m.__dict__ for m in ms], indent=2, default=str))
+        return
+    t = Table(title="MoE presets (pass --model NAME, or --model path/to/config.json)")
+    for c in ("name", "experts", "topk", "hidden", "intermediate"):
+        t.add_column(c, justify="left" if c == "name" else "right")
+    for m in ms:
+        t.add_row(m.name, str(m.num_experts), str(m.topk), str(m.hidden), str(m.intermediate))
+    console.print(t)
+
+
+@cli.command()
+@shape_options
+@click.option("--experts", "experts", default="all", show_default=True, help="Comma list of experts backends, or all.")
+@click.option("--prepare-finalize", "prepare_finalize", default="all", show_default=True, help="Comma list, or all.")
+@click.option("--simulate", is_flag=True, help="Compute one rank's share on one device; model communication.")
+@click.option("--format", "formats", default="csv,json,md", show_default=True, help="Exports: csv,json,md,parquet,html.")
+@click.option("--no-check", is_flag=True, help="Skip the float64 reference check.")
+@click.option("--resume", "resume", type=click.Path(path_type=Path), default=None, help="Continue a run folder.")
+@click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
+def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, routing,
+          seed, out, experts, prepare_finalize, simulate, formats, no_check, resume, reps):
+    """Run every valid prepare/finalize x experts pair; check, time, and write results."""
+    from moebench.inputs import parse_dtype
+    from moebench.kernels.registry import prepare_finalize_names
+    from moebench.layout import ParallelLayout
+    from moebench.report import EXPORT_FORMATS, print_rows
+    from moebench.results import RunStore, ensure_writable_dir, new_run_id
+    from moebench.routing import parse_routing
+    from moebench.sweep import SweepSpec, default_experts, resolve_names, run_sweep
+
+    device = resolve_device(device)
+    shape = resolve_shape(model, num_experts, topk, hidden, intermediate)
+    tok = parse_tokens(tokens) if tokens is not None else ([1, 16, 64] if device == "cpu" else [1, 16, 64, 256, 1024, 4096])
+    layout = ParallelLayout.from_args(tp, dp, ep, world_size)
+    layout.validate_shape(shape.num_experts, shape.intermediate)
+    parse_routing(routing)
+    fmts = [f.strip() for f in formats.split(",") if f.strip()]
+    bad = [f for f in fmts if f not in EXPORT_FORMATS]
+    if bad:
+        raise MoebenchError(f"--format: unknown {', '.join(bad)}; valid: {', '.join(EXPORT_FORMATS)}")
+    dt = parse_dtype(dtype or ("bf16" if device == "cuda" else "fp32"))
+    if reps is not None and reps < 1:
+        raise MoebenchError("--reps must be >= 1")
+    spec = SweepSpec(
+        shape=shape, tokens=tok, layout=layout,
+        experts=resolve_names(experts, default_experts() + ["reference"], "experts", default_experts()),
+        prepare_finalize=resolve_names(prepare_finalize, prepare_finalize_names(), "prepare_finalize", prepare_finalize_names()),
+        dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps,
+    )
+    if layout.world_size > 1 or simulate:
+        raise MoebenchError(
+            f"{layout.describe()} needs the multi-rank runtime, which is not in this version yet; "
+            "run a single rank (drop --tp/--ep/--dp/--world-size/--simulate)"
+        )
+    folder = resume if resume is not None else ensure_writable_dir(out) / new_run_id("sweep", shape.name)
+    meta = {"command": "sweep", "argv": sys.argv[1:], "shape": shape.__dict__, "layout": layout.__dict__,
+            "tokens": tok, "dtype": str(dt), "device": device, "routing": routing, "seed": seed}
+    from moebench.bench.hardware import device_summary
+    meta["device_summary"] = device_summary(device)
+    store = RunStore(folder, metadata=meta)
+    n_total = len(spec.tokens) * len(spec.prepare_finalize) * len(spec.experts)
+    console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, H={shape.hidden}, "
+                  f"I={shape.intermediate}) {layout.describe()} on {device}, {dtype or ('bf16' if device == 'cuda' else 'fp32')}, "
+                  f"routing {routing} -> {folder}")
+    rows = []
+    try:
+        with _progress() as prog:
+            task = prog.add_task("sweep", total=n_total)
+
+            def tick(row):
+                prog.update(task, advance=1, description=f"M={row.tokens} {row.prepare_finalize}+{row.experts}")
+
+            rows = run_sweep(spec, store, on_progress=tick)
+    except KeyboardInterrupt:
+        store.finish(fmts)
+        err_console.print(f"interrupted: {len(store.rows)} finished rows kept in {folder} (continue with --resume {folder})")
+        sys.exit(130)
+    written = store.finish(fmts)
+    print_rows(store.rows if resume else rows, console)
+    console.print(f"wrote {', '.join(str(p) for p in written)}")
+
+
+def main() -> None:
+    """Entry point: bad input -> one line on stderr, exit status 2, no traceback."""
+    try:
+        cli.main(standalone_mode=False)
+    except MoebenchError as e:
+        err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        err_console.print("aborted")
+        sys.exit(130)
+    except click.ClickException as e:
+        err_console.print(f"error: {e.format_message()}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Inputs for checks and timing: random normal, weights scaled by 1/sqrt(fan-in), never zeros."""
+
+from __future__ import annotations
+
+import torch
+
+from moebench.errors import MoebenchError
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise MoebenchError(f"unknown dtype '{name}'; use one of {', '.join(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def make_weights(
+    experts: range | list[int],
+    hidden: int,
+    intermediate: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights of the given global experts, w13 (E_local, 2I', H) and w2 (E_local, H, I'), with
+    I' = intermediate / tp_size (this TP rank's column / row shard), N(0, 1/fan_in).
+
+    Every expert is drawn from its own seed, so any rank, shard or subset sees the same values as a
+    full single-rank run: a shard of the full weights equals the weights of the shard.
+    """
+    experts = list(experts)
+    ip = intermediate // tp_size
+    lo, hi = tp_rank * ip, (tp_rank + 1) * ip
+    w13 = torch.empty((len(experts), 2 * ip, hidden), dtype=dtype, device=device)
+    w2 = torch.empty((len(experts), hidden, ip), dtype=dtype, device=device)
+    for i, e in enumerate(experts):
+        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + e)
+        full13 = torch.randn((2 * intermediate, hidden), generator=g, device=device).mul_(hidden ** -0.5)
+        full2 = torch.randn((hidden, intermediate), generator=g, device=device).mul_(intermediate ** -0.5)
+        w13[i, :ip] = full13[lo:hi]
+        w13[i, ip:] = full13[intermediate + lo : intermediate + hi]
+        w2[i] = full2[:, lo:hi]
+    return w13, w2
+
+
+def make_tokens(tokens: int, hidden: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+    """x (M, H) ~ N(0, 1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn((tokens, hidden), generator=g, device=device, dtype=torch.float32).to(dtype)
+
+
+def available_memory(device: str) -> int:
+    """Bytes free for new tensors on `device` (GPU: free memory; CPU: MemAvailable)."""
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def check_fits(
+    e_local: int, hidden: int, inter_local: int, max_tokens: int, topk: int, dtype: torch.dtype, device: str
+) -> int:
+    """Estimate the bytes a case needs before allocating; raise a MoebenchError that says how much
+    is needed and what to do when it would not fit. Returns the estimate."""
+    el = torch.tensor([], dtype=dtype).element_size()
+    weights = e_local * 3 * hidden * inter_local * el
+    staging = 3 * hidden * inter_local * (4 + 8)  # one expert in fp32 (generation) and fp64 (reference)
+    act = max_tokens * topk * (hidden + 2 * inter_local) * 8 * 3 + max_tokens * hidden * 8 * 4
+    need = weights + staging + act
+    have = available_memory(device)
+    if need > 0.9 * have:
+        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+        raise MoebenchError(
+            f"this shape needs about {gib(need)} on {device} (weights {gib(weights)}) but {gib(have)} is free; "
+            f"shard it with --tp/--ep, use --simulate, or use fewer --tokens"
+        )
+    return need

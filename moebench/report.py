@@ -1,0 +1,97 @@
+"""Tables (rich) and exports (CSV / JSON / Markdown / Parquet / HTML) of result rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from moebench.results import CORE_COLUMNS, ResultRow, rows_to_frame
+
+EXPORT_FORMATS = ("csv", "json", "md", "parquet", "html")
+
+
+def _markdown(df: pd.DataFrame) -> str:
+    """GitHub-flavoured Markdown table, without needing the `tabulate` package."""
+    cols = list(df.columns)
+    fmt = lambda v: "" if v is None or (isinstance(v, float) and pd.isna(v)) else (  # noqa: E731
+        f"{v:.4g}" if isinstance(v, float) else str(v).replace("|", "\\|"))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(v) for v in rec) + " |" for rec in df.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def export_frame(df: pd.DataFrame, path: str | Path, fmt: str) -> None:
+    """Write `df` to `path` in `fmt` (one of EXPORT_FORMATS)."""
+    if fmt == "csv":
+        df.to_csv(path, index=False)
+    elif fmt == "json":
+        Path(path).write_text(json.dumps(df.to_dict("records"), indent=1, default=str))
+    elif fmt == "md":
+        Path(path).write_text(_markdown(df))
+    elif fmt == "parquet":
+        df.to_parquet(path, index=False)
+    elif fmt == "html":
+        Path(path).write_text(df.to_html(index=False, na_rep=""))
+    else:
+        raise ValueError(f"unknown export format {fmt}")
+
+
+def _fmt(v, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and pd.isna(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if abs(v) >= 0.01 or v == 0 else f"{v:.2e}"
+    return str(v)
+
+
+def sweep_table(rows: Iterable[ResultRow], title: str = "moebench sweep") -> Table:
+    """One row per (tokens, pair): latency, spread, metrics, correctness; fastest correct marked."""
+    rows = list(rows)
+    best: dict[int, float] = {}
+    for r in rows:
+        if r.status == "ok" and r.correct and r.latency_us is not None:
+            best[r.tokens] = min(best.get(r.tokens, float("inf")), r.latency_us)
+    t = Table(title=title, header_style="bold")
+    for col in ("tokens", "prepare/finalize", "experts", "format", "latency us", "p10-p90", "TFLOP/s",
+                "GB/s", "roofline", "rel err", "correct", "status / reason"):
+        t.add_column(col, justify="right" if col not in ("prepare/finalize", "experts", "format", "status / reason") else "left")
+    for r in rows:
+        fastest = r.latency_us is not None and r.correct and best.get(r.tokens) == r.latency_us
+        lat = _fmt(r.latency_us) + (" *" if fastest else "")
+        spread = f"{_fmt(r.p10_us)}-{_fmt(r.p90_us)}" if r.p10_us is not None else "-"
+        status = r.status if not r.reason else f"{r.status}: {r.reason}"
+        if r.modeled:
+            status = "modeled; " + status
+        ok = {True: "[green]yes[/]", False: "[red]NO[/]", None: "-"}[r.correct]
+        t.add_row(
+            str(r.tokens), r.prepare_finalize, r.experts, r.activation_format, lat, spread, _fmt(r.tflops, 2),
+            _fmt(r.gbps), _fmt(r.roofline_frac, 2), _fmt(r.max_rel_err, 6), ok, status,
+        )
+    return t
+
+
+def print_rows(rows: Iterable[ResultRow], console: Console | None = None, title: str = "moebench sweep") -> None:
+    rows = list(rows)
+    console = console or Console()
+    console.print(sweep_table(rows, title))
+    notes = []
+    if any(r.device == "cpu" and r.latency_us is not None for r in rows):
+        notes.append("CPU times are wall clock: they test correctness and plumbing, not kernel speed.")
+    if any(r.modeled for r in rows):
+        notes.append("modeled rows: communication time comes from the cost model, not a measurement.")
+    if any(r.latency_us is not None for r in rows):
+        notes.append("* = fastest correct entry for its token count.")
+    for n in notes:
+        console.print(f"[dim]{n}[/]")
+
+
+def frame(rows: Iterable[ResultRow]) -> pd.DataFrame:
+    """The rows as a DataFrame with the design.md columns first."""
+    df = rows_to_frame(rows)
+    first = [c for c in CORE_COLUMNS if c in df.columns]
+    return df[first + [c for c in df.columns if c not in first]]

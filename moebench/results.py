@@ -1,0 +1,254 @@
+"""One result-row type that every export, table and plot reads, and the run folder that holds them.
+
+Rows are appended to `rows.jsonl` as they are measured (flushed and fsynced), so an interrupted
+run loses no finished row; `finish()` writes CSV / JSON / Markdown / Parquet through atomic renames.
+A run folder can be reopened to resume: rows already there are skipped by key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+from moebench.errors import MoebenchError
+
+# The columns of design.md, in order; these names stay. Extra columns follow.
+CORE_COLUMNS = [
+    "model", "num_experts", "topk", "hidden", "intermediate", "tokens", "tp", "dp", "ep", "world_size",
+    "prepare_finalize", "experts", "activation_format", "dtype", "device", "routing", "modeled",
+    "latency_us", "p10_us", "p90_us", "tflops", "gbps", "roofline_frac", "max_rel_err", "correct",
+    "status", "reason",
+]
+
+
+@dataclass
+class ResultRow:
+    model: str
+    num_experts: int
+    topk: int
+    hidden: int
+    intermediate: int
+    tokens: int
+    tp: int
+    dp: int
+    ep: int
+    world_size: int
+    prepare_finalize: str
+    experts: str
+    activation_format: str
+    dtype: str
+    device: str
+    routing: str
+    modeled: bool = False
+    latency_us: float | None = None
+    p10_us: float | None = None
+    p90_us: float | None = None
+    tflops: float | None = None
+    gbps: float | None = None
+    roofline_frac: float | None = None
+    max_rel_err: float | None = None
+    correct: bool | None = None
+    status: str = "ok"  # ok | skipped | failed
+    reason: str = ""
+    # extras
+    timing_method: str = ""
+    floor_us: float | None = None
+    ceilings_source: str = ""
+    imbalance: float | None = None
+    dispatch_us: float | None = None
+    experts_us: float | None = None
+    combine_us: float | None = None
+    allreduce_us: float | None = None
+    rank_tokens: str = ""
+    rank_imbalance: float | None = None
+    config_source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def key(self) -> tuple:
+        """Identity of a measurement, used to skip work on resume."""
+        return (self.model, self.num_experts, self.topk, self.hidden, self.intermediate, self.tokens,
+                self.tp, self.dp, self.ep, self.prepare_finalize, self.experts, self.dtype, self.device,
+                self.routing, self.modeled)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        extra = d.pop("extra")
+        d.update({f"x_{k}": v for k, v in extra.items()})
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ResultRow":
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = {k[2:]: v for k, v in d.items() if k.startswith("x_")}
+        kw = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items() if k in names}
+        kw["extra"] = extra
+        return cls(**kw)
+
+
+def rows_to_frame(rows: Iterable[ResultRow]) -> pd.DataFrame:
+    df = pd.DataFrame([r.as_dict() for r in rows])
+    if df.empty:
+        return pd.DataFrame(columns=CORE_COLUMNS)
+    return df
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write through a temporary file in the same folder and rename it into place."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _atomic_write_with(path: Path, writer) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        writer(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def git_revision() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+        if rev.returncode == 0:
+            return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def ensure_writable_dir(path: Path) -> Path:
+    """Create `path` (and parents) and check that a file can be written there."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".moebench-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise MoebenchError(
+            f"cannot write to output folder '{path}' ({e.strerror or e}); pass --out with a writable folder"
+        ) from None
+    return path
+
+
+def new_run_id(command: str, label: str) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+    return f"{stamp}-{command}-{safe}"
+
+
+class RunStore:
+    """A run folder: metadata.json, rows.jsonl (incremental), and exports written on finish."""
+
+    def __init__(self, folder: Path, metadata: dict[str, Any] | None = None, write: bool = True):
+        self.folder = Path(folder)
+        self.write = write
+        self.rows: list[ResultRow] = []
+        self._keys: set[tuple] = set()
+        if not write:
+            return
+        ensure_writable_dir(self.folder)
+        jl = self.folder / "rows.jsonl"
+        if jl.exists():  # resume: keep what is there
+            for line in jl.read_text().splitlines():
+                if line.strip():
+                    try:
+                        row = ResultRow.from_dict(json.loads(line))
+                    except (json.JSONDecodeError, TypeError):
+                        continue  # a line cut short by a crash
+                    self.rows.append(row)
+                    self._keys.add(row.key())
+        if metadata is not None:
+            meta = dict(metadata)
+            meta.setdefault("git_revision", git_revision())
+            meta.setdefault("python", platform.python_version())
+            meta.setdefault("host", platform.node())
+            meta.setdefault("started", _dt.datetime.now().isoformat(timespec="seconds"))
+            atomic_write_text(self.folder / "metadata.json", json.dumps(meta, indent=2, default=str))
+
+    def has(self, row_key: tuple) -> bool:
+        return row_key in self._keys
+
+    def add(self, row: ResultRow) -> None:
+        self.rows.append(row)
+        self._keys.add(row.key())
+        if not self.write:
+            return
+        with open(self.folder / "rows.jsonl", "a") as f:
+            f.write(json.dumps(row.as_dict(), default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def finish(self, formats: Iterable[str] = ("csv", "json", "md")) -> list[Path]:
+        """Write the exports; returns the paths written."""
+        if not self.write:
+            return []
+        from moebench.report import export_frame, frame  # report formats; here we only place files
+
+        df = frame(self.rows)
+        written = []
+        for fmt in formats:
+            path = self.folder / f"results.{fmt}"
+            if fmt == "parquet":
+                try:
+                    import pyarrow  # noqa: F401
+                except ImportError:
+                    continue
+            _atomic_write_with(path, lambda tmp, fmt=fmt: export_frame(df, tmp, fmt))
+            written.append(path)
+        return written
+
+
+def load_rows(paths: Iterable[Path]) -> list[ResultRow]:
+    """Rows from run folders (rows.jsonl, else results.json) or single result files."""
+    rows: list[ResultRow] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            cand = [p / "rows.jsonl", p / "results.json"]
+            p = next((c for c in cand if c.exists()), None)
+            if p is None:
+                raise MoebenchError(f"no rows.jsonl or results.json in '{cand[0].parent}'; pass a moebench results folder")
+        if not p.exists():
+            raise MoebenchError(f"results path '{p}' does not exist")
+        try:
+            if p.suffix == ".jsonl":
+                recs = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+            elif p.suffix == ".json":
+                recs = json.loads(p.read_text())
+            elif p.suffix == ".csv":
+                recs = pd.read_csv(p).to_dict("records")
+            else:
+                raise MoebenchError(f"cannot read results from '{p}': expected a folder, .jsonl, .json or .csv")
+            rows.extend(ResultRow.from_dict(r) for r in recs)
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
+            raise MoebenchError(f"'{p}' is not a moebench results file ({e})") from None
+    return rows

@@ -1,0 +1,345 @@
+"""Process groups for multi-rank runs: spawn N local processes, or join a torchrun job.
+
+    results = spawn(fn, world_size=4, device="cpu")   # fn(ctx, *args) on every rank
+    ctx = join_torchrun()                             # under torchrun: RANK / WORLD_SIZE set
+
+Backends: gloo on CPU, NCCL on CUDA (one GPU per rank, rank i on cuda:i). Every process group is
+created with a timeout, so a collective whose peer died raises instead of hanging. `spawn` also
+watches its children: a rank that raises sends its error and traceback back and the parent raises
+`RankFailedError` naming the rank; a rank that dies without reporting (killed, os._exit) is noticed
+from its exit code; in both cases the other ranks are terminated at once.
+
+Only rank 0 prints and writes files: guard output with `is_main(ctx)`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moebench.errors import MoebenchError
+
+#: Environment every spawned rank gets (required on the shared GPU hosts: no NVLink multicast).
+CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class RankFailedError(MoebenchError):
+    """A rank of a multi-rank run raised, died, or did not finish in time.
+
+    rank: the failing rank (None when the whole run timed out); traceback: the rank's traceback
+    text when it reported one.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, traceback_text: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback_text
+
+
+@dataclass
+class RankContext:
+    """Where this process sits in a multi-rank run.
+
+    group: the process group of the run (None = the default group, or no group at all when
+    world_size == 1 and torch.distributed is not initialised). backend: "gloo", "nccl" or "none".
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    group: Any = None
+    backend: str = "none"
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend != "none" and dist.is_available() and dist.is_initialized()
+
+
+def is_main(ctx: RankContext | None) -> bool:
+    """True on the rank that prints and writes files (rank 0, or a run without ranks)."""
+    return ctx is None or ctx.rank == 0
+
+
+def single_context(device: str | torch.device = "cpu") -> RankContext:
+    """The context of a plain one-process run (no process group)."""
+    return RankContext(rank=0, world_size=1, local_rank=0, device=torch.device(device), group=None, backend="none")
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers the dispatch backends share: rank/world of a group that may be absent, and the
+# single-tensor collectives under their current names (torch >= 2.13 renamed them).
+
+
+def group_rank_world(group: Any = None) -> tuple[int, int]:
+    """(rank, world) in `group` (None = default group); (0, 1) when torch.distributed is not up."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_gather_single(output: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
+    """output (world * n, ...) <- every rank's inp (n, ...), in rank order."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, inp, group=group)
+
+
+def reduce_scatter_single(output: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
+    """output (n, ...) <- sum over ranks of chunk `rank` of inp (world * n, ...)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+def barrier(ctx: RankContext | None) -> None:
+    """Barrier over the run's group (no-op without one); waits for the device too."""
+    if ctx is not None and ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    if ctx is not None and ctx.distributed and ctx.world_size > 1:
+        if ctx.backend == "nccl":
+            dist.barrier(group=ctx.group, device_ids=[ctx.device.index or 0])
+        else:
+            dist.barrier(group=ctx.group)
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun
+
+
+def join_torchrun(timeout_s: float = DEFAULT_TIMEOUT_S) -> RankContext | None:
+    """Join the process group of a torchrun job; None when RANK / WORLD_SIZE are not set.
+
+    NCCL when CUDA is available (device cuda:LOCAL_RANK), gloo otherwise. Reuses the default
+    group when one is already initialised.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        for k, v in CHILD_ENV.items():
+            os.environ.setdefault(k, v)
+        kw: dict[str, Any] = {}
+        if use_cuda:
+            kw["device_id"] = device
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kw
+        )
+    else:
+        backend = dist.get_backend()
+    return RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device, group=None, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# spawn
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj: Any) -> bytes:
+    # torch.save into bytes: tensors travel by value, so a result survives its sender's exit
+    # (torch's shared-memory tensor passing needs the sender alive while the parent unpickles).
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _error_line(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {msg}{where}" if msg else f"{type(exc).__name__}{where}"
+
+
+def _rank_main(
+    rank: int, world_size: int, device: str, port: int, timeout_s: float,
+    fn: Callable[..., Any], args: tuple, results: Any,
+) -> None:
+    """Body of one spawned rank: init the group, run fn(ctx, *args), report to the parent."""
+    for k, v in CHILD_ENV.items():
+        os.environ[k] = v
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        if device == "cuda":
+            dev = torch.device("cuda", rank)
+            torch.cuda.set_device(dev)
+            backend = "nccl"
+        else:
+            dev = torch.device("cpu")
+            backend = "gloo"
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        kw: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s), **kw,
+        )
+        ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, device=dev, group=None, backend=backend)
+        value = fn(ctx, *args)
+        results.put(("ok", rank, _dumps(value)))
+    except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the parent
+        results.put(("err", rank, _error_line(e), traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly; exit anyway
+            pass
+
+
+_COMM_WORDS = ("connection", "closed", "gloo", "nccl", "timed out", "timeout", "peer", "socket", "broken pipe")
+
+
+def _root_cause(failures: dict[int, RankFailedError]) -> RankFailedError:
+    """Of several failed ranks, the one most likely to be the cause: a rank whose error is not a
+    lost connection, else a rank that died without reporting, else the lowest rank."""
+    def lost_peer(e: RankFailedError) -> bool:
+        return bool(e.traceback) and any(w in str(e).lower() for w in _COMM_WORDS)
+
+    ranked = sorted(failures.items(), key=lambda kv: (lost_peer(kv[1]), bool(kv[1].traceback), kv[0]))
+    rank, err = ranked[0]
+    others = sorted(r for r in failures if r != rank)
+    if others:
+        err.args = (f"{err.args[0]} (ranks {others} failed after it)",)
+    return err
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=2.0)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    device: str,
+    *args: Any,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    total_timeout_s: float | None = None,
+) -> list[Any]:
+    """Run fn(ctx, *args) on `world_size` new processes; return their values, rank 0's first.
+
+    fn must be importable by name (a module-level function) and its arguments and return value
+    picklable; tensors come back by value on the CPU device they were on (move CUDA tensors to
+    the CPU before returning them). device "cpu" uses gloo; "cuda" uses NCCL with rank i on
+    cuda:i and needs world_size visible GPUs.
+
+    timeout_s: the process groups' collective timeout (a collective waiting on a dead peer
+    raises after this long). total_timeout_s: a wall-clock limit for the whole run (None = none).
+    Raises RankFailedError when a rank raises (its error line and traceback), dies without
+    reporting (its exit code) or the run exceeds total_timeout_s; the other ranks are terminated.
+    """
+    if world_size < 1:
+        raise MoebenchError(f"world size must be >= 1, got {world_size}")
+    if device not in ("cpu", "cuda"):
+        raise MoebenchError(f"spawn runs on 'cpu' or 'cuda', not {device!r}")
+    if device == "cuda":
+        have = torch.cuda.device_count()
+        if have < world_size:
+            raise MoebenchError(
+                f"--world-size {world_size} needs {world_size} GPUs but {have} are visible; "
+                f"use --simulate to model the other ranks"
+            )
+    mpctx = mp.get_context("spawn")
+    results = mpctx.Queue()
+    port = free_port()
+    procs = []
+    # Children inherit the environment at start: set the NCCL knobs for them (restored after).
+    saved = {k: os.environ.get(k) for k in CHILD_ENV}
+    os.environ.update(CHILD_ENV)
+    try:
+        for rank in range(world_size):
+            p = mpctx.Process(
+                target=_rank_main, args=(rank, world_size, device, port, timeout_s, fn, args, results),
+                name=f"moebench-rank{rank}", daemon=True,
+            )
+            p.start()
+            procs.append(p)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    values: dict[int, Any] = {}
+    failures: dict[int, RankFailedError] = {}
+    first_failure_at: float | None = None
+    deadline = None if total_timeout_s is None else time.monotonic() + total_timeout_s
+    exited_at: dict[int, float] = {}
+    try:
+        while len(values) < world_size:
+            try:
+                msg = results.get(timeout=0.1)
+            except queue_mod.Empty:
+                msg = None
+            now = time.monotonic()
+            if msg is not None:
+                if msg[0] == "ok":
+                    values[msg[1]] = _loads(msg[2])
+                else:
+                    _, rank, line, tb = msg
+                    failures.setdefault(rank, RankFailedError(f"rank {rank} of {world_size} failed: {line}", rank, tb))
+            for rank, p in enumerate(procs):
+                if rank in values or rank in failures or p.exitcode is None:
+                    continue
+                # Exited without a message yet: give the queue a moment (its last message may
+                # still be in flight), then call it dead.
+                first = exited_at.setdefault(rank, now)
+                if now - first > 2.0:
+                    code = p.exitcode
+                    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    failures[rank] = RankFailedError(
+                        f"rank {rank} of {world_size} {how} without reporting a result", rank
+                    )
+            if failures:
+                # A rank's failure makes its peers fail too (lost connection): wait a moment for
+                # the root cause to arrive, then report it.
+                first_failure_at = first_failure_at or now
+                if now - first_failure_at > 1.0 or len(values) + len(failures) == world_size:
+                    raise _root_cause(failures)
+            if deadline is not None and now > deadline:
+                missing = [r for r in range(world_size) if r not in values]
+                raise RankFailedError(
+                    f"multi-rank run did not finish within {total_timeout_s:.0f} s (ranks {missing} still running)"
+                )
+    finally:
+        _stop(procs)
+        results.close()
+        results.join_thread()
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,178 @@
+"""Enumerate prepare/finalize x experts combinations for a shape and layout, check each against
+the float64 reference, time it, and collect one ResultRow per (tokens, combination)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from moebench.bench import metrics
+from moebench.bench.hardware import get_ceilings
+from moebench.bench.timing import time_fn
+from moebench.correctness import is_correct, relative_error
+from moebench.errors import MoebenchError
+from moebench.inputs import check_fits, dtype_name, make_tokens, make_weights
+from moebench.kernels.modular import poisoned_outputs
+from moebench.kernels.reference import reference_moe
+from moebench.kernels.registry import (
+    check_combination,
+    experts_names,
+    get_experts_class,
+    get_prepare_finalize_class,
+    make_kernel,
+    prepare_finalize_names,
+)
+from moebench.layout import ParallelLayout
+from moebench.models import MoEShape
+from moebench.results import ResultRow, RunStore
+from moebench.routing import load_imbalance, make_routing
+
+@dataclass
+class SweepSpec:
+    shape: MoEShape
+    tokens: list[int]
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    experts: list[str] = field(default_factory=lambda: default_experts())
+    prepare_finalize: list[str] = field(default_factory=lambda: prepare_finalize_names())
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+    routing: str = "uniform"
+    seed: int = 0
+    check: bool = True
+    warmup: int | None = None
+    reps: int | None = None
+
+    def timing_kwargs(self) -> dict:
+        if self.device == "cuda":
+            return {"warmup": self.warmup or 3, "reps": self.reps or 50}
+        return {"warmup": self.warmup if self.warmup is not None else 1, "reps": self.reps or 3}
+
+
+def default_experts() -> list[str]:
+    """Every experts backend that competes (the float64 reference only checks)."""
+    return [n for n in experts_names() if n != "reference"]
+
+
+def resolve_names(value: str, valid: list[str], kind: str, default: list[str]) -> list[str]:
+    """'all' or a comma list -> names, each checked against the registry."""
+    if value in ("all", "", None):
+        return list(default)
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    getter = get_experts_class if kind == "experts" else get_prepare_finalize_class
+    for n in names:
+        if n not in valid:
+            getter(n)  # raises the "unknown ..., valid: ..." error with a suggestion
+    return names
+
+
+def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
+    """(prepare_finalize, experts, skip reason or None) for every pair, in a stable order."""
+    out = []
+    for pf in spec.prepare_finalize:
+        for ex in spec.experts:
+            reason = check_combination(
+                pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep
+            )
+            out.append((pf, ex, reason))
+    return out
+
+
+def _base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
+    s, lay = spec.shape, spec.layout
+    try:
+        fmt = str(get_experts_class(ex).activation_format)
+    except MoebenchError:
+        fmt = "?"
+    return ResultRow(
+        model=s.name, num_experts=s.num_experts, topk=s.topk, hidden=s.hidden, intermediate=s.intermediate,
+        tokens=tokens, tp=lay.tp, dp=lay.dp, ep=lay.ep_size, world_size=lay.world_size,
+        prepare_finalize=pf, experts=ex, activation_format=fmt, dtype=dtype_name(spec.dtype),
+        device=spec.device, routing=spec.routing,
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def run_sweep(
+    spec: SweepSpec,
+    store: RunStore,
+    on_progress: Callable[[ResultRow], None] | None = None,
+) -> list[ResultRow]:
+    """Single-process sweep. Rows go to `store` as they are measured; rows already in the store
+    (a resumed run) are skipped. Returns the rows of this sweep, in plan order."""
+    if spec.layout.world_size > 1:
+        raise MoebenchError("multi-rank layouts go through moebench.runtime (use the CLI's --world-size/--simulate)")
+    s = spec.shape
+    pairs = plan(spec)
+    runnable = [p for p in pairs if p[2] is None]
+    rows: list[ResultRow] = []
+    ceilings = get_ceilings(spec.device)
+    w13 = w2 = None
+    if runnable:
+        check_fits(s.num_experts, s.hidden, s.intermediate, max(spec.tokens, default=0), s.topk, spec.dtype, spec.device)
+        w13, w2 = make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed)
+    for m in spec.tokens:
+        x = make_tokens(m, s.hidden, spec.dtype, spec.device, spec.seed + m)
+        topk_weights, topk_ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
+        imbalance = load_imbalance(topk_ids, s.num_experts)
+        ref = None
+        flops = metrics.layer_flops(m, s.topk, s.hidden, s.intermediate)
+        nbytes = metrics.layer_bytes(topk_ids, s.num_experts, s.hidden, s.intermediate,
+                                     torch.tensor([], dtype=spec.dtype).element_size(), m)
+        for pf, ex, reason in pairs:
+            row = _base_row(spec, m, pf, ex)
+            row.imbalance = imbalance
+            if store.has(row.key()):
+                continue
+            if reason is not None:
+                row.status, row.reason = "skipped", reason
+            else:
+                if ref is None and spec.check:
+                    ref = reference_moe(x, w13, w2, topk_weights, topk_ids)
+                _measure(spec, row, pf, ex, (x, w13, w2, topk_weights, topk_ids), ref, flops, nbytes, ceilings)
+            store.add(row)
+            rows.append(row)
+            if on_progress:
+                on_progress(row)
+    return rows
+
+
+def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings) -> None:
+    """Check `pf + ex` on `args` against `ref`, then time it; fills `row` in place."""
+    try:
+        kernel = make_kernel(ex, pf)
+        if hasattr(kernel.experts, "describe_config"):
+            row.config_source = kernel.experts.describe_config(args[0].shape[0], args[1], args[2])
+        if spec.check:
+            with poisoned_outputs():
+                out = kernel.apply(*args)
+            row.max_rel_err = relative_error(out, ref)
+            row.correct = is_correct(row.max_rel_err, spec.dtype)
+        if not kernel.experts.timed:
+            row.reason = "correctness only (not timed)"
+            return
+        t = time_fn(lambda: kernel.apply(*args), spec.device, **spec.timing_kwargs())
+    except MoebenchError as e:
+        row.status, row.reason = "failed", str(e)
+        return
+    except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
+        if spec.device == "cuda":
+            torch.cuda.synchronize()
+        row.status, row.reason = "failed", _one_line(e)
+        return
+    row.latency_us, row.p10_us, row.p90_us, row.timing_method = t.median_us, t.p10_us, t.p90_us, t.method
+    if spec.device == "cpu":
+        row.reason = "CPU wall clock: tests plumbing, not kernel speed"
+    fill_metrics(row, flops, nbytes, ceilings)
+
+
+def fill_metrics(row: ResultRow, flops: float, nbytes: float, ceilings) -> None:
+    m = metrics.metrics(row.latency_us, flops, nbytes, ceilings)
+    row.tflops, row.gbps, row.roofline_frac = m["tflops"], m["gbps"], m.get("roofline_frac")
+    row.floor_us = m.get("floor_us")
+    row.ceilings_source = getattr(ceilings, "source", "") if ceilings is not None else "none"

@@ -1,0 +1,284 @@
+"""Tuned tile configs for the sorted-token fused MoE kernel, in the files vLLM reads.
+
+File name (as vLLM's `get_config_file_name`):
+
+    E={E},N={N},device_name={device}[,dtype={dtype}][,block_shape=[{bn},{bk}]].json
+
+E = experts on this rank (w2.shape[0]), N = intermediate size per rank (w2.shape[2]), device =
+`torch.cuda.get_device_name()` with spaces as underscores ("cpu" without CUDA). The dtype part is
+only there for quantised kernels (e.g. "fp8_w8a8"); fp32/fp16/bf16 files carry none.
+
+Content: {"<tokens>": {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
+"num_stages"}, ..., "triton_version": "3.6.0"}. A folder of such files can be handed to vLLM as
+VLLM_TUNED_CONFIG_FOLDER.
+
+Lookup order at run time: $MOEBENCH_CONFIG_DIR, then results/configs/ (relative to the current
+directory), then the package's moebench/configs/. The first folder holding the file wins; inside it
+the entry with the nearest token count wins (ties go to the smaller count). Without a file,
+`default_config` (a documented heuristic) decides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, TypedDict
+
+import torch
+
+from moebench.errors import MoebenchError
+
+TILE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+_POW2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps")
+PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+ENV_CONFIG_DIR = "MOEBENCH_CONFIG_DIR"
+
+
+class TileConfig(TypedDict):
+    """One launch config of the fused MoE kernel (vLLM's keys)."""
+
+    BLOCK_SIZE_M: int
+    BLOCK_SIZE_N: int
+    BLOCK_SIZE_K: int
+    GROUP_SIZE_M: int
+    num_warps: int
+    num_stages: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Names
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """The device part of a config file name: CUDA device name with spaces as underscores, or
+    "cpu" when there is no CUDA device (or a CPU device is asked for)."""
+    dev = torch.device(device) if device is not None else None
+    if (dev is None or dev.type == "cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev).replace(" ", "_")
+    return "cpu"
+
+
+current_device_name = device_name  # alias for functions whose parameter is called device_name
+
+
+def dtype_tag(dtype: torch.dtype | str | None) -> str | None:
+    """The `dtype=` part of a file name. Unquantised floating types have none (as in vLLM)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return None
+    return str(dtype) or None
+
+
+def config_file_name(
+    E: int,
+    N: int,
+    device_name: str,
+    dtype: torch.dtype | str | None = None,
+    block_shape: list[int] | tuple[int, int] | None = None,
+) -> str:
+    """`E={E},N={N},device_name={device_name}[,dtype=..][,block_shape=[..]].json`."""
+    name = device_name.replace(" ", "_")
+    tag = dtype_tag(dtype)
+    parts = f"E={E},N={N},device_name={name}"
+    if tag:
+        parts += f",dtype={tag}"
+    if block_shape:
+        parts += ",block_shape=[" + ",".join(str(int(b)) for b in block_shape) + "]"
+    return parts + ".json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and writing
+
+
+def validate_tile_config(cfg: Any, where: str = "config") -> TileConfig:
+    """Check one entry: a dict with the six keys, positive ints, block sizes and warps powers of two.
+    Extra keys are rejected (vLLM passes the entry to its kernel as keyword arguments)."""
+    if not isinstance(cfg, Mapping):
+        raise MoebenchError(f"{where}: expected an object with {', '.join(TILE_KEYS)}, got {type(cfg).__name__}")
+    missing = [k for k in TILE_KEYS if k not in cfg]
+    if missing:
+        raise MoebenchError(f"{where}: missing {', '.join(missing)}")
+    extra = [k for k in cfg if k not in TILE_KEYS]
+    if extra:
+        raise MoebenchError(f"{where}: unknown key(s) {', '.join(map(str, extra))}; allowed: {', '.join(TILE_KEYS)}")
+    out = {}
+    for k in TILE_KEYS:
+        v = cfg[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MoebenchError(f"{where}: {k} must be a positive integer, got {v!r}")
+        if k in _POW2_KEYS and v & (v - 1):
+            raise MoebenchError(f"{where}: {k} must be a power of two, got {v}")
+        out[k] = v
+    return TileConfig(**out)  # type: ignore[typeddict-item]
+
+
+def load_config_file(path: str | os.PathLike) -> dict[int, TileConfig]:
+    """Read and validate a tuned-config file -> {tokens: TileConfig}. "triton_version" is skipped.
+
+    Raises MoebenchError (naming the file and the entry) when the file is unreadable, not JSON,
+    has a non-integer token key, a bad entry, or no entries at all.
+    """
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except OSError as e:
+        raise MoebenchError(f"cannot read config file {p}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise MoebenchError(f"config file {p} is not valid JSON: {e.msg} (line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise MoebenchError(f"config file {p}: expected a JSON object of token counts, got {type(raw).__name__}")
+    table: dict[int, TileConfig] = {}
+    for key, val in raw.items():
+        if key == "triton_version":
+            continue
+        try:
+            tokens = int(key)
+        except ValueError:
+            raise MoebenchError(f"config file {p}: key {key!r} is not a token count") from None
+        if tokens < 1:
+            raise MoebenchError(f"config file {p}: token count {tokens} must be positive")
+        table[tokens] = validate_tile_config(val, f"config file {p}, entry {key!r}")
+    if not table:
+        raise MoebenchError(f"config file {p} has no token-count entries")
+    return dict(sorted(table.items()))
+
+
+def write_config_file(
+    path: str | os.PathLike, table: Mapping[int | str, Mapping[str, int]], triton_version: str | None = None
+) -> Path:
+    """Write {tokens: config} as vLLM's JSON (keys sorted by token count, plus "triton_version"),
+    atomically: a temporary file in the same folder, then a rename."""
+    p = Path(path)
+    entries = {int(k): validate_tile_config(v, f"entry {k!r}") for k, v in table.items() if k != "triton_version"}
+    if triton_version is None:
+        try:
+            import triton
+
+            triton_version = triton.__version__
+        except ImportError:  # pragma: no cover - triton is a dependency
+            triton_version = "unknown"
+    doc: dict[str, Any] = {"triton_version": triton_version}
+    doc.update({str(k): dict(entries[k]) for k in sorted(entries)})
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=4)
+            f.write("\n")
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return p
+
+
+_CACHE: dict[tuple[str, int, int], dict[int, TileConfig]] = {}
+
+
+def _load_cached(path: Path) -> dict[int, TileConfig]:
+    st = path.stat()
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _CACHE:
+        _CACHE[key] = load_config_file(path)
+    return _CACHE[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup
+
+
+def config_search_dirs() -> list[Path]:
+    """$MOEBENCH_CONFIG_DIR (if set), results/configs (from the current directory), moebench/configs."""
+    dirs = []
+    env = os.environ.get(ENV_CONFIG_DIR)
+    if env:
+        dirs.append(Path(env))
+    dirs.append(Path.cwd() / "results" / "configs")
+    dirs.append(PACKAGE_CONFIG_DIR)
+    return dirs
+
+
+def find_config_file(E: int, N: int, device_name: str, dtype: torch.dtype | str | None = None) -> Path | None:
+    """The first existing file for (E, N, device, dtype) along `config_search_dirs()`."""
+    name = config_file_name(E, N, device_name, dtype)
+    for d in config_search_dirs():
+        p = d / name
+        if p.is_file():
+            return p
+    return None
+
+
+def nearest_entry(table: Mapping[int, TileConfig], M: int) -> tuple[int, TileConfig]:
+    """The entry whose token count is nearest to M (ties: the smaller count)."""
+    key = min(table, key=lambda t: (abs(t - M), t))
+    return key, table[key]
+
+
+def lookup_config(
+    E: int,
+    N: int,
+    M: int,
+    dtype: torch.dtype | str | None = None,
+    device_name: str | None = None,
+    *,
+    hidden: int | None = None,
+    topk: int | None = None,
+    num_experts_global: int | None = None,
+) -> tuple[TileConfig, str]:
+    """Tile config for M tokens of an (E local experts, N = intermediate per rank) layer.
+
+    Returns (config, source) where source is "<file path>[<tokens>]" or "default heuristic".
+    Without a file, `default_config(M, E_for_heuristic, N, hidden, topk, dtype)` decides, with
+    E_for_heuristic = num_experts_global (tokens spread over all experts) or E; hidden and topk
+    default to 4096 and 1 when unknown.
+    """
+    dev = device_name if device_name is not None else current_device_name()
+    path = find_config_file(E, N, dev, dtype)
+    if path is not None:
+        key, cfg = nearest_entry(_load_cached(path), M)
+        return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
+    cfg = default_config(M, num_experts_global or E, N, hidden or 4096, topk or 1,
+                         dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
+    return cfg, "default heuristic"
+
+
+def default_config(M: int, E: int, N: int, H: int, topk: int, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    """Default tile config when no tuned file exists, from the tokens per expert T = M * topk / E.
+
+    The layer streams every hit expert's weights once per BLOCK_SIZE_M block of its tokens, so
+    the choice follows how many tokens an expert sees:
+
+    | T (tokens/expert) | M  | N   | K   | GROUP | warps | stages | why |
+    |---|---|---|---|---|---|---|---|
+    | <= 16            | 16 | 64  | 128 | 1  | 4 | 4 | memory-bound: smallest MMA M, deep K pipeline, many programs |
+    | <= 48            | 32 | 64  | 128 | 1  | 4 | 4 | still memory-bound; halves the weight re-reads of M=16 |
+    | <= 128           | 64 | 128 | 64  | 8  | 4 | 4 | transition: one weight read serves 64 tokens |
+    | > 128            | 128| 128 | 64  | 8  | 8 | 3 | compute-bound: large wgmma tiles, grouped for L2 reuse |
+
+    BLOCK_SIZE_N is the width of one program's output tile; in GEMM1 the moebench kernel splits it
+    evenly into gate and up columns (so a config means the same register budget as in vLLM's
+    kernel). For fp32 inputs BLOCK_SIZE_K is halved (shared memory) and stages capped at 3.
+    N and H are clamped: BLOCK_SIZE_N <= next power of two >= N (min 32), BLOCK_SIZE_K likewise for
+    H (min 32), so tiny test shapes do not launch mostly-masked tiles.
+    """
+    tpe = M * topk / max(E, 1)
+    if tpe <= 16:
+        bm, bn, bk, g, w, s = 16, 64, 128, 1, 4, 4
+    elif tpe <= 48:
+        bm, bn, bk, g, w, s = 32, 64, 128, 1, 4, 4
+    elif tpe <= 128:
+        bm, bn, bk, g, w, s = 64, 128, 64, 8, 4, 4
+    else:
+        bm, bn, bk, g, w, s = 128, 128, 64, 8, 8, 3
+    if dtype == torch.float32:
+        bk, s = max(bk // 2, 32), min(s, 3)
+    bn = min(bn, max(32, _next_pow2(N)))
+    bk = min(bk, max(32, _next_pow2(H)))
+    return TileConfig(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g, num_warps=w, num_stages=s)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One-step set-up and run.
+#   bash setup.sh [moebench args...]   install into ./.venv (created when missing), then run moebench
+#                                       (no args: a default `moebench sweep` on whatever device is here)
+#   bash setup.sh test [pytest args]   install the same way, then run the whole test suite
+# A torch that is already importable by python3 (a GPU machine's CUDA build) is kept: the venv then
+# sees the system site-packages. Otherwise torch==2.13.0 is installed (a CPU build on CPU machines
+# of this project's kind, from local disk).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+PY="${PYTHON:-python3}"
+
+if [ ! -x .venv/bin/python ]; then
+  if "$PY" -c "import torch" >/dev/null 2>&1; then
+    "$PY" -m venv --system-site-packages .venv
+  else
+    "$PY" -m venv .venv
+  fi
+fi
+stamp=".venv/.moebench-installed"
+want="$(cat pyproject.toml | cksum)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+  fi
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  echo "$want" > "$stamp"
+fi
+
+if [ "${1:-}" = "test" ]; then
+  shift
+  exec .venv/bin/python -m pytest -q "$@"
+fi
+if [ $# -eq 0 ]; then
+  set -- sweep
+fi
+exec .venv/bin/moebench "$@"

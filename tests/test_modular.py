@@ -1,0 +1,145 @@
+"""The modular kernel: format check, weight-and-reduce, and every CPU backend pair against the
+float64 reference on awkward shapes and dtypes."""
+
+import pytest
+import torch
+
+import moebench
+from moebench.errors import FormatMismatchError, MoebenchError
+from moebench.kernels.modular import (
+    TopKWeightAndReduceBatched,
+    TopKWeightAndReduceContiguous,
+    poisoned_outputs,
+)
+from moebench.kernels.registry import check_combination, make_kernel
+from moebench.kernels.token_layout import batched_slots, sort_by_expert
+from moebench.correctness import TOLERANCE, relative_error
+
+PAIRS = [("torch", "no-dpep"), ("batched-torch", "batched-local"), ("reference", "no-dpep")]
+
+
+def make_case(m, e, k, h, i, dtype, routing="uniform", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
+    if routing == "one-expert":
+        ids = torch.stack([torch.cat([torch.tensor([3]), torch.randperm(e - 1, generator=g)[:k - 1] + 4]) % e
+                           for _ in range(m)]) if m else torch.empty(0, k, dtype=torch.long)
+    elif routing == "few-experts":  # most experts get no tokens
+        ids = torch.stack([torch.randperm(k + 1, generator=g)[:k] for _ in range(m)]) if m else torch.empty(0, k, dtype=torch.long)
+    else:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]) if m else torch.empty(0, k, dtype=torch.long)
+    wts = torch.softmax(torch.randn(m, k, generator=g), -1)
+    return x, w13, w2, wts, ids.to(torch.int32)
+
+
+def check_pair(experts, pf, case, expert_map=None, local=None):
+    x, w13, w2, wts, ids = case
+    if local is not None:
+        w13, w2 = w13[local], w2[local]
+    ref = moebench.reference_moe(x, w13, w2, wts, ids, expert_map)
+    kernel = make_kernel(experts, pf)
+    with poisoned_outputs():
+        out = kernel.apply(x, w13, w2, wts, ids, expert_map=expert_map, num_experts=case[1].shape[0])
+    assert out.shape == x.shape and out.dtype == x.dtype
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[x.dtype], f"{pf}+{experts}: rel err {err}"
+    return out
+
+
+@pytest.mark.parametrize("experts,pf", PAIRS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,e,k,h,i", [(9, 60, 4, 72, 40), (1, 8, 2, 30, 22), (17, 6, 3, 50, 14)])
+def test_pair_matches_reference(experts, pf, dtype, m, e, k, h, i):
+    check_pair(experts, pf, make_case(m, e, k, h, i, dtype))
+
+
+@pytest.mark.parametrize("experts,pf", PAIRS)
+@pytest.mark.parametrize("routing", ["one-expert", "few-experts"])
+def test_skewed_routing(experts, pf, routing):
+    check_pair(experts, pf, make_case(13, 12, 3, 24, 18, torch.float32, routing))
+
+
+@pytest.mark.parametrize("experts,pf", PAIRS)
+def test_zero_tokens(experts, pf):
+    x, w13, w2, wts, ids = make_case(0, 8, 2, 16, 8, torch.float32)
+    out = make_kernel(experts, pf).apply(x, w13, w2, wts, ids)
+    assert out.shape == (0, 16)
+
+
+@pytest.mark.parametrize("experts,pf", PAIRS)
+def test_expert_map_with_remote_experts(experts, pf):
+    case = make_case(11, 10, 3, 24, 16, torch.float32)
+    local = [0, 1, 2, 7]
+    emap = torch.full((10,), -1, dtype=torch.int32)
+    emap[local] = torch.arange(4, dtype=torch.int32)
+    out = check_pair(experts, pf, case, expert_map=emap, local=local)
+    # a token whose experts are all remote gets exactly zero
+    x, w13, w2, wts, ids = case
+    ids2 = ids.clone()
+    ids2[0] = torch.tensor([3, 4, 5], dtype=torch.int32)
+    out2 = make_kernel(experts, pf).apply(x, w13[local], w2[local], wts, ids2, expert_map=emap, num_experts=10)
+    assert torch.count_nonzero(out2[0]) == 0
+    assert out.abs().sum() > 0
+
+
+def test_format_mismatch_refused_naming_both_halves():
+    with pytest.raises(FormatMismatchError) as ei:
+        make_kernel("torch", "batched-local")
+    msg = str(ei.value)
+    assert "batched-local" in msg and "torch" in msg and "BatchedExperts" in msg and "Standard" in msg
+    with pytest.raises(FormatMismatchError):
+        make_kernel("batched-torch", "no-dpep")
+    reason = check_combination("no-dpep", "batched-torch", "cpu")
+    assert "format mismatch" in reason and "no-dpep" in reason and "batched-torch" in reason
+
+
+def test_unknown_backend_lists_valid_names():
+    with pytest.raises(MoebenchError, match="did you mean 'triton'.*valid:"):
+        make_kernel("trition", "no-dpep")
+    with pytest.raises(MoebenchError, match="valid: .*no-dpep"):
+        make_kernel("torch", "nope")
+
+
+def test_capability_reasons():
+    assert check_combination("batched-local", "batched-torch", "cpu", world_size=2) is not None
+    assert check_combination("no-dpep", "torch", "cpu") is None
+    assert "does not run on cpu" in check_combination("no-dpep", "deepgemm", "cpu")
+
+
+def test_weight_and_reduce_contiguous():
+    out = torch.arange(12.0).reshape(2, 3, 2)
+    w = torch.tensor([[1.0, 0.0, 2.0], [0.5, 0.5, 0.0]])
+    got = TopKWeightAndReduceContiguous().apply(out, w, None)
+    torch.testing.assert_close(got, torch.tensor([[8.0, 11.0], [7.0, 8.0]]))
+
+
+def test_batched_slots_and_reduce():
+    local = torch.tensor([[0, 2], [2, -1], [0, 1]])
+    slot, counts = batched_slots(local, 3, max_tokens=3)
+    assert counts.tolist() == [2, 1, 2]
+    assert slot.tolist() == [[0, 6], [7, -1], [1, 3]]
+    out = torch.arange(9 * 2, dtype=torch.float32).reshape(3, 3, 2)
+    w = torch.tensor([[1.0, 1.0], [2.0, 5.0], [1.0, 0.5]])
+    got = TopKWeightAndReduceBatched().apply(out, w, slot)
+    exp = torch.stack([out[0, 0] + out[2, 0], 2 * out[2, 1], out[0, 1] + 0.5 * out[1, 0]])
+    torch.testing.assert_close(got, exp)
+
+
+def test_sort_by_expert_positions():
+    local = torch.tensor([[1, 0], [1, -1], [0, 1]])
+    s = sort_by_expert(local, 2)
+    assert s.counts.tolist() == [2, 3]
+    assert s.offsets.tolist() == [2, 5]
+    flat = local.reshape(-1)
+    assert flat[s.order[:5]].tolist() == [0, 0, 1, 1, 1]
+    assert s.pos[[0, 2, 5]].tolist() == [0, 1, 2]  # the three pairs of expert 1, in token order
+
+
+def test_poison_catches_unwritten_output():
+    with poisoned_outputs():
+        buf = moebench.kernels.modular.alloc_output((2, 3), torch.float32, "cpu")
+    assert torch.isnan(buf).all()
+    ref = torch.ones(2, 3, dtype=torch.float64)
+    assert relative_error(buf, ref) == float("inf")
