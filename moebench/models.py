@@ -265,6 +265,9 @@ def get_model(name_or_path: str) -> MoEShape:
     if os.path.isdir(path):
         cfg = os.path.join(path, "config.json")
         if not os.path.isfile(cfg):
+            # A stray folder named like a preset does not hide the preset.
+            if os.sep not in arg and _lookup_preset(arg) is not None:
+                return _lookup_preset(arg)  # type: ignore[return-value]
             raise MoebenchError(f"folder {arg!r} has no config.json: pass the path of a HuggingFace config.json")
         return read_hf_config(cfg)
     if os.path.isfile(path):

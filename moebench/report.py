@@ -75,10 +75,29 @@ def sweep_table(rows: Iterable[ResultRow], title: str = "moebench sweep") -> Tab
     return t
 
 
+def skipped_table(rows: Iterable[ResultRow]) -> Table | None:
+    """Each skipped pair once, with its reason (the files keep one row per token count)."""
+    seen: dict[tuple[str, str], str] = {}
+    for r in rows:
+        if r.status == "skipped":
+            seen.setdefault((r.prepare_finalize, r.experts), r.reason)
+    if not seen:
+        return None
+    t = Table(title=f"skipped pairs ({len(seen)})", header_style="bold")
+    for col in ("prepare/finalize", "experts", "reason"):
+        t.add_column(col)
+    for (pf, ex), reason in seen.items():
+        t.add_row(pf, ex, reason)
+    return t
+
+
 def print_rows(rows: Iterable[ResultRow], console: Console | None = None, title: str = "moebench sweep") -> None:
     rows = list(rows)
     console = console or Console()
-    console.print(sweep_table(rows, title))
+    skipped = skipped_table(rows)
+    if skipped is not None:
+        console.print(skipped)
+    console.print(sweep_table([r for r in rows if r.status != "skipped"], title))
     notes = []
     if any(r.device == "cpu" and r.latency_us is not None for r in rows):
         notes.append("CPU times are wall clock: they test correctness and plumbing, not kernel speed.")

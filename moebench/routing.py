@@ -26,6 +26,7 @@ import json
 import math
 import os
 import pickle
+import warnings
 import zipfile
 from dataclasses import dataclass
 
@@ -307,7 +308,9 @@ def _read_ids_file(path: str) -> np.ndarray | torch.Tensor | list:
         return arr
     if ext == ".pt":
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # e.g. torch's note on the pickle protocol of the file
+                obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError... for bad files
             first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
             raise MoebenchError(

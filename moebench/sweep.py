@@ -166,13 +166,11 @@ def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings) -> None:
         row.status, row.reason = "failed", _one_line(e)
         return
     row.latency_us, row.p10_us, row.p90_us, row.timing_method = t.median_us, t.p10_us, t.p90_us, t.method
-    if spec.device == "cpu":
-        row.reason = "CPU wall clock: tests plumbing, not kernel speed"
     fill_metrics(row, flops, nbytes, ceilings)
 
 
 def fill_metrics(row: ResultRow, flops: float, nbytes: float, ceilings) -> None:
-    m = metrics.metrics(row.latency_us, flops, nbytes, ceilings)
+    m = metrics.metrics(row.latency_us, flops, nbytes, ceilings, dtype=row.dtype)
     row.tflops, row.gbps, row.roofline_frac = m["tflops"], m["gbps"], m.get("roofline_frac")
     row.floor_us = m.get("floor_us")
     row.ceilings_source = getattr(ceilings, "source", "") if ceilings is not None else "none"

@@ -2,9 +2,13 @@
 @triton.jit function executes). GPU tests carry the `gpu` marker and skip without CUDA."""
 
 import os
+import tempfile
 
 import pytest
 import torch
+
+# Ceiling caches and the like go to a throwaway folder, never the user's home (subprocesses inherit it).
+os.environ.setdefault("MOEBENCH_CACHE_DIR", tempfile.mkdtemp(prefix="moebench-test-cache-"))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

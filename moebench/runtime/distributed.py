@@ -169,7 +169,7 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
 def _error_line(exc: BaseException) -> str:
@@ -255,9 +255,9 @@ def spawn(
     """Run fn(ctx, *args) on `world_size` new processes; return their values, rank 0's first.
 
     fn must be importable by name (a module-level function) and its arguments and return value
-    picklable; tensors come back by value on the CPU device they were on (move CUDA tensors to
-    the CPU before returning them). device "cpu" uses gloo; "cuda" uses NCCL with rank i on
-    cuda:i and needs world_size visible GPUs.
+    picklable; tensors come back by value, on the CPU (CUDA tensors are moved there).
+    device "cpu" uses gloo; "cuda" uses NCCL with rank i on cuda:i and needs world_size visible
+    GPUs. Children get NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
 
     timeout_s: the process groups' collective timeout (a collective waiting on a dead peer
     raises after this long). total_timeout_s: a wall-clock limit for the whole run (None = none).
@@ -321,7 +321,7 @@ def spawn(
                 # Exited without a message yet: give the queue a moment (its last message may
                 # still be in flight), then call it dead.
                 first = exited_at.setdefault(rank, now)
-                if now - first > 2.0:
+                if now - first > 1.0:
                     code = p.exitcode
                     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                     failures[rank] = RankFailedError(
@@ -331,7 +331,7 @@ def spawn(
                 # A rank's failure makes its peers fail too (lost connection): wait a moment for
                 # the root cause to arrive, then report it.
                 first_failure_at = first_failure_at or now
-                if now - first_failure_at > 1.0 or len(values) + len(failures) == world_size:
+                if now - first_failure_at > 2.5 or len(values) + len(failures) == world_size:
                     raise _root_cause(failures)
             if deadline is not None and now > deadline:
                 missing = [r for r in range(world_size) if r not in values]

@@ -1,0 +1,268 @@
+"""Triton experts on one GPU: whole layer, GEMM part, alignment, torch baseline, floors, reference.
+
+    PYTHONPATH=. python benchmarks/bench_triton.py [--tokens 1,16,...] [--shapes a,b] [--sweep]
+
+For each shape of design.md ("Performance reference points") and token count, in one run:
+  layer_us   routing (softmax top-k, renormalised) + moebench `triton` experts via the modular
+             kernel (alignment included), CUDA-graph replay (moebench.bench.timing.time_cuda)
+  gemm_us    the GEMM part alone (GEMM1+SiLU-mul, GEMM2+weight+top-k sum, cast), alignment outside
+  align_us   moe_align_block_size alone
+  torch_us   routing + `torch` experts + no-dpep finalize (its host syncs forbid graph capture:
+             CUDA events around eager calls)
+  floor_us   max(bytes / read ceiling, flops / matmul ceiling); bytes = weights of the local experts
+             hit + activations in and out; ceilings measured in this run (a tuned read-only Triton
+             kernel or torch.sum, whichever is faster; a bf16 8192^3 matmul)
+  ref_us     design.md's reference table (vLLM-style kernel, vLLM's H200 configs, GEMM part)
+With --sweep, a few alternative tile configs are timed on the GEMM part to see how far the default
+heuristic is from the best of that small set.
+Writes bench_triton.csv and bench_triton.md under $OUT (default ./bench-out), prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+import moebench
+from moebench.bench.timing import time_cuda
+from moebench.kernels.moe_align import moe_align_block_size
+from moebench.kernels.triton_moe import _num_sms, choose_split_k, fused_moe_gemms, select_config
+
+# name: (E global, topk, H, I, E local, use expert_map)
+SHAPES = {
+    "mixtral": (8, 2, 4096, 14336, 8, False),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, 128, False),
+    # The brief's EP8 shard: routing over 256 experts, 32 here via expert_map (~M local pairs).
+    "dsv3-ep8": (256, 8, 7168, 2048, 32, True),
+    # The reference table's DeepSeek row does the work of M*8 pairs on 32 experts (its floor
+    # equals Mixtral's): top-8 routing over the 32 local experts, comparable to it.
+    "dsv3-ep8-local": (32, 8, 7168, 2048, 32, False),
+}
+TOKENS = [1, 16, 64, 256, 1024, 4096]
+REF = {
+    "mixtral": [191, 583, 673, 791, 1682, 5684],
+    "qwen3-30b-a3b": [37, 209, 302, 332, 409, 906],
+    "dsv3-ep8": [197, 681, 779, 832, 2164, 7566],
+    "dsv3-ep8-local": [197, 681, 779, 832, 2164, 7566],
+}
+SWEEP = [  # (BLOCK_SIZE_M, N, K, GROUP_SIZE_M, warps, stages)
+    (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (16, 32, 128, 1, 4, 4),
+    (32, 64, 128, 1, 4, 4), (32, 128, 64, 1, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4),
+    (64, 128, 64, 1, 8, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
+]
+KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # Persistent read-only reduction: program p sums chunks p, p + P, p + 2P, ...
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+def read_ceiling() -> tuple[float, str]:
+    """Best read bandwidth (bytes/s) over a few read-only kernels on a 4 GiB buffer."""
+    n = 1 << 31
+    buf = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    sms = _num_sms(buf.device)
+    best, how = 0.0, ""
+    partial = torch.empty(sms * 64, dtype=torch.float32, device="cuda")
+    for block, per_sm, warps in [(4096, 4, 8), (8192, 4, 8), (4096, 8, 4), (8192, 2, 16), (16384, 2, 16)]:
+        grid = (sms * per_sm,)
+        t = time_cuda(lambda: _read_kernel[grid](buf, partial, n, BLOCK=block, num_warps=warps), reps=10, graph_calls=3)
+        bw = n * 2 / (t.median_us * 1e-6)
+        if bw > best:
+            best, how = bw, f"triton read BLOCK={block} grid={per_sm}xSM warps={warps}"
+    t = time_cuda(lambda: buf.sum(dtype=torch.float32), reps=10, graph_calls=3)
+    bw = n * 2 / (t.median_us * 1e-6)
+    if bw > best:
+        best, how = bw, "torch.sum"
+    del buf
+    return best, how
+
+
+def matmul_ceiling() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    t = time_cuda(lambda: torch.matmul(a, b, out=c), reps=20, graph_calls=5)
+    return 2 * 8192**3 / (t.median_us * 1e-6)
+
+
+def routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w, ids = torch.softmax(logits, -1).topk(k, -1)
+    return w / w.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs (GEMM part)")
+    ap.add_argument("--budget-s", type=float, default=330, help="skip sweeps once this many seconds passed")
+    args = ap.parse_args()
+    t_start = time.time()
+    out_dir = os.environ.get("OUT", "bench-out")
+    os.makedirs(out_dir, exist_ok=True)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    dev = torch.device("cuda")
+    gpu = torch.cuda.get_device_name()
+    print(f"# {gpu}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    rbw, rhow = read_ceiling()
+    mm = matmul_ceiling()
+    print(f"# read ceiling {rbw / 1e12:.2f} TB/s ({rhow}); bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+    rows: list[dict] = []
+    csv_path = os.path.join(out_dir, "bench_triton.csv")
+    torch_kernel = moebench.make_kernel("torch", "no-dpep")
+    for shape in args.shapes.split(","):
+        e, k, h, inter, e_local, use_map = SHAPES[shape]
+        dtype = torch.bfloat16
+        w13 = torch.randn(e_local, 2 * inter, h, dtype=dtype, device=dev).mul_(h**-0.5)
+        w2 = torch.randn(e_local, h, inter, dtype=dtype, device=dev).mul_(inter**-0.5)
+        emap = None
+        if use_map:
+            emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
+            emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
+        kernel = moebench.make_kernel("triton", "no-dpep")
+        for ti_, m in enumerate(tokens):
+            g = torch.Generator(device=dev).manual_seed(m)
+            x = torch.randn(m, h, dtype=dtype, device=dev, generator=g)
+            logits = torch.randn(m, e, device=dev, generator=g)
+            tw, ids = routing(logits, k)
+            # correctness first
+            out = kernel.apply(x, w13, w2, tw, ids, expert_map=emap, num_experts=e)
+            ref = moebench.reference_moe(x, w13, w2, tw, ids, emap)
+            err = ((out.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+            del ref
+            cfg, src = select_config(m, k, w13, w2, e, dtype)
+            local = ids.long() if emap is None else emap.long()[ids.long()]
+            hit = torch.unique(local[local >= 0]).numel()
+            pairs = int((local >= 0).sum())
+            align = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], e_local, emap)
+            est_pairs = triton.cdiv(m * k * e_local, e)
+            est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, cfg["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
+            split = choose_split_k(est_blocks, h, inter, cfg, _num_sms(dev))
+
+            def layer():
+                w_, i_ = routing(logits, k)
+                return kernel.apply(x, w13, w2, w_, i_, expert_map=emap, num_experts=e)
+
+            def gemm(c=cfg, a=align, s=split):
+                return fused_moe_gemms(x, w13, w2, tw, a, k, c, s)
+
+            def torch_layer():
+                w_, i_ = routing(logits, k)
+                return torch_kernel.apply(x, w13, w2, w_, i_, expert_map=emap, num_experts=e)
+
+            t_layer = time_cuda(layer, reps=30, graph_calls=5)
+            t_gemm = time_cuda(gemm, reps=30, graph_calls=5)
+            t_align = time_cuda(lambda: moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], e_local, emap), reps=30, graph_calls=10)
+            t_route = time_cuda(lambda: routing(logits, k), reps=30, graph_calls=10)
+            try:
+                t_torch = time_cuda(torch_layer, reps=10, use_graph=False).median_us
+                torch_err = ""
+            except Exception as ex:  # noqa: BLE001 - report, do not hide
+                t_torch, torch_err = float("nan"), f"{type(ex).__name__}: {str(ex)[:80]}"
+            nbytes = hit * 3 * h * inter * 2 + 2 * m * h * 2
+            flops = 2 * pairs * 3 * h * inter
+            mem_floor = nbytes / rbw * 1e6
+            cmp_floor = flops / mm * 1e6
+            floor = max(mem_floor, cmp_floor)
+            ref_us = REF[shape][TOKENS.index(m)] if m in TOKENS else float("nan")
+            row = dict(
+                shape=shape, tokens=m, E=e, E_local=e_local, topk=k, hidden=h, intermediate=inter,
+                max_rel_err=f"{err:.2e}", layer_us=round(t_layer.median_us, 1), layer_method=t_layer.method,
+                layer_p10=round(t_layer.p10_us, 1), layer_p90=round(t_layer.p90_us, 1),
+                gemm_us=round(t_gemm.median_us, 1), align_us=round(t_align.median_us, 1),
+                routing_us=round(t_route.median_us, 1), torch_us=round(t_torch, 1), torch_err=torch_err,
+                experts_hit=hit, local_pairs=pairs, mem_floor_us=round(mem_floor, 1), compute_floor_us=round(cmp_floor, 1),
+                floor_us=round(floor, 1), layer_over_floor=round(t_layer.median_us / floor, 3),
+                gemm_over_floor=round(t_gemm.median_us / floor, 3), ref_us=ref_us,
+                layer_over_ref=round(t_layer.median_us / ref_us, 3), gemm_over_ref=round(t_gemm.median_us / ref_us, 3),
+                torch_over_layer=round(t_torch / t_layer.median_us, 2),
+                config="/".join(str(cfg[kk]) for kk in KEYS), split_k=split, config_source=src,
+            )
+            if args.sweep and time.time() - t_start < args.budget_s:
+                best = (t_gemm.median_us, row["config"] + f" sk{split}")
+                tpe = m * k / e
+                for cand in SWEEP:
+                    c = dict(zip(KEYS, cand))
+                    if c["BLOCK_SIZE_M"] > max(16, 4 * triton.next_power_of_2(max(1, int(tpe)))):
+                        continue
+                    if c["BLOCK_SIZE_M"] < 64 and tpe > 256:
+                        continue
+                    try:
+                        a2 = moe_align_block_size(ids, c["BLOCK_SIZE_M"], e_local, emap)
+                        eb = min(a2.max_blocks, triton.cdiv(est_pairs, c["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
+                        for s2 in sorted({1, choose_split_k(eb, h, inter, c, _num_sms(dev))}):
+                            t2 = time_cuda(lambda c=c, a2=a2, s2=s2: gemm(c, a2, s2), reps=10, graph_calls=3).median_us
+                            if t2 < best[0]:
+                                best = (t2, "/".join(map(str, cand)) + f" sk{s2}")
+                    except Exception as ex:  # noqa: BLE001 - out of resources etc.: skip candidate
+                        print(f"  sweep {cand}: {type(ex).__name__}", file=sys.stderr)
+                row["sweep_best_us"] = round(best[0], 1)
+                row["sweep_best_config"] = best[1]
+                row["default_over_sweep_best"] = round(t_gemm.median_us / best[0], 3)
+            rows.append(row)
+            print(
+                f"{shape:16s} M={m:5d} err={err:.1e} layer={t_layer.median_us:8.1f} gemm={t_gemm.median_us:8.1f} "
+                f"align={t_align.median_us:5.1f} torch={t_torch:8.1f} floor={floor:7.1f} ref={ref_us} "
+                f"cfg={row['config']} sk={split} {('best ' + str(row.get('sweep_best_us')) + ' ' + row.get('sweep_best_config', '')) if 'sweep_best_us' in row else ''}"
+                f" [{time.time() - t_start:.0f}s]",
+                flush=True,
+            )
+            _write_csv(csv_path, rows)
+            del out, x, logits
+        del w13, w2
+        torch.cuda.empty_cache()
+    md = _markdown(rows, gpu, rbw, rhow, mm)
+    with open(os.path.join(out_dir, "bench_triton.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _markdown(rows, gpu, rbw, rhow, mm) -> str:
+    lines = [
+        f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}; read ceiling "
+        f"{rbw / 1e12:.2f} TB/s ({rhow}), bf16 matmul {mm / 1e12:.0f} TFLOP/s (this run).",
+        "",
+        "| shape | M | layer us | gemm us | align us | routing us | torch us | floor us | layer/floor | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | sweep best (gemm us, config) | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sweep = f"{r['sweep_best_us']} {r['sweep_best_config']}" if "sweep_best_us" in r else "-"
+        lines.append(
+            f"| {r['shape']} | {r['tokens']} | {r['layer_us']} | {r['gemm_us']} | {r['align_us']} | {r['routing_us']} | "
+            f"{r['torch_us']} | {r['floor_us']} | {r['layer_over_floor']} | {r['gemm_over_ref']} | {r['layer_over_ref']} | "
+            f"{r['config']} sk{r['split_k']} | {sweep} | {r['max_rel_err']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,483 @@
+"""Hardware ceilings (memory bandwidth, matmul throughput) for the roofline, and device facts.
+
+Where the numbers come from, best first:
+1. measured on this device by `calibrate` (`moebench env --calibrate`), cached in
+   `$MOEBENCH_CACHE_DIR/ceilings.json` (default `~/.cache/moebench/ceilings.json`), keyed by
+   device name and torch version; `source = "measured <date>"`;
+2. a datasheet profile for a known GPU (`source = "datasheet"`: dense peaks, no sparsity;
+   a measured device reaches less, so fractions against it come out lower);
+3. on a CPU, a quick rough measurement (`source = "cpu measured <date>"`): good enough to fill
+   the columns, never a statement about GPU kernels.
+
+Reads run faster than a copy on HBM (H200: about 4.8 TB/s read vs 4.3 TB/s copy counting read +
+write), and MoE layers mostly read weights, so the memory floor uses the read ceiling, measured
+with a tuned read-only Triton reduction (best of a few block sizes), a torch reduction, and the
+copy rate, whichever is highest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from moebench.errors import MoebenchError
+
+try:  # only the read-bandwidth calibration kernel needs Triton
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with CUDA/ROCm torch builds
+    triton = None
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclass
+class Ceilings:
+    """Peak rates of one device.
+
+    mem_read_gbps:  read-only bandwidth, GB/s (1e9 bytes/s); the memory floor uses it
+    mem_copy_gbps:  device copy bandwidth counting read + write bytes, GB/s (None if unknown)
+    matmul_tflops:  {"bf16"|"fp16"|"fp32": TFLOP/s} (fp32 without TF32)
+    source:         "measured <date>", "datasheet" or "cpu measured <date>"
+    device_type:    "cuda" (also ROCm) or "cpu"
+    notes:          how the numbers were obtained
+    """
+
+    device_name: str
+    mem_read_gbps: float | None
+    mem_copy_gbps: float | None
+    matmul_tflops: dict[str, float] = field(default_factory=dict)
+    source: str = "datasheet"
+    device_type: str = "cuda"
+    torch_version: str = ""
+    triton_version: str = ""
+    notes: str = ""
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device_type != "cpu"
+
+    @property
+    def label(self) -> str:
+        """Short text for tables: 'measured 2026-11-29', 'datasheet', 'cpu (not GPU) ...'."""
+        return self.source if self.is_gpu else f"{self.source} (CPU, not GPU)"
+
+    def read_gbps(self) -> float | None:
+        """Bandwidth for the memory floor: the read ceiling, else the copy ceiling."""
+        return self.mem_read_gbps or self.mem_copy_gbps
+
+    def tflops(self, dtype: str = "bf16") -> float | None:
+        """Matmul peak for `dtype` ("bf16", "fp16", "fp32" or a torch dtype). When that dtype was
+        not measured, the highest known rate (a higher peak only lowers the floor, so the
+        roofline stays a lower bound on time)."""
+        key = _dtype_key(dtype)
+        if key in self.matmul_tflops:
+            return self.matmul_tflops[key]
+        return max(self.matmul_tflops.values()) if self.matmul_tflops else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    as_dict = to_dict
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Ceilings":
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _dtype_key(dtype: str | torch.dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    d = str(dtype).lower()
+    return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(d, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasheet profiles (dense peaks; vendor datasheets). Patterns match torch's device name.
+
+_DATASHEETS: tuple[tuple[str, str, float, dict[str, float]], ...] = (
+    # (regex on the lower-case name, profile name, HBM GB/s, TFLOP/s)
+    (r"h200", "NVIDIA H200 (SXM)", 4800.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
+    (r"h100.*pcie", "NVIDIA H100 PCIe", 2000.0, {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0}),
+    (r"h100|h800", "NVIDIA H100/H800 SXM", 3350.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
+    (r"\bh20\b", "NVIDIA H20", 4000.0, {"bf16": 148.0, "fp16": 148.0, "fp32": 44.0}),
+    (r"a100.*40gb", "NVIDIA A100 40GB", 1555.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    (r"a100.*pcie", "NVIDIA A100 80GB PCIe", 1935.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    (r"a100", "NVIDIA A100 80GB SXM", 2039.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    (r"b200", "NVIDIA B200", 8000.0, {"bf16": 2250.0, "fp16": 2250.0, "fp32": 75.0}),
+    (r"l40s", "NVIDIA L40S", 864.0, {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6}),
+    (r"mi300x", "AMD Instinct MI300X", 5300.0, {"bf16": 1307.4, "fp16": 1307.4, "fp32": 163.4}),
+)
+
+
+def datasheet_ceilings(device_name: str) -> Ceilings | None:
+    """The datasheet profile whose pattern matches `device_name`, or None."""
+    low = device_name.lower()
+    for pattern, profile, gbps, tflops in _DATASHEETS:
+        if re.search(pattern, low):
+            return Ceilings(
+                device_name=device_name, mem_read_gbps=gbps, mem_copy_gbps=None, matmul_tflops=dict(tflops),
+                source="datasheet", device_type="cuda", torch_version=torch.__version__,
+                triton_version=_triton_version(), notes=f"datasheet profile {profile}: dense peaks, HBM bandwidth",
+            )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache.
+
+
+def cache_path() -> str:
+    """`$MOEBENCH_CACHE_DIR/ceilings.json`, default `~/.cache/moebench/ceilings.json`."""
+    base = os.environ.get("MOEBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moebench")
+    return os.path.join(base, "ceilings.json")
+
+
+def _cache_key(device_name: str) -> str:
+    return f"{device_name} | torch {torch.__version__}"
+
+
+def _read_cache() -> dict[str, Any]:
+    try:
+        with open(cache_path(), encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        warnings.warn(f"ignoring unreadable ceilings cache {cache_path()}; `moebench env --calibrate` rewrites it")
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_ceilings(c: Ceilings) -> str:
+    """Store `c` in the cache (atomic rename). Returns the cache file's path."""
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = _read_cache()
+        data[_cache_key(c.device_name)] = c.to_dict()
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".ceilings.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise MoebenchError(f"cannot write the ceilings cache {path} ({e.strerror}): set MOEBENCH_CACHE_DIR to a writable folder") from None
+    return path
+
+
+def cached_ceilings(device_name: str) -> Ceilings | None:
+    """Measured ceilings cached for this device name and torch version, or None."""
+    entry = _read_cache().get(_cache_key(device_name))
+    if not isinstance(entry, dict):
+        return None
+    try:
+        return Ceilings.from_dict(entry)
+    except TypeError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Device facts.
+
+
+def _triton_version() -> str:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return importlib.metadata.version("pytorch-triton-rocm")
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+
+
+def _resolve(device: torch.device | str | None) -> torch.device:
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MoebenchError("--device cuda was asked for but no CUDA GPU is visible here: use --device cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise MoebenchError(f"device {dev} does not exist: {torch.cuda.device_count()} GPU(s) are visible")
+    elif dev.type != "cpu":
+        raise MoebenchError(f"device {str(dev)!r} is not supported: use cpu or cuda")
+    return dev
+
+
+def _driver_version() -> str:
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:
+        pass
+    try:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        out = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(out)) == 0:
+            return f"CUDA driver API {out.value // 1000}.{(out.value % 1000) // 10}"
+    except Exception:
+        pass
+    return ""
+
+
+def device_summary(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Facts for `moebench env`: device name, SMs, memory, CUDA/HIP and driver versions, torch
+    and triton versions, CPU and Python."""
+    dev = _resolve(device)
+    info: dict[str, Any] = {
+        "device": dev.type,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(
+            name=p.name,
+            index=dev.index,
+            gpu_count=torch.cuda.device_count(),
+            sm_count=p.multi_processor_count,
+            memory_gib=round(p.total_memory / 2**30, 1),
+            compute_capability=f"{p.major}.{p.minor}",
+            cuda=torch.version.cuda,
+            hip=getattr(torch.version, "hip", None),
+            driver=_driver_version(),
+        )
+    else:
+        info["name"] = f"CPU ({info['cpu']})"
+        try:
+            info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+        except (ValueError, OSError, AttributeError):
+            pass
+    return info
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement.
+
+
+def get_ceilings(device: torch.device | str | None = None, calibrate_if_missing: bool = False) -> Ceilings | None:
+    """Ceilings for `device`: cached measurement, else (calibrate_if_missing) a fresh one, else
+    the datasheet profile of a known GPU (source "datasheet"), else None.
+    On CPU: cached or a quick (< 2 s) rough measurement, cached, marked as CPU."""
+    dev = _resolve(device)
+    name = _device_name(dev)
+    cached = cached_ceilings(name)
+    if cached is not None:
+        return cached
+    if dev.type == "cpu":
+        c = calibrate_cpu()
+        try:
+            save_ceilings(c)
+        except MoebenchError:
+            pass  # an unwritable cache only costs a re-measurement next time
+        return c
+    if calibrate_if_missing:
+        return calibrate(dev)
+    return datasheet_ceilings(name)
+
+
+def calibrate(device: torch.device | str | None = None, save: bool = True) -> Ceilings:
+    """Measure the ceilings of `device` (CUDA: copy, read, matmul; CPU: `calibrate_cpu`) and,
+    with `save`, cache them. Takes tens of seconds on a GPU (Triton compiles included)."""
+    dev = _resolve(device)
+    c = calibrate_cpu() if dev.type == "cpu" else _calibrate_cuda(dev)
+    if save:
+        save_ceilings(c)
+    return c
+
+
+def _today() -> str:
+    return _dt.date.today().isoformat()
+
+
+def _median_cuda_us(fn: Callable[[], object], reps: int) -> float:
+    from moebench.bench.timing import time_cuda
+
+    return time_cuda(fn, warmup=3, reps=reps, use_graph=False).median_us
+
+
+@contextlib.contextmanager
+def _tf32_off() -> Iterator[None]:
+    """fp32 matmuls in full fp32 (no TF32) inside the block; the previous setting comes back."""
+    mm = torch.backends.cuda.matmul
+    if hasattr(mm, "fp32_precision"):  # torch >= 2.9
+        old = mm.fp32_precision
+        mm.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            mm.fp32_precision = old
+    else:
+        old_tf32 = mm.allow_tf32
+        mm.allow_tf32 = False
+        try:
+            yield
+        finally:
+            mm.allow_tf32 = old_tf32
+
+
+def _calibrate_cuda(dev: torch.device) -> Ceilings:
+    notes: list[str] = []
+    with torch.cuda.device(dev):
+        free, _ = torch.cuda.mem_get_info()
+        # Buffers: 4 GiB for reads, 2 x 2 GiB for the copy, shrunk when memory is short.
+        read_bytes = int(min(4 * 2**30, free // 3)) // 2**20 * 2**20
+        copy_bytes = int(min(2 * 2**30, free // 4)) // 2**20 * 2**20
+        if read_bytes < 256 * 2**20:
+            raise MoebenchError(f"calibration needs about 1 GiB of free GPU memory, {free / 2**30:.2f} GiB is free: free some memory")
+
+        # (a) device copy: read + write bytes.
+        src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev).fill_(1)
+        dst = torch.empty_like(src)
+        copy_us = _median_cuda_us(lambda: dst.copy_(src), reps=20)
+        copy_gbps = 2 * copy_bytes / (copy_us * 1e-6) / 1e9
+        del src, dst
+        notes.append(f"copy {copy_bytes / 2**30:.1f} GiB: {copy_gbps:.0f} GB/s (read+write)")
+
+        # (b) read ceiling: best of the Triton read kernel, a torch reduction and the copy rate.
+        x = torch.ones(read_bytes // 4, dtype=torch.float32, device=dev)
+        torch_us = _median_cuda_us(lambda: x.sum(), reps=20)
+        read_candidates = {"torch.sum": read_bytes / (torch_us * 1e-6) / 1e9, "copy": copy_gbps}
+        try:
+            best_cfg, triton_gbps = _triton_read_gbps(x)
+            read_candidates[f"triton {best_cfg}"] = triton_gbps
+        except Exception as e:  # triton missing or a compile failure: the other figures stand
+            notes.append(f"triton read kernel unavailable ({e.__class__.__name__}: {str(e)[:80]})")
+        del x
+        read_from, read_gbps = max(read_candidates.items(), key=lambda kv: kv[1])
+        notes.append("read " + ", ".join(f"{k} {v:.0f}" for k, v in read_candidates.items()) + f" GB/s; used {read_from}")
+
+        # (c) matmul 8192^3 on random data; fp32 with TF32 off.
+        tflops: dict[str, float] = {}
+        n = 8192
+        for key, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+            a = torch.randn(n, n, device=dev, dtype=dt)
+            b = torch.randn(n, n, device=dev, dtype=dt)
+            with _tf32_off():
+                us = _median_cuda_us(lambda: torch.mm(a, b), reps=10 if key == "fp32" else 20)
+            tflops[key] = 2 * n**3 / (us * 1e-6) / 1e12
+            del a, b
+        notes.append(f"matmul {n}^3 median of CUDA events")
+        torch.cuda.empty_cache()
+
+    return Ceilings(
+        device_name=torch.cuda.get_device_name(dev), mem_read_gbps=round(read_gbps, 1), mem_copy_gbps=round(copy_gbps, 1),
+        matmul_tflops={k: round(v, 1) for k, v in tflops.items()}, source=f"measured {_today()}", device_type="cuda",
+        torch_version=torch.__version__, triton_version=_triton_version(), notes="; ".join(notes),
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _read_reduce_kernel(x_ptr, partial_ptr, BLOCK_SIZE: tl.constexpr, ITERS: tl.constexpr):
+        # Program pid reads ITERS consecutive tiles of BLOCK_SIZE fp32 (no mask: the launcher
+        # passes a multiple of BLOCK_SIZE * ITERS elements, so loads stay 128-bit vectorised)
+        # and writes their sum, so the loads cannot be optimised away.
+        pid = tl.program_id(0)
+        start = pid.to(tl.int64) * (BLOCK_SIZE * ITERS)
+        offs = tl.arange(0, BLOCK_SIZE)
+        acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+        for i in tl.static_range(ITERS):
+            acc += tl.load(x_ptr + start + i * BLOCK_SIZE + offs)
+        tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+
+
+def read_reduce(x: torch.Tensor, partial: torch.Tensor, block_size: int, iters: int, num_warps: int) -> None:
+    """partial[p] = sum of x[p * block_size * iters : (p + 1) * block_size * iters].
+
+    x: (n,) fp32 contiguous with n a multiple of block_size * iters; partial: (n // (block_size * iters),) fp32.
+    """
+    chunk = block_size * iters
+    if x.dim() != 1 or x.dtype != torch.float32 or x.numel() % chunk or partial.numel() != x.numel() // chunk:
+        raise ValueError("read_reduce needs a 1-D fp32 x whose length is a multiple of block_size * iters")
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _read_reduce_kernel[(x.numel() // chunk,)](x, partial, BLOCK_SIZE=block_size, ITERS=iters, num_warps=num_warps)
+
+
+def _triton_read_gbps(x: torch.Tensor) -> tuple[str, float]:
+    """Best read bandwidth (GB/s) of the Triton read-reduction kernel over x (1-D fp32, CUDA)
+    across a few tile sizes. Returns ("BLOCK_SIZE=.. ITERS=.. warps=..", GB/s)."""
+    best_cfg, best = "", 0.0
+    for block_size, iters, num_warps in ((4096, 1, 4), (8192, 1, 8), (16384, 1, 8), (4096, 8, 8), (8192, 4, 16)):
+        chunk = block_size * iters
+        n = x.numel() // chunk * chunk
+        if n == 0:
+            continue
+        view = x[:n]
+        partial = torch.empty(n // chunk, dtype=torch.float32, device=x.device)
+        fn = lambda: read_reduce(view, partial, block_size, iters, num_warps)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        expected = float(n)  # x is all ones
+        got = float(partial.double().sum())
+        if abs(got - expected) > 1e-6 * expected:
+            raise RuntimeError(f"read kernel summed {got}, expected {expected}")
+        us = _median_cuda_us(fn, reps=20)
+        gbps = n * x.element_size() / (us * 1e-6) / 1e9
+        if gbps > best:
+            best_cfg, best = f"BLOCK_SIZE={block_size} ITERS={iters} warps={num_warps}", gbps
+    return best_cfg, best
+
+
+def calibrate_cpu(budget_s: float = 1.5) -> Ceilings:
+    """Rough CPU ceilings in well under 2 s: copy and read (sum) bandwidth over a 128 MiB
+    buffer, fp32 matmul GFLOP/s. Marked as CPU: these are not GPU numbers."""
+    t_start = time.perf_counter()
+
+    def best_s(fn: Callable[[], object], reps: int) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            if time.perf_counter() - t_start > budget_s:
+                break
+        return min(times)
+
+    nbytes = 128 * 2**20
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy_gbps = 2 * nbytes / best_s(lambda: dst.copy_(src), 5) / 1e9
+    read_gbps = nbytes / best_s(lambda: src.sum(), 5) / 1e9
+    del src, dst
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    mm_s = best_s(lambda: torch.mm(a, b), 5)
+    fp32_tflops = 2 * n**3 / mm_s / 1e12
+    return Ceilings(
+        device_name=_device_name(torch.device("cpu")), mem_read_gbps=round(max(read_gbps, copy_gbps), 2),
+        mem_copy_gbps=round(copy_gbps, 2), matmul_tflops={"fp32": round(fp32_tflops, 4)},
+        source=f"cpu measured {_today()}", device_type="cpu", torch_version=torch.__version__,
+        triton_version=_triton_version(),
+        notes=f"rough CPU figures ({torch.get_num_threads()} threads): 128 MiB copy/sum, {n}^3 fp32 matmul; not GPU numbers",
+    )

@@ -1,0 +1,155 @@
+"""Work, bytes and roofline of an MoE layer, and DeepEP-style communication bytes.
+
+Layer (design.md "Timing and metrics"):
+    flops = 2 * tokens * topk * 3 * H * I            (GEMM1: 2I x H, GEMM2: H x I, per (token, k))
+    bytes = experts_hit * 3 * H * I * dtype_bytes    (w13 + w2 of every expert that gets a token)
+          + 2 * tokens * H * dtype_bytes             (activations in and out)
+    floor = max(bytes / read bandwidth, flops / matmul peak);  roofline_frac = floor / latency
+
+Dispatch/combine bytes follow DeepEP's own tests, so GB/s figures compare with its published ones:
+    low-latency mode (per="expert"): one message per (token, selected expert), ids of -1 skipped,
+        messages to the sender's own rank included;
+    normal mode (per="rank"): one message per (token, destination rank), i.e. a token going to
+        three experts of one rank is sent once;
+    message size: bf16 = hidden * 2 bytes; FP8 dispatch = hidden (e4m3 values)
+        + hidden / 128 * 4 (one fp32 scale per 128 elements) + 16 (DeepEP-LL's per-message
+        header); combine always sends bf16 (hidden * 2 bytes).
+    Example: 128 tokens, hidden 7168, top-8, FP8 dispatch in 77 us -> 7.58 MB, 98 GB/s; bf16
+    combine in 114 us -> 14.7 MB, 129 GB/s (DeepEP's published 98 / 127 GB/s).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from moebench.bench.hardware import Ceilings
+from moebench.errors import MoebenchError
+
+FP8_BLOCK = 128  # elements per fp32 scale in DeepEP's FP8 dispatch
+FP8_HEADER_BYTES = 16  # per-message metadata DeepEP's low-latency test counts
+
+
+def layer_flops(tokens: int, topk: int, hidden: int, intermediate: int) -> int:
+    """2 * tokens * topk * 3 * H * I: both GEMMs of every (token, k) pair."""
+    return 2 * tokens * topk * 3 * hidden * intermediate
+
+
+def experts_hit(topk_ids: torch.Tensor, num_experts: int) -> int:
+    """How many distinct experts in [0, E) receive at least one token. topk_ids: (M, K);
+    ids outside [0, E) (such as -1 for an expert on another rank) are not counted."""
+    flat = topk_ids.reshape(-1)
+    flat = flat[(flat >= 0) & (flat < num_experts)]
+    return int(torch.unique(flat).numel())
+
+
+def layer_bytes(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    dtype_bytes: int | float,
+    tokens: int | None = None,
+) -> int:
+    """Bytes the layer must move at least once: the weights of the experts hit (w13 + w2,
+    3 * H * I elements each) plus the activations in and out (2 * tokens * H).
+    topk_ids: (M, K); tokens defaults to M."""
+    m = topk_ids.shape[0] if tokens is None else tokens
+    hit = experts_hit(topk_ids, num_experts)
+    return int(round((hit * 3 * hidden * intermediate + 2 * m * hidden) * dtype_bytes))
+
+
+def roofline(flops: float, nbytes: float, ceilings: Ceilings, dtype: str | torch.dtype = "bf16") -> float:
+    """Lowest possible time in microseconds: max(bytes / read bandwidth, flops / matmul peak)."""
+    bw = ceilings.read_gbps()
+    peak = ceilings.tflops(dtype)
+    if not bw or not peak:
+        raise MoebenchError(
+            f"ceilings of {ceilings.device_name} lack a bandwidth or matmul peak: run `moebench env --calibrate`"
+        )
+    return max(nbytes / (bw * 1e9), flops / (peak * 1e12)) * 1e6
+
+
+def metrics(
+    latency_us: float,
+    flops: float,
+    nbytes: float,
+    ceilings: Ceilings | None,
+    dtype: str | torch.dtype = "bf16",
+) -> dict[str, Any]:
+    """tflops, gbps, floor_us (the roofline time; None without ceilings), roofline_frac
+    (= floor / latency) and roofline_ref (where the ceilings come from, e.g. "measured 2026-11-29",
+    "datasheet", "cpu measured ... (CPU, not GPU)"). dtype picks the matmul peak.
+    A latency that is not a positive number gives None rates."""
+    out: dict[str, Any] = {"tflops": None, "gbps": None, "floor_us": None, "roofline_frac": None,
+                           "roofline_ref": ceilings.label if ceilings is not None else None}
+    if ceilings is not None and ceilings.read_gbps() and ceilings.tflops(dtype):
+        out["floor_us"] = roofline(flops, nbytes, ceilings, dtype)
+    if latency_us is None or not math.isfinite(latency_us) or latency_us <= 0:
+        return out
+    t = latency_us * 1e-6
+    out["tflops"] = flops / t / 1e12
+    out["gbps"] = nbytes / t / 1e9
+    if out["floor_us"] is not None:
+        out["roofline_frac"] = out["floor_us"] / latency_us
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication bytes (DeepEP conventions, see the module docstring).
+
+
+def message_bytes(hidden: int, fp8: bool = False, dtype_bytes: int = 2) -> int:
+    """Bytes of one token message: FP8 = hidden + 4 * ceil(hidden / 128) + 16, else hidden * dtype_bytes."""
+    if fp8:
+        return hidden + 4 * math.ceil(hidden / FP8_BLOCK) + FP8_HEADER_BYTES
+    return hidden * dtype_bytes
+
+
+def num_messages(topk_ids: torch.Tensor, per: str = "expert", expert_owner: torch.Tensor | None = None) -> int:
+    """Messages one dispatch (or combine) sends for topk_ids (M, K).
+
+    per="expert": (token, selected expert) pairs, ids < 0 skipped (DeepEP low-latency).
+    per="rank":   distinct (token, destination rank) pairs; needs expert_owner (E,) (DeepEP normal).
+    """
+    valid = topk_ids >= 0
+    if per == "expert":
+        return int(valid.sum())
+    if per != "rank":
+        raise MoebenchError(f"per must be 'expert' (low-latency) or 'rank' (normal mode), got {per!r}")
+    if expert_owner is None:
+        raise MoebenchError("per='rank' counting needs expert_owner (E,): the rank owning each expert")
+    owner = expert_owner.to(device=topk_ids.device, dtype=torch.int64)
+    ranks = torch.where(valid, owner[topk_ids.clamp(min=0).to(torch.int64)], torch.full_like(topk_ids, -1, dtype=torch.int64))
+    if ranks.numel() == 0:
+        return 0
+    s = ranks.sort(dim=1).values
+    first = torch.ones_like(s, dtype=torch.bool)
+    first[:, 1:] = s[:, 1:] != s[:, :-1]
+    return int((first & (s >= 0)).sum())
+
+
+def dispatch_bytes(
+    topk_ids: torch.Tensor,
+    hidden: int,
+    fp8: bool = False,
+    dtype_bytes: int = 2,
+    per: str = "expert",
+    expert_owner: torch.Tensor | None = None,
+) -> int:
+    """Bytes one dispatch moves: messages (see `num_messages`) x `message_bytes(hidden, fp8, dtype_bytes)`.
+    bf16 dispatch counts 2 bytes per element unless fp8."""
+    return num_messages(topk_ids, per, expert_owner) * message_bytes(hidden, fp8, dtype_bytes)
+
+
+def combine_bytes(
+    topk_ids: torch.Tensor,
+    hidden: int,
+    dtype_bytes: int = 2,
+    per: str = "expert",
+    expert_owner: torch.Tensor | None = None,
+) -> int:
+    """Bytes one combine moves: messages x hidden * dtype_bytes (combine sends bf16 in DeepEP)."""
+    return num_messages(topk_ids, per, expert_owner) * hidden * dtype_bytes

@@ -1,0 +1,162 @@
+"""`deepep-ll`: adapter over DeepEP's low-latency kernels (`deep_ep.Buffer.low_latency_dispatch`
+and `low_latency_combine`). BatchedExperts format, same layout as `all2all-ll`:
+
+    dispatch: x (M, H) bf16, topk_ids (M, K) int64 -> recv_x (E_local, max_tokens_per_rank * world, H)
+              bf16 packed per expert, recv_count (E_local,) int32
+    combine:  expert outputs (E_local, max_tokens_per_rank * world, H) bf16 -> (M, H), weighted by
+              topk_weights and summed over k inside DeepEP's combine kernel
+
+Optional: deep_ep is imported lazily, only when the backend is used. Needs CUDA, >= 2 GPUs,
+bf16 activations, E divisible by the number of ranks (DeepEP places expert e on rank
+e // E_local) and at most max_tokens_per_rank tokens per rank. FP8 dispatch is not used: the
+batched experts backends take bf16 activations.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moebench.errors import MoebenchError, UnsupportedError
+from moebench.kernels.modular import (
+    ActivationFormat,
+    PrepareAndFinalize,
+    PrepareResult,
+    TopKWeightAndReduce,
+)
+from moebench.kernels.registry import register_prepare_finalize
+from moebench.runtime.distributed import group_rank_world
+
+_IMPORT_ERROR: list[str | None] = []  # cached: [None] when deep_ep imports, [reason] otherwise
+
+
+def _deep_ep_import_error() -> str | None:
+    if not _IMPORT_ERROR:
+        if importlib.util.find_spec("deep_ep") is None:
+            _IMPORT_ERROR.append("deep_ep is not installed")
+        else:
+            try:
+                importlib.import_module("deep_ep")
+                _IMPORT_ERROR.append(None)
+            except Exception as e:  # noqa: BLE001 - a broken install (missing CUDA libs, ...) is a reason
+                _IMPORT_ERROR.append(f"deep_ep does not import: {type(e).__name__}: {e}")
+    return _IMPORT_ERROR[0]
+
+
+class TopKWeightAndReduceInCombine(TopKWeightAndReduce):
+    """The router weights are applied and summed over k inside DeepEP's combine kernel."""
+
+    name = "in-combine"
+
+    def apply(self, out, topk_weights, slot_map):
+        raise RuntimeError("deepep-ll weights and reduces inside low_latency_combine; nothing to apply here")
+
+
+@dataclass
+class DeepEPHandle:
+    deep_ep_handle: Any
+    topk_ids: torch.Tensor  # (M, K) int64, as dispatched
+
+
+@register_prepare_finalize
+class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
+    name = "deepep-ll"
+    activation_format = ActivationFormat.BATCHED
+    supported_devices = ("cuda",)
+    min_world_size = 2
+    needs_expert_parallel = True
+    #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
+    communicates = True
+
+    @classmethod
+    def unavailable_reason(cls, device: str, world_size: int) -> str | None:
+        reason = _deep_ep_import_error()
+        if reason is not None:
+            return reason
+        if device != "cuda" or not torch.cuda.is_available():
+            return "deep_ep needs CUDA"
+        n = torch.cuda.device_count()
+        if n < 2:
+            return f"deep_ep needs >= 2 GPUs (have {n})"
+        return None
+
+    def __init__(self, group: Any = None, max_tokens_per_rank: int = 128):
+        """group: ProcessGroup over the EP ranks (None = the default group).
+        max_tokens_per_rank: DeepEP's num_max_dispatch_tokens_per_rank (same on every rank)."""
+        if max_tokens_per_rank < 1:
+            raise MoebenchError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
+        self.group = group
+        self.max_tokens_per_rank = int(max_tokens_per_rank)
+        self._buffer = None
+        self._buffer_key: tuple[int, int, int] | None = None
+
+    def default_weight_and_reduce(self) -> TopKWeightAndReduce:
+        return TopKWeightAndReduceInCombine()
+
+    def _get_buffer(self, hidden: int, num_experts: int, world: int):
+        key = (hidden, num_experts, world)
+        if self._buffer is None or self._buffer_key != key:
+            reason = self.unavailable_reason("cuda", world)
+            if reason is not None:
+                raise UnsupportedError(f"deepep-ll is unusable: {reason}")
+            import torch.distributed as dist
+            from deep_ep import Buffer  # lazy: optional dependency
+
+            group = self.group if self.group is not None else dist.group.WORLD
+            rdma_bytes = Buffer.get_low_latency_rdma_size_hint(self.max_tokens_per_rank, hidden, world, num_experts)
+            self._buffer = Buffer(
+                group, num_nvl_bytes=0, num_rdma_bytes=rdma_bytes, low_latency_mode=True,
+                num_qps_per_rank=max(1, num_experts // world),
+            )
+            self._buffer_key = key
+        return self._buffer
+
+    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map) -> PrepareResult:
+        """x (M, H) bf16, topk_ids (M, K) -> a (E_local, max_tokens_per_rank * world, H) bf16,
+        expert_num_tokens (E_local,) int32."""
+        rank, world = group_rank_world(self.group)
+        if x.dtype != torch.bfloat16:
+            raise UnsupportedError(f"deepep-ll dispatches bf16 activations, got {x.dtype}")
+        if num_experts % world:
+            raise UnsupportedError(
+                f"deepep-ll places E / world experts per rank: {num_experts} experts do not split over {world} ranks"
+            )
+        if num_local_experts != num_experts // world:
+            raise MoebenchError(
+                f"deepep-ll: rank {rank} holds {num_local_experts} experts, DeepEP expects {num_experts // world}"
+            )
+        if x.shape[0] > self.max_tokens_per_rank:
+            raise MoebenchError(
+                f"deepep-ll: rank {rank} dispatches {x.shape[0]} tokens but max_tokens_per_rank is "
+                f"{self.max_tokens_per_rank}; raise it to at least {x.shape[0]}"
+            )
+        buf = self._get_buffer(x.shape[-1], num_experts, world)
+        ids = topk_ids.to(torch.int64).contiguous()
+        recv_x, recv_count, handle, _event, _hook = buf.low_latency_dispatch(
+            x.contiguous(), ids, self.max_tokens_per_rank, num_experts,
+            use_fp8=False, async_finish=False, return_recv_hook=False,
+        )
+        return PrepareResult(
+            a=recv_x, topk_ids=None, topk_weights=None, expert_num_tokens=recv_count,
+            expert_map=expert_map, num_experts=num_experts, handle=DeepEPHandle(handle, ids),
+        )
+
+    def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:
+        """out (E_local, max_tokens_per_rank * world, H) bf16 -> (M, H) bf16."""
+        if not isinstance(weight_and_reduce, TopKWeightAndReduceInCombine):
+            raise UnsupportedError(
+                f"deepep-ll weights inside its combine; experts asking for '{weight_and_reduce.name}' "
+                f"weight-and-reduce cannot be paired with it"
+            )
+        h: DeepEPHandle = prep.handle
+        _, world = group_rank_world(self.group)
+        buf = self._get_buffer(out.shape[-1], prep.num_experts, world)
+        combined, _event, _hook = buf.low_latency_combine(
+            out.contiguous(), h.topk_ids, topk_weights.to(torch.float32).contiguous(), h.deep_ep_handle,
+            async_finish=False, return_recv_hook=False,
+        )
+        return combined

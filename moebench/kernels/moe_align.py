@@ -1,0 +1,246 @@
+"""Block alignment of (token, k) pairs by expert, on the device, without a host sync.
+
+The sorted-token fused MoE kernel processes BLOCK_SIZE_M pairs of one expert per program. This
+module lays the pairs out that way:
+
+    sorted_token_ids (max_padded,) int32  flat pair index t*K + k, grouped by local expert, each
+                                          expert's run padded to a multiple of BLOCK_SIZE_M with
+                                          the sentinel M*K; slots past the total also hold it
+    expert_ids       (max_blocks,) int32  local expert of each block, -1 past the used blocks
+    num_tokens_post_padded (1,) int32     used length of sorted_token_ids (a multiple of BLOCK_SIZE_M)
+
+Buffers are sized for the worst case, max_padded = P + min(E_local, P) * (BLOCK_SIZE_M - 1) with
+P = M*K, so the launch grids of the GEMMs are static and everything is CUDA-graph capturable.
+Pairs whose expert is remote (local id -1) are left out. Inside an expert the pairs keep their
+flat order (token-major), which is deterministic.
+
+Two small Triton kernels, one program per local expert each: (1) count the pairs of expert e;
+(2) from all counts, compute e's padded start (prefix sum), write its pair indices (a running
+cumsum over chunks of pairs), its padding sentinels and its block ids, and a share of the tail.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreter_compat() -> None:
+    """Work around Triton 3.6's interpreter with NumPy >= 2.3: a scalar kernel argument is a
+    1-element array, and `int()` of it (what `range(0, n, BLOCK)` calls through `__index__`) raises
+    "only 0-dimensional arrays can be converted to Python scalars". Re-patches `__index__` to take
+    the single element. Idempotent; does nothing unless interpreting."""
+    if not interpreting():
+        return
+    try:
+        from triton.runtime import interpreter as _interp
+    except ImportError:  # pragma: no cover
+        return
+    orig = getattr(_interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_moebench_compat", False):
+        return
+
+    def _patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _patched._moebench_compat = True  # type: ignore[attr-defined]
+    _interp._patch_lang_tensor = _patched
+
+
+interpreter_compat()
+
+
+@dataclass
+class AlignResult:
+    """Output of `moe_align_block_size` (all on the device)."""
+
+    sorted_token_ids: torch.Tensor  # (max_padded,) int32
+    expert_ids: torch.Tensor  # (max_blocks,) int32
+    num_tokens_post_padded: torch.Tensor  # (1,) int32
+    block_size_m: int
+    num_pairs: int  # M * K = the sentinel
+
+    @property
+    def max_blocks(self) -> int:
+        return self.expert_ids.numel()
+
+
+def max_padded_size(num_pairs: int, num_local_experts: int, block_size_m: int) -> int:
+    """Worst-case length of sorted_token_ids (a multiple of block_size_m)."""
+    worst = num_pairs + min(num_local_experts, num_pairs) * (block_size_m - 1)
+    return triton.cdiv(worst, block_size_m) * block_size_m
+
+
+@triton.jit
+def _count_pairs_kernel(
+    topk_ids_ptr,  # (P,) global or local expert id of each pair
+    expert_map_ptr,  # (E,) global -> local, -1 remote (unused without HAS_MAP)
+    counts_ptr,  # (E_local,) int32 out
+    num_pairs,
+    HAS_MAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per local expert e: scan all pairs in chunks and count those with id == e.
+    e = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        in_range = offs < num_pairs
+        ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+        if HAS_MAP:
+            ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+        acc += (ids == e).to(tl.int32)
+    tl.store(counts_ptr + e, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _place_pairs_kernel(
+    topk_ids_ptr,
+    expert_map_ptr,
+    counts_ptr,  # (E_local,) int32 from _count_pairs_kernel
+    sorted_ptr,  # (max_padded,) int32 out
+    expert_ids_ptr,  # (max_blocks,) int32 out
+    ntpp_ptr,  # (1,) int32 out
+    num_pairs,
+    num_local,
+    max_padded,
+    max_blocks,
+    HAS_MAP: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
+    e = tl.program_id(0)
+    # Padded run lengths of all experts -> this expert's start (exclusive prefix sum) and the total.
+    eo = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + eo, mask=eo < num_local, other=0)
+    padded = tl.cdiv(counts, BLOCK_SIZE_M) * BLOCK_SIZE_M
+    start = tl.sum(tl.where(eo < e, padded, 0), axis=0)
+    total = tl.sum(padded, axis=0)
+    my_count = tl.sum(tl.where(eo == e, counts, 0), axis=0)
+    my_padded = tl.sum(tl.where(eo == e, padded, 0), axis=0)
+    if e == 0:
+        tl.store(ntpp_ptr, total)
+
+    # This expert's pairs, in flat order: position = running count + inclusive cumsum - 1.
+    run = start
+    for s in range(0, num_pairs, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        in_range = offs < num_pairs
+        ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+        if HAS_MAP:
+            ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+        hit = (ids == e).to(tl.int32)
+        pos = run + tl.cumsum(hit, axis=0) - 1
+        tl.store(sorted_ptr + pos, offs, mask=hit > 0)
+        run += tl.sum(hit, axis=0)
+
+    # Padding of this expert's last block: sentinel.
+    pad = start + my_count + tl.arange(0, BLOCK_SIZE_M)
+    tl.store(sorted_ptr + pad, num_pairs + tl.zeros((BLOCK_SIZE_M,), tl.int32), mask=pad < start + my_padded)
+
+    # Block ids of this expert's blocks.
+    first_block = start // BLOCK_SIZE_M
+    n_blocks = my_padded // BLOCK_SIZE_M
+    for b in range(0, n_blocks, BLOCK):
+        bo = b + tl.arange(0, BLOCK)
+        tl.store(expert_ids_ptr + first_block + bo, e + tl.zeros((BLOCK,), tl.int32), mask=bo < n_blocks)
+
+    # Tail past the total, shared round-robin by the programs: sentinel slots and -1 blocks.
+    for s in range(total + e * BLOCK, max_padded, num_local * BLOCK):
+        so = s + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + so, num_pairs + tl.zeros((BLOCK,), tl.int32), mask=so < max_padded)
+    for b in range(total // BLOCK_SIZE_M + e * BLOCK, max_blocks, num_local * BLOCK):
+        bo = b + tl.arange(0, BLOCK)
+        tl.store(expert_ids_ptr + bo, tl.full((BLOCK,), -1, tl.int32), mask=bo < max_blocks)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,
+    block_size_m: int,
+    num_local_experts: int,
+    expert_map: torch.Tensor | None = None,
+) -> AlignResult:
+    """topk_ids (M, K) int32/int64 -> AlignResult for blocks of `block_size_m` pairs.
+
+    Without expert_map, topk_ids are local ids (-1 = remote). With expert_map (E,) int32, they are
+    global ids mapped on the fly (map value -1 = remote). M may be 0 (empty buffers, no launch).
+    Two kernel launches, no host synchronisation.
+    """
+    assert topk_ids.dim() == 2
+    dev = topk_ids.device
+    num_pairs = topk_ids.numel()
+    max_padded = max_padded_size(num_pairs, num_local_experts, block_size_m)
+    max_blocks = max_padded // block_size_m
+    sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=dev)
+    expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=dev)
+    ntpp = torch.zeros((1,), dtype=torch.int32, device=dev)
+    if num_pairs == 0:
+        return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, 0)
+    interpreter_compat()
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    has_map = expert_map is not None
+    emap = expert_map.to(device=dev, dtype=torch.int32).contiguous() if has_map else ids
+    counts = torch.empty((num_local_experts,), dtype=torch.int32, device=dev)
+    # Each program scans all pairs: wide chunks and more warps keep the serial chunk loop short
+    # (latency-bound: 1024-pair chunks cost ~50 us at 32K pairs x 128 experts on an H200).
+    block = min(4096, max(16, triton.next_power_of_2(num_pairs)))
+    warps = 8 if block >= 2048 else 4
+    _count_pairs_kernel[(num_local_experts,)](
+        ids, emap, counts, num_pairs, HAS_MAP=has_map, BLOCK=block, num_warps=warps
+    )
+    _place_pairs_kernel[(num_local_experts,)](
+        ids, emap, counts, sorted_ids, expert_ids, ntpp,
+        num_pairs, num_local_experts, max_padded, max_blocks,
+        HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, BLOCK=block,
+        E_POW2=max(16, triton.next_power_of_2(num_local_experts)), num_warps=warps,
+    )
+    return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
+
+
+def moe_align_block_size_torch(
+    topk_ids: torch.Tensor, block_size_m: int, num_local_experts: int, expert_map: torch.Tensor | None = None
+) -> AlignResult:
+    """Same result from plain torch ops (the reference for tests; also no host sync)."""
+    dev = topk_ids.device
+    num_pairs = topk_ids.numel()
+    max_padded = max_padded_size(num_pairs, num_local_experts, block_size_m)
+    max_blocks = max_padded // block_size_m
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is not None and num_pairs:
+        ids = expert_map.to(dev).long()[ids.clamp(min=0)].where(ids >= 0, torch.full_like(ids, -1))
+    key = torch.where(ids >= 0, ids, torch.full_like(ids, num_local_experts))
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_local_experts]
+    padded = (counts + block_size_m - 1) // block_size_m * block_size_m
+    pstart = torch.cumsum(padded, 0) - padded
+    cstart = torch.cumsum(counts, 0) - counts
+    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
+    local = order[: num_pairs]
+    e_sorted = key[local]
+    keep = e_sorted < num_local_experts
+    e_cl = e_sorted.clamp(max=max(num_local_experts - 1, 0))
+    rank = torch.arange(num_pairs, device=dev) - cstart[e_cl] if num_local_experts else e_cl
+    dest = torch.where(keep, pstart[e_cl] + rank, torch.full_like(rank, max_padded))
+    buf = torch.cat([sorted_ids, sorted_ids.new_zeros(1)])
+    buf.index_copy_(0, dest, torch.where(keep, local, torch.zeros_like(local)).to(torch.int32))
+    sorted_ids = buf[:max_padded].clone()
+    total = padded.sum()
+    blk = torch.arange(max_blocks, device=dev) * block_size_m
+    ends = torch.cumsum(padded, 0)
+    expert_ids = torch.searchsorted(ends, blk, right=True).to(torch.int32)
+    expert_ids = torch.where(blk < total, expert_ids, torch.full_like(expert_ids, -1))
+    return AlignResult(sorted_ids, expert_ids, total.reshape(1).to(torch.int32), block_size_m, num_pairs)

@@ -1,0 +1,446 @@
+"""`triton` experts: moebench's sorted-token fused MoE kernel (Standard format).
+
+    align   moe_align_block_size: (token, k) pairs grouped by local expert in blocks of
+            BLOCK_SIZE_M (moebench.kernels.moe_align; 2 small kernels, no host sync)
+    GEMM1   per (block, intermediate tile): gate and up tiles of w13 in the same K loop, then
+            SiLU(gate) * up in the epilogue -> inter (max_padded, I), rows in sorted order
+    GEMM2   per (block, hidden tile[, K split]): inter @ w2[e]^T, times the router weight, then a
+            relaxed fp32 atomic add into ws (M, H): the sum over top-k happens here
+    cast    ws -> output dtype
+
+So the experts return (M, H), weighted and summed (TopKWeightAndReduceNoOp): one write of the
+output instead of (M, K, H) plus a reduction pass. Pairs whose expert is remote are left out by
+the alignment and add nothing; ws starts at zero, so every token's row is written, also when all
+its experts are remote. Accumulation is fp32 for every input dtype; fp32 inputs use IEEE dots
+(no tf32). Under the Triton interpreter, 16-bit operands are upcast to fp32 before `tl.dot`.
+
+Tile configs: `moebench.tuning.configs.lookup_config` (tuned file, else the default heuristic),
+or an explicit `config=` given to `TritonExperts`. In GEMM1, BLOCK_SIZE_N is the total width of
+one program's output tile: half gate, half up columns (the same register budget as vLLM's
+unfused GEMM1 with that config). GEMM2 may split its K loop (I) over programs when there are too
+few output tiles to fill the GPU (`split_k`, chosen from the SM count unless given).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from moebench.kernels.modular import (
+    ActivationFormat,
+    Experts,
+    PrepareResult,
+    TopKWeightAndReduceNoOp,
+    alloc_output,
+)
+from moebench.kernels.moe_align import AlignResult, interpreter_compat, interpreting, moe_align_block_size
+from moebench.kernels.registry import register_experts
+from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _silu_mul_gemm1_kernel(
+    x_ptr,  # (M, H)
+    w13_ptr,  # (E_local, 2I, H)
+    inter_ptr,  # (max_padded, I) out, rows in sorted order
+    sorted_ids_ptr,  # (max_padded,) flat pair ids, sentinel = num_pairs
+    expert_ids_ptr,  # (max_blocks,) local expert per block
+    ntpp_ptr,  # (1,) used length of sorted_ids
+    num_pairs,
+    N_INTER,  # I
+    H,
+    num_blocks_m,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_im,
+    stride_in,
+    TOPK: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,  # intermediate columns per program (gate and up each)
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter: 16-bit operands -> fp32 before tl.dot
+    IEEE_DOT: tl.constexpr,  # fp32 operands: full-precision dot, no tf32
+):
+    # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_blocks_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # Blocks past the used length (padding of the worst-case grid) have nothing to do.
+    if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    # Rows: the pairs of this block; token = pair // K; sentinel rows load zeros.
+    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pair < num_pairs
+    token = (pair // TOPK).to(tl.int64)
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    col_ok = offs_n < N_INTER
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+
+    # Pointers: A (BM, BK) rows of x; gate (BK, BN) = w13[e, n, k]^T, up = the same I rows further.
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + N_INTER * stride_wn
+
+    acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < H - k * BLOCK_SIZE_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        if IEEE_DOT:
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_SIZE_K * stride_xk
+        g_ptrs += BLOCK_SIZE_K * stride_wk
+        u_ptrs += BLOCK_SIZE_K * stride_wk
+
+    # Epilogue: SiLU(gate) * up, stored at the block's sorted rows (sentinel rows hold zeros).
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    i_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
+    tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit
+def _gemm2_weighted_sum_kernel(
+    inter_ptr,  # (max_padded, I)
+    w2_ptr,  # (E_local, H, I)
+    ws_ptr,  # (M, H) fp32, zeroed; out
+    topk_weights_ptr,  # (M*K,) router weights of the flat pairs
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    ntpp_ptr,
+    num_pairs,
+    H,
+    N_INTER,  # I, the K dimension of this GEMM
+    num_blocks_m,
+    k_per_split,  # multiple of BLOCK_SIZE_K
+    stride_im,
+    stride_ik,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_wsm,
+    stride_wsn,
+    TOPK: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_n = tl.cdiv(H, BLOCK_SIZE_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_blocks_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pair < num_pairs
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    col_ok = offs_n < H
+    # This program's slice of the K dimension: [k_lo, k_lo + k_per_split) within I.
+    k_lo = pid_k * k_per_split
+    offs_k = k_lo + tl.arange(0, BLOCK_SIZE_K)
+
+    # A = inter rows of the block (contiguous, sorted order); B (BK, BN) = w2[e, n, k]^T.
+    a_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_k[None, :] * stride_ik
+    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    k_hi = min(k_lo + k_per_split, N_INTER)
+    for k in range(k_lo, k_hi, BLOCK_SIZE_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < k_hi - (k - k_lo)
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE_DOT:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_SIZE_K * stride_ik
+        b_ptrs += BLOCK_SIZE_K * stride_wk
+
+    # Epilogue: router weight of each pair, then the sum over top-k as an fp32 atomic add into
+    # the pair's token row (sentinel rows are masked off).
+    w = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    token = (pair // TOPK).to(tl.int64)
+    o_ptrs = ws_ptr + token[:, None] * stride_wsm + offs_n[None, :] * stride_wsn
+    tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr,  # (M, E) router logits
+    weights_ptr,  # (M, K) float32 out
+    ids_ptr,  # (M, K) int32 out
+    M,
+    E,
+    stride_lm,
+    TOPK: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # ROWS tokens per program: softmax over the E logits of each, then K rounds of argmax.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < M
+    ok = row_ok[:, None] & (cols < E)[None, :]
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lm + cols[None, :], mask=ok, other=-float("inf"))
+    x = x.to(tl.float32)
+    x = tl.where(ok, x, -float("inf"))
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = tl.where(ok, p, 0.0)
+    p = p / tl.sum(p, axis=1)[:, None]
+    p = tl.where(ok, p, -1.0)  # padding never wins
+    # Sum of the K winners first (for renormalisation), on a copy.
+    total = tl.zeros((ROWS,), dtype=tl.float32)
+    q = p
+    for _ in tl.static_range(TOPK):
+        best = tl.max(q, axis=1)
+        idx = tl.argmax(q, axis=1, tie_break_left=True)
+        total += best
+        q = tl.where(cols[None, :] == idx[:, None], -1.0, q)
+    scale = 1.0 / total if RENORMALIZE else tl.full((ROWS,), 1.0, tl.float32)
+    for k in tl.static_range(TOPK):
+        best = tl.max(p, axis=1)
+        idx = tl.argmax(p, axis=1, tie_break_left=True)
+        tl.store(weights_ptr + rows * TOPK + k, best * scale, mask=row_ok)
+        tl.store(ids_ptr + rows * TOPK + k, idx.to(tl.int32), mask=row_ok)
+        p = tl.where(cols[None, :] == idx[:, None], -1.0, p)
+
+
+def fused_topk_softmax(logits: torch.Tensor, topk: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing in one launch: logits (M, E) -> weights (M, K) float32, ids (M, K)
+    int32, winners in descending order (ties: lower expert id). Same result as
+    `softmax(logits).topk(k)` (+ division by the winners' sum when renormalize)."""
+    m, e = logits.shape
+    weights = torch.empty((m, topk), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((m, topk), dtype=torch.int32, device=logits.device)
+    if m == 0:
+        return weights, ids
+    if interpreting():
+        interpreter_compat()
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    block_e = max(16, triton.next_power_of_2(e))
+    rows = max(1, min(16, 2048 // block_e))
+    _topk_softmax_kernel[(triton.cdiv(m, rows),)](
+        logits, weights, ids, m, e, logits.stride(0),
+        TOPK=topk, RENORMALIZE=renormalize, BLOCK_E=block_e, ROWS=rows, num_warps=4,
+    )
+    return weights, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def choose_split_k(
+    est_blocks: int, hidden: int, inter: int, cfg: Mapping[str, int], num_sms: int
+) -> int:
+    """K splits of GEMM2 so that about 2 programs per SM run when the (block, hidden tile) grid
+    alone is smaller; each split keeps at least 4 BLOCK_SIZE_K steps."""
+    tiles = max(1, est_blocks) * triton.cdiv(hidden, cfg["BLOCK_SIZE_N"])
+    want = 2 * num_sms
+    if tiles >= want:
+        return 1
+    max_split = max(1, inter // (4 * cfg["BLOCK_SIZE_K"]))
+    return max(1, min(want // tiles, max_split))
+
+
+def fused_moe_gemms(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    align: AlignResult,
+    topk: int,
+    config: Mapping[str, int],
+    split_k: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
+    topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k."""
+    m, h = x.shape
+    n_inter = w2.shape[2]
+    bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    assert align.block_size_m == bm, "alignment block size differs from BLOCK_SIZE_M"
+    if out is None:
+        out = alloc_output((m, h), x.dtype, x.device)
+    if m == 0:
+        return out
+    interp = interpreting()
+    if interp:
+        interpreter_compat()
+    upcast = interp and x.dtype != torch.float32
+    ieee = x.dtype == torch.float32 or upcast
+    num_blocks = align.max_blocks
+    meta = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+
+    # GEMM1 + SiLU-and-mul: BLOCK_SIZE_N columns = half gate, half up.
+    bn1 = max(16, bn // 2)
+    inter = torch.empty((num_blocks * bm, n_inter), dtype=x.dtype, device=x.device)
+    grid1 = (num_blocks * triton.cdiv(n_inter, bn1),)
+    _silu_mul_gemm1_kernel[grid1](
+        x, w13, inter, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        align.num_pairs, n_inter, h, num_blocks,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
+        TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
+        EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta,
+    )
+
+    # GEMM2 + router weight + sum over top-k into a zeroed fp32 workspace.
+    ws = torch.zeros((m, h), dtype=torch.float32, device=x.device)
+    split_k = max(1, min(int(split_k), triton.cdiv(n_inter, bk)))
+    k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
+    split_k = triton.cdiv(n_inter, k_per_split)
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()
+    grid2 = (num_blocks * triton.cdiv(h, bn), split_k)
+    _gemm2_weighted_sum_kernel[grid2](
+        inter, w2, ws, weights, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        align.num_pairs, h, n_inter, num_blocks, k_per_split,
+        inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), ws.stride(0), ws.stride(1),
+        TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
+        EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast, IEEE_DOT=ieee, **meta,
+    )
+    out.copy_(ws)
+    return out
+
+
+def select_config(
+    m: int, topk: int, w13: torch.Tensor, w2: torch.Tensor, num_experts: int, dtype: torch.dtype
+) -> tuple[TileConfig, str]:
+    """Tuned file (E = local experts, N = I) else the default heuristic over global experts."""
+    e_local, h, n_inter = w2.shape
+    return lookup_config(
+        e_local, n_inter, max(m, 1), dtype, hidden=h, topk=topk, num_experts_global=num_experts,
+        device_name=None if w2.device.type == "cuda" else "cpu",
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    num_experts: int | None = None,
+    config: Mapping[str, int] | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
+    float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype."""
+    m, k = topk_ids.shape
+    e_local = w13.shape[0]
+    if num_experts is None:
+        num_experts = expert_map.shape[0] if expert_map is not None else e_local
+    if config is None:
+        config, _ = select_config(m, k, w13, w2, num_experts, x.dtype)
+    if m == 0:
+        return alloc_output((0, x.shape[1]), x.dtype, x.device)
+    align = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map)
+    if split_k is None:
+        est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
+        est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, config["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
+        split_k = choose_split_k(est_blocks, x.shape[1], w2.shape[2], config, _num_sms(x.device))
+    return fused_moe_gemms(x, w13, w2, topk_weights, align, k, config, split_k)
+
+
+@register_experts
+class TritonExperts(Experts):
+    """Sorted-token fused MoE (Standard). Returns (M, H), weighted and summed over top-k.
+
+    config: a TileConfig (vLLM keys) used for every call instead of the lookup; split_k: GEMM2 K
+    splits (None = from the SM count).
+    """
+
+    name = "triton"
+    activation_format = ActivationFormat.STANDARD
+
+    def __init__(self, config: Mapping[str, int] | None = None, split_k: int | None = None):
+        self.config = validate_tile_config(dict(config), "TritonExperts config") if config is not None else None
+        self.split_k = split_k
+        self.last_config_source: str | None = None
+
+    @classmethod
+    def unavailable_reason(cls, device: str) -> str | None:
+        return None
+
+    def weight_and_reduce(self):
+        return TopKWeightAndReduceNoOp()
+
+    def config_for(self, m: int, topk: int, w13: torch.Tensor, w2: torch.Tensor, num_experts: int, dtype) -> dict[str, Any]:
+        if self.config is not None:
+            self.last_config_source = "explicit"
+            return dict(self.config)
+        cfg, self.last_config_source = select_config(m, topk, w13, w2, num_experts, dtype)
+        return dict(cfg)
+
+    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        x = prep.a
+        m, k = prep.topk_ids.shape
+        cfg = self.config_for(m, k, w13, w2, prep.num_experts, x.dtype)
+        return fused_moe(
+            x, w13, w2, prep.topk_weights, prep.topk_ids, prep.expert_map, prep.num_experts, cfg, self.split_k
+        )

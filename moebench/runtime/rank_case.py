@@ -1,0 +1,305 @@
+"""One MoE case on every rank of a multi-rank run: what the sweep calls inside each rank.
+
+Every rank is handed the same full tensors (same seed); each rank takes its own part:
+
+- TP path (a prepare/finalize that does not communicate: no-dpep, batched-local): every rank
+  computes every token with its weight shard (ParallelLayout.shard_weights: 1/T of I for TP, its
+  whole experts for EP without all2all), then the partial outputs are all-reduced. Needs dp == 1.
+  This rank's output rows: all M tokens.
+- DP path (a prepare/finalize that moves tokens: allgather-rs, all2all-ll, deepep-ll): every rank
+  owns a contiguous slice of the M tokens (remainder to the first ranks, so a rank may own none)
+  and its weight shard; the prepare/finalize moves the tokens. Output rows: that slice.
+
+`run_rank_case` returns the output for this rank's rows (to compare with the reference of the same
+rows) and, when asked, per-phase times measured between barriers: dispatch / experts / combine on
+the DP path, experts / allreduce on the TP path, plus the whole layer without inner barriers.
+Each sample is the slowest rank's time (max over ranks), so every rank gets the same figures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from moebench.bench.timing import Timing
+from moebench.errors import MoebenchError
+from moebench.kernels.modular import FusedMoEKernel, PrepareAndFinalize
+from moebench.layout import ParallelLayout
+from moebench.runtime.distributed import RankContext, barrier
+
+
+def token_split(num_tokens: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) token ranges of each rank; the remainder goes to the first ranks."""
+    base, rem = divmod(num_tokens, world)
+    out, start = [], 0
+    for r in range(world):
+        n = base + (1 if r < rem else 0)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def communicates(pf: PrepareAndFinalize) -> bool:
+    """True when the prepare/finalize moves tokens between ranks (DP path)."""
+    return bool(getattr(type(pf), "communicates", False))
+
+
+@dataclass
+class RankInputs:
+    """This rank's share of a case.
+
+    x (M_r, H), topk_weights (M_r, K), topk_ids (M_r, K); w13 (E_local, 2I', H), w2 (E_local, H, I');
+    expert_map (E,) or None; rows: [start, stop) of x in the full batch; all_reduce: TP path.
+    """
+
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    expert_map: torch.Tensor | None
+    num_experts: int
+    rows: tuple[int, int]
+    tokens_per_rank: list[int]
+    pairs_per_rank: list[int]
+    all_reduce: bool
+
+
+def pairs_per_rank(topk_ids_full: torch.Tensor, layout: ParallelLayout, num_experts: int) -> list[int]:
+    """(token, expert) pairs each rank's experts compute for the whole batch topk_ids_full (M, K):
+    by expert owner with EP; every pair on every rank for TP (each rank holds a shard of all)."""
+    ids = topk_ids_full.reshape(-1).long().cpu()
+    ids = ids[ids >= 0]
+    if not layout.enable_ep:
+        return [int(ids.numel())] * layout.world_size
+    owner = layout.expert_owner(num_experts)
+    return [int(c) for c in torch.bincount(owner[ids], minlength=layout.ep_size).tolist()]
+
+
+def rank_inputs(
+    ctx: RankContext,
+    pf: PrepareAndFinalize,
+    x_full: torch.Tensor,
+    w13_full: torch.Tensor,
+    w2_full: torch.Tensor,
+    topk_weights_full: torch.Tensor,
+    topk_ids_full: torch.Tensor,
+    layout: ParallelLayout,
+) -> RankInputs:
+    """Slice the full tensors (identical on every rank) into this rank's share; see module doc."""
+    if layout.world_size != ctx.world_size:
+        raise MoebenchError(
+            f"the layout has {layout.world_size} ranks (dp {layout.dp} x tp {layout.tp}) but the run has {ctx.world_size}"
+        )
+    num_experts = w13_full.shape[0]
+    layout.validate_shape(num_experts, w2_full.shape[-1])
+    m = x_full.shape[0]
+    dev = ctx.device
+    w13, w2 = layout.shard_weights(w13_full, w2_full, ctx.rank)
+    emap = layout.expert_map(ctx.rank, num_experts)
+    if communicates(pf):
+        if pf.needs_expert_parallel and not layout.enable_ep and ctx.world_size > 1:
+            raise MoebenchError(f"prepare/finalize '{pf.name}' needs expert parallelism (--ep)")
+        split = token_split(m, ctx.world_size)
+        rows = split[ctx.rank]
+        all_reduce = False
+    else:
+        if layout.dp > 1:
+            raise MoebenchError(
+                f"prepare/finalize '{pf.name}' keeps tokens where they are, so dp {layout.dp} > 1 needs a "
+                f"token exchange: use allgather-rs or all2all-ll"
+            )
+        split = [(0, m)] * ctx.world_size
+        rows = (0, m)
+        all_reduce = ctx.world_size > 1
+    lo, hi = rows
+    return RankInputs(
+        x=x_full[lo:hi].to(dev),
+        topk_weights=topk_weights_full[lo:hi].to(dev),
+        topk_ids=topk_ids_full[lo:hi].to(dev),
+        w13=w13.to(dev),
+        w2=w2.to(dev),
+        expert_map=None if emap is None else emap.to(dev),
+        num_experts=num_experts,
+        rows=rows,
+        tokens_per_rank=[b - a for a, b in split],
+        pairs_per_rank=pairs_per_rank(topk_ids_full, layout, num_experts),
+        all_reduce=all_reduce,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+class PhaseTimer:
+    """Times named phases between barriers: barrier, start, phase, device sync, stop.
+
+    CUDA: events around the phase; CPU: wall clock. Samples are kept per rank; `summarise`
+    reduces them to the slowest rank per sample (a collective: every rank must call it).
+    """
+
+    def __init__(self, ctx: RankContext, enabled: bool = True):
+        self.ctx = ctx
+        self.enabled = enabled
+        self.samples: dict[str, list[float]] = {}
+        self.cuda = ctx.device.type == "cuda"
+
+    @property
+    def method(self) -> str:
+        return "cuda-events" if self.cuda else "cpu-wallclock"
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        barrier(self.ctx)
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            end.synchronize()
+            us = start.elapsed_time(end) * 1e3
+        else:
+            t0 = time.perf_counter()
+            yield
+            us = (time.perf_counter() - t0) * 1e6
+        self.samples.setdefault(name, []).append(us)
+
+    def summarise(self) -> dict[str, Timing]:
+        """{phase: Timing over samples of the slowest rank}. Collective over the run's group."""
+        names = sorted(self.samples)
+        if not names:
+            return {}
+        reps = min(len(self.samples[n]) for n in names)
+        t = torch.tensor([[self.samples[n][i] for n in names] for i in range(reps)], dtype=torch.float64)
+        if self.ctx.distributed and self.ctx.world_size > 1:
+            t = t.to(self.ctx.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.group)
+            t = t.cpu()
+        return {n: _summary(t[:, j].tolist(), self.method) for j, n in enumerate(names)}
+
+
+def _summary(samples_us: list[float], method: str) -> Timing:
+    s = sorted(samples_us)
+
+    def q(f: float) -> float:
+        return s[min(len(s) - 1, int(round(f * (len(s) - 1))))]
+
+    return Timing(statistics.median(s), q(0.10), q(0.90), len(s), method)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class RankCaseResult:
+    """out (M_r, H): this rank's output rows; rows: [start, stop) in the full batch;
+    tokens_per_rank: M_r of every rank (DP path) or M everywhere (TP path);
+    pairs_per_rank: (token, expert) pairs each rank's experts compute (the expert load);
+    phases: {phase: Timing} (slowest rank per sample) when timed, with "total" the whole layer."""
+
+    out: torch.Tensor
+    rows: tuple[int, int]
+    tokens_per_rank: list[int]
+    pairs_per_rank: list[int]
+    phases: dict[str, Timing] = field(default_factory=dict)
+
+    @property
+    def token_imbalance(self) -> float:
+        """max / mean of the tokens each rank starts with (1.0 = even)."""
+        return _imbalance(self.tokens_per_rank)
+
+    @property
+    def load_imbalance(self) -> float:
+        """max / mean of the (token, expert) pairs each rank computes (1.0 = even)."""
+        return _imbalance(self.pairs_per_rank)
+
+
+def _imbalance(n: list[int]) -> float:
+    mean = sum(n) / len(n) if n else 0.0
+    return max(n) / mean if mean else 1.0
+
+
+def _layer(kernel: FusedMoEKernel, inp: RankInputs, ctx: RankContext, timer: PhaseTimer) -> torch.Tensor:
+    """prepare -> experts -> finalize (-> all-reduce), each phase under `timer`."""
+    pf, ex = kernel.prepare_finalize, kernel.experts
+    if inp.all_reduce:
+        with timer.phase("experts"):
+            prep = pf.prepare(inp.x, inp.topk_weights, inp.topk_ids, inp.num_experts, inp.w13.shape[0], inp.expert_map)
+            out = ex.apply(prep, inp.w13, inp.w2)
+            y = pf.finalize(out, prep, inp.topk_weights, pf.resolve(ex.weight_and_reduce()))
+        with timer.phase("allreduce"):
+            y = _all_reduce(y.contiguous(), ctx)
+        return y
+    with timer.phase("dispatch"):
+        prep = pf.prepare(inp.x, inp.topk_weights, inp.topk_ids, inp.num_experts, inp.w13.shape[0], inp.expert_map)
+    with timer.phase("experts"):
+        out = ex.apply(prep, inp.w13, inp.w2)
+    with timer.phase("combine"):
+        y = pf.finalize(out, prep, inp.topk_weights, pf.resolve(ex.weight_and_reduce()))
+    return y
+
+
+def _all_reduce(y: torch.Tensor, ctx: RankContext) -> torch.Tensor:
+    if not (ctx.distributed and ctx.world_size > 1):
+        return y
+    if ctx.backend == "gloo" and y.dtype in (torch.float16, torch.bfloat16):
+        # gloo's half-precision sums are not dependable across versions: sum in fp32
+        y32 = y.float()
+        dist.all_reduce(y32, group=ctx.group)
+        return y32.to(y.dtype)
+    dist.all_reduce(y, group=ctx.group)
+    return y
+
+
+def run_rank_case(
+    ctx: RankContext,
+    kernel: FusedMoEKernel,
+    x_full: torch.Tensor,
+    w13_full: torch.Tensor,
+    w2_full: torch.Tensor,
+    topk_weights_full: torch.Tensor,
+    topk_ids_full: torch.Tensor,
+    layout: ParallelLayout,
+    *,
+    time_phases: bool = False,
+    warmup: int = 1,
+    reps: int = 5,
+) -> RankCaseResult:
+    """Run one case on this rank (every rank of the run must call it with the same arguments).
+
+    x_full (M, H), w13_full (E, 2I, H), w2_full (E, H, I), topk_* (M, K): identical on all ranks.
+    The kernel's prepare/finalize must use the run's group. Returns this rank's output rows
+    (compare with reference rows `result.rows` of the full batch); with time_phases, also
+    `warmup` untimed and `reps` timed runs: per-phase Timings and "total" (whole layer between
+    two barriers). All timing is collective; the figures are the same on every rank.
+    """
+    inp = rank_inputs(ctx, kernel.prepare_finalize, x_full, w13_full, w2_full, topk_weights_full, topk_ids_full, layout)
+    off = PhaseTimer(ctx, enabled=False)
+    out = _layer(kernel, inp, ctx, off)
+    result = RankCaseResult(
+        out=out, rows=inp.rows, tokens_per_rank=inp.tokens_per_rank, pairs_per_rank=inp.pairs_per_rank
+    )
+    if not time_phases:
+        return result
+    for _ in range(warmup):
+        _layer(kernel, inp, ctx, off)
+    timer = PhaseTimer(ctx)
+    for _ in range(reps):
+        _layer(kernel, inp, ctx, timer)
+    total = PhaseTimer(ctx)
+    for _ in range(reps):
+        with total.phase("total"):
+            _layer(kernel, inp, ctx, off)
+    result.phases = {**timer.summarise(), **total.summarise()}
+    return result

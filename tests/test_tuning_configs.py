@@ -1,0 +1,126 @@
+"""Tuned-config files (vLLM naming and content), lookup order, nearest key, default heuristic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moebench.errors import MoebenchError
+from moebench.tuning import configs as C
+
+GOOD = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 4}
+BIG = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def test_file_name_like_vllm():
+    assert C.config_file_name(8, 14336, "NVIDIA H200") == "E=8,N=14336,device_name=NVIDIA_H200.json"
+    assert C.config_file_name(128, 768, "NVIDIA_H200", torch.bfloat16) == "E=128,N=768,device_name=NVIDIA_H200.json"
+    assert (
+        C.config_file_name(256, 256, "NVIDIA_H200", "fp8_w8a8", [128, 128])
+        == "E=256,N=256,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
+    )
+    assert C.device_name("cpu") == "cpu"
+
+
+def test_write_then_load_roundtrip(tmp_path):
+    p = C.write_config_file(tmp_path / "sub" / "x.json", {1: GOOD, "64": BIG}, triton_version="3.6.0")
+    raw = json.loads(p.read_text())
+    assert raw["triton_version"] == "3.6.0" and list(raw) == ["triton_version", "1", "64"]
+    assert C.load_config_file(p) == {1: GOOD, 64: BIG}
+    assert not list((tmp_path / "sub").glob("*.tmp"))  # atomic: no temporary left behind
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        (json.dumps({"abc": GOOD}), "not a token count"),
+        (json.dumps({"1": {k: v for k, v in GOOD.items() if k != "num_warps"}}), "missing num_warps"),
+        (json.dumps({"1": dict(GOOD, BLOCK_SIZE_N=48)}), "power of two"),
+        (json.dumps({"1": dict(GOOD, num_stages=0)}), "positive integer"),
+        (json.dumps({"1": dict(GOOD, SPLIT_K=2)}), "unknown key"),
+        (json.dumps({"triton_version": "3.6.0"}), "no token-count entries"),
+    ],
+)
+def test_malformed_files_raise_clear_error(tmp_path, content, needle):
+    p = tmp_path / "E=8,N=64,device_name=cpu.json"
+    p.write_text(content)
+    with pytest.raises(MoebenchError, match=needle) as ei:
+        C.load_config_file(p)
+    assert str(p) in str(ei.value)
+
+
+def test_missing_file_error(tmp_path):
+    with pytest.raises(MoebenchError, match="cannot read"):
+        C.load_config_file(tmp_path / "nope.json")
+
+
+def test_nearest_entry_and_ties():
+    table = {1: GOOD, 16: BIG, 64: GOOD}
+    assert C.nearest_entry(table, 1) == (1, GOOD)
+    assert C.nearest_entry(table, 30) == (16, BIG)
+    assert C.nearest_entry(table, 40) == (16, BIG)  # tie 16 / 64 -> smaller count
+    assert C.nearest_entry(table, 41) == (64, GOOD)
+    assert C.nearest_entry(table, 100000) == (64, GOOD)
+
+
+def test_lookup_order(tmp_path, monkeypatch):
+    name = C.config_file_name(8, 64, "cpu")
+    env_dir, cwd = tmp_path / "env", tmp_path / "work"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
+    # nothing anywhere -> default heuristic
+    cfg, src = C.lookup_config(8, 64, 10, torch.bfloat16, "cpu", hidden=64, topk=2)
+    assert src == "default heuristic" and cfg == C.default_config(10, 8, 64, 64, 2, torch.bfloat16)
+    # results/configs under the current directory
+    C.write_config_file(tmp_path / "results" / "configs" / name, {1: GOOD})
+    cfg, src = C.lookup_config(8, 64, 10, None, "cpu")
+    assert cfg == GOOD and src.endswith(f"{name}[1]") and "results" in src
+    # $MOEBENCH_CONFIG_DIR wins over results/configs
+    C.write_config_file(env_dir / name, {8: BIG, 1024: GOOD})
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(env_dir))
+    cfg, src = C.lookup_config(8, 64, 10, None, "cpu")
+    assert cfg == BIG and src == f"{env_dir / name}[8]"
+    assert C.lookup_config(8, 64, 900, None, "cpu")[0] == GOOD
+    # another device name or shape does not match
+    assert C.lookup_config(8, 64, 10, None, "NVIDIA_H200")[1] == "default heuristic"
+    assert C.lookup_config(16, 64, 10, None, "cpu")[1] == "default heuristic"
+    del cwd
+
+
+def test_package_dir_is_last(tmp_path, monkeypatch):
+    monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
+    monkeypatch.chdir(tmp_path)
+    dirs = C.config_search_dirs()
+    assert dirs == [tmp_path / "results" / "configs", C.PACKAGE_CONFIG_DIR]
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, "/x")
+    assert C.config_search_dirs()[0].as_posix() == "/x"
+
+
+def test_lookup_malformed_file_raises(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    (tmp_path / C.config_file_name(8, 64, "cpu")).write_text("{}")
+    with pytest.raises(MoebenchError, match="no token-count entries"):
+        C.lookup_config(8, 64, 1, None, "cpu")
+
+
+def test_default_heuristic_sanity():
+    # Decode (few tokens per expert) -> smallest BLOCK_SIZE_M; prefill -> large tiles, more warps.
+    mix = [C.default_config(m, 8, 14336, 4096, 2) for m in (1, 16, 64, 256, 1024, 4096)]
+    bms = [c["BLOCK_SIZE_M"] for c in mix]
+    assert bms == sorted(bms) and bms[0] == 16 and bms[-1] == 128
+    qwen1 = C.default_config(1, 128, 768, 2048, 8)
+    assert qwen1["BLOCK_SIZE_M"] == 16 and qwen1["BLOCK_SIZE_K"] == 128  # short K loops (I = 768)
+    assert C.default_config(1, 8, 14336, 4096, 2)["BLOCK_SIZE_K"] == 256
+    big = C.default_config(4096, 8, 14336, 4096, 2)
+    assert big["num_warps"] == 8 and big["GROUP_SIZE_M"] > 1
+    # valid configs everywhere, fp32 uses a smaller K tile, tiny shapes clamp N and K
+    for m in (1, 7, 100, 5000, 100000):
+        for dt in (torch.float32, torch.float16, torch.bfloat16):
+            C.validate_tile_config(C.default_config(m, 60, 40, 72, 4, dt))
+    assert C.default_config(1, 8, 14336, 4096, 2, torch.float32)["BLOCK_SIZE_K"] < mix[0]["BLOCK_SIZE_K"]
+    tiny = C.default_config(5000, 8, 40, 72, 2)
+    assert tiny["BLOCK_SIZE_N"] <= 64 and tiny["BLOCK_SIZE_K"] <= 128
