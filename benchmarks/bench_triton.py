@@ -31,19 +31,28 @@ import triton
 import triton.language as tl
 
 import moebench
-from moebench.bench.timing import time_cuda
+from moebench.bench.timing import time_cpu
+from moebench.bench.timing import time_cuda as _time_cuda
 from moebench.kernels.moe_align import moe_align_block_size
-from moebench.kernels.triton_moe import _num_sms, choose_split_k, fused_moe_gemms, select_config
+from moebench.kernels.triton_moe import (
+    _num_sms,
+    choose_split_k,
+    fused_moe_gemms,
+    fused_topk_softmax,
+    launch_gemm1,
+    launch_gemm2,
+    select_config,
+)
 
 # name: (E global, topk, H, I, E local, use expert_map)
 SHAPES = {
     "mixtral": (8, 2, 4096, 14336, 8, False),
     "qwen3-30b-a3b": (128, 8, 2048, 768, 128, False),
-    # The brief's EP8 shard: routing over 256 experts, 32 here via expert_map (~M local pairs).
-    "dsv3-ep8": (256, 8, 7168, 2048, 32, True),
     # The reference table's DeepSeek row does the work of M*8 pairs on 32 experts (its floor
     # equals Mixtral's): top-8 routing over the 32 local experts, comparable to it.
     "dsv3-ep8-local": (32, 8, 7168, 2048, 32, False),
+    # The brief's EP8 shard: routing over 256 experts, 32 here via expert_map (~M local pairs).
+    "dsv3-ep8": (256, 8, 7168, 2048, 32, True),
 }
 TOKENS = [1, 16, 64, 256, 1024, 4096]
 REF = {
@@ -53,10 +62,25 @@ REF = {
     "dsv3-ep8-local": [197, 681, 779, 832, 2164, 7566],
 }
 SWEEP = [  # (BLOCK_SIZE_M, N, K, GROUP_SIZE_M, warps, stages)
-    (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (16, 32, 128, 1, 4, 4),
-    (32, 64, 128, 1, 4, 4), (32, 128, 64, 1, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4),
-    (64, 128, 64, 1, 8, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
+    (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 64, 128, 16, 4, 4), (16, 64, 256, 16, 4, 3),
+    (16, 128, 256, 16, 4, 3), (16, 64, 256, 16, 8, 3), (16, 128, 128, 16, 4, 4),
+    (32, 128, 64, 16, 4, 4), (32, 128, 128, 16, 4, 3), (32, 64, 256, 16, 4, 3), (32, 128, 64, 16, 8, 4),
+    (64, 128, 64, 16, 8, 4), (64, 128, 64, 16, 4, 4), (64, 128, 64, 1, 8, 4), (64, 256, 64, 16, 8, 3),
+    (64, 128, 128, 16, 8, 3), (128, 128, 64, 16, 8, 3), (128, 256, 64, 8, 8, 3), (128, 256, 64, 32, 8, 3),
+    (128, 256, 64, 8, 8, 4),
 ]
+# --smoke: tiny shapes on CPU under the Triton interpreter, to check the script itself (its times
+# are not kernel performance).
+SMOKE_SHAPES = {"tiny": (16, 2, 64, 32, 16, False), "tiny-map": (32, 4, 64, 32, 8, True)}
+ON_GPU = torch.cuda.is_available()
+
+
+def time_cuda(fn, reps=30, graph_calls=5, use_graph=True):
+    if ON_GPU:
+        return _time_cuda(fn, reps=reps, graph_calls=graph_calls, use_graph=use_graph)
+    return time_cpu(fn, warmup=1, reps=1)
+
+
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 
 
@@ -74,6 +98,8 @@ def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def read_ceiling() -> tuple[float, str]:
     """Best read bandwidth (bytes/s) over a few read-only kernels on a 4 GiB buffer."""
+    if not ON_GPU:
+        return 1e11, "cpu (smoke)"
     n = 1 << 31
     buf = torch.ones(n, dtype=torch.bfloat16, device="cuda")
     sms = _num_sms(buf.device)
@@ -94,6 +120,8 @@ def read_ceiling() -> tuple[float, str]:
 
 
 def matmul_ceiling() -> float:
+    if not ON_GPU:
+        return 1e11
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     c = torch.empty(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -101,9 +129,15 @@ def matmul_ceiling() -> float:
     return 2 * 8192**3 / (t.median_us * 1e-6)
 
 
-def routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax top-k, renormalised, in plain torch ops (5 launches)."""
     w, ids = torch.softmax(logits, -1).topk(k, -1)
     return w / w.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same routing in one Triton launch (moebench.kernels.triton_moe.fused_topk_softmax)."""
+    return fused_topk_softmax(logits, k, renormalize=True)
 
 
 def main() -> int:
@@ -111,14 +145,19 @@ def main() -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs (GEMM part)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
     ap.add_argument("--budget-s", type=float, default=330, help="skip sweeps once this many seconds passed")
     args = ap.parse_args()
     t_start = time.time()
     out_dir = os.environ.get("OUT", "bench-out")
     os.makedirs(out_dir, exist_ok=True)
     tokens = [int(t) for t in args.tokens.split(",")]
-    dev = torch.device("cuda")
-    gpu = torch.cuda.get_device_name()
+    if args.smoke:
+        SHAPES.update(SMOKE_SHAPES)
+        REF.update({k: REF["mixtral"] for k in SMOKE_SHAPES})
+        args.shapes = ",".join(SMOKE_SHAPES)
+    dev = torch.device("cuda" if ON_GPU else "cpu")
+    gpu = torch.cuda.get_device_name() if ON_GPU else "cpu (smoke run: times are not kernel performance)"
     print(f"# {gpu}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     rbw, rhow = read_ceiling()
     mm = matmul_ceiling()
@@ -159,8 +198,8 @@ def main() -> int:
                 w_, i_ = routing(logits, k)
                 return kernel.apply(x, w13, w2, w_, i_, expert_map=emap, num_experts=e)
 
-            def gemm(c=cfg, a=align, s=split):
-                return fused_moe_gemms(x, w13, w2, tw, a, k, c, s)
+            def gemm(c=cfg, a=align, s=split, tma=False, atomic=True):
+                return fused_moe_gemms(x, w13, w2, tw, a, k, c, s, use_tma=tma, atomic=atomic)
 
             def torch_layer():
                 w_, i_ = routing(logits, k)
@@ -168,8 +207,13 @@ def main() -> int:
 
             t_layer = time_cuda(layer, reps=30, graph_calls=5)
             t_gemm = time_cuda(gemm, reps=30, graph_calls=5)
+            inter0 = launch_gemm1(x, w13, align, k, cfg)
+            t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg), reps=20, graph_calls=5)
+            t_g2 = time_cuda(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split), reps=20, graph_calls=5)
+            del inter0
             t_align = time_cuda(lambda: moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], e_local, emap), reps=30, graph_calls=10)
             t_route = time_cuda(lambda: routing(logits, k), reps=30, graph_calls=10)
+            t_troute = time_cuda(lambda: torch_routing(logits, k), reps=30, graph_calls=10)
             try:
                 t_torch = time_cuda(torch_layer, reps=10, use_graph=False).median_us
                 torch_err = ""
@@ -179,14 +223,15 @@ def main() -> int:
             flops = 2 * pairs * 3 * h * inter
             mem_floor = nbytes / rbw * 1e6
             cmp_floor = flops / mm * 1e6
-            floor = max(mem_floor, cmp_floor)
+            floor = max(mem_floor, cmp_floor) or float("nan")  # nan: no local expert hit
             ref_us = REF[shape][TOKENS.index(m)] if m in TOKENS else float("nan")
             row = dict(
                 shape=shape, tokens=m, E=e, E_local=e_local, topk=k, hidden=h, intermediate=inter,
                 max_rel_err=f"{err:.2e}", layer_us=round(t_layer.median_us, 1), layer_method=t_layer.method,
                 layer_p10=round(t_layer.p10_us, 1), layer_p90=round(t_layer.p90_us, 1),
-                gemm_us=round(t_gemm.median_us, 1), align_us=round(t_align.median_us, 1),
-                routing_us=round(t_route.median_us, 1), torch_us=round(t_torch, 1), torch_err=torch_err,
+                gemm_us=round(t_gemm.median_us, 1), gemm1_us=round(t_g1.median_us, 1),
+                gemm2_us=round(t_g2.median_us, 1), align_us=round(t_align.median_us, 1),
+                routing_us=round(t_route.median_us, 1), torch_routing_us=round(t_troute.median_us, 1), torch_us=round(t_torch, 1), torch_err=torch_err,
                 experts_hit=hit, local_pairs=pairs, mem_floor_us=round(mem_floor, 1), compute_floor_us=round(cmp_floor, 1),
                 floor_us=round(floor, 1), layer_over_floor=round(t_layer.median_us / floor, 3),
                 gemm_over_floor=round(t_gemm.median_us / floor, 3), ref_us=ref_us,
@@ -195,13 +240,13 @@ def main() -> int:
                 config="/".join(str(cfg[kk]) for kk in KEYS), split_k=split, config_source=src,
             )
             if args.sweep and time.time() - t_start < args.budget_s:
-                best = (t_gemm.median_us, row["config"] + f" sk{split}")
+                best = (t_gemm.median_us, row["config"] + f" sk{split}", cfg, split)
                 tpe = m * k / e
+                bm_hi = min(128, max(16, 4 * triton.next_power_of_2(max(1, int(tpe)))))
+                bm_lo = 16 if tpe <= 48 else (32 if tpe <= 128 else 64)
                 for cand in SWEEP:
                     c = dict(zip(KEYS, cand))
-                    if c["BLOCK_SIZE_M"] > max(16, 4 * triton.next_power_of_2(max(1, int(tpe)))):
-                        continue
-                    if c["BLOCK_SIZE_M"] < 64 and tpe > 256:
+                    if not bm_lo <= c["BLOCK_SIZE_M"] <= bm_hi:
                         continue
                     try:
                         a2 = moe_align_block_size(ids, c["BLOCK_SIZE_M"], e_local, emap)
@@ -209,18 +254,34 @@ def main() -> int:
                         for s2 in sorted({1, choose_split_k(eb, h, inter, c, _num_sms(dev))}):
                             t2 = time_cuda(lambda c=c, a2=a2, s2=s2: gemm(c, a2, s2), reps=10, graph_calls=3).median_us
                             if t2 < best[0]:
-                                best = (t2, "/".join(map(str, cand)) + f" sk{s2}")
+                                best = (t2, "/".join(map(str, cand)) + f" sk{s2}", c, s2)
                     except Exception as ex:  # noqa: BLE001 - out of resources etc.: skip candidate
-                        print(f"  sweep {cand}: {type(ex).__name__}", file=sys.stderr)
+                        print(f"  sweep {cand}: {type(ex).__name__}: {str(ex)[:120]}", file=sys.stderr)
                 row["sweep_best_us"] = round(best[0], 1)
                 row["sweep_best_config"] = best[1]
                 row["default_over_sweep_best"] = round(t_gemm.median_us / best[0], 3)
+                # Kernel variants on the default config and on the best one: TMA weight loads,
+                # and store-per-pair + torch sum instead of atomics.
+                for label, (c, s2) in (("default", (cfg, split)), ("best", (best[2], best[3]))):
+                    a2 = moe_align_block_size(ids, c["BLOCK_SIZE_M"], e_local, emap)
+                    for vname, tma, atomic in (("tma", True, True), ("store", False, False), ("tma_store", True, False)):
+                        try:
+                            t2 = time_cuda(lambda c=c, a2=a2, s2=s2, tma=tma, atomic=atomic: gemm(c, a2, s2, tma, atomic),
+                                           reps=10, graph_calls=3).median_us
+                            chk = gemm(c, a2, s2, tma, atomic)
+                            ok = torch.allclose(chk.float(), out.float(), rtol=3e-2, atol=3e-2)
+                            row[f"{label}_{vname}_us"] = round(t2, 1) if ok else f"WRONG {t2:.1f}"
+                        except Exception as ex:  # noqa: BLE001
+                            row[f"{label}_{vname}_us"] = f"{type(ex).__name__}"
+                            print(f"  variant {label} {vname}: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
             rows.append(row)
             print(
                 f"{shape:16s} M={m:5d} err={err:.1e} layer={t_layer.median_us:8.1f} gemm={t_gemm.median_us:8.1f} "
                 f"align={t_align.median_us:5.1f} torch={t_torch:8.1f} floor={floor:7.1f} ref={ref_us} "
-                f"cfg={row['config']} sk={split} {('best ' + str(row.get('sweep_best_us')) + ' ' + row.get('sweep_best_config', '')) if 'sweep_best_us' in row else ''}"
-                f" [{time.time() - t_start:.0f}s]",
+                f"g1={t_g1.median_us:.1f} g2={t_g2.median_us:.1f} cfg={row['config']} sk={split} "
+                f"{('best ' + str(row.get('sweep_best_us')) + ' ' + row.get('sweep_best_config', '')) if 'sweep_best_us' in row else ''} "
+                + " ".join(f"{kk[:-3]}={vv}" for kk, vv in row.items() if kk.startswith(("default_t", "default_s", "best_t", "best_s")))
+                + f" [{time.time() - t_start:.0f}s]",
                 flush=True,
             )
             _write_csv(csv_path, rows)
@@ -251,13 +312,13 @@ def _markdown(rows, gpu, rbw, rhow, mm) -> str:
         f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}; read ceiling "
         f"{rbw / 1e12:.2f} TB/s ({rhow}), bf16 matmul {mm / 1e12:.0f} TFLOP/s (this run).",
         "",
-        "| shape | M | layer us | gemm us | align us | routing us | torch us | floor us | layer/floor | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | sweep best (gemm us, config) | err |",
+        "| shape | M | layer us | gemm us (gemm1 + gemm2) | align us | routing us (torch ops) | torch us | floor us | layer/floor | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | sweep best (gemm us, config) | err |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sweep = f"{r['sweep_best_us']} {r['sweep_best_config']}" if "sweep_best_us" in r else "-"
         lines.append(
-            f"| {r['shape']} | {r['tokens']} | {r['layer_us']} | {r['gemm_us']} | {r['align_us']} | {r['routing_us']} | "
+            f"| {r['shape']} | {r['tokens']} | {r['layer_us']} | {r['gemm_us']} ({r['gemm1_us']} + {r['gemm2_us']}) | {r['align_us']} | {r['routing_us']} ({r['torch_routing_us']}) | "
             f"{r['torch_us']} | {r['floor_us']} | {r['layer_over_floor']} | {r['gemm_over_ref']} | {r['layer_over_ref']} | "
             f"{r['config']} sk{r['split_k']} | {sweep} | {r['max_rel_err']} |"
         )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -162,12 +162,14 @@ def models(as_json: bool):
 @click.option("--experts", "experts", default="all", show_default=True, help="Comma list of experts backends, or all.")
 @click.option("--prepare-finalize", "prepare_finalize", default="all", show_default=True, help="Comma list, or all.")
 @click.option("--simulate", is_flag=True, help="Compute one rank's share on one device; model communication.")
+@click.option("--link", "link_name", default=None, help="Link profile for --simulate (h200-nvlink, a100-nvlink, pcie-gen5, ib-400g, ...).")
+@click.option("--link-gbps", type=float, default=None, help="Override the link bandwidth (GB/s per direction) for --simulate.")
 @click.option("--format", "formats", default="csv,json,md", show_default=True, help="Exports: csv,json,md,parquet,html.")
 @click.option("--no-check", is_flag=True, help="Skip the float64 reference check.")
 @click.option("--resume", "resume", type=click.Path(path_type=Path), default=None, help="Continue a run folder.")
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
 def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, routing,
-          seed, out, experts, prepare_finalize, simulate, formats, no_check, resume, reps):
+          seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps):
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
     from moebench.inputs import parse_dtype
     from moebench.kernels.registry import prepare_finalize_names
@@ -196,36 +198,75 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         prepare_finalize=resolve_names(prepare_finalize, prepare_finalize_names(), "prepare_finalize", prepare_finalize_names()),
         dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps,
     )
-    if layout.world_size > 1 or simulate:
-        raise MoebenchError(
-            f"{layout.describe()} needs the multi-rank runtime, which is not in this version yet; "
-            "run a single rank (drop --tp/--ep/--dp/--world-size/--simulate)"
-        )
-    folder = resume if resume is not None else ensure_writable_dir(out) / new_run_id("sweep", shape.name)
-    meta = {"command": "sweep", "argv": sys.argv[1:], "shape": shape.__dict__, "layout": layout.__dict__,
-            "tokens": tok, "dtype": str(dt), "device": device, "routing": routing, "seed": seed}
     from moebench.bench.hardware import device_summary
-    meta["device_summary"] = device_summary(device)
+    from moebench.runtime.distributed import is_main, join_torchrun
+    from moebench.sweep import run_multirank, run_simulated
+
+    ctx = join_torchrun() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+    mode = "single"
+    if ctx is not None:
+        if ctx.world_size != layout.world_size:
+            raise MoebenchError(f"torchrun started {ctx.world_size} ranks but the layout needs {layout.world_size} "
+                                f"(dp {layout.dp} x tp {layout.tp})")
+        mode = "torchrun"
+    elif layout.world_size > 1:
+        if simulate:
+            mode = "simulate"
+        elif world_size is not None:
+            if device == "cuda" and torch.cuda.device_count() < world_size:
+                raise MoebenchError(f"--world-size {world_size} needs {world_size} GPUs but "
+                                    f"{torch.cuda.device_count()} are visible; add --simulate to model the other ranks")
+            mode = "spawn"
+        else:
+            mode = "simulate"
+            console.print(f"[yellow]notice:[/] {layout.describe()} asked for without --world-size: simulating it "
+                          f"(one rank's share computed here, communication modeled); pass --world-size "
+                          f"{layout.world_size} to run real ranks")
+    elif simulate:
+        console.print("[yellow]notice:[/] --simulate with a single rank changes nothing: running it for real")
+    link = None
+    if mode == "simulate":
+        from moebench.runtime.simulate import choose_link, get_link
+
+        dev_name = device_summary(device).get("name") if device == "cuda" else None
+        link = get_link(link_name, link_gbps) if link_name else choose_link(dev_name, link_gbps)
+    elif link_gbps is not None or link_name:
+        raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
+    main_rank = ctx is None or is_main(ctx)
+    folder = resume if resume is not None else ensure_writable_dir(out) / new_run_id("sweep", shape.name)
+    meta = {"command": "sweep", "argv": sys.argv[1:], "mode": mode, "shape": shape.to_dict(),
+            "layout": layout.__dict__, "tokens": tok, "dtype": str(dt), "device": device, "routing": routing,
+            "seed": seed, "link": None if link is None else link.__dict__, "device_summary": device_summary(device)}
+    if not main_rank:
+        run_multirank(spec, folder, ctx=ctx)
+        return
     store = RunStore(folder, metadata=meta)
     n_total = len(spec.tokens) * len(spec.prepare_finalize) * len(spec.experts)
     console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, H={shape.hidden}, "
-                  f"I={shape.intermediate}) {layout.describe()} on {device}, {dtype or ('bf16' if device == 'cuda' else 'fp32')}, "
+                  f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {dtype or ('bf16' if device == 'cuda' else 'fp32')}, "
                   f"routing {routing} -> {folder}")
-    rows = []
     try:
-        with _progress() as prog:
-            task = prog.add_task("sweep", total=n_total)
+        if mode in ("spawn", "torchrun"):
+            run_multirank(spec, folder, world_size=layout.world_size, ctx=ctx)
+            store = RunStore(folder)  # rank 0 appended the rows there
+        else:
+            with _progress() as prog:
+                task = prog.add_task("sweep", total=n_total)
 
-            def tick(row):
-                prog.update(task, advance=1, description=f"M={row.tokens} {row.prepare_finalize}+{row.experts}")
+                def tick(row):
+                    prog.update(task, advance=1, description=f"M={row.tokens} {row.prepare_finalize}+{row.experts}")
 
-            rows = run_sweep(spec, store, on_progress=tick)
+                if mode == "simulate":
+                    run_simulated(spec, store, link, on_progress=tick)
+                else:
+                    run_sweep(spec, store, on_progress=tick)
     except KeyboardInterrupt:
+        store = RunStore(folder)
         store.finish(fmts)
         err_console.print(f"interrupted: {len(store.rows)} finished rows kept in {folder} (continue with --resume {folder})")
         sys.exit(130)
     written = store.finish(fmts)
-    print_rows(store.rows if resume else rows, console)
+    print_rows(store.rows, console)
     console.print(f"wrote {', '.join(str(p) for p in written)}")
 
 

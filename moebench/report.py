@@ -57,22 +57,36 @@ def sweep_table(rows: Iterable[ResultRow], title: str = "moebench sweep") -> Tab
         if r.status == "ok" and r.correct and r.latency_us is not None:
             best[r.tokens] = min(best.get(r.tokens, float("inf")), r.latency_us)
     t = Table(title=title, header_style="bold")
-    for col in ("tokens", "prepare/finalize", "experts", "format", "latency us", "p10-p90", "TFLOP/s",
-                "GB/s", "roofline", "rel err", "correct", "status / reason"):
+    breakdown = any(r.experts_us is not None for r in rows)
+    cols = ["tokens", "prepare/finalize", "experts", "format", "latency us", "p10-p90"]
+    cols += ["breakdown us"] if breakdown else []
+    cols += ["TFLOP/s", "GB/s", "roofline", "rel err", "correct", "status / reason"]
+    for col in cols:
         t.add_column(col, justify="right" if col not in ("prepare/finalize", "experts", "format", "status / reason") else "left")
     for r in rows:
         fastest = r.latency_us is not None and r.correct and best.get(r.tokens) == r.latency_us
         lat = _fmt(r.latency_us) + (" *" if fastest else "")
         spread = f"{_fmt(r.p10_us)}-{_fmt(r.p90_us)}" if r.p10_us is not None else "-"
-        status = r.status if not r.reason else f"{r.status}: {r.reason}"
-        if r.modeled:
-            status = "modeled; " + status
+        if r.modeled and r.status == "ok":
+            status = "ok, modeled"
+        else:
+            status = r.status if not r.reason else f"{r.status}: {r.reason}"
         ok = {True: "[green]yes[/]", False: "[red]NO[/]", None: "-"}[r.correct]
-        t.add_row(
-            str(r.tokens), r.prepare_finalize, r.experts, r.activation_format, lat, spread, _fmt(r.tflops, 2),
-            _fmt(r.gbps), _fmt(r.roofline_frac, 2), _fmt(r.max_rel_err, 6), ok, status,
-        )
+        cells = [str(r.tokens), r.prepare_finalize, r.experts, r.activation_format, lat, spread]
+        cells += [_breakdown(r)] if breakdown else []
+        cells += [_fmt(r.tflops, 2), _fmt(r.gbps), _fmt(r.roofline_frac, 2), _fmt(r.max_rel_err, 6), ok, status]
+        t.add_row(*cells)
     return t
+
+
+def _breakdown(r: ResultRow) -> str:
+    """'dispatch 1.0 + experts 2.0 + combine 3.0' or 'experts 2.0 + allreduce 1.0' (modeled parts marked ~)."""
+    parts = []
+    for name, label in (("dispatch_us", "disp"), ("experts_us", "exp"), ("combine_us", "comb"), ("allreduce_us", "ar")):
+        v = getattr(r, name)
+        if v is not None:
+            parts.append(f"{label} {'~' if r.modeled and name != 'experts_us' else ''}{v:.1f}")
+    return " + ".join(parts) if parts else "-"
 
 
 def skipped_table(rows: Iterable[ResultRow]) -> Table | None:
@@ -102,7 +116,9 @@ def print_rows(rows: Iterable[ResultRow], console: Console | None = None, title:
     if any(r.device == "cpu" and r.latency_us is not None for r in rows):
         notes.append("CPU times are wall clock: they test correctness and plumbing, not kernel speed.")
     if any(r.modeled for r in rows):
-        notes.append("modeled rows: communication time comes from the cost model, not a measurement.")
+        notes.append("modeled rows: the experts time is measured on this device for one rank's share; "
+                     "communication (~) comes from the cost model, not a measurement.")
+        notes += sorted({r.reason.split("; ", 1)[-1] for r in rows if r.modeled and r.status == "ok"})
     if any(r.latency_us is not None for r in rows):
         notes.append("* = fastest correct entry for its token count.")
     for n in notes:

@@ -75,11 +75,14 @@ def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
             reason = check_combination(
                 pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep
             )
+            if reason is None and spec.layout.dp > 1 and not get_prepare_finalize_class(pf).communicates:
+                reason = (f"prepare/finalize '{pf}' keeps tokens where they are, so dp {spec.layout.dp} > 1 "
+                          f"needs a token exchange: use allgather-rs or all2all-ll")
             out.append((pf, ex, reason))
     return out
 
 
-def _base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
+def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
     s, lay = spec.shape, spec.layout
     try:
         fmt = str(get_experts_class(ex).activation_format)
@@ -93,7 +96,7 @@ def _base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
     )
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
 
@@ -106,7 +109,7 @@ def run_sweep(
     """Single-process sweep. Rows go to `store` as they are measured; rows already in the store
     (a resumed run) are skipped. Returns the rows of this sweep, in plan order."""
     if spec.layout.world_size > 1:
-        raise MoebenchError("multi-rank layouts go through moebench.runtime (use the CLI's --world-size/--simulate)")
+        raise MoebenchError("a multi-rank layout runs through run_multirank or run_simulated (CLI: --world-size / --simulate)")
     s = spec.shape
     pairs = plan(spec)
     runnable = [p for p in pairs if p[2] is None]
@@ -125,7 +128,7 @@ def run_sweep(
         nbytes = metrics.layer_bytes(topk_ids, s.num_experts, s.hidden, s.intermediate,
                                      torch.tensor([], dtype=spec.dtype).element_size(), m)
         for pf, ex, reason in pairs:
-            row = _base_row(spec, m, pf, ex)
+            row = base_row(spec, m, pf, ex)
             row.imbalance = imbalance
             if store.has(row.key()):
                 continue
@@ -163,7 +166,7 @@ def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings) -> None:
     except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
         if spec.device == "cuda":
             torch.cuda.synchronize()
-        row.status, row.reason = "failed", _one_line(e)
+        row.status, row.reason = "failed", one_line(e)
         return
     row.latency_us, row.p10_us, row.p90_us, row.timing_method = t.median_us, t.p10_us, t.p90_us, t.method
     fill_metrics(row, flops, nbytes, ceilings)
@@ -174,3 +177,21 @@ def fill_metrics(row: ResultRow, flops: float, nbytes: float, ceilings) -> None:
     row.tflops, row.gbps, row.roofline_frac = m["tflops"], m["gbps"], m.get("roofline_frac")
     row.floor_us = m.get("floor_us")
     row.ceilings_source = getattr(ceilings, "source", "") if ceilings is not None else "none"
+
+
+def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=None) -> int:
+    """Real ranks: join the torchrun group `ctx`, or spawn `world_size` processes (gloo on CPU,
+    NCCL with one GPU each). Rank 0 appends rows to `folder`; returns the rows it wrote."""
+    from moebench.runtime.distributed import spawn
+    from moebench.runtime.rank_sweep import sweep_on_rank
+
+    if ctx is not None:
+        return sweep_on_rank(ctx, spec, str(folder))
+    return spawn(sweep_on_rank, world_size or spec.layout.world_size, spec.device, spec, str(folder))[0]
+
+
+def run_simulated(spec: SweepSpec, store: RunStore, link, on_progress=None) -> list[ResultRow]:
+    """One device computes one rank's share; communication comes from the cost model (`link`)."""
+    from moebench.runtime.sim_sweep import run_simulated_sweep
+
+    return run_simulated_sweep(spec, store, link, on_progress)

@@ -277,3 +277,19 @@ def test_batched_finalize_with_empty_first_expert():
         pytest.xfail("TopKWeightAndReduceBatched (modular.py) multiplies gathered unwritten rows by 0 "
                      "(NaN * 0 = NaN); it should mask with torch.where")
     assert _rel(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("use_tma,atomic", [(True, True), (False, False), (True, False)])
+def test_triton_variants_tma_and_store(use_tma, atomic):
+    # TMA weight loads (emulated by the interpreter) and the store-then-sum reduction, with an
+    # expert_map (remote pairs) and a ragged K tail (H=72, BLOCK_SIZE_K=32).
+    dtype = torch.bfloat16
+    e_local = 20
+    emap = _expert_map(E, e_local)
+    w13, w2 = _weights(e_local, dtype)
+    m = 7
+    x = _x(m, dtype)
+    tw, ti = _routing(m, E, K)
+    cfg = dict(CFG, BLOCK_SIZE_K=32)
+    out = _run("triton", "no-dpep", x, w13, w2, tw, ti, expert_map=emap, config=cfg, use_tma=use_tma, atomic=atomic)
+    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < TOL[dtype]

@@ -162,6 +162,9 @@ class PrepareAndFinalize(ABC):
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
     needs_expert_parallel: ClassVar[bool] = False
+    #: True when it moves tokens between ranks (each rank brings its own tokens: the DP path);
+    #: False when tokens stay put (the TP path: same tokens on every rank, all-reduce after).
+    communicates: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls, device: str, world_size: int) -> str | None:

@@ -28,6 +28,7 @@ from typing import Any, Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moebench.kernels.modular import (
     ActivationFormat,
@@ -40,13 +41,17 @@ from moebench.kernels.moe_align import AlignResult, interpreter_compat, interpre
 from moebench.kernels.registry import register_experts
 from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+#: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms).
+DEFAULT_USE_TMA = False
+#: Sum over top-k by fp32 atomic adds in GEMM2 (else per-pair rows + a torch sum over K).
+DEFAULT_ATOMIC = True
 
 
 @triton.jit
 def _silu_mul_gemm1_kernel(
     x_ptr,  # (M, H)
     w13_ptr,  # (E_local, 2I, H)
+    w13_desc,  # TMA descriptor of w13 as (E_local * 2I, H), block (BLOCK_SIZE_N, BLOCK_SIZE_K); USE_TMA only
     inter_ptr,  # (max_padded, I) out, rows in sorted order
     sorted_ids_ptr,  # (max_padded,) flat pair ids, sentinel = num_pairs
     expert_ids_ptr,  # (max_blocks,) local expert per block
@@ -70,6 +75,7 @@ def _silu_mul_gemm1_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter: 16-bit operands -> fp32 before tl.dot
     IEEE_DOT: tl.constexpr,  # fp32 operands: full-precision dot, no tf32
+    USE_TMA: tl.constexpr,  # weight tiles through the tensor-memory accelerator (Hopper+)
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -100,10 +106,19 @@ def _silu_mul_gemm1_kernel(
     g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + N_INTER * stride_wn
 
+    # TMA: row of the gate tile in the (E_local * 2I, H) view; rows past I (last tile) read the
+    # neighbouring rows or zeros, their columns are masked at the store.
+    g_row = (expert * 2 * N_INTER + pid_n * BLOCK_SIZE_N).to(tl.int32)
+
     acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
-        if EVEN_K:
+        if USE_TMA:
+            k_ok = offs_k < H - k * BLOCK_SIZE_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = w13_desc.load([g_row, k * BLOCK_SIZE_K]).T
+            u = w13_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
@@ -136,7 +151,8 @@ def _silu_mul_gemm1_kernel(
 def _gemm2_weighted_sum_kernel(
     inter_ptr,  # (max_padded, I)
     w2_ptr,  # (E_local, H, I)
-    ws_ptr,  # (M, H) fp32, zeroed; out
+    w2_desc,  # TMA descriptor of w2 as (E_local * H, I), block (BLOCK_SIZE_N, BLOCK_SIZE_K); USE_TMA only
+    ws_ptr,  # ATOMIC: (M, H) fp32, zeroed; else (M*K, H) in the input dtype, one row per pair; out
     topk_weights_ptr,  # (M*K,) router weights of the flat pairs
     sorted_ids_ptr,
     expert_ids_ptr,
@@ -161,6 +177,8 @@ def _gemm2_weighted_sum_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    ATOMIC: tl.constexpr,  # sum over top-k by atomic add (else: weighted rows per pair, summed later)
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -190,10 +208,16 @@ def _gemm2_weighted_sum_kernel(
     a_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_k[None, :] * stride_ik
     b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
 
+    b_row = (expert * H + pid_n * BLOCK_SIZE_N).to(tl.int32)
+
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     k_hi = min(k_lo + k_per_split, N_INTER)
     for k in range(k_lo, k_hi, BLOCK_SIZE_K):
-        if EVEN_K:
+        if USE_TMA:
+            k_ok = offs_k < k_hi - (k - k_lo)
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = w2_desc.load([b_row, k]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
         else:
@@ -214,9 +238,13 @@ def _gemm2_weighted_sum_kernel(
     # the pair's token row (sentinel rows are masked off).
     w = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
-    token = (pair // TOPK).to(tl.int64)
-    o_ptrs = ws_ptr + token[:, None] * stride_wsm + offs_n[None, :] * stride_wsn
-    tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
+    if ATOMIC:
+        token = (pair // TOPK).to(tl.int64)
+        o_ptrs = ws_ptr + token[:, None] * stride_wsm + offs_n[None, :] * stride_wsn
+        tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
+    else:
+        o_ptrs = ws_ptr + pair[:, None].to(tl.int64) * stride_wsm + offs_n[None, :] * stride_wsn
+        tl.store(o_ptrs, acc.to(ws_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -240,9 +268,9 @@ def _topk_softmax_kernel(
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lm + cols[None, :], mask=ok, other=-float("inf"))
     x = x.to(tl.float32)
     x = tl.where(ok, x, -float("inf"))
-    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = tl.exp(x - tl.where(row_ok, tl.max(x, axis=1), 0.0)[:, None])
     p = tl.where(ok, p, 0.0)
-    p = p / tl.sum(p, axis=1)[:, None]
+    p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
     p = tl.where(ok, p, -1.0)  # padding never wins
     # Sum of the K winners first (for renormalisation), on a copy.
     total = tl.zeros((ROWS,), dtype=tl.float32)
@@ -252,6 +280,7 @@ def _topk_softmax_kernel(
         idx = tl.argmax(q, axis=1, tie_break_left=True)
         total += best
         q = tl.where(cols[None, :] == idx[:, None], -1.0, q)
+    total = tl.where(row_ok, total, 1.0)
     scale = 1.0 / total if RENORMALIZE else tl.full((ROWS,), 1.0, tl.float32)
     for k in tl.static_range(TOPK):
         best = tl.max(p, axis=1)
@@ -306,6 +335,98 @@ def choose_split_k(
     return max(1, min(want // tiles, max_split))
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Hopper or newer (or the interpreter, which emulates descriptors), and rows of the 2-D
+    weight view 16-byte aligned (TMA's rules)."""
+    if t.device.type == "cuda":
+        hw = torch.cuda.get_device_capability(t.device)[0] >= 9
+    else:
+        hw = interpreting()
+    return (
+        hw
+        and t.is_contiguous()
+        and (t.shape[-1] * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def launch_gemm1(
+    x: torch.Tensor, w13: torch.Tensor, align: AlignResult, topk: int, config: Mapping[str, int], use_tma: bool = False
+) -> torch.Tensor:
+    """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I) in x's dtype, sorted rows."""
+    m, h = x.shape
+    n_inter = w13.shape[1] // 2
+    bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    assert align.block_size_m == bm, "alignment block size differs from BLOCK_SIZE_M"
+    interp = interpreting()
+    if interp:
+        interpreter_compat()
+    upcast = interp and x.dtype != torch.float32
+    num_blocks = align.max_blocks
+    bn1 = max(16, bn // 2)  # BLOCK_SIZE_N columns = half gate, half up
+    inter = torch.empty((num_blocks * bm, n_inter), dtype=x.dtype, device=x.device)
+    desc = w13
+    if use_tma:
+        desc = TensorDescriptor.from_tensor(w13.view(-1, h), [bn1, bk])
+    grid1 = (num_blocks * triton.cdiv(n_inter, bn1),)
+    _silu_mul_gemm1_kernel[grid1](
+        x, w13, desc, inter, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        align.num_pairs, n_inter, h, num_blocks,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
+        TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
+        EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    return inter
+
+
+def launch_gemm2(
+    inter: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    align: AlignResult,
+    topk: int,
+    config: Mapping[str, int],
+    split_k: int = 1,
+    use_tma: bool = False,
+    atomic: bool = True,
+) -> torch.Tensor:
+    """GEMM2 + router weight on aligned pairs. atomic: returns ws (M, H) fp32 with the sum over
+    top-k done by atomic adds (split_k allowed); else (M*K, H) weighted rows per pair in inter's
+    dtype (rows of remote pairs zero), to be summed over K by the caller."""
+    m, k = topk_weights.shape
+    e_local, h, n_inter = w2.shape
+    bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    interp = interpreting()
+    upcast = interp and inter.dtype != torch.float32
+    num_blocks = align.max_blocks
+    if atomic:
+        ws = torch.zeros((m, h), dtype=torch.float32, device=inter.device)
+        split_k = max(1, min(int(split_k), triton.cdiv(n_inter, bk)))
+    else:
+        ws = torch.zeros((m * k, h), dtype=inter.dtype, device=inter.device)
+        split_k = 1
+    k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
+    split_k = triton.cdiv(n_inter, k_per_split)
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()
+    desc = w2
+    if use_tma:
+        desc = TensorDescriptor.from_tensor(w2.view(-1, n_inter), [bn, bk])
+    grid2 = (num_blocks * triton.cdiv(h, bn), split_k)
+    _gemm2_weighted_sum_kernel[grid2](
+        inter, w2, desc, ws, weights, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        align.num_pairs, h, n_inter, num_blocks, k_per_split,
+        inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), ws.stride(0), ws.stride(1),
+        TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
+        EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
+        IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    return ws
+
+
 def fused_moe_gemms(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -316,54 +437,27 @@ def fused_moe_gemms(
     config: Mapping[str, int],
     split_k: int = 1,
     out: torch.Tensor | None = None,
+    use_tma: bool = False,
+    atomic: bool = True,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
-    topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k."""
+    topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
+
+    use_tma: weight tiles through TMA descriptors (CUDA, compute capability >= 9; ignored
+    elsewhere). atomic: sum over top-k by fp32 atomics in GEMM2's epilogue (then a cast), else
+    weighted rows per pair and a torch sum over K."""
     m, h = x.shape
-    n_inter = w2.shape[2]
-    bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
-    assert align.block_size_m == bm, "alignment block size differs from BLOCK_SIZE_M"
     if out is None:
         out = alloc_output((m, h), x.dtype, x.device)
     if m == 0:
         return out
-    interp = interpreting()
-    if interp:
-        interpreter_compat()
-    upcast = interp and x.dtype != torch.float32
-    ieee = x.dtype == torch.float32 or upcast
-    num_blocks = align.max_blocks
-    meta = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-
-    # GEMM1 + SiLU-and-mul: BLOCK_SIZE_N columns = half gate, half up.
-    bn1 = max(16, bn // 2)
-    inter = torch.empty((num_blocks * bm, n_inter), dtype=x.dtype, device=x.device)
-    grid1 = (num_blocks * triton.cdiv(n_inter, bn1),)
-    _silu_mul_gemm1_kernel[grid1](
-        x, w13, inter, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
-        align.num_pairs, n_inter, h, num_blocks,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
-        TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
-        EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta,
-    )
-
-    # GEMM2 + router weight + sum over top-k into a zeroed fp32 workspace.
-    ws = torch.zeros((m, h), dtype=torch.float32, device=x.device)
-    split_k = max(1, min(int(split_k), triton.cdiv(n_inter, bk)))
-    k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
-    split_k = triton.cdiv(n_inter, k_per_split)
-    weights = topk_weights.reshape(-1)
-    if weights.dtype != torch.float32 or not weights.is_contiguous():
-        weights = weights.to(torch.float32).contiguous()
-    grid2 = (num_blocks * triton.cdiv(h, bn), split_k)
-    _gemm2_weighted_sum_kernel[grid2](
-        inter, w2, ws, weights, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
-        align.num_pairs, h, n_inter, num_blocks, k_per_split,
-        inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), ws.stride(0), ws.stride(1),
-        TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
-        EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast, IEEE_DOT=ieee, **meta,
-    )
-    out.copy_(ws)
+    use_tma = bool(use_tma) and _tma_ok(w13) and _tma_ok(w2)
+    inter = launch_gemm1(x, w13, align, topk, config, use_tma)
+    ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic)
+    if atomic:
+        out.copy_(ws)
+    else:
+        torch.sum(ws.view(m, topk, h), dim=1, out=out)
     return out
 
 
@@ -388,9 +482,12 @@ def fused_moe(
     num_experts: int | None = None,
     config: Mapping[str, int] | None = None,
     split_k: int | None = None,
+    use_tma: bool | None = None,
+    atomic: bool | None = None,
 ) -> torch.Tensor:
     """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
-    float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype."""
+    float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
+    use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC)."""
     m, k = topk_ids.shape
     e_local = w13.shape[0]
     if num_experts is None:
@@ -404,7 +501,9 @@ def fused_moe(
         est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
         est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, config["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
         split_k = choose_split_k(est_blocks, x.shape[1], w2.shape[2], config, _num_sms(x.device))
-    return fused_moe_gemms(x, w13, w2, topk_weights, align, k, config, split_k)
+    use_tma = DEFAULT_USE_TMA if use_tma is None else use_tma
+    atomic = DEFAULT_ATOMIC if atomic is None else atomic
+    return fused_moe_gemms(x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic)
 
 
 @register_experts
@@ -418,9 +517,17 @@ class TritonExperts(Experts):
     name = "triton"
     activation_format = ActivationFormat.STANDARD
 
-    def __init__(self, config: Mapping[str, int] | None = None, split_k: int | None = None):
+    def __init__(
+        self,
+        config: Mapping[str, int] | None = None,
+        split_k: int | None = None,
+        use_tma: bool | None = None,
+        atomic: bool | None = None,
+    ):
         self.config = validate_tile_config(dict(config), "TritonExperts config") if config is not None else None
         self.split_k = split_k
+        self.use_tma = use_tma
+        self.atomic = atomic
         self.last_config_source: str | None = None
 
     @classmethod
@@ -442,5 +549,6 @@ class TritonExperts(Experts):
         m, k = prep.topk_ids.shape
         cfg = self.config_for(m, k, w13, w2, prep.num_experts, x.dtype)
         return fused_moe(
-            x, w13, w2, prep.topk_weights, prep.topk_ids, prep.expert_map, prep.num_experts, cfg, self.split_k
+            x, w13, w2, prep.topk_weights, prep.topk_ids, prep.expert_map, prep.num_experts, cfg, self.split_k,
+            self.use_tma, self.atomic,
         )

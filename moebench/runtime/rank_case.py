@@ -86,22 +86,21 @@ def rank_inputs(
     ctx: RankContext,
     pf: PrepareAndFinalize,
     x_full: torch.Tensor,
-    w13_full: torch.Tensor,
-    w2_full: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    num_experts: int,
     topk_weights_full: torch.Tensor,
     topk_ids_full: torch.Tensor,
     layout: ParallelLayout,
 ) -> RankInputs:
-    """Slice the full tensors (identical on every rank) into this rank's share; see module doc."""
+    """This rank's share of a case: x_full and topk_* (M, K) are identical on every rank; w13
+    (E_local, 2I', H) and w2 (E_local, H, I') are already this rank's shard; see module doc."""
     if layout.world_size != ctx.world_size:
         raise MoebenchError(
             f"the layout has {layout.world_size} ranks (dp {layout.dp} x tp {layout.tp}) but the run has {ctx.world_size}"
         )
-    num_experts = w13_full.shape[0]
-    layout.validate_shape(num_experts, w2_full.shape[-1])
     m = x_full.shape[0]
     dev = ctx.device
-    w13, w2 = layout.shard_weights(w13_full, w2_full, ctx.rank)
     emap = layout.expert_map(ctx.rank, num_experts)
     if communicates(pf):
         if pf.needs_expert_parallel and not layout.enable_ep and ctx.world_size > 1:
@@ -284,7 +283,18 @@ def run_rank_case(
     `warmup` untimed and `reps` timed runs: per-phase Timings and "total" (whole layer between
     two barriers). All timing is collective; the figures are the same on every rank.
     """
-    inp = rank_inputs(ctx, kernel.prepare_finalize, x_full, w13_full, w2_full, topk_weights_full, topk_ids_full, layout)
+    layout.validate_shape(w13_full.shape[0], w2_full.shape[-1])
+    w13, w2 = layout.shard_weights(w13_full, w2_full, ctx.rank)
+    inp = rank_inputs(ctx, kernel.prepare_finalize, x_full, w13, w2, w13_full.shape[0], topk_weights_full,
+                      topk_ids_full, layout)
+    return run_inputs(ctx, kernel, inp, time_phases=time_phases, warmup=warmup, reps=reps)
+
+
+def run_inputs(
+    ctx: RankContext, kernel: FusedMoEKernel, inp: RankInputs, *, time_phases: bool = False, warmup: int = 1,
+    reps: int = 5,
+) -> RankCaseResult:
+    """`run_rank_case` on inputs already sliced and sharded for this rank (see `rank_inputs`)."""
     off = PhaseTimer(ctx, enabled=False)
     out = _layer(kernel, inp, ctx, off)
     result = RankCaseResult(

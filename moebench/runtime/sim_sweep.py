@@ -1,0 +1,154 @@
+"""A simulated multi-rank sweep: one device computes one rank's share for real, the communication
+time comes from the cost model (moebench.runtime.simulate). Rows carry modeled = true.
+
+What one device computes, per prepare/finalize:
+- no-dpep (TP path, dp == 1): rank 0's weight shard (1/T of I for TP; for EP over tp ranks, the
+  busiest rank's experts) on all M tokens; the all-reduce of the (M, H) output is modeled.
+- allgather-rs: the busiest EP rank's experts on all M * world gathered tokens (Standard, through
+  its expert_map); all-gather of the tokens and reduce-scatter of the output are modeled.
+- all2all-ll / deepep-ll: the busiest EP rank's experts on exactly the (token, expert) pairs it
+  receives, in the DeepEP-LL layout (E_local, M * world, H); dispatch and combine are modeled.
+The experts time is measured on the device (CUDA graph); the layer latency is
+dispatch + experts + combine (or experts + all-reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moebench.bench import metrics
+from moebench.bench.hardware import get_ceilings
+from moebench.bench.timing import time_fn
+from moebench.correctness import is_correct, relative_error
+from moebench.errors import MoebenchError
+from moebench.inputs import check_fits, make_tokens, make_weights
+from moebench.kernels.modular import ActivationFormat, poisoned_outputs
+from moebench.kernels.reference import reference_moe
+from moebench.kernels.registry import get_prepare_finalize_class, make_kernel
+from moebench.kernels.token_layout import local_topk_ids
+from moebench.results import RunStore
+from moebench.routing import load_imbalance, make_routing
+from moebench.runtime import simulate as sim
+from moebench.runtime.rank_sweep import set_comm_gbps
+
+
+def _stand_in(pf_name: str) -> str:
+    """The communication-free prepare/finalize that lays tokens out as `pf_name` would on a rank."""
+    fmt = get_prepare_finalize_class(pf_name).activation_format
+    return "batched-local" if fmt == ActivationFormat.BATCHED else "no-dpep"
+
+
+def run_simulated_sweep(spec, store: RunStore, link: sim.LinkProfile, on_progress=None) -> list:
+    """Simulated rows for every (tokens, pair) of `spec`; written to `store` as they are made."""
+    from moebench.sweep import base_row, one_line, plan
+
+    s, lay = spec.shape, spec.layout
+    pairs = plan(spec)
+    ceilings = get_ceilings(spec.device)
+    el = torch.tensor([], dtype=spec.dtype).element_size()
+    weights_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    rows = []
+    for m in spec.tokens:
+        for pf, ex, reason in pairs:
+            row = base_row(spec, m, pf, ex)
+            row.modeled = True
+            if store.has(row.key()):
+                continue
+            if reason is not None:
+                row.status, row.reason = "skipped", reason
+            else:
+                try:
+                    _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache)
+                except MoebenchError as e:
+                    row.status, row.reason = "failed", str(e)
+                except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
+                    row.status, row.reason = "failed", one_line(e)
+            store.add(row)
+            rows.append(row)
+            if on_progress:
+                on_progress(row)
+    return rows
+
+
+def _weights(spec, rank: int, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    s, lay = spec.shape, spec.layout
+    key = (rank, lay.enable_ep)
+    if key not in cache:
+        cache.clear()  # one shard at a time on the device
+        if lay.enable_ep:
+            experts = lay.local_experts(rank, s.num_experts)
+            check_fits(len(experts), s.hidden, s.intermediate, max(spec.tokens) * lay.world_size, s.topk,
+                       spec.dtype, spec.device)
+            cache[key] = make_weights(experts, s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed)
+        else:
+            check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), max(spec.tokens),
+                       s.topk, spec.dtype, spec.device)
+            cache[key] = make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device,
+                                      spec.seed, tp_rank=rank, tp_size=lay.moe_tp_size)
+    return cache[key]
+
+
+def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache) -> None:
+    s, lay = spec.shape, spec.layout
+    world = lay.world_size
+    moves_tokens = get_prepare_finalize_class(pf).communicates
+    m_full = m * world if moves_tokens else m
+    x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
+    wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
+    row.imbalance = load_imbalance(ids, s.num_experts)
+    if lay.enable_ep:
+        share = sim.busiest_rank_share(ids.cpu(), lay, s.num_experts)
+        rank, emap = share.rank, share.expert_map.to(spec.device)
+        row.rank_imbalance = share.imbalance
+        row.extra["pairs_per_rank"] = ",".join(map(str, share.pairs_per_rank.tolist()))
+    else:
+        rank, emap = 0, None
+        row.rank_imbalance = 1.0
+    w13, w2 = _weights(spec, rank, weights_cache)
+    row.extra["simulated_rank"] = rank
+    row.rank_tokens = ",".join([str(m)] * world)
+
+    # The rank's compute, on this device: the stand-in P/F lays tokens out as the real one would.
+    kernel = make_kernel(ex, _stand_in(pf))
+    args = (x, w13, w2, wts, ids, emap, s.num_experts)
+    if spec.check:
+        with poisoned_outputs():
+            out = kernel.apply(*args)
+        ref = reference_moe(x, w13, w2, wts, ids, emap)
+        row.max_rel_err = relative_error(out, ref)
+        row.correct = is_correct(row.max_rel_err, spec.dtype)
+    pfo, exo = kernel.prepare_finalize, kernel.experts
+    prep = pfo.prepare(x, wts, ids, s.num_experts, w13.shape[0], emap)
+    t = time_fn(lambda: exo.apply(prep, w13, w2), spec.device, **spec.timing_kwargs())
+    row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.name})"
+
+    # Communication from the model.
+    if not moves_tokens:
+        row.allreduce_us = sim.tp_allreduce_us(m, s.hidden, el, world, link) if world > 1 else 0.0
+        comm = row.allreduce_us
+    elif pf == "allgather-rs":
+        row.dispatch_us = sim.allgather_us(m_full * (s.hidden * el + s.topk * 8), world, link)
+        row.combine_us = sim.reduce_scatter_us(m_full * s.hidden * el, world, link)
+        comm = row.dispatch_us + row.combine_us
+    else:
+        row.dispatch_us, row.combine_us = sim.ep_dispatch_combine_us(ids.cpu(), lay, s.num_experts, s.hidden, link,
+                                                                     dispatch_bytes=el, combine_bytes=el)
+        set_comm_gbps(row, ids, s.hidden, el, world)
+        comm = row.dispatch_us + row.combine_us
+    row.latency_us = row.experts_us + comm
+    row.p10_us = t.p10_us + comm
+    row.p90_us = t.p90_us + comm
+    row.reason = (f"modeled: rank {rank}'s experts measured; link {link.name} {link.bandwidth_gbps:g} GB/s "
+                  f"{link.latency_us:g} us ({link.source})")
+
+    # Metrics of the rank's experts work (what was measured), against its floor.
+    local = local_topk_ids(ids, emap)
+    pairs = int((local >= 0).sum())
+    i_r = w2.shape[-1]
+    flops = metrics.layer_flops(pairs, 1, s.hidden, i_r)
+    hit = int(torch.unique(local[local >= 0]).numel())
+    nbytes = hit * 3 * s.hidden * i_r * el + 2 * pairs * s.hidden * el
+    if ceilings is not None:
+        m_ = metrics.metrics(row.experts_us, flops, nbytes, ceilings, dtype=row.dtype)
+        row.tflops, row.gbps, row.roofline_frac, row.floor_us = m_["tflops"], m_["gbps"], m_["roofline_frac"], m_["floor_us"]
+        row.ceilings_source = getattr(ceilings, "source", "")
