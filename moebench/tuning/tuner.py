@@ -1,0 +1,692 @@
+"""`tune`: search the best tile config per token count and write the vLLM-format file.
+
+Run folder (`results/<run-id>/`, or the folder given to `resume`):
+
+    tune.json                  the run's settings (what `--resume` continues) and environment
+    measurements.jsonl         journal: one line per measurement, appended and fsynced as it is
+                               made (other workers: measurements.w<N>.jsonl); a resumed run
+                               answers every (tokens, config, stage) already there from it
+    triton-cache/w<N>/         TRITON_CACHE_DIR of worker N, deleted whenever it grows over
+                               `cache_limit_mb` (compiled kernels stay cached in memory)
+    report.md, report.csv      per token count: winner, latency, runner-up, default heuristic's
+                               latency, speed-up over the default, cost of the search
+
+The config file goes to `out_dir` (default `results/configs/`, the second folder of the lookup
+order) as `E={E_local},N={I/tp},device_name=...json`; entries already in that file for other
+token counts are kept.
+
+Work split: token counts are cut into contiguous chunks (so each worker still seeds a count from
+its neighbour), one chunk per worker. Workers: one process per GPU of `gpus` (spawned), or under
+torchrun (RANK / WORLD_SIZE set) one chunk per rank, gathered on rank 0, which writes the files.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from moebench.errors import MoebenchError
+from moebench.inputs import dtype_name, parse_dtype
+from moebench.layout import ParallelLayout
+from moebench.models import MoEShape
+from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
+from moebench.tuning import configs as C
+from moebench.tuning.search import (
+    DEFAULT_BUDGET,
+    STRATEGIES,
+    LayerBench,
+    LayerWeights,
+    Measurement,
+    Timer,
+    run_search,
+)
+from moebench.tuning.space import SPACE, Problem, PruneReport, dtype_bytes, full_space, key_str, prune, smem_limit
+
+JOURNAL = "measurements.jsonl"
+SETTINGS = "tune.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings of a run
+
+
+@dataclass
+class TuneSpec:
+    """Everything that decides what a tuning run measures (saved in tune.json for --resume).
+
+    space: value lists per parameter (None = the full SPACE). reps / final_reps: timer
+    repetitions of the screening and final stages (None = device default).
+    """
+
+    shape: MoEShape
+    layout: ParallelLayout
+    tokens: list[int]
+    dtype: torch.dtype
+    device: str
+    strategy: str = "halving"
+    budget: int | None = None
+    seed: int = 0
+    routing: str = "uniform"
+    reps: int | None = None
+    final_reps: int | None = None
+    space: dict[str, list[int]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        shape = {k: v for k, v in self.shape.__dict__.items() if k != "aliases"}
+        return {
+            "shape": shape, "layout": {"tp": self.layout.tp, "dp": self.layout.dp, "enable_ep": self.layout.enable_ep},
+            "tokens": list(self.tokens), "dtype": dtype_name(self.dtype), "device": self.device,
+            "strategy": self.strategy, "budget": self.budget, "seed": self.seed, "routing": self.routing,
+            "reps": self.reps, "final_reps": self.final_reps, "space": self.space,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "TuneSpec":
+        return cls(
+            shape=MoEShape(**d["shape"]), layout=ParallelLayout(**d["layout"]), tokens=[int(t) for t in d["tokens"]],
+            dtype=parse_dtype(d["dtype"]), device=d["device"], strategy=d["strategy"], budget=d.get("budget"),
+            seed=int(d.get("seed", 0)), routing=d.get("routing", "uniform"), reps=d.get("reps"),
+            final_reps=d.get("final_reps"), space=d.get("space"),
+        )
+
+    @property
+    def local_experts(self) -> int:
+        """E of the file name: experts on one rank (all of them without EP)."""
+        if self.layout.enable_ep:
+            return len(self.layout.local_experts(0, self.shape.num_experts))
+        return self.shape.num_experts
+
+    @property
+    def inter_per_rank(self) -> int:
+        """N of the file name: I / tp."""
+        return self.layout.intermediate_per_rank(self.shape.intermediate)
+
+    def screen_reps(self) -> tuple[int, int]:
+        cuda = torch.device(self.device).type == "cuda"
+        return (self.reps or (20 if cuda else 2), self.final_reps or (50 if cuda else 3))
+
+    def identity(self) -> dict[str, Any]:
+        """The fields a resumed run must agree on."""
+        d = self.to_json()
+        d["shape"] = {k: d["shape"][k] for k in ("num_experts", "topk", "hidden", "intermediate")}
+        return d
+
+
+def load_run_spec(run_dir: str | os.PathLike) -> TuneSpec:
+    """The settings of an earlier run folder (for --resume)."""
+    p = Path(run_dir) / SETTINGS
+    if not p.is_file():
+        raise MoebenchError(f"--resume {run_dir}: no {SETTINGS} there; pass the folder of an earlier `moebench tune` run")
+    try:
+        return TuneSpec.from_json(json.loads(p.read_text())["spec"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise MoebenchError(f"--resume {run_dir}: {SETTINGS} is not readable ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Journal
+
+
+class Journal:
+    """Append-only measurement log of a run folder, shared by its workers.
+
+    Reads every measurements*.jsonl of the folder (a line cut short by a crash is skipped);
+    writes to its own file (worker 0: measurements.jsonl, worker N: measurements.wN.jsonl),
+    one fsynced line per measurement.
+    """
+
+    def __init__(self, folder: str | os.PathLike, worker: int = 0):
+        self.folder = Path(folder)
+        self.path = self.folder / (JOURNAL if worker == 0 else f"measurements.w{worker}.jsonl")
+        self.records: dict[tuple[int, str, str], Measurement] = {}
+        self._checked: set[tuple[int, str]] = set()
+        self._verdict: dict[tuple[int, str], Measurement] = {}
+        for p in sorted(self.folder.glob("measurements*.jsonl")):
+            for line in p.read_text().splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    self._index(Measurement.from_dict(json.loads(line)))
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    continue
+        self._fd: int | None = None
+
+    def _index(self, m: Measurement) -> None:
+        self.records[m.key()] = m
+        ck = (int(m.tokens), key_str(m.config))
+        if m.checked:
+            self._checked.add(ck)
+        if m.status in ("failed", "wrong"):
+            self._verdict.setdefault(ck, m)
+
+    def get(self, key: tuple[int, str, str]) -> Measurement | None:
+        return self.records.get(key)
+
+    def checked(self, tokens: int, cfg: Mapping[str, int]) -> bool:
+        return (int(tokens), key_str(cfg)) in self._checked
+
+    def verdict(self, tokens: int, cfg: Mapping[str, int]) -> Measurement | None:
+        """An earlier failed / wrong measurement of this config at this token count."""
+        return self._verdict.get((int(tokens), key_str(cfg)))
+
+    def append(self, m: Measurement) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            size = os.fstat(self._fd).st_size
+            if size:  # a crash may have cut the last line short: start on a fresh line
+                with open(self.path, "rb") as f:
+                    f.seek(size - 1)
+                    if f.read(1) != b"\n":
+                        os.write(self._fd, b"\n")
+        os.write(self._fd, (json.dumps(m.to_dict()) + "\n").encode())
+        os.fsync(self._fd)
+        self._index(m)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton's on-disk cache
+
+
+class TritonCacheGuard:
+    """Points TRITON_CACHE_DIR at `folder` (restored by `close`) and deletes the folder whenever
+    it holds more than `limit_mb` (compiled kernels stay cached in the process's memory)."""
+
+    def __init__(self, folder: str | os.PathLike, limit_mb: float = 256.0):
+        self.folder = Path(folder)
+        self.limit = int(limit_mb * 2**20)
+        self.prunes = 0
+        self._saved = os.environ.get("TRITON_CACHE_DIR")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = str(self.folder)
+
+    def size_bytes(self) -> int:
+        total = 0
+        for root, _, files in os.walk(self.folder):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(root, f))
+                except OSError:
+                    pass
+        return total
+
+    def check(self) -> bool:
+        """Delete the cache when over the limit; True when it did."""
+        if self.size_bytes() <= self.limit:
+            return False
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.prunes += 1
+        return True
+
+    def close(self) -> None:
+        if self._saved is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = self._saved
+
+
+# ---------------------------------------------------------------------------------------------
+# One token count
+
+
+@dataclass
+class TokenResult:
+    """The outcome of one token count (a row of the report)."""
+
+    tokens: int
+    winner: dict[str, int] | None = None
+    winner_us: float | None = None
+    runner_up: dict[str, int] | None = None
+    runner_up_us: float | None = None
+    default: dict[str, int] | None = None
+    default_us: float | None = None
+    speedup: float | None = None  # default_us / winner_us
+    candidates: int = 0  # distinct configs measured
+    measured: int = 0  # measurements made in this session
+    reused: int = 0  # measurements answered from the journal
+    failed: int = 0
+    wrong: int = 0
+    search_s: float = 0.0  # device time of all measurements (journal included)
+    space_total: int = 0
+    space_kept: int = 0
+    pruned: dict[str, int] = field(default_factory=dict)
+    worker: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _space_for(spec: TuneSpec, tokens: int) -> PruneReport:
+    problem = Problem(
+        tokens=tokens, num_experts=spec.shape.num_experts, local_experts=spec.local_experts, topk=spec.shape.topk,
+        hidden=spec.shape.hidden, inter=spec.inter_per_rank, elem_bytes=dtype_bytes(spec.dtype),
+        smem_limit=smem_limit(spec.device),
+    )
+    return prune(full_space(spec.space or SPACE), problem)
+
+
+def prune_counts(spec: TuneSpec) -> dict[int, PruneReport]:
+    """The pruning of every token count of `spec` (nothing is measured)."""
+    return {m: _space_for(spec, m) for m in spec.tokens}
+
+
+def run_worker(
+    spec: TuneSpec,
+    tokens: Sequence[int],
+    run_dir: str | os.PathLike,
+    worker: int = 0,
+    device: str | None = None,
+    timer: Timer | None = None,
+    cache_limit_mb: float = 256.0,
+    on_measure: Callable[[Measurement], None] | None = None,
+    on_tokens: Callable[[TokenResult], None] | None = None,
+) -> list[TokenResult]:
+    """Tune `tokens` (ascending) in this process on `device` (default spec.device); every
+    measurement goes to the run's journal first. Returns one TokenResult per token count."""
+    device = device or spec.device
+    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))
+    run_dir = Path(run_dir)
+    journal = Journal(run_dir, worker)
+    guard = TritonCacheGuard(run_dir / "triton-cache" / f"w{worker}", cache_limit_mb)
+    reps, final_reps = spec.screen_reps()
+    weights: list[LayerWeights] = []
+    results: list[TokenResult] = []
+    prev_top: list[dict[str, int]] = []
+    since_check = 0
+    try:
+        for m_tokens in sorted(set(int(t) for t in tokens)):
+            rep = _space_for(spec, m_tokens)
+            default = C.default_config(m_tokens, spec.shape.num_experts, spec.inter_per_rank, spec.shape.hidden,
+                                       spec.shape.topk, spec.dtype)
+            res = TokenResult(tokens=m_tokens, default=dict(default), space_total=rep.total,
+                              space_kept=len(rep.kept), pruned=rep.pruned, worker=worker)
+            bench: list[LayerBench] = []
+
+            def measure(cfg, stage, n_reps, m_tokens=m_tokens, res=res, bench=bench):
+                nonlocal since_check
+                key = (m_tokens, key_str(cfg), stage)
+                old = journal.get(key)
+                if old is not None:
+                    res.reused += 1
+                    old.reused = True
+                    return old
+                bad = journal.verdict(m_tokens, cfg)
+                if bad is not None:  # failed / wrong at this token count before: not again
+                    return Measurement(m_tokens, dict(cfg), stage, bad.status, reason=bad.reason, reused=True)
+                if not bench:
+                    if not weights:
+                        weights.append(LayerWeights.build(spec.shape, spec.layout, spec.dtype, device, spec.seed))
+                    bench.append(LayerBench(spec.shape, weights[0], m_tokens, spec.dtype, device, spec.seed,
+                                            spec.routing, timer, worker=worker))
+                meas = bench[0].measure(cfg, stage, n_reps, check=not journal.checked(m_tokens, cfg))
+                journal.append(meas)
+                res.measured += 1
+                since_check += 1
+                if since_check >= 16:
+                    guard.check()
+                    since_check = 0
+                if on_measure is not None:
+                    on_measure(meas)
+                return meas
+
+            rng = random.Random(spec.seed * 1_000_003 + m_tokens)
+            sr = run_search(spec.strategy, rep.kept, measure, default=default, seeds=prev_top, budget=spec.budget,
+                            rng=rng, reps=reps, final_reps=final_reps)
+            ms = sr.measurements
+            res.candidates = len({key_str(m.config) for m in ms})
+            res.failed = len({key_str(m.config) for m in ms if m.status == "failed"})
+            res.wrong = len({key_str(m.config) for m in ms if m.status == "wrong"})
+            res.search_s = sum(m.elapsed_s for m in ms)
+            if sr.winner is not None:
+                res.winner, res.winner_us = dict(sr.winner.config), sr.winner.latency_us
+                prev_top = [dict(m.config) for m in sr.final[:3]]
+            if sr.runner_up is not None:
+                res.runner_up, res.runner_up_us = dict(sr.runner_up.config), sr.runner_up.latency_us
+            dm = next((m for m in sr.final if key_str(m.config) == key_str(default)), None)
+            if dm is not None:
+                res.default_us = dm.latency_us
+                if res.winner_us:
+                    res.speedup = res.default_us / res.winner_us
+            results.append(res)
+            guard.check()
+            since_check = 0
+            if on_tokens is not None:
+                on_tokens(res)
+            del bench[:]
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        journal.close()
+        guard.close()
+    return results
+
+
+def _worker_process(spec_json: dict[str, Any], tokens: list[int], run_dir: str, worker: int, device: str,
+                    cache_limit_mb: float) -> list[dict[str, Any]]:
+    """Entry point of a spawned worker (module level, picklable arguments)."""
+    spec = TuneSpec.from_json(spec_json)
+    return [r.as_dict() for r in run_worker(spec, tokens, run_dir, worker, device, cache_limit_mb=cache_limit_mb)]
+
+
+def split_tokens(tokens: Sequence[int], n: int) -> list[list[int]]:
+    """Contiguous chunks of the ascending token counts, sizes differing by at most one; never
+    more chunks than counts."""
+    toks = sorted(set(tokens))
+    n = max(1, min(n, len(toks)))
+    base, rem = divmod(len(toks), n)
+    out, i = [], 0
+    for w in range(n):
+        size = base + (1 if w < rem else 0)
+        out.append(toks[i : i + size])
+        i += size
+    return out
+
+
+def resolve_gpus(gpus: str | Sequence[int] | None, device: str) -> list[int]:
+    """'all' | '0,1' | [0, 1] | None -> GPU indices (CUDA); on CPU, the list only sets how many
+    worker processes run (None or 'all' = one, in this process)."""
+    if isinstance(gpus, str):
+        text = gpus.strip().lower()
+        if text in ("", "all"):
+            gpus = None
+        else:
+            try:
+                gpus = [int(g) for g in text.split(",") if g.strip()]
+            except ValueError:
+                raise MoebenchError(f"--gpus {gpus!r}: give 'all' or a comma list of GPU indices like 0,1") from None
+            if not gpus:
+                raise MoebenchError("--gpus is empty: give 'all' or a comma list like 0,1")
+    if torch.device(device).type == "cuda":
+        have = torch.cuda.device_count()
+        if gpus is None:
+            return list(range(max(have, 1)))
+        bad = [g for g in gpus if g < 0 or g >= have]
+        if bad:
+            raise MoebenchError(f"--gpus: GPU {bad[0]} is not visible here ({have} visible: 0..{have - 1})")
+        if len(set(gpus)) != len(gpus):
+            raise MoebenchError(f"--gpus lists a GPU twice: {','.join(map(str, gpus))}")
+        return list(gpus)
+    if gpus is None:
+        return [0]
+    return list(range(len(gpus)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole run
+
+
+@dataclass
+class TuneOutcome:
+    run_dir: Path
+    config_path: Path | None
+    results: list[TokenResult]
+    spec: TuneSpec
+    files: list[Path] = field(default_factory=list)
+
+
+def _validate(spec: TuneSpec) -> None:
+    if spec.strategy not in STRATEGIES:
+        raise MoebenchError(f"--search {spec.strategy!r}: use one of {', '.join(STRATEGIES)}")
+    if spec.budget is not None and spec.budget < 1:
+        raise MoebenchError(f"--budget must be >= 1, got {spec.budget}")
+    if not spec.tokens or any(t < 1 for t in spec.tokens):
+        raise MoebenchError("--tokens: tuning needs token counts >= 1, e.g. 1,16,64")
+    spec.layout.validate_shape(spec.shape.num_experts, spec.shape.intermediate)
+    if spec.space is not None:
+        for k, vals in spec.space.items():
+            if k not in SPACE or not vals:
+                raise MoebenchError(f"search space: unknown parameter or empty list {k!r}")
+
+
+def tune(
+    shape: MoEShape,
+    layout: ParallelLayout,
+    tokens: Sequence[int],
+    dtype: torch.dtype,
+    device: str,
+    strategy: str = "halving",
+    budget: int | None = None,
+    out_dir: str | os.PathLike | None = None,
+    resume: str | os.PathLike | None = None,
+    gpus: str | Sequence[int] | None = None,
+    *,
+    results_dir: str | os.PathLike = "results",
+    seed: int = 0,
+    routing: str = "uniform",
+    reps: int | None = None,
+    final_reps: int | None = None,
+    space: Mapping[str, Sequence[int]] | None = None,
+    timer: Timer | None = None,
+    cache_limit_mb: float = 256.0,
+    on_measure: Callable[[Measurement], None] | None = None,
+    on_tokens: Callable[[TokenResult], None] | None = None,
+) -> TuneOutcome:
+    """Tune the tile config of the `triton` experts for `shape` on rank 0 of `layout` (N = I/tp,
+    E = local experts under EP) at each token count; write the vLLM file and the report.
+
+    strategy: grid | random | halving; budget: configs per token count for random / halving
+    (default 48). resume: an earlier run folder (its settings must match). gpus: 'all', '0,1' or
+    indices; several -> one spawned worker per GPU. timer / on_measure / on_tokens only reach an
+    in-process worker. Returns the run folder, the config file (None on ranks other than 0) and
+    one TokenResult per token count.
+    """
+    spec = TuneSpec(shape=shape, layout=layout, tokens=sorted(set(int(t) for t in tokens)), dtype=dtype,
+                    device=device, strategy=strategy, budget=budget, seed=seed, routing=routing, reps=reps,
+                    final_reps=final_reps, space={k: list(v) for k, v in space.items()} if space else None)
+    _validate(spec)
+    if resume is not None:
+        run_dir = Path(resume)
+        saved = load_run_spec(run_dir)
+        if saved.identity() != spec.identity():
+            diff = [k for k in spec.identity() if spec.identity()[k] != saved.identity()[k]]
+            raise MoebenchError(f"--resume {run_dir}: this run differs from the saved one in {', '.join(diff)}; "
+                                f"resume with the same settings (or none: they are read from {SETTINGS})")
+    else:
+        run_dir = ensure_writable_dir(Path(results_dir)) / new_run_id("tune", shape.name)
+
+    from moebench.runtime.distributed import join_torchrun
+
+    ctx = join_torchrun() if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) else None
+    main = ctx is None or ctx.rank == 0
+    if main:
+        ensure_writable_dir(run_dir)
+        if not (run_dir / SETTINGS).exists():
+            from moebench.bench.hardware import device_summary
+
+            meta = {"spec": spec.to_json(), "argv": sys.argv[1:], "git_revision": git_revision(),
+                    "device_summary": device_summary(device),
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            atomic_write_text(run_dir / SETTINGS, json.dumps(meta, indent=2, default=str))
+
+    if ctx is not None and ctx.world_size > 1:
+        results = _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens)
+        if not main:
+            return TuneOutcome(run_dir, None, results, spec)
+    else:
+        slots = resolve_gpus(gpus, device)
+        chunks = split_tokens(spec.tokens, len(slots))
+        if len(chunks) == 1:
+            dev = f"cuda:{slots[0]}" if torch.device(device).type == "cuda" else device
+            results = run_worker(spec, chunks[0], run_dir, 0, dev, timer, cache_limit_mb, on_measure, on_tokens)
+        else:
+            results = _run_pool(spec, run_dir, slots, chunks, device, cache_limit_mb, on_tokens)
+    results.sort(key=lambda r: r.tokens)
+    config_path = write_results(spec, results, out_dir)
+    files = write_report(run_dir, spec, results, config_path)
+    return TuneOutcome(run_dir, config_path, results, spec, files)
+
+
+def _run_pool(spec: TuneSpec, run_dir: Path, slots: list[int], chunks: list[list[int]], device: str,
+              cache_limit_mb: float, on_tokens: Callable[[TokenResult], None] | None) -> list[TokenResult]:
+    """One spawned process per chunk (chunk i on GPU slots[i]); results gathered here."""
+    import multiprocessing as mp
+
+    cuda = torch.device(device).type == "cuda"
+    results: list[TokenResult] = []
+    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=mp.get_context("spawn")) as pool:
+        futs = {
+            pool.submit(_worker_process, spec.to_json(), chunk, str(run_dir), w,
+                        f"cuda:{slots[w]}" if cuda else device, cache_limit_mb): w
+            for w, chunk in enumerate(chunks)
+        }
+        try:
+            for fut, w in futs.items():
+                try:
+                    rows = fut.result()
+                except MoebenchError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a worker's crash, named
+                    raise MoebenchError(f"tuning worker {w} (tokens {chunks[w]}) failed: {type(e).__name__}: {e}; "
+                                        f"finished measurements are kept, continue with --resume {run_dir}") from None
+                for r in rows:
+                    tr = TokenResult(**r)
+                    results.append(tr)
+                    if on_tokens is not None:
+                        on_tokens(tr)
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            raise
+    return results
+
+
+def _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens) -> list[TokenResult]:
+    """This rank's chunk of token counts, then every rank's results gathered on rank 0."""
+    import torch.distributed as dist
+
+    chunks = split_tokens(spec.tokens, ctx.world_size)
+    mine = chunks[ctx.rank] if ctx.rank < len(chunks) else []
+    ensure_writable_dir(run_dir)
+    rows = [r.as_dict() for r in run_worker(spec, mine, run_dir, ctx.rank, str(ctx.device), timer, cache_limit_mb,
+                                            on_measure, on_tokens)]
+    gathered: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(rows, gathered, dst=0, group=ctx.group)
+    if ctx.rank != 0:
+        return [TokenResult(**r) for r in rows]
+    return [TokenResult(**r) for part in gathered or [] for r in (part or [])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+
+
+def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None) -> Path:
+    """Where the vLLM file goes: out_dir (default results/configs) / E=..,N=..,device_name=...json."""
+    folder = Path(out_dir) if out_dir is not None else Path("results") / "configs"
+    name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device), spec.dtype)
+    return folder / name
+
+
+def write_results(spec: TuneSpec, results: Sequence[TokenResult], out_dir: str | os.PathLike | None = None) -> Path | None:
+    """Write the winners as the vLLM file (merged into an existing file's other token counts).
+    None when no token count found a working config."""
+    table = {r.tokens: r.winner for r in results if r.winner is not None}
+    if not table:
+        return None
+    path = config_path_for(spec, out_dir)
+    ensure_writable_dir(path.parent)
+    merged: dict[int, Any] = {}
+    if path.is_file():
+        try:
+            merged.update(C.load_config_file(path))
+        except MoebenchError:
+            pass  # an unreadable old file is replaced
+    merged.update(table)
+    return C.write_config_file(path, merged)
+
+
+REPORT_COLUMNS = ["tokens", "winner", "winner_us", "runner_up", "runner_up_us", "default", "default_us", "speedup",
+                  "candidates", "failed", "wrong", "measured", "reused", "search_s", "space_kept", "space_total",
+                  "pruned", "worker"]
+
+
+def _fmt_cfg(cfg: Mapping[str, int] | None) -> str:
+    return key_str(cfg) if cfg else "-"
+
+
+def _fmt(v: Any, nd: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def report_rows(results: Sequence[TokenResult]) -> list[dict[str, str]]:
+    """Text cells of the report, one dict per token count (REPORT_COLUMNS)."""
+    rows = []
+    for r in results:
+        rows.append({
+            "tokens": str(r.tokens), "winner": _fmt_cfg(r.winner), "winner_us": _fmt(r.winner_us),
+            "runner_up": _fmt_cfg(r.runner_up), "runner_up_us": _fmt(r.runner_up_us), "default": _fmt_cfg(r.default),
+            "default_us": _fmt(r.default_us), "speedup": _fmt(r.speedup, 3), "candidates": str(r.candidates),
+            "failed": str(r.failed), "wrong": str(r.wrong), "measured": str(r.measured), "reused": str(r.reused),
+            "search_s": _fmt(r.search_s), "space_kept": str(r.space_kept), "space_total": str(r.space_total),
+            "pruned": "; ".join(f"{k}: {v}" for k, v in sorted(r.pruned.items())), "worker": str(r.worker),
+        })
+    return rows
+
+
+def write_report(run_dir: Path, spec: TuneSpec, results: Sequence[TokenResult], config_path: Path | None) -> list[Path]:
+    """report.csv and report.md in the run folder (atomic renames)."""
+    rows = report_rows(results)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=REPORT_COLUMNS)
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(run_dir / "report.csv", buf.getvalue())
+    s = spec.shape
+    cpu_note = ("\n\nTimes are CPU / Triton-interpreter wall clock: they test the plumbing, not kernel speed.\n"
+                if torch.device(spec.device).type != "cuda" else "\n")
+    md = [
+        f"# moebench tune: {s.name} (E={s.num_experts}, topk={s.topk}, H={s.hidden}, I={s.intermediate}), "
+        f"{spec.layout.describe()}",
+        "",
+        f"- file: `{config_path}`" if config_path else "- file: none (no token count found a working config)",
+        f"- E={spec.local_experts} local experts, N={spec.inter_per_rank}, dtype {dtype_name(spec.dtype)}, "
+        f"device {C.device_name(spec.device)}, search `{spec.strategy}`, budget {spec.budget or DEFAULT_BUDGET}",
+        f"- latencies: median us of one layer call (routing alignment + both GEMMs), final stage" + cpu_note,
+        "| " + " | ".join(REPORT_COLUMNS[:10]) + " | search_s |",
+        "|" + "---|" * 11,
+    ]
+    for r in rows:
+        md.append("| " + " | ".join(r[c] for c in REPORT_COLUMNS[:10]) + f" | {r['search_s']} |")
+    atomic_write_text(run_dir / "report.md", "\n".join(md) + "\n")
+    return [run_dir / "report.csv", run_dir / "report.md"]
+
+
+def rich_table(results: Sequence[TokenResult], title: str = "tuning report"):
+    """A rich Table of the report (winner, runner-up, default, speed-up per token count)."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c, j in (("tokens", "right"), ("winner", "left"), ("us", "right"), ("runner-up", "left"), ("us", "right"),
+                 ("default us", "right"), ("speed-up", "right"), ("tried", "right"), ("failed", "right"),
+                 ("search s", "right")):
+        t.add_column(c, justify=j)
+    for r in report_rows(results):
+        t.add_row(r["tokens"], r["winner"], r["winner_us"], r["runner_up"], r["runner_up_us"], r["default_us"],
+                  r["speedup"], r["candidates"], r["failed"], r["search_s"])
+    return t
