@@ -41,8 +41,10 @@ from moebench.kernels.triton_moe import (
     fused_topk_softmax,
     launch_gemm1,
     launch_gemm2,
+    resolve_use_tma,
     select_config,
 )
+from moebench.kernels.triton_moe import _tma_ok
 
 # name: (E global, topk, H, I, E local, use expert_map)
 SHAPES = {
@@ -69,6 +71,35 @@ SWEEP = [  # (BLOCK_SIZE_M, N, K, GROUP_SIZE_M, warps, stages)
     (64, 128, 128, 16, 8, 3), (128, 128, 64, 16, 8, 3), (128, 256, 64, 8, 8, 3), (128, 256, 64, 32, 8, 3),
     (128, 256, 64, 8, 8, 4),
 ]
+# Best tile config (and GEMM2 split) per point from the --sweep run of 2026-11-29 on an H200
+# (20 configs, without TMA); --check-best times them again next to the default heuristic.
+PREV_BEST = {
+    ("mixtral", 1): ((16, 64, 256, 16, 4, 3), 2),
+    ("mixtral", 16): ((16, 128, 128, 16, 4, 4), 1),
+    ("mixtral", 64): ((32, 128, 128, 16, 4, 3), 1),
+    ("mixtral", 256): ((128, 256, 64, 8, 8, 4), 1),
+    ("mixtral", 1024): ((128, 256, 64, 32, 8, 3), 1),
+    ("mixtral", 4096): ((128, 256, 64, 8, 8, 3), 1),
+    ("qwen3-30b-a3b", 1): ((16, 64, 128, 16, 4, 4), 1),
+    ("qwen3-30b-a3b", 16): ((16, 64, 128, 16, 4, 4), 1),
+    ("qwen3-30b-a3b", 64): ((16, 64, 128, 16, 4, 4), 1),
+    ("qwen3-30b-a3b", 256): ((32, 128, 128, 16, 4, 3), 1),
+    ("qwen3-30b-a3b", 1024): ((128, 256, 64, 8, 8, 4), 1),
+    ("qwen3-30b-a3b", 4096): ((128, 256, 64, 8, 8, 4), 1),
+    ("dsv3-ep8-local", 1): ((16, 64, 256, 16, 4, 3), 1),
+    ("dsv3-ep8-local", 16): ((16, 128, 128, 16, 4, 4), 1),
+    ("dsv3-ep8-local", 64): ((32, 128, 128, 16, 4, 3), 1),
+    ("dsv3-ep8-local", 256): ((128, 256, 64, 8, 8, 4), 1),
+    ("dsv3-ep8-local", 1024): ((128, 256, 64, 8, 8, 4), 1),
+    ("dsv3-ep8-local", 4096): ((128, 256, 64, 8, 8, 4), 1),
+    ("dsv3-ep8", 1): ((16, 64, 256, 16, 4, 3), 1),
+    ("dsv3-ep8", 16): ((16, 64, 128, 16, 4, 4), 1),
+    ("dsv3-ep8", 64): ((16, 64, 256, 16, 4, 3), 1),
+    ("dsv3-ep8", 256): ((16, 64, 128, 1, 4, 4), 1),
+    ("dsv3-ep8", 1024): ((64, 128, 64, 1, 8, 4), 1),
+    ("dsv3-ep8", 4096): ((128, 256, 64, 8, 8, 4), 1),
+}
+
 # --smoke: tiny shapes on CPU under the Triton interpreter, to check the script itself (its times
 # are not kernel performance).
 SMOKE_SHAPES = {"tiny": (16, 2, 64, 32, 16, False), "tiny-map": (32, 4, 64, 32, 8, True)}
@@ -145,6 +176,7 @@ def main() -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs (GEMM part)")
+    ap.add_argument("--check-best", action="store_true", help="also time PREV_BEST configs (GEMM part)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
     ap.add_argument("--budget-s", type=float, default=330, help="skip sweeps once this many seconds passed")
     args = ap.parse_args()
@@ -155,6 +187,7 @@ def main() -> int:
     if args.smoke:
         SHAPES.update(SMOKE_SHAPES)
         REF.update({k: REF["mixtral"] for k in SMOKE_SHAPES})
+        PREV_BEST.update({("tiny", 1): ((16, 64, 128, 16, 4, 4), 1), ("tiny-map", 16): ((32, 64, 64, 16, 4, 4), 2)})
         args.shapes = ",".join(SMOKE_SHAPES)
     dev = torch.device("cuda" if ON_GPU else "cpu")
     gpu = torch.cuda.get_device_name() if ON_GPU else "cpu (smoke run: times are not kernel performance)"
@@ -198,8 +231,10 @@ def main() -> int:
                 w_, i_ = routing(logits, k)
                 return kernel.apply(x, w13, w2, w_, i_, expert_map=emap, num_experts=e)
 
-            def gemm(c=cfg, a=align, s=split, tma=False, atomic=True):
-                return fused_moe_gemms(x, w13, w2, tw, a, k, c, s, use_tma=tma, atomic=atomic)
+            def gemm(c=cfg, a=align, s=split, tma=None, atomic=True):
+                return fused_moe_gemms(x, w13, w2, tw, a, k, c, s, use_tma=resolve_use_tma(tma, c, dtype), atomic=atomic)
+
+            tma0 = resolve_use_tma(None, cfg, dtype) and _tma_ok(w13) and _tma_ok(w2)
 
             def torch_layer():
                 w_, i_ = routing(logits, k)
@@ -207,9 +242,9 @@ def main() -> int:
 
             t_layer = time_cuda(layer, reps=30, graph_calls=5)
             t_gemm = time_cuda(gemm, reps=30, graph_calls=5)
-            inter0 = launch_gemm1(x, w13, align, k, cfg)
-            t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg), reps=20, graph_calls=5)
-            t_g2 = time_cuda(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split), reps=20, graph_calls=5)
+            inter0 = launch_gemm1(x, w13, align, k, cfg, tma0)
+            t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0), reps=20, graph_calls=5)
+            t_g2 = time_cuda(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma0), reps=20, graph_calls=5)
             del inter0
             t_align = time_cuda(lambda: moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], e_local, emap), reps=30, graph_calls=10)
             t_route = time_cuda(lambda: routing(logits, k), reps=30, graph_calls=10)
@@ -229,7 +264,7 @@ def main() -> int:
                 shape=shape, tokens=m, E=e, E_local=e_local, topk=k, hidden=h, intermediate=inter,
                 max_rel_err=f"{err:.2e}", layer_us=round(t_layer.median_us, 1), layer_method=t_layer.method,
                 layer_p10=round(t_layer.p10_us, 1), layer_p90=round(t_layer.p90_us, 1),
-                gemm_us=round(t_gemm.median_us, 1), gemm1_us=round(t_g1.median_us, 1),
+                gemm_us=round(t_gemm.median_us, 1), gemm_method=t_gemm.method, gemm1_us=round(t_g1.median_us, 1),
                 gemm2_us=round(t_g2.median_us, 1), align_us=round(t_align.median_us, 1),
                 routing_us=round(t_route.median_us, 1), torch_routing_us=round(t_troute.median_us, 1), torch_us=round(t_torch, 1), torch_err=torch_err,
                 experts_hit=hit, local_pairs=pairs, mem_floor_us=round(mem_floor, 1), compute_floor_us=round(cmp_floor, 1),
@@ -237,8 +272,25 @@ def main() -> int:
                 gemm_over_floor=round(t_gemm.median_us / floor, 3), ref_us=ref_us,
                 layer_over_ref=round(t_layer.median_us / ref_us, 3), gemm_over_ref=round(t_gemm.median_us / ref_us, 3),
                 torch_over_layer=round(t_torch / t_layer.median_us, 2),
-                config="/".join(str(cfg[kk]) for kk in KEYS), split_k=split, config_source=src,
+                config="/".join(str(cfg[kk]) for kk in KEYS), split_k=split, tma=tma0, config_source=src,
             )
+            if args.check_best and (shape, m) in PREV_BEST:
+                # The best config of the previous sweep, with and without TMA, in this run.
+                cand, s2 = PREV_BEST[(shape, m)]
+                c = dict(zip(KEYS, cand))
+                a2 = moe_align_block_size(ids, c["BLOCK_SIZE_M"], e_local, emap)
+                bk = []
+                for tma in (False, True):
+                    try:
+                        t2 = time_cuda(lambda c=c, a2=a2, s2=s2, tma=tma: gemm(c, a2, s2, tma), reps=20, graph_calls=5).median_us
+                        bk.append((t2, "/".join(map(str, cand)) + f" sk{s2}" + (" tma" if tma else "")))
+                    except Exception as ex:  # noqa: BLE001
+                        print(f"  best-known {cand} tma={tma}: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
+                if bk:
+                    b = min(bk)
+                    row["best_known_us"] = round(b[0], 1)
+                    row["best_known_config"] = b[1]
+                    row["default_over_best_known"] = round(t_gemm.median_us / b[0], 3)
             if args.sweep and time.time() - t_start < args.budget_s:
                 best = (t_gemm.median_us, row["config"] + f" sk{split}", cfg, split)
                 tpe = m * k / e
@@ -276,7 +328,7 @@ def main() -> int:
                             print(f"  variant {label} {vname}: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
             rows.append(row)
             print(
-                f"{shape:16s} M={m:5d} err={err:.1e} layer={t_layer.median_us:8.1f} gemm={t_gemm.median_us:8.1f} "
+                f"{shape:16s} M={m:5d} err={err:.1e} layer={t_layer.median_us:8.1f} ({t_layer.method}) gemm={t_gemm.median_us:8.1f} ({t_gemm.method}) "
                 f"align={t_align.median_us:5.1f} torch={t_torch:8.1f} floor={floor:7.1f} ref={ref_us} "
                 f"g1={t_g1.median_us:.1f} g2={t_g2.median_us:.1f} cfg={row['config']} sk={split} "
                 f"{('best ' + str(row.get('sweep_best_us')) + ' ' + row.get('sweep_best_config', '')) if 'sweep_best_us' in row else ''} "
@@ -312,15 +364,16 @@ def _markdown(rows, gpu, rbw, rhow, mm) -> str:
         f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}; read ceiling "
         f"{rbw / 1e12:.2f} TB/s ({rhow}), bf16 matmul {mm / 1e12:.0f} TFLOP/s (this run).",
         "",
-        "| shape | M | layer us | gemm us (gemm1 + gemm2) | align us | routing us (torch ops) | torch us | floor us | layer/floor | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | sweep best (gemm us, config) | err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | M | layer us | gemm us (gemm1 + gemm2) | align us | routing us (torch ops) | torch us | floor us | layer/floor | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | sweep best (gemm us, config) | best known (gemm us, config) | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sweep = f"{r['sweep_best_us']} {r['sweep_best_config']}" if "sweep_best_us" in r else "-"
+        known = f"{r['best_known_us']} {r['best_known_config']}" if "best_known_us" in r else "-"
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['layer_us']} | {r['gemm_us']} ({r['gemm1_us']} + {r['gemm2_us']}) | {r['align_us']} | {r['routing_us']} ({r['torch_routing_us']}) | "
             f"{r['torch_us']} | {r['floor_us']} | {r['layer_over_floor']} | {r['gemm_over_ref']} | {r['layer_over_ref']} | "
-            f"{r['config']} sk{r['split_k']} | {sweep} | {r['max_rel_err']} |"
+            f"{r['config']} sk{r['split_k']}{' tma' if r['tma'] else ''} | {sweep} | {known} | {r['max_rel_err']} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -270,6 +270,148 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     console.print(f"wrote {', '.join(str(p) for p in written)}")
 
 
+@cli.group()
+def compare():
+    """Compare layouts (tp-vs-ep)."""
+
+
+@compare.command("tp-vs-ep")
+@shape_options
+@click.option("--experts", "experts", default="all", show_default=True, help="Experts backends to consider.")
+@click.option("--link", "link_name", default=None, help="Link profile (h200-nvlink, a100-nvlink, pcie-gen5, ib-400g, ...).")
+@click.option("--link-gbps", type=float, default=None, help="Override the link bandwidth (GB/s per direction).")
+@click.option("--target-gpu", default=None,
+              help="Model the experts time as this GPU's roofline floor (datasheet) instead of timing it here; "
+                   "default on CPU: H200.")
+@click.option("--no-check", is_flag=True, help="Skip the reference checks (simulated share and real ranks).")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="PNG file for the plots.")
+def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, routing,
+             seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path):
+    """TP (all-reduce) vs EP (dispatch/combine) over --world-size ranks: breakdown, crossover, advice."""
+    from moebench.bench.hardware import datasheet_ceilings, device_summary
+    from moebench.compare import run_compare, write_summary
+    from moebench.inputs import parse_dtype
+    from moebench.plots import compare_plot
+    from moebench.results import RunStore, ensure_writable_dir, new_run_id
+    from moebench.routing import parse_routing
+    from moebench.runtime.simulate import choose_link, get_link
+    from moebench.sweep import SweepSpec, default_experts, resolve_names
+
+    if tp is not None or dp is not None or ep is not None:
+        raise MoebenchError("compare tp-vs-ep builds both layouts itself: give --world-size N, not --tp/--dp/--ep")
+    if world_size is None or world_size < 2:
+        raise MoebenchError("compare tp-vs-ep needs --world-size N with N >= 2")
+    device = resolve_device(device)
+    shape = resolve_shape(model, num_experts, topk, hidden, intermediate)
+    from moebench.layout import ParallelLayout
+
+    for lay in (ParallelLayout(tp=world_size), ParallelLayout(dp=world_size, enable_ep=True)):
+        lay.validate_shape(shape.num_experts, shape.intermediate)
+    tok = parse_tokens(tokens) if tokens is not None else [1, 4, 16, 64, 256, 1024, 4096]
+    parse_routing(routing)
+    dt = parse_dtype(dtype or "bf16")
+    experts_model = None
+    gpu = target_gpu or ("H200" if device == "cpu" else None)
+    if gpu is not None:
+        experts_model = datasheet_ceilings(gpu)
+        if experts_model is None:
+            raise MoebenchError(f"no datasheet profile for GPU '{gpu}'; try H200, H100, A100, B200, MI300X")
+    dev_name = gpu or device_summary(device).get("name")
+    link = get_link(link_name, link_gbps) if link_name else choose_link(dev_name, link_gbps)
+    spec = SweepSpec(shape=shape, tokens=tok, experts=resolve_names(experts, default_experts(), "experts", default_experts()),
+                     dtype=dt, device=device, routing=routing, seed=seed, check=not no_check)
+    folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)
+    meta = {"command": "compare tp-vs-ep", "argv": sys.argv[1:], "shape": shape.to_dict(), "world_size": world_size,
+            "tokens": tok, "dtype": str(dt), "device": device, "routing": routing, "seed": seed,
+            "link": link.__dict__, "experts_model": None if experts_model is None else experts_model.as_dict(),
+            "device_summary": device_summary(device)}
+    store = RunStore(folder, metadata=meta)
+    how = (f"experts time = {experts_model.device_name} roofline floor (datasheet), not measured"
+           if experts_model is not None else f"experts time measured on this {device}")
+    console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {dtype or 'bf16'}, "
+                  f"routing {routing}: simulated ({how}; communication from {link.name} {link.bandwidth_gbps:g} GB/s)"
+                  + ("; correctness also checked on real gloo ranks" if device == "cpu" and not no_check else ""))
+    with _progress() as prog:
+        task = prog.add_task("compare", total=2 * len(tok) * len(spec.experts) * 4)
+        result = run_compare(spec, world_size, store, link, experts_model=experts_model,
+                             check_ranks=(device == "cpu" and not no_check),
+                             on_progress=lambda r: prog.update(task, advance=1, description=f"M={r.tokens} {r.prepare_finalize}+{r.experts}"))
+    RunStore(folder).finish(["csv", "json", "md"])
+    written = write_summary(result, folder)
+    _print_compare(result, world_size)
+    if not result.summary.empty:
+        png = compare_plot(result.summary, result.crossover,
+                           f"{shape.name}: TP{world_size} vs EP{world_size} ({how})", plot_path or folder / "compare.png")
+        written.append(png)
+    console.print(f"wrote {', '.join(str(p) for p in written)}")
+
+
+def _print_compare(result, n: int) -> None:
+    df = result.summary
+    t = Table(title="TP vs EP (simulated: experts of one rank + modeled communication)", header_style="bold")
+    for c in ("batch tokens", "layout", "best pair", "dispatch", "experts", "combine", "all-reduce", "total us", "rank imb.", "checked", ""):
+        t.add_column(c, justify="left" if c in ("layout", "best pair", "") else "right")
+    for _, r in df.iterrows():
+        f = lambda v: "-" if v is None or pd_isna(v) else f"{v:.1f}"  # noqa: E731
+        chk = {True: "yes", False: "[red]NO[/]"}.get(r.checked_on_ranks, "-")
+        t.add_row(str(r.tokens), r.layout, f"{r.prepare_finalize}+{r.experts}", f(r.dispatch_us), f(r.experts_us),
+                  f(r.combine_us), f(r.allreduce_us), f(r.latency_us), f(r.rank_imbalance), chk,
+                  "[green]winner[/]" if r.winner else "")
+    console.print(t)
+    console.print(f"[bold]{result.recommendation}[/]")
+
+
+def pd_isna(v) -> bool:
+    import pandas as pd
+
+    return bool(pd.isna(v))
+
+
+@cli.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["md", "csv", "html"]), default="md", show_default=True)
+@click.option("--out", "out_file", type=click.Path(path_type=Path), default=None,
+              help="Report file (default: report.<format> in the first results folder).")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="PNG of latency vs tokens.")
+def report(results, fmt, out_file, plot_path):
+    """Merge result folders: pivot (tokens x backend pairs), fastest correct entry highlighted, export."""
+    from moebench.plots import latency_plot
+    from moebench.report import frame, html_report, pivot, pivot_markdown
+    from moebench.results import atomic_write_bytes, atomic_write_text, load_rows
+
+    rows = load_rows(results)
+    if not rows:
+        raise MoebenchError("the results hold no rows")
+    df = frame(rows)
+    table, fastest = pivot(df)
+    title = "moebench report: " + ", ".join(sorted(set(df.model.astype(str))))
+    first = results[0] if results[0].is_dir() else results[0].parent
+    out_file = out_file or first / f"report.{fmt}"
+    png = None
+    if plot_path is not None or fmt == "html":
+        import tempfile
+
+        target = plot_path or Path(tempfile.mkdtemp()) / "latency.png"
+        latency_plot(df, title, target)
+        png = target.read_bytes()
+    if fmt == "md":
+        atomic_write_text(out_file, f"# {title}\n\n" + (pivot_markdown(table, fastest) if not table.empty else "no correct rows\n"))
+    elif fmt == "csv":
+        atomic_write_text(out_file, table.to_csv(index=False))
+    else:
+        atomic_write_text(out_file, html_report(df, table, fastest, png, title))
+    if not table.empty:
+        t = Table(title=title + " (latency us; * fastest correct)", header_style="bold")
+        for c in table.columns:
+            t.add_column(str(c))
+        for i, rec in table.iterrows():
+            t.add_row(*[("-" if pd_isna(rec[c]) else (f"{rec[c]:.1f}" if isinstance(rec[c], float) else str(rec[c])))
+                        + (" *" if c in fastest.columns and bool(fastest.loc[i, c]) else "") for c in table.columns])
+        console.print(t)
+    console.print(f"wrote {out_file}" + (f" and {plot_path}" if plot_path else ""))
+    _ = atomic_write_bytes
+
+
 def main() -> None:
     """Entry point: bad input -> one line on stderr, exit status 2, no traceback."""
     try:

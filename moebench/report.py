@@ -130,3 +130,69 @@ def frame(rows: Iterable[ResultRow]) -> pd.DataFrame:
     df = rows_to_frame(rows)
     first = [c for c in CORE_COLUMNS if c in df.columns]
     return df[first + [c for c in df.columns if c not in first]]
+
+
+# -- merged reports over result folders ---------------------------------------------------------
+
+def pair_label(r) -> str:
+    lay = f"EP{r['ep']}" if r["ep"] > 1 else (f"TP{r['world_size']}" if r["world_size"] > 1 else "1 rank")
+    return f"{lay} {r['prepare_finalize']}+{r['experts']}" + (" (modeled)" if r["modeled"] else "")
+
+
+def pivot(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Rows (model, dtype, device, routing, tokens), columns pair labels, values latency_us of
+    correct ok rows; plus a same-shaped boolean frame marking the fastest entry of each row. An
+    `imbalance` column (max/mean tokens per expert) sits after the index."""
+    ok = df[(df.status == "ok") & df.latency_us.notna()].copy()
+    ok = ok[ok.correct.astype("boolean").fillna(True)]
+    if ok.empty:
+        return pd.DataFrame(), pd.DataFrame()
+    ok["pair"] = ok.apply(pair_label, axis=1)
+    idx = ["model", "dtype", "device", "routing", "tokens"]
+    table = ok.pivot_table(index=idx, columns="pair", values="latency_us", aggfunc="min")
+    fastest = table.eq(table.min(axis=1), axis=0)
+    imb = ok.groupby(idx).imbalance.mean()
+    table.insert(0, "imbalance", imb)
+    fastest.insert(0, "imbalance", False)
+    return table.reset_index(), fastest.reset_index(drop=True)
+
+
+def pivot_markdown(table: pd.DataFrame, fastest: pd.DataFrame) -> str:
+    """Markdown with the fastest latency of each row in bold."""
+    cols = list(table.columns)
+    lines = ["| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
+    for i, rec in table.iterrows():
+        cells = []
+        for c in cols:
+            v = rec[c]
+            s = "" if pd.isna(v) else (f"{v:.1f}" if isinstance(v, float) else str(v))
+            if c in fastest.columns and bool(fastest.loc[i, c]) and s:
+                s = f"**{s}**"
+            cells.append(s)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def pivot_html(table: pd.DataFrame, fastest: pd.DataFrame) -> str:
+    def style(col):
+        if col.name not in fastest.columns:
+            return [""] * len(col)
+        return ["background-color:#c6efce;font-weight:bold" if f else "" for f in fastest[col.name]]
+
+    return table.style.apply(style).format(precision=1, na_rep="").hide(axis="index").to_html()
+
+
+def html_report(df: pd.DataFrame, table: pd.DataFrame, fastest: pd.DataFrame, png: bytes | None, title: str) -> str:
+    """One self-contained HTML page: pivot (fastest highlighted), plot (inline PNG), all rows."""
+    import base64
+    import html
+
+    img = f'<img alt="latency vs tokens" src="data:image/png;base64,{base64.b64encode(png).decode()}"/>' if png else ""
+    modeled = "<p>Rows marked (modeled) take communication time from the cost model.</p>" if df.modeled.any() else ""
+    cpu = "<p>CPU rows are wall clock: they test correctness and plumbing, not kernel speed.</p>" if (df.device == "cpu").any() else ""
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            "<style>body{font-family:sans-serif;margin:2em} table{border-collapse:collapse;font-size:13px}"
+            "td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}</style></head><body>"
+            f"<h1>{html.escape(title)}</h1>{modeled}{cpu}<h2>latency (us), fastest correct per row highlighted</h2>"
+            f"{pivot_html(table, fastest) if not table.empty else '<p>no correct rows</p>'}{img}"
+            f"<h2>all rows</h2>{df.to_html(index=False, na_rep='')}</body></html>")

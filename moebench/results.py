@@ -119,6 +119,11 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Binary twin of atomic_write_text."""
+    _atomic_write_with(Path(path), lambda tmp: Path(tmp).write_bytes(data))
+
+
 def _atomic_write_with(path: Path, writer) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

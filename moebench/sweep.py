@@ -43,6 +43,15 @@ class SweepSpec:
     check: bool = True
     warmup: int | None = None
     reps: int | None = None
+    #: False: `tokens` are per rank (a DP rank brings M tokens, M * world in all). True: `tokens`
+    #: are the whole batch, split over the DP ranks (how tp-vs-ep compares equal work).
+    tokens_are_global: bool = False
+
+    def batch_tokens(self, m: int, moves_tokens: bool) -> int:
+        """Tokens of the whole batch for a case of `m` tokens."""
+        if moves_tokens and not self.tokens_are_global:
+            return m * self.layout.world_size
+        return m
 
     def timing_kwargs(self) -> dict:
         if self.device == "cuda":
@@ -190,8 +199,9 @@ def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=No
     return spawn(sweep_on_rank, world_size or spec.layout.world_size, spec.device, spec, str(folder))[0]
 
 
-def run_simulated(spec: SweepSpec, store: RunStore, link, on_progress=None) -> list[ResultRow]:
-    """One device computes one rank's share; communication comes from the cost model (`link`)."""
+def run_simulated(spec: SweepSpec, store: RunStore, link, on_progress=None, experts_model=None) -> list[ResultRow]:
+    """One device computes one rank's share; communication comes from the cost model (`link`);
+    with `experts_model` (Ceilings), the experts time is that GPU's roofline floor instead."""
     from moebench.runtime.sim_sweep import run_simulated_sweep
 
-    return run_simulated_sweep(spec, store, link, on_progress)
+    return run_simulated_sweep(spec, store, link, on_progress, experts_model)

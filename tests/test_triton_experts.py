@@ -71,8 +71,10 @@ def test_align_matches_torch(m, k, e, bm, use_map):
     g = torch.Generator().manual_seed(m)
     ids = torch.randint(0, e_global, (m, k), generator=g).to(DEV)
     emap = _expert_map(e_global, e) if use_map else None
-    a = moe_align_block_size(ids, bm, e, emap)
+    a = moe_align_block_size(ids, bm, e, emap, chunk=32)  # several chunks per expert
     b = moe_align_block_size_torch(ids, bm, e, emap)
+    d = moe_align_block_size(ids, bm, e, emap)
+    assert torch.equal(a.sorted_token_ids, d.sorted_token_ids) and torch.equal(a.expert_ids, d.expert_ids)
     assert torch.equal(a.sorted_token_ids, b.sorted_token_ids)
     assert torch.equal(a.expert_ids, b.expert_ids)
     assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)

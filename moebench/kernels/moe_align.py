@@ -14,9 +14,10 @@ P = M*K, so the launch grids of the GEMMs are static and everything is CUDA-grap
 Pairs whose expert is remote (local id -1) are left out. Inside an expert the pairs keep their
 flat order (token-major), which is deterministic.
 
-Two small Triton kernels, one program per local expert each: (1) count the pairs of expert e;
-(2) from all counts, compute e's padded start (prefix sum), write its pair indices (a running
-cumsum over chunks of pairs), its padding sentinels and its block ids, and a share of the tail.
+Two small Triton kernels over a (local expert, chunk of pairs) grid: (1) count the pairs of
+expert e in chunk c; (2) from the whole count table, compute e's padded start (prefix sum) and the
+pairs of e in earlier chunks, write e's pair indices of chunk c (a cumsum), and for c = 0 also its
+padding sentinels, its block ids, and a share of the tail.
 """
 
 from __future__ import annotations
@@ -85,29 +86,28 @@ def max_padded_size(num_pairs: int, num_local_experts: int, block_size_m: int) -
 def _count_pairs_kernel(
     topk_ids_ptr,  # (P,) global or local expert id of each pair
     expert_map_ptr,  # (E,) global -> local, -1 remote (unused without HAS_MAP)
-    counts_ptr,  # (E_local,) int32 out
+    counts_ptr,  # (E_local, NUM_CHUNKS) int32 out
     num_pairs,
     HAS_MAP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
 ):
-    # One program per local expert e: scan all pairs in chunks and count those with id == e.
+    # Program (e, c): count the pairs of chunk c whose local expert is e.
     e = tl.program_id(0)
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(0, num_pairs, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        in_range = offs < num_pairs
-        ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-        if HAS_MAP:
-            ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
-        acc += (ids == e).to(tl.int32)
-    tl.store(counts_ptr + e, tl.sum(acc, axis=0))
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    in_range = offs < num_pairs
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    if HAS_MAP:
+        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+    tl.store(counts_ptr + e * NUM_CHUNKS + c, tl.sum((ids == e).to(tl.int32), axis=0))
 
 
 @triton.jit
 def _place_pairs_kernel(
     topk_ids_ptr,
     expert_map_ptr,
-    counts_ptr,  # (E_local,) int32 from _count_pairs_kernel
+    counts_ptr,  # (E_local, NUM_CHUNKS) int32 from _count_pairs_kernel
     sorted_ptr,  # (max_padded,) int32 out
     expert_ids_ptr,  # (max_blocks,) int32 out
     ntpp_ptr,  # (1,) int32 out
@@ -117,52 +117,58 @@ def _place_pairs_kernel(
     max_blocks,
     HAS_MAP: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
-    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    NC_POW2: tl.constexpr,
     E_POW2: tl.constexpr,
 ):
     e = tl.program_id(0)
-    # Padded run lengths of all experts -> this expert's start (exclusive prefix sum) and the total.
+    c = tl.program_id(1)
+    # Counts of all (expert, chunk) -> per-expert totals, padded run lengths, this expert's start
+    # (exclusive prefix sum over experts) and the pairs of e in the chunks before c.
     eo = tl.arange(0, E_POW2)
-    counts = tl.load(counts_ptr + eo, mask=eo < num_local, other=0)
+    co = tl.arange(0, NC_POW2)
+    cnt = tl.load(
+        counts_ptr + eo[:, None] * NUM_CHUNKS + co[None, :],
+        mask=(eo < num_local)[:, None] & (co < NUM_CHUNKS)[None, :], other=0,
+    )
+    counts = tl.sum(cnt, axis=1)
     padded = tl.cdiv(counts, BLOCK_SIZE_M) * BLOCK_SIZE_M
     start = tl.sum(tl.where(eo < e, padded, 0), axis=0)
     total = tl.sum(padded, axis=0)
     my_count = tl.sum(tl.where(eo == e, counts, 0), axis=0)
     my_padded = tl.sum(tl.where(eo == e, padded, 0), axis=0)
-    if e == 0:
-        tl.store(ntpp_ptr, total)
+    before = tl.sum(tl.sum(tl.where((eo == e)[:, None] & (co < c)[None, :], cnt, 0), axis=1), axis=0)
 
-    # This expert's pairs, in flat order: position = running count + inclusive cumsum - 1.
-    run = start
-    for s in range(0, num_pairs, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
-        in_range = offs < num_pairs
-        ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-        if HAS_MAP:
-            ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
-        hit = (ids == e).to(tl.int32)
-        pos = run + tl.cumsum(hit, axis=0) - 1
-        tl.store(sorted_ptr + pos, offs, mask=hit > 0)
-        run += tl.sum(hit, axis=0)
+    # This expert's pairs of chunk c, in flat order: position = start + earlier chunks + cumsum - 1.
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    in_range = offs < num_pairs
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    if HAS_MAP:
+        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+    hit = (ids == e).to(tl.int32)
+    pos = start + before + tl.cumsum(hit, axis=0) - 1
+    tl.store(sorted_ptr + pos, offs, mask=hit > 0)
 
-    # Padding of this expert's last block: sentinel.
-    pad = start + my_count + tl.arange(0, BLOCK_SIZE_M)
-    tl.store(sorted_ptr + pad, num_pairs + tl.zeros((BLOCK_SIZE_M,), tl.int32), mask=pad < start + my_padded)
-
-    # Block ids of this expert's blocks.
-    first_block = start // BLOCK_SIZE_M
-    n_blocks = my_padded // BLOCK_SIZE_M
-    for b in range(0, n_blocks, BLOCK):
-        bo = b + tl.arange(0, BLOCK)
-        tl.store(expert_ids_ptr + first_block + bo, e + tl.zeros((BLOCK,), tl.int32), mask=bo < n_blocks)
-
-    # Tail past the total, shared round-robin by the programs: sentinel slots and -1 blocks.
-    for s in range(total + e * BLOCK, max_padded, num_local * BLOCK):
-        so = s + tl.arange(0, BLOCK)
-        tl.store(sorted_ptr + so, num_pairs + tl.zeros((BLOCK,), tl.int32), mask=so < max_padded)
-    for b in range(total // BLOCK_SIZE_M + e * BLOCK, max_blocks, num_local * BLOCK):
-        bo = b + tl.arange(0, BLOCK)
-        tl.store(expert_ids_ptr + bo, tl.full((BLOCK,), -1, tl.int32), mask=bo < max_blocks)
+    if c == 0:
+        if e == 0:
+            tl.store(ntpp_ptr, total)
+        # Padding of this expert's last block: sentinel.
+        pad = start + my_count + tl.arange(0, BLOCK_SIZE_M)
+        tl.store(sorted_ptr + pad, num_pairs + tl.zeros((BLOCK_SIZE_M,), tl.int32), mask=pad < start + my_padded)
+        # Block ids of this expert's blocks.
+        first_block = start // BLOCK_SIZE_M
+        n_blocks = my_padded // BLOCK_SIZE_M
+        for b in range(0, n_blocks, CHUNK):
+            bo = b + tl.arange(0, CHUNK)
+            tl.store(expert_ids_ptr + first_block + bo, e + tl.zeros((CHUNK,), tl.int32), mask=bo < n_blocks)
+        # Tail past the total, shared round-robin by the experts: sentinel slots and -1 blocks.
+        for s in range(total + e * CHUNK, max_padded, num_local * CHUNK):
+            so = s + tl.arange(0, CHUNK)
+            tl.store(sorted_ptr + so, num_pairs + tl.zeros((CHUNK,), tl.int32), mask=so < max_padded)
+        for b in range(total // BLOCK_SIZE_M + e * CHUNK, max_blocks, num_local * CHUNK):
+            bo = b + tl.arange(0, CHUNK)
+            tl.store(expert_ids_ptr + bo, tl.full((CHUNK,), -1, tl.int32), mask=bo < max_blocks)
 
 
 def moe_align_block_size(
@@ -170,12 +176,14 @@ def moe_align_block_size(
     block_size_m: int,
     num_local_experts: int,
     expert_map: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> AlignResult:
     """topk_ids (M, K) int32/int64 -> AlignResult for blocks of `block_size_m` pairs.
 
     Without expert_map, topk_ids are local ids (-1 = remote). With expert_map (E,) int32, they are
     global ids mapped on the fly (map value -1 = remote). M may be 0 (empty buffers, no launch).
-    Two kernel launches, no host synchronisation.
+    Two kernel launches over (local expert, chunk of pairs), no host synchronisation. `chunk`
+    (pairs per program, a power of two) is for tests; by default up to 2048.
     """
     assert topk_ids.dim() == 2
     dev = topk_ids.device
@@ -193,19 +201,22 @@ def moe_align_block_size(
         ids = ids.contiguous()
     has_map = expert_map is not None
     emap = expert_map.to(device=dev, dtype=torch.int32).contiguous() if has_map else ids
-    counts = torch.empty((num_local_experts,), dtype=torch.int32, device=dev)
-    # Each program scans all pairs: wide chunks and more warps keep the serial chunk loop short
-    # (latency-bound: 1024-pair chunks cost ~50 us at 32K pairs x 128 experts on an H200).
-    block = min(4096, max(16, triton.next_power_of_2(num_pairs)))
-    warps = 8 if block >= 2048 else 4
-    _count_pairs_kernel[(num_local_experts,)](
-        ids, emap, counts, num_pairs, HAS_MAP=has_map, BLOCK=block, num_warps=warps
-    )
-    _place_pairs_kernel[(num_local_experts,)](
+    e_pow2 = max(16, triton.next_power_of_2(num_local_experts))
+    # Chunks of pairs: each program scans one chunk; the (experts x chunks) count table that every
+    # place program reads is kept <= 16K entries by growing the chunk for huge inputs.
+    chunk = chunk or min(2048, max(16, triton.next_power_of_2(num_pairs)))
+    while e_pow2 * triton.next_power_of_2(triton.cdiv(num_pairs, chunk)) > 16384:
+        chunk *= 2
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    warps = 8 if chunk >= 2048 else 4
+    counts = torch.empty((num_local_experts, num_chunks), dtype=torch.int32, device=dev)
+    grid = (num_local_experts, num_chunks)
+    _count_pairs_kernel[grid](ids, emap, counts, num_pairs, HAS_MAP=has_map, CHUNK=chunk, NUM_CHUNKS=num_chunks, num_warps=warps)
+    _place_pairs_kernel[grid](
         ids, emap, counts, sorted_ids, expert_ids, ntpp,
         num_pairs, num_local_experts, max_padded, max_blocks,
-        HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, BLOCK=block,
-        E_POW2=max(16, triton.next_power_of_2(num_local_experts)), num_warps=warps,
+        HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=chunk, NUM_CHUNKS=num_chunks,
+        NC_POW2=triton.next_power_of_2(num_chunks), E_POW2=e_pow2, num_warps=warps,
     )
     return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
 

@@ -41,8 +41,10 @@ from moebench.kernels.moe_align import AlignResult, interpreter_compat, interpre
 from moebench.kernels.registry import register_experts
 from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
 
-#: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms).
-DEFAULT_USE_TMA = False
+#: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms): True,
+#: False, or "auto" = for 16-bit inputs with BLOCK_SIZE_M >= 32 (on an H200 TMA was 4-13% faster
+#: at those configs and neutral, +-1%, for BLOCK_SIZE_M = 16; benchmarks/PERF_triton.md).
+DEFAULT_USE_TMA: bool | str = "auto"
 #: Sum over top-k by fp32 atomic adds in GEMM2 (else per-pair rows + a torch sum over K).
 DEFAULT_ATOMIC = True
 
@@ -461,6 +463,16 @@ def fused_moe_gemms(
     return out
 
 
+def resolve_use_tma(use_tma: bool | str | None, config: Mapping[str, int], dtype: torch.dtype) -> bool:
+    """None -> DEFAULT_USE_TMA; "auto" -> 16-bit inputs with BLOCK_SIZE_M >= 32. (Whether the
+    device can do TMA is checked again where the descriptors are made.)"""
+    if use_tma is None:
+        use_tma = DEFAULT_USE_TMA
+    if use_tma == "auto":
+        return config["BLOCK_SIZE_M"] >= 32 and dtype in (torch.float16, torch.bfloat16)
+    return bool(use_tma)
+
+
 def select_config(
     m: int, topk: int, w13: torch.Tensor, w2: torch.Tensor, num_experts: int, dtype: torch.dtype
 ) -> tuple[TileConfig, str]:
@@ -501,7 +513,7 @@ def fused_moe(
         est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
         est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, config["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
         split_k = choose_split_k(est_blocks, x.shape[1], w2.shape[2], config, _num_sms(x.device))
-    use_tma = DEFAULT_USE_TMA if use_tma is None else use_tma
+    use_tma = resolve_use_tma(use_tma, config, x.dtype)
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
     return fused_moe_gemms(x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic)
 

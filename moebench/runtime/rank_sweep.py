@@ -100,7 +100,7 @@ def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = Tru
 def _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metrics, one_line) -> None:
     s, lay = spec.shape, spec.layout
     moves_tokens = get_prepare_finalize_class(pf).communicates
-    m_full = m * lay.world_size if moves_tokens else m
+    m_full = spec.batch_tokens(m, moves_tokens)
     dev = ctx.device
     x_full = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
     wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)

@@ -18,7 +18,7 @@ import torch
 
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
-from moebench.bench.timing import time_fn
+from moebench.bench.timing import Timing, time_fn
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits, make_tokens, make_weights
@@ -29,6 +29,7 @@ from moebench.kernels.token_layout import local_topk_ids
 from moebench.results import RunStore
 from moebench.routing import load_imbalance, make_routing
 from moebench.runtime import simulate as sim
+from moebench.runtime.rank_case import token_split
 from moebench.runtime.rank_sweep import set_comm_gbps
 
 
@@ -38,8 +39,13 @@ def _stand_in(pf_name: str) -> str:
     return "batched-local" if fmt == ActivationFormat.BATCHED else "no-dpep"
 
 
-def run_simulated_sweep(spec, store: RunStore, link: sim.LinkProfile, on_progress=None) -> list:
-    """Simulated rows for every (tokens, pair) of `spec`; written to `store` as they are made."""
+def run_simulated_sweep(spec, store: RunStore, link: sim.LinkProfile, on_progress=None, experts_model=None) -> list:
+    """Simulated rows for every (tokens, pair) of `spec`; written to `store` as they are made.
+
+    experts_model: None = time the rank's experts on this device; a Ceilings (e.g. an H200
+    datasheet profile) = model the experts time as the roofline floor of the rank's work on that
+    GPU (how a CPU machine answers a GPU question; the rows say so). The share is still computed
+    and checked against the reference here."""
     from moebench.sweep import base_row, one_line, plan
 
     s, lay = spec.shape, spec.layout
@@ -58,7 +64,7 @@ def run_simulated_sweep(spec, store: RunStore, link: sim.LinkProfile, on_progres
                 row.status, row.reason = "skipped", reason
             else:
                 try:
-                    _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache)
+                    _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, experts_model)
                 except MoebenchError as e:
                     row.status, row.reason = "failed", str(e)
                 except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
@@ -88,11 +94,11 @@ def _weights(spec, rank: int, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return cache[key]
 
 
-def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache) -> None:
+def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, experts_model) -> None:
     s, lay = spec.shape, spec.layout
     world = lay.world_size
     moves_tokens = get_prepare_finalize_class(pf).communicates
-    m_full = m * world if moves_tokens else m
+    m_full = spec.batch_tokens(m, moves_tokens)
     x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
     wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
     row.imbalance = load_imbalance(ids, s.num_experts)
@@ -106,7 +112,8 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache) -> N
         row.rank_imbalance = 1.0
     w13, w2 = _weights(spec, rank, weights_cache)
     row.extra["simulated_rank"] = rank
-    row.rank_tokens = ",".join([str(m)] * world)
+    split = token_split(m_full, world) if moves_tokens else [(0, m)] * world
+    row.rank_tokens = ",".join(str(b - a) for a, b in split)
 
     # The rank's compute, on this device: the stand-in P/F lays tokens out as the real one would.
     kernel = make_kernel(ex, _stand_in(pf))
@@ -117,9 +124,21 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache) -> N
         ref = reference_moe(x, w13, w2, wts, ids, emap)
         row.max_rel_err = relative_error(out, ref)
         row.correct = is_correct(row.max_rel_err, spec.dtype)
-    pfo, exo = kernel.prepare_finalize, kernel.experts
-    prep = pfo.prepare(x, wts, ids, s.num_experts, w13.shape[0], emap)
-    t = time_fn(lambda: exo.apply(prep, w13, w2), spec.device, **spec.timing_kwargs())
+    # The rank's experts work (flops, bytes of the experts it hits) for the roofline.
+    local = local_topk_ids(ids, emap)
+    pairs = int((local >= 0).sum())
+    i_r = w2.shape[-1]
+    flops = metrics.layer_flops(pairs, 1, s.hidden, i_r)
+    hit = int(torch.unique(local[local >= 0]).numel())
+    nbytes = hit * 3 * s.hidden * i_r * el + 2 * pairs * s.hidden * el
+    if experts_model is not None:
+        floor = metrics.roofline(flops, nbytes, experts_model, dtype=row.dtype)
+        t = Timing(floor, floor, floor, 0, f"roofline model ({experts_model.device_name}, {experts_model.source})")
+        ceilings = experts_model
+    else:
+        pfo, exo = kernel.prepare_finalize, kernel.experts
+        prep = pfo.prepare(x, wts, ids, s.num_experts, w13.shape[0], emap)
+        t = time_fn(lambda: exo.apply(prep, w13, w2), spec.device, **spec.timing_kwargs())
     row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.name})"
 
     # Communication from the model.
@@ -138,16 +157,11 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache) -> N
     row.latency_us = row.experts_us + comm
     row.p10_us = t.p10_us + comm
     row.p90_us = t.p90_us + comm
-    row.reason = (f"modeled: rank {rank}'s experts measured; link {link.name} {link.bandwidth_gbps:g} GB/s "
+    how = "modeled" if experts_model is not None else "measured"
+    row.reason = (f"modeled: rank {rank}'s experts {how}; link {link.name} {link.bandwidth_gbps:g} GB/s "
                   f"{link.latency_us:g} us ({link.source})")
 
-    # Metrics of the rank's experts work (what was measured), against its floor.
-    local = local_topk_ids(ids, emap)
-    pairs = int((local >= 0).sum())
-    i_r = w2.shape[-1]
-    flops = metrics.layer_flops(pairs, 1, s.hidden, i_r)
-    hit = int(torch.unique(local[local >= 0]).numel())
-    nbytes = hit * 3 * s.hidden * i_r * el + 2 * pairs * s.hidden * el
+    # Metrics of the rank's experts work (what was measured or modeled), against its floor.
     if ceilings is not None:
         m_ = metrics.metrics(row.experts_us, flops, nbytes, ceilings, dtype=row.dtype)
         row.tflops, row.gbps, row.roofline_frac, row.floor_us = m_["tflops"], m_["gbps"], m_["roofline_frac"], m_["floor_us"]

@@ -249,35 +249,37 @@ def default_config(M: int, E: int, N: int, H: int, topk: int, dtype: torch.dtype
     """Default tile config when no tuned file exists, from the tokens per expert T = M * topk / E.
 
     The layer streams every hit expert's weights; an expert with more tokens than BLOCK_SIZE_M is
-    covered by several row blocks, which re-read its weight tiles. GROUP_SIZE_M = 16 schedules up
-    to 16 neighbouring row blocks (same expert when it has several) on the same weight tile one
-    after the other, so those re-reads hit L2 instead of HBM. The bands (measured on an H200,
-    bf16, benchmarks/bench_triton.py --sweep; see benchmarks/PERF_triton.md):
+    covered by several row blocks, which re-read its weight tiles. GROUP_SIZE_M > 1 schedules
+    neighbouring row blocks (the same expert when it has several) on the same weight tile one
+    after the other, so those re-reads mostly hit L2. Bands, from a sweep of 20 configs at the
+    18 points of design.md's table on an H200 (bf16; benchmarks/bench_triton.py --sweep, results
+    in benchmarks/PERF_triton.md):
 
     | T (tokens/expert) | M  | N   | K       | GROUP | warps | stages | regime |
     |---|---|---|---|---|---|---|---|
-    | <= 6              | 16 | 64  | 256/128 | 16 | 4 | 3/4 | memory-bound decode: smallest MMA M, long K loads |
-    | <= 24             | 32 | 128 | 64      | 16 | 4 | 4   | memory-bound, a few blocks per expert |
-    | <= 96             | 64 | 128 | 64      | 16 | 8 | 4   | transition |
-    | > 96              | 128| 256 | 64      | 8  | 8 | 3   | compute-bound: large wgmma tiles |
+    | <= 8              | 16 | 64  | 256/128 | 16 | 4 | 3/4 | memory-bound decode: smallest MMA M, long K loads |
+    | <= 24             | 32 | 128 | 128     | 16 | 4 | 3   | memory-bound, about one block per expert |
+    | <= 48             | 64 | 128 | 64      | 16 | 8 | 4   | transition |
+    | > 48              | 128| 256 | 64      | 8  | 8 | 4   | compute-bound: large wgmma tiles, deep pipeline |
 
     K = 256 (3 stages) in the first band when both H and N are >= 2048 (long K loops), else 128
-    (4 stages). BLOCK_SIZE_N is the width of one program's output tile; in GEMM1 the moebench
-    kernel splits it evenly into gate and up columns (the register budget of vLLM's unfused GEMM1
-    with the same config). For fp32 inputs BLOCK_SIZE_K is halved (shared memory) and stages
-    capped at 3. BLOCK_SIZE_N <= next power of two >= N (min 32) and BLOCK_SIZE_K likewise for H,
-    so tiny test shapes do not launch mostly-masked tiles.
+    (4 stages). How far these bands are from the best config of the sweep at each point is
+    measured and recorded in benchmarks/PERF_triton.md. BLOCK_SIZE_N is the width of one program's output tile;
+    in GEMM1 the moebench kernel splits it evenly into gate and up columns (the register budget
+    of vLLM's unfused GEMM1 with the same config). For fp32 inputs BLOCK_SIZE_K is halved (shared
+    memory) and stages capped at 3. BLOCK_SIZE_N <= next power of two >= N (min 32) and
+    BLOCK_SIZE_K likewise for H, so tiny test shapes do not launch mostly-masked tiles.
     """
     tpe = M * topk / max(E, 1)
-    if tpe <= 6:
+    if tpe <= 8:
         long_k = min(H, N) >= 2048
         bm, bn, bk, g, w, s = 16, 64, 256 if long_k else 128, 16, 4, 3 if long_k else 4
     elif tpe <= 24:
-        bm, bn, bk, g, w, s = 32, 128, 64, 16, 4, 4
-    elif tpe <= 96:
+        bm, bn, bk, g, w, s = 32, 128, 128, 16, 4, 3
+    elif tpe <= 48:
         bm, bn, bk, g, w, s = 64, 128, 64, 16, 8, 4
     else:
-        bm, bn, bk, g, w, s = 128, 256, 64, 8, 8, 3
+        bm, bn, bk, g, w, s = 128, 256, 64, 8, 8, 4
     if dtype == torch.float32:
         bk, s = max(bk // 2, 32), min(s, 3)
     bn = min(bn, max(32, _next_pow2(N)))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
 import random
 import shutil
@@ -444,6 +443,7 @@ class TuneOutcome:
     results: list[TokenResult]
     spec: TuneSpec
     files: list[Path] = field(default_factory=list)
+    is_main: bool = True  # False on torchrun ranks other than 0 (they write nothing)
 
 
 def _validate(spec: TuneSpec) -> None:
@@ -472,6 +472,7 @@ def tune(
     resume: str | os.PathLike | None = None,
     gpus: str | Sequence[int] | None = None,
     *,
+    run_dir: str | os.PathLike | None = None,
     results_dir: str | os.PathLike = "results",
     seed: int = 0,
     routing: str = "uniform",
@@ -503,13 +504,20 @@ def tune(
             diff = [k for k in spec.identity() if spec.identity()[k] != saved.identity()[k]]
             raise MoebenchError(f"--resume {run_dir}: this run differs from the saved one in {', '.join(diff)}; "
                                 f"resume with the same settings (or none: they are read from {SETTINGS})")
-    else:
-        run_dir = ensure_writable_dir(Path(results_dir)) / new_run_id("tune", shape.name)
-
     from moebench.runtime.distributed import join_torchrun
 
     ctx = join_torchrun() if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) else None
     main = ctx is None or ctx.rank == 0
+    if resume is None:
+        if run_dir is None and main:
+            run_dir = ensure_writable_dir(Path(results_dir)) / new_run_id("tune", shape.name)
+        if ctx is not None and ctx.world_size > 1:  # every rank journals into rank 0's folder name
+            import torch.distributed as dist
+
+            box = [str(run_dir) if main else None]
+            dist.broadcast_object_list(box, src=0, group=ctx.group)
+            run_dir = box[0]
+        run_dir = Path(run_dir)
     if main:
         ensure_writable_dir(run_dir)
         if not (run_dir / SETTINGS).exists():
@@ -523,7 +531,7 @@ def tune(
     if ctx is not None and ctx.world_size > 1:
         results = _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens)
         if not main:
-            return TuneOutcome(run_dir, None, results, spec)
+            return TuneOutcome(run_dir, None, results, spec, is_main=False)
     else:
         slots = resolve_gpus(gpus, device)
         chunks = split_tokens(spec.tokens, len(slots))

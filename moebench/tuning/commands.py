@@ -1,0 +1,331 @@
+"""Click commands `tune` and `configs` (list, show, diff, commit); the main group attaches them.
+
+    moebench tune --model NAME [--tp N] [--ep N] [--tokens ...] [--search grid|random|halving]
+                  [--budget N] [--gpus all|0,1] [--resume RUN_DIR] [--out DIR] [--device] [--dtype]
+    moebench configs list | show FILE|E,N | diff A B | commit FILE...
+
+Commands parse and print; the work is in `moebench.tuning.tuner` and `moebench.tuning.configs`.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from moebench.errors import MoebenchError
+from moebench.tuning import configs as C
+
+console = Console()
+err_console = Console(stderr=True)
+
+_NAME_RE = re.compile(
+    r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<device>[^,]+?)"
+    r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=\[(?P<block>[\d,]*)\])?\.json$"
+)
+
+TUNE_TOKENS_CPU = [1, 4]
+TUNE_TOKENS_CUDA = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]
+
+
+def parse_config_name(name: str) -> dict[str, str | int | None] | None:
+    """'E=8,N=14336,device_name=NVIDIA_H200[,dtype=..][,block_shape=[..]].json' -> its parts, or
+    None when the name is not a tuned-config file name."""
+    m = _NAME_RE.match(Path(name).name)
+    if not m:
+        return None
+    return {"E": int(m["E"]), "N": int(m["N"]), "device": m["device"], "dtype": m["dtype"], "block_shape": m["block"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# tune
+
+
+@click.command("tune")
+@click.option("--model", default=None, help="Preset name (see `moebench models`) or a local HuggingFace config.json.")
+@click.option("--num-experts", "num_experts", type=int, default=None, help="E, for a custom shape.")
+@click.option("--topk", type=int, default=None, help="Experts per token, for a custom shape.")
+@click.option("--hidden", type=int, default=None, help="H, for a custom shape.")
+@click.option("--intermediate", type=int, default=None, help="MoE intermediate size I, for a custom shape.")
+@click.option("--tokens", default=None, help="Comma list of token counts per rank [cpu: 1,4; cuda: vLLM's 18 counts 1..4096].")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel size: N of the file = I / tp.")
+@click.option("--dp", type=int, default=None, help="Data-parallel size (with --ep).")
+@click.option("--ep", type=int, default=None, help="Expert parallelism over N ranks: E of the file = local experts.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="Default: bf16 on cuda, fp32 on cpu.")
+@click.option("--routing", default=None, help="uniform | zipf:S | hot:F | file:PATH  [uniform]")
+@click.option("--seed", type=int, default=None, help="Inputs and sampling seed [0].")
+@click.option("--search", "strategy", type=click.Choice(["grid", "random", "halving"]), default=None,
+              help="grid: every pruned config; random: --budget samples; halving (default): successive halving "
+                   "seeded by the neighbouring token count's winners.")
+@click.option("--budget", type=int, default=None, help="Configs per token count for random / halving [48].")
+@click.option("--gpus", default="all", show_default=True, help="GPUs to spread token counts over: all, or 0,1,...")
+@click.option("--resume", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Continue an interrupted run folder (its settings are read from it).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/configs"), show_default=True,
+              help="Folder of the vLLM-format config file.")
+@click.option("--results-dir", "results_dir", type=click.Path(path_type=Path), default=Path("results"),
+              show_default=True, help="Where the run folder (journal, report) is created.")
+@click.option("--reps", type=int, default=None, help="Timer repetitions while screening [cuda 20, cpu 2].")
+@click.option("--final-reps", "final_reps", type=int, default=None, help="Repetitions of the final stage [cuda 50, cpu 3].")
+@click.option("--dry-run", "dry_run", is_flag=True, help="Only show the search space after pruning, per token count.")
+def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, routing, seed, strategy,
+         budget, gpus, resume, out, results_dir, reps, final_reps, dry_run):
+    """Find the fastest Triton tile config per token count; write the vLLM-format file."""
+    from moebench.cli import parse_tokens, resolve_device, resolve_shape
+    from moebench.inputs import parse_dtype
+    from moebench.layout import ParallelLayout
+    from moebench.results import new_run_id
+    from moebench.routing import parse_routing
+    from moebench.tuning import tuner as T
+
+    for name, v in (("--budget", budget), ("--reps", reps), ("--final-reps", final_reps)):
+        if v is not None and v < 1:
+            raise MoebenchError(f"{name} must be >= 1, got {v}")
+    sizes_given = model is not None or any(v is not None for v in (num_experts, topk, hidden, intermediate))
+    if resume is not None:
+        spec = T.load_run_spec(resume)
+        if sizes_given:
+            spec.shape = resolve_shape(model, num_experts, topk, hidden, intermediate)
+        if any(v is not None for v in (tp, dp, ep)):
+            spec.layout = ParallelLayout.from_args(tp, dp, ep)
+        if device is not None:
+            spec.device = resolve_device(device)
+        else:
+            resolve_device(spec.device)
+        if dtype is not None:
+            spec.dtype = parse_dtype(dtype)
+        if tokens is not None:
+            spec.tokens = parse_tokens(tokens)
+        for attr, v in (("routing", routing), ("seed", seed), ("strategy", strategy), ("budget", budget),
+                        ("reps", reps), ("final_reps", final_reps)):
+            if v is not None:
+                setattr(spec, attr, v)
+        run_dir = resume
+    else:
+        dev = resolve_device(device)
+        spec = T.TuneSpec(
+            shape=resolve_shape(model, num_experts, topk, hidden, intermediate),
+            layout=ParallelLayout.from_args(tp, dp, ep),
+            tokens=parse_tokens(tokens) if tokens is not None else (TUNE_TOKENS_CUDA if dev == "cuda" else TUNE_TOKENS_CPU),
+            dtype=parse_dtype(dtype or ("bf16" if dev == "cuda" else "fp32")), device=dev,
+            strategy=strategy or "halving", budget=budget, seed=seed or 0, routing=routing or "uniform",
+            reps=reps, final_reps=final_reps,
+        )
+        run_dir = Path(results_dir) / new_run_id("tune", spec.shape.name)
+    parse_routing(spec.routing)
+    spec.tokens = sorted(set(spec.tokens))
+    T._validate(spec)
+    s = spec.shape
+    console.print(f"[bold]moebench tune[/] {s.name} (E={s.num_experts}, topk={s.topk}, H={s.hidden}, I={s.intermediate}) "
+                  f"{spec.layout.describe()} -> file E={spec.local_experts},N={spec.inter_per_rank} on {spec.device}, "
+                  f"search {spec.strategy}")
+    counts = T.prune_counts(spec)
+    pt = Table(title="search space after pruning")
+    pt.add_column("tokens", justify="right")
+    pt.add_column("kept", justify="right")
+    pt.add_column("pruned (why)")
+    for m, rep in counts.items():
+        pt.add_row(str(m), f"{len(rep.kept)} / {rep.total}",
+                   ", ".join(f"{n} {r}" for r, n in sorted(rep.pruned.items(), key=lambda kv: -kv[1])))
+    console.print(pt)
+    if dry_run:
+        return
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=True)
+    try:
+        with progress:
+            task = progress.add_task("tune", total=len(spec.tokens))
+
+            def on_measure(m):
+                lat = f"{m.latency_us:.1f} us" if m.latency_us is not None else m.status
+                progress.update(task, description=f"M={m.tokens} {m.stage} {T.key_str(m.config)}: {lat}")
+
+            def on_tokens(r):
+                progress.update(task, advance=1)
+
+            outcome = T.tune(
+                spec.shape, spec.layout, spec.tokens, spec.dtype, spec.device, spec.strategy, spec.budget, out,
+                resume, gpus, run_dir=run_dir, results_dir=results_dir, seed=spec.seed, routing=spec.routing,
+                reps=spec.reps, final_reps=spec.final_reps, space=spec.space, on_measure=on_measure,
+                on_tokens=on_tokens,
+            )
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted: finished measurements are kept in {run_dir} "
+                          f"(continue with: moebench tune --resume {run_dir})")
+        sys.exit(130)
+    if not outcome.is_main:
+        return  # a torchrun rank other than 0: rank 0 prints and writes
+    console.print(T.rich_table(outcome.results))
+    if torch_device_is_cpu(spec.device):
+        console.print("[dim]CPU / Triton-interpreter times test the plumbing, not kernel speed.[/]")
+    console.print(f"run folder: {outcome.run_dir}")
+    if outcome.config_path is not None:
+        console.print(f"wrote {outcome.config_path}")
+    else:
+        raise MoebenchError(f"no token count found a working config; see {outcome.run_dir / 'report.md'}")
+
+
+def torch_device_is_cpu(device: str) -> bool:
+    return not str(device).startswith("cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# configs
+
+
+@click.group("configs")
+def configs():
+    """Tuned-config files: list, show, diff, commit into the package."""
+
+
+def _resolve_file(arg: str, device: str | None, dtype: str | None) -> Path:
+    """A path, or 'E,N' looked up along the lookup order for `device` (default: this machine)."""
+    p = Path(arg)
+    if p.is_file():
+        return p
+    m = re.fullmatch(r"\s*(\d+)\s*,\s*(\d+)\s*", arg)
+    if m is None:
+        if p.suffix == ".json" or "/" in arg:
+            raise MoebenchError(f"config file {arg!r} does not exist")
+        raise MoebenchError(f"{arg!r} is neither a config file nor 'E,N' (e.g. 8,14336)")
+    e, n = int(m[1]), int(m[2])
+    dev = device or C.current_device_name()
+    found = C.find_config_file(e, n, dev, dtype)
+    if found is None:
+        name = C.config_file_name(e, n, dev, dtype)
+        raise MoebenchError(f"no {name} in {', '.join(str(d) for d in C.config_search_dirs())}")
+    return found
+
+
+def _cfg_text(cfg) -> str:
+    return "/".join(str(cfg[k]) for k in C.TILE_KEYS)
+
+
+@configs.command("list")
+@click.option("--dir", "dirs", multiple=True, type=click.Path(path_type=Path), help="Extra folder(s) to list.")
+@click.option("--json", "as_json", is_flag=True)
+def configs_list(dirs, as_json):
+    """Config files along the lookup order ($MOEBENCH_CONFIG_DIR, results/configs, moebench/configs)."""
+    rows = []
+    seen: set[Path] = set()
+    for d in [*C.config_search_dirs(), *map(Path, dirs)]:
+        if not d.is_dir() or d.resolve() in seen:
+            continue
+        seen.add(d.resolve())
+        for f in sorted(d.glob("*.json")):
+            parts = parse_config_name(f.name)
+            if parts is None:
+                continue
+            try:
+                table = C.load_config_file(f)
+                toks, status = list(table), "ok"
+            except MoebenchError as e:
+                toks, status = [], f"invalid: {e}"
+            rows.append({"dir": str(d), "file": f.name, **parts, "tokens": toks, "status": status})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        console.print("no tuned-config files in " + ", ".join(str(d) for d in C.config_search_dirs()))
+        return
+    t = Table(title="tuned configs (first folder wins at lookup)")
+    for c in ("folder", "E", "N", "device", "dtype", "token counts", "status"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["dir"], str(r["E"]), str(r["N"]), str(r["device"]), r["dtype"] or "-",
+                  ",".join(map(str, r["tokens"])), r["status"])
+    console.print(t)
+
+
+@configs.command("show")
+@click.argument("target")
+@click.option("--device", "device", default=None, help="Device name for an E,N target (default: this machine's).")
+@click.option("--dtype", default=None, help="dtype tag of the file name (quantised kernels only).")
+@click.option("--json", "as_json", is_flag=True)
+def configs_show(target, device, dtype, as_json):
+    """One file's entries: TARGET is a path or E,N (looked up for this device)."""
+    path = _resolve_file(target, device, dtype)
+    table = C.load_config_file(path)
+    if as_json:
+        click.echo(json.dumps({str(k): dict(v) for k, v in table.items()}, indent=2))
+        return
+    t = Table(title=str(path))
+    t.add_column("tokens", justify="right")
+    for k in C.TILE_KEYS:
+        t.add_column(k, justify="right")
+    for m, cfg in table.items():
+        t.add_row(str(m), *(str(cfg[k]) for k in C.TILE_KEYS))
+    console.print(t)
+
+
+def diff_tables(a: dict, b: dict) -> list[tuple[int, str]]:
+    """Per token count of either table, what differs: 'only in A', 'only in B', or
+    'FIELD a->b; ...'. Token counts with identical entries are left out."""
+    out = []
+    for m in sorted(set(a) | set(b)):
+        if m not in b:
+            out.append((m, "only in A"))
+        elif m not in a:
+            out.append((m, "only in B"))
+        else:
+            d = [f"{k} {a[m][k]}->{b[m][k]}" for k in C.TILE_KEYS if a[m][k] != b[m][k]]
+            if d:
+                out.append((m, "; ".join(d)))
+    return out
+
+
+@configs.command("diff")
+@click.argument("a")
+@click.argument("b")
+@click.option("--device", "device", default=None, help="Device name for E,N targets.")
+def configs_diff(a, b, device):
+    """Per token count, which fields differ between two files (paths or E,N)."""
+    pa, pb = _resolve_file(a, device, None), _resolve_file(b, device, None)
+    diffs = diff_tables(C.load_config_file(pa), C.load_config_file(pb))
+    console.print(f"A = {pa}\nB = {pb}")
+    if not diffs:
+        console.print("identical entries")
+        return
+    t = Table()
+    t.add_column("tokens", justify="right")
+    t.add_column("difference")
+    for m, d in diffs:
+        t.add_row(str(m), d)
+    console.print(t)
+
+
+@configs.command("commit")
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+def configs_commit(files):
+    """Validate FILES and copy them into the package's moebench/configs/ (shipped with moebench)."""
+    dest_dir = Path(C.PACKAGE_CONFIG_DIR)
+    checked = []
+    for f in files:
+        if not f.is_file():
+            raise MoebenchError(f"config file {f} does not exist")
+        if parse_config_name(f.name) is None:
+            raise MoebenchError(f"{f.name} is not a vLLM config file name (E=..,N=..,device_name=..[,dtype=..].json)")
+        C.load_config_file(f)  # raises with the file and entry named
+        checked.append(f)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    for f in checked:
+        dest = dest_dir / f.name
+        if dest.exists() and filecmp.cmp(f, dest, shallow=False):
+            console.print(f"unchanged {dest}")
+            continue
+        verb = "replaced" if dest.exists() else "added"
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.copyfile(f, tmp)
+        tmp.replace(dest)
+        console.print(f"{verb} {dest}")

@@ -1,0 +1,109 @@
+"""compare tp-vs-ep and report, end to end through the CLI; the PNGs are opened and checked."""
+
+import json
+
+import numpy as np
+import pandas as pd
+from matplotlib import image as mpimg
+
+from moebench.compare import summarize
+from moebench.results import ResultRow
+from test_cli import assert_bad_input, moebench
+
+
+def _png_has_content(path, min_w=600, min_h=300):
+    img = mpimg.imread(path)
+    h, w = img.shape[:2]
+    assert w >= min_w and h >= min_h, (w, h)
+    rgb = img[..., :3]
+    # not blank: many distinct colours and a good share of non-white pixels
+    assert len(np.unique((rgb * 255).astype(np.uint8).reshape(-1, 3), axis=0)) > 20
+    assert (rgb.mean(axis=-1) < 0.95).mean() > 0.02
+
+
+def test_compare_qwen3_world_size_4(tmp_path):
+    plot = tmp_path / "cmp.png"
+    res = moebench("compare", "tp-vs-ep", "--model", "qwen3-30b-a3b", "--world-size", "4", "--tokens", "1,16,128",
+                   "--experts", "torch,batched-torch", "--out", str(tmp_path / "res"), "--plot", str(plot), timeout=900)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "roofline floor (datasheet), not measured" in out and "real gloo ranks" in out
+    assert "TP4" in out and "EP4" in out and ("wins from" in out or "wins at every" in out)
+    run = next((tmp_path / "res").iterdir())
+    summary = pd.read_csv(run / "compare.csv")
+    assert set(summary.layout) == {"TP4", "EP4"} and set(summary.tokens) == {1, 16, 128}
+    assert summary.groupby("tokens").winner.sum().eq(1).all()
+    assert summary.checked_on_ranks.all()  # every best pair was also correct on real gloo ranks
+    tp = summary[summary.layout == "TP4"]
+    assert tp.allreduce_us.notna().all() and tp.dispatch_us.isna().all()
+    rows = pd.read_csv(run / "results.csv")
+    assert rows[rows.modeled].shape[0] > 0 and rows[~rows.modeled].shape[0] > 0
+    # every number in the summary traces back to a modeled row
+    for _, s in summary.iterrows():
+        match = rows[(rows.tokens == s.tokens) & rows.modeled & (rows.prepare_finalize == s.prepare_finalize)
+                     & (rows.experts == s.experts) & np.isclose(rows.latency_us, s.latency_us)]
+        assert len(match) == 1
+    _png_has_content(plot)
+    assert "crossover" in (run / "compare.md").read_text()
+
+
+def test_compare_bad_input():
+    assert_bad_input(moebench("compare", "tp-vs-ep", "--model", "mixtral-8x7b"), "--world-size")
+    assert_bad_input(moebench("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "4", "--tp", "4"),
+                     "--world-size N")
+    assert_bad_input(moebench("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "16"),
+                     "larger than the number of experts")
+    assert_bad_input(moebench("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "2",
+                              "--target-gpu", "toaster"), "datasheet")
+
+
+def _row(tokens, ep, world, lat, exp, comm, modeled=True, correct=True):
+    r = ResultRow(model="m", num_experts=8, topk=2, hidden=8, intermediate=8, tokens=tokens, tp=1 if ep > 1 else world,
+                  dp=world if ep > 1 else 1, ep=ep, world_size=world,
+                  prepare_finalize="all2all-ll" if ep > 1 else "no-dpep", experts="x", activation_format="f",
+                  dtype="bf16", device="cpu", routing="uniform", modeled=modeled, latency_us=lat, correct=correct)
+    r.experts_us = exp
+    if ep > 1:
+        r.dispatch_us = r.combine_us = comm / 2
+    else:
+        r.allreduce_us = comm
+    return r
+
+
+def test_summarize_crossover_and_reason():
+    rows = [_row(1, 1, 4, 10, 5, 5), _row(1, 4, 4, 20, 10, 10),
+            _row(64, 1, 4, 100, 90, 10), _row(64, 4, 4, 60, 30, 30),
+            _row(512, 1, 4, 300, 290, 10), _row(512, 4, 4, 120, 80, 40),
+            _row(512, 4, 4, 50, 20, 30, correct=False)]  # a wrong row never wins
+    res = summarize(rows, 4)
+    assert res.crossover == 64
+    assert res.recommendation.startswith("EP4 wins from 64 tokens")
+    assert "3.0x less per rank" in res.recommendation
+    w = res.summary[res.summary.winner]
+    assert w.set_index("tokens").layout.to_dict() == {1: "TP4", 64: "EP4", 512: "EP4"}
+    assert res.summary[(res.summary.tokens == 512) & (res.summary.layout == "EP4")].latency_us.item() == 120
+
+
+def test_report_merges_and_highlights(tmp_path):
+    args = ["--num-experts", "6", "--topk", "2", "--hidden", "24", "--intermediate", "16"]
+    for toks, exp in (("1,4", "torch"), ("1,4", "batched-torch")):
+        r = moebench("sweep", *args, "--tokens", toks, "--experts", exp, "--out", str(tmp_path / "runs"))
+        assert r.returncode == 0, r.stderr
+    folders = sorted((tmp_path / "runs").iterdir())
+    html = tmp_path / "r.html"
+    plot = tmp_path / "r.png"
+    res = moebench("report", *map(str, folders), "--format", "html", "--out", str(html), "--plot", str(plot))
+    assert res.returncode == 0, res.stderr
+    text = html.read_text()
+    assert "data:image/png;base64," in text and "#c6efce" in text
+    assert "1 rank no-dpep+torch" in text and "1 rank batched-local+batched-torch" in text
+    _png_has_content(plot, min_w=400, min_h=250)
+    md = tmp_path / "r.md"
+    res = moebench("report", *map(str, folders), "--format", "md", "--out", str(md))
+    assert res.returncode == 0
+    lines = md.read_text().splitlines()
+    body = [x for x in lines if x.startswith("| m") or x.startswith("| custom")]
+    assert len(body) == 2 and all(x.count("**") == 2 for x in body)  # one fastest per token count
+    assert "imbalance" in lines[2]
+    res = moebench("report", str(tmp_path / "nothing-here"))
+    assert_bad_input(res, "does not exist")

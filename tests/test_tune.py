@@ -1,0 +1,380 @@
+"""`moebench tune` on the CPU: pruning, a tiny end-to-end tune under the Triton interpreter,
+resume after an interruption, the vLLM file format, and the `configs` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moebench.bench.timing import time_cpu
+from moebench.errors import MoebenchError
+from moebench.layout import ParallelLayout
+from moebench.models import custom_shape, get_model
+from moebench.tuning import configs as C
+from moebench.tuning import search as S
+from moebench.tuning import space as SP
+from moebench.tuning import tuner as T
+from moebench.tuning.commands import configs as configs_group
+from moebench.tuning.commands import diff_tables, parse_config_name
+from moebench.tuning.commands import tune as tune_command
+
+SHAPE = custom_shape(4, 2, 64, 32, name="tiny")
+TINY_SPACE = {"BLOCK_SIZE_M": [16, 32], "BLOCK_SIZE_N": [64], "BLOCK_SIZE_K": [64], "GROUP_SIZE_M": [1, 16],
+              "num_warps": [4], "num_stages": [2]}
+TOKENS = [1, 4]
+
+
+def fast_timer(fn, reps):
+    return time_cpu(fn, warmup=0, reps=1)
+
+
+class CountingTimer:
+    """A CPU timer that counts its calls and raises KeyboardInterrupt at call `stop_at` (a kill
+    between measurements: the ones before are journaled, this one is lost)."""
+
+    def __init__(self, stop_at: int | None = None):
+        self.calls, self.stop_at = 0, stop_at
+
+    def __call__(self, fn, reps):
+        self.calls += 1
+        if self.stop_at is not None and self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return time_cpu(fn, warmup=0, reps=1)
+
+
+def _tune(tmp_path, timer=fast_timer, **kw):
+    args = dict(strategy="halving", budget=4, out_dir=tmp_path / "cfg", results_dir=tmp_path / "res",
+                space=TINY_SPACE, timer=timer)
+    args.update(kw)
+    return T.tune(SHAPE, ParallelLayout(), TOKENS, torch.float32, "cpu", **args)
+
+
+def _journal_lines(run_dir: Path) -> list[dict]:
+    """Journal records of a run folder (a torn line, left by a crash mid-write, is skipped)."""
+    out = []
+    for p in sorted(run_dir.glob("measurements*.jsonl")):
+        for line in p.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def assert_vllm_loadable(path: Path, tokens: list[int]) -> dict:
+    """What vLLM's loader relies on: a JSON object, string token keys that int() reads, exactly
+    the six kernel arguments per entry (ints), plus "triton_version"."""
+    raw = json.loads(path.read_text())
+    assert isinstance(raw, dict) and isinstance(raw.pop("triton_version"), str)
+    assert sorted(int(k) for k in raw) == tokens
+    for k, entry in raw.items():
+        assert isinstance(k, str) and k == str(int(k))
+        assert set(entry) == set(C.TILE_KEYS) and all(type(v) is int for v in entry.values())
+    assert parse_config_name(path.name) is not None
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# Space and pruning
+
+
+def test_full_space_is_vllms_grid():
+    space = SP.full_space()
+    assert len(space) == 1920 and len({SP.config_key(c) for c in space}) == 1920
+
+
+@pytest.mark.parametrize("model,tokens", [("mixtral-8x7b", 1), ("mixtral-8x7b", 256), ("qwen3-30b-a3b", 16),
+                                          ("qwen3-30b-a3b", 4096)])
+def test_prune_counts_and_reasons(model, tokens):
+    s = get_model(model)
+    p = SP.Problem(tokens, s.num_experts, s.num_experts, s.topk, s.hidden, s.intermediate, 2, SP.DEFAULT_SMEM_BYTES)
+    rep = SP.prune(SP.full_space(), p)
+    assert rep.total == 1920 and len(rep.kept) + rep.n_pruned == 1920
+    # bf16 on 227 KB: exactly the configs over the limit go for shared memory.
+    over = [c for c in SP.full_space() if SP.smem_bytes(c, 2) > SP.DEFAULT_SMEM_BYTES]
+    assert rep.pruned["shared memory"] == len(over) > 0
+    assert all(SP.smem_bytes(c, 2) <= SP.DEFAULT_SMEM_BYTES for c in rep.kept)
+    tpe = tokens * s.topk / s.num_experts
+    assert all(c["BLOCK_SIZE_M"] <= max(16, 2 * SP._next_pow2(tpe)) for c in rep.kept)
+    # One GROUP_SIZE_M value at most among those >= the row-block count, per rest-of-config.
+    seen = set()
+    for c in rep.kept:
+        if c["GROUP_SIZE_M"] >= p.max_blocks(c["BLOCK_SIZE_M"]):
+            rest = tuple(c[k] for k in C.TILE_KEYS if k != "GROUP_SIZE_M")
+            assert rest not in seen
+            seen.add(rest)
+    if tokens == 1:  # decode: only BLOCK_SIZE_M 16 can win, and G16/32/64 are the same schedule
+        assert {c["BLOCK_SIZE_M"] for c in rep.kept} == {16}
+        assert rep.pruned["GROUP_SIZE_M duplicate (one group covers all row blocks)"] > 0
+    if tokens == 4096:
+        assert set(rep.pruned) == {"shared memory"}
+    assert "kept" in rep.summary()
+
+
+def test_prune_tiny_space_and_neighbours():
+    rep = SP.prune(SP.full_space(TINY_SPACE), SP.Problem(1, 4, 4, 2, 64, 32, 4))
+    assert (len(rep.kept), rep.pruned) == (2, {"BLOCK_SIZE_M above tokens per expert": 2})
+    cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 256, "GROUP_SIZE_M": 8, "num_warps": 4, "num_stages": 2}
+    nb = {SP.key_str(c) for c in SP.neighbours(cfg)}
+    assert "M32,N64,K256,G8,w4,s2" in nb and "M16,N64,K128,G8,w4,s2" in nb and "M16,N64,K256,G1,w4,s2" in nb
+    assert "M16,N64,K256,G16,w4,s2" in nb and "M16,N64,K256,G8,w8,s2" in nb and "M16,N64,K256,G8,w4,s3" in nb
+    assert len(nb) == 8  # M up; N down/up; K down; G 1/16; warps up; stages up
+
+
+def test_halving_pool_seeds_first():
+    space = SP.full_space()
+    seed = space[100]
+    pool = S.halving_pool(space, [seed], 10, random.Random(0))
+    assert len(pool) == 10 and SP.config_key(pool[0]) == SP.config_key(seed)
+    nb = {SP.config_key(c) for c in SP.neighbours(seed)}
+    assert sum(SP.config_key(c) in nb for c in pool) == 4  # half the budget: the seed + 4 neighbours
+    assert len({SP.config_key(c) for c in pool}) == 10
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end
+
+
+def test_tiny_tune_end_to_end(tmp_path):
+    out = _tune(tmp_path)
+    assert [r.tokens for r in out.results] == TOKENS
+    raw = assert_vllm_loadable(out.config_path, TOKENS)
+    assert out.config_path.parent == tmp_path / "cfg"
+    assert out.config_path.name == "E=4,N=32,device_name=cpu.json"
+    loaded = C.load_config_file(out.config_path)
+    for r in out.results:
+        assert r.winner == dict(loaded[r.tokens]) == raw[str(r.tokens)]
+        assert r.winner_us > 0 and r.default_us > 0 and r.speedup == pytest.approx(r.default_us / r.winner_us)
+        assert r.failed == r.wrong == 0 and r.reused == 0 and r.space_kept == 2
+    lines = _journal_lines(out.run_dir)
+    assert len(lines) == sum(r.measured for r in out.results)
+    keys = [(d["tokens"], SP.key_str(d["config"]), d["stage"]) for d in lines]
+    assert len(keys) == len(set(keys))
+    # Correctness checked exactly once per (token count, config).
+    pairs = {(d["tokens"], SP.key_str(d["config"])) for d in lines}
+    assert sum(d["checked"] for d in lines) == len(pairs)
+    assert all(d["max_rel_err"] < 1e-4 for d in lines if d["checked"])
+    md = (out.run_dir / "report.md").read_text()
+    assert "winner" in md and "default_us" in md and "not kernel speed" in md
+    csv = (out.run_dir / "report.csv").read_text().splitlines()
+    assert csv[0].startswith("tokens,winner,winner_us,runner_up") and len(csv) == 1 + len(TOKENS)
+    assert json.loads((out.run_dir / "tune.json").read_text())["spec"]["strategy"] == "halving"
+    # Triton's cache pointed into the run folder, and the setting restored afterwards.
+    assert (out.run_dir / "triton-cache" / "w0").is_dir()
+    assert os.environ.get("TRITON_CACHE_DIR", "") != str(out.run_dir / "triton-cache" / "w0")
+
+
+def test_resume_after_kill_repeats_nothing(tmp_path):
+    killer = CountingTimer(stop_at=4)
+    run_dir = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        _tune(tmp_path, timer=killer, run_dir=run_dir)
+    done = _journal_lines(run_dir)
+    assert len(done) == 3 and not (tmp_path / "cfg").exists()
+    # A crash mid-write leaves a torn line: it is skipped and the next record starts a fresh line.
+    with open(run_dir / T.JOURNAL, "a") as f:
+        f.write('{"tokens": 4, "conf')
+    again = CountingTimer()
+    out = _tune(tmp_path, timer=again, resume=run_dir)
+    lines = _journal_lines(run_dir)
+    assert len(lines) + 1 == len((run_dir / T.JOURNAL).read_text().splitlines())  # + the torn line
+    keys = [(d["tokens"], SP.key_str(d["config"]), d["stage"]) for d in lines]
+    assert len(keys) == len(set(keys))  # nothing measured twice
+    assert again.calls == len(lines) - 3  # only the missing ones were timed
+    assert sum(r.reused for r in out.results) >= 3
+    assert_vllm_loadable(out.config_path, TOKENS)
+    # A third run finds everything in the journal and measures nothing.
+    idle = CountingTimer()
+    out3 = _tune(tmp_path, timer=idle, resume=run_dir)
+    assert idle.calls == 0 and [r.winner for r in out3.results] == [r.winner for r in out.results]
+    with pytest.raises(MoebenchError, match="differs from the saved one"):
+        _tune(tmp_path, resume=run_dir, strategy="grid")
+
+
+def test_failed_and_wrong_configs_are_skipped(tmp_path, monkeypatch):
+    orig_kernel, orig_call = S.LayerBench._kernel, S.LayerBench._call
+
+    def kernel(self, cfg):
+        if cfg["BLOCK_SIZE_M"] == 32:
+            raise RuntimeError("out of resource: shared memory, Required: 999999")
+        return orig_kernel(self, cfg)
+
+    def call(self, k, i):
+        out = orig_call(self, k, i)
+        return out * 2 if k.experts.config["GROUP_SIZE_M"] == 16 else out
+
+    monkeypatch.setattr(S.LayerBench, "_kernel", kernel)
+    monkeypatch.setattr(S.LayerBench, "_call", call)
+    space = dict(TINY_SPACE, BLOCK_SIZE_M=[16, 32])
+    out = T.tune(SHAPE, ParallelLayout(), [32], torch.float32, "cpu", "grid", None, tmp_path / "cfg",
+                 results_dir=tmp_path / "res", space=space, timer=fast_timer)
+    (r,) = out.results
+    assert r.winner == {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
+                        "num_warps": 4, "num_stages": 2}
+    # BM 32 (both groups, and the default heuristic's M32 config) failed; BM 16 with G16 wrong.
+    assert (r.failed, r.wrong, r.default_us, r.speedup) == (3, 1, None, None)
+    lines = _journal_lines(out.run_dir)
+    assert {d["status"] for d in lines} == {"ok", "failed", "wrong"}
+    assert all("out of resource" in d["reason"] for d in lines if d["status"] == "failed")
+
+
+def test_tp_and_ep_size_the_file(tmp_path):
+    shape = get_model("mixtral-8x7b")
+    spec = T.TuneSpec(shape, ParallelLayout.from_args(8, None, None), [1], torch.bfloat16, "cpu")
+    assert T.config_path_for(spec, tmp_path).name == "E=8,N=1792,device_name=cpu.json"
+    q = get_model("qwen3-30b-a3b")
+    spec = T.TuneSpec(q, ParallelLayout.from_args(None, None, 8), [1], torch.bfloat16, "cpu")
+    assert T.config_path_for(spec, tmp_path).name == "E=16,N=768,device_name=cpu.json"
+    assert T.config_path_for(spec).parent == Path("results") / "configs"
+
+
+def test_split_and_gpus():
+    assert T.split_tokens([64, 1, 16, 4, 256], 2) == [[1, 4, 16], [64, 256]]
+    assert T.split_tokens([1], 4) == [[1]]
+    assert T.resolve_gpus("all", "cpu") == [0] and T.resolve_gpus("0,1", "cpu") == [0, 1]
+    with pytest.raises(MoebenchError, match="--gpus"):
+        T.resolve_gpus("a,b", "cpu")
+
+
+def test_cache_guard_prunes_over_limit(tmp_path):
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    g = T.TritonCacheGuard(tmp_path / "tc", limit_mb=0.001)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "tc")
+    (tmp_path / "tc" / "k").mkdir()
+    (tmp_path / "tc" / "k" / "a.cubin").write_bytes(b"x" * 100)
+    assert not g.check()
+    (tmp_path / "tc" / "k" / "b.cubin").write_bytes(b"x" * 2000)
+    assert g.check() and g.prunes == 1 and g.size_bytes() == 0
+    g.close()
+    assert os.environ.get("TRITON_CACHE_DIR") == saved
+
+
+def test_two_worker_processes_gather_one_file(tmp_path):
+    space = dict(TINY_SPACE, BLOCK_SIZE_M=[16], GROUP_SIZE_M=[1])
+    out = T.tune(SHAPE, ParallelLayout(), TOKENS, torch.float32, "cpu", "grid", None, tmp_path / "cfg",
+                 gpus="0,1", results_dir=tmp_path / "res", space=space, reps=1, final_reps=1)
+    assert sorted(r.worker for r in out.results) == [0, 1]
+    assert (out.run_dir / "measurements.jsonl").exists() and (out.run_dir / "measurements.w1.jsonl").exists()
+    assert_vllm_loadable(out.config_path, TOKENS)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _group():
+    g = click.group()(lambda: None)
+    g.add_command(tune_command)
+    g.add_command(configs_group)
+    return g
+
+
+GOOD = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 4}
+
+
+def test_configs_list_show_diff_commit(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
+    pkg = tmp_path / "pkg_configs"
+    monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", pkg)
+    a = C.write_config_file(tmp_path / "results" / "configs" / "E=8,N=64,device_name=cpu.json",
+                            {1: GOOD, 16: GOOD}, triton_version="3.6.0")
+    other = dict(GOOD, BLOCK_SIZE_N=128, num_warps=8)
+    b = C.write_config_file(tmp_path / "b" / "E=8,N=64,device_name=cpu.json", {1: GOOD, 16: other, 64: GOOD})
+    r = CliRunner()
+    g = _group()
+
+    res = r.invoke(g, ["configs", "list", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)
+    assert [(x["E"], x["N"], x["device"], x["tokens"]) for x in rows] == [(8, 64, "cpu", [1, 16])]
+
+    res = r.invoke(g, ["configs", "show", "8,64", "--device", "cpu", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["16"] == GOOD
+    res = r.invoke(g, ["configs", "show", str(b)])
+    assert res.exit_code == 0 and "64" in res.output
+
+    assert diff_tables(C.load_config_file(a), C.load_config_file(b)) == [
+        (16, "BLOCK_SIZE_N 64->128; num_warps 4->8"), (64, "only in B")]
+    res = r.invoke(g, ["configs", "diff", str(a), str(b)])
+    assert res.exit_code == 0 and "only in B" in res.output and "num_warps 4->8" in res.output
+
+    res = r.invoke(g, ["configs", "commit", str(b)])
+    assert res.exit_code == 0 and "added" in res.output
+    assert C.load_config_file(pkg / b.name) == C.load_config_file(b)
+    res = r.invoke(g, ["configs", "commit", str(b)])
+    assert "unchanged" in res.output
+
+    bad = tmp_path / "E=8,N=64,device_name=X.json"
+    bad.write_text(json.dumps({"1": dict(GOOD, BLOCK_SIZE_N=48)}))
+    res = r.invoke(g, ["configs", "commit", str(bad)])
+    assert isinstance(res.exception, MoebenchError) and "power of two" in str(res.exception)
+    assert not (pkg / bad.name).exists()
+    res = r.invoke(g, ["configs", "commit", str(tmp_path / "b")])
+    assert isinstance(res.exception, MoebenchError)
+    res = r.invoke(g, ["configs", "show", "9,9", "--device", "cpu"])
+    assert isinstance(res.exception, MoebenchError) and "no E=9,N=9" in str(res.exception)
+
+
+def test_tune_command_dry_run_and_tiny_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    g, r = _group(), CliRunner()
+    sizes = ["--num-experts", "4", "--topk", "2", "--hidden", "64", "--intermediate", "32", "--device", "cpu"]
+    res = r.invoke(g, ["tune", *sizes, "--tokens", "1,4", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "search space after pruning" in res.output and "/ 1920" in res.output
+    res = r.invoke(g, ["tune", *sizes, "--tokens", "1", "--budget", "2", "--reps", "1", "--final-reps", "1"])
+    assert res.exit_code == 0, res.output
+    path = tmp_path / "results" / "configs" / "E=4,N=32,device_name=cpu.json"
+    assert_vllm_loadable(path, [1])
+    res = r.invoke(g, ["configs", "list", "--json"])
+    assert [x["tokens"] for x in json.loads(res.output)] == [[1]]
+    res = r.invoke(g, ["tune", *sizes, "--search", "nope"])
+    assert res.exit_code == 2  # click's own usage error
+    res = r.invoke(g, ["tune", *sizes, "--budget", "0"])
+    assert isinstance(res.exception, MoebenchError)
+    res = r.invoke(g, ["tune", "--resume", str(tmp_path / "nowhere")])
+    assert isinstance(res.exception, MoebenchError) and "tune.json" in str(res.exception)
+
+
+TORCHRUN_SCRIPT = """
+import os, sys, torch
+from moebench.layout import ParallelLayout
+from moebench.models import custom_shape
+from moebench.tuning.tuner import tune
+space = {"BLOCK_SIZE_M": [16], "BLOCK_SIZE_N": [64], "BLOCK_SIZE_K": [64], "GROUP_SIZE_M": [1], "num_warps": [4],
+         "num_stages": [2]}
+o = tune(custom_shape(4, 2, 64, 32, name="tiny"), ParallelLayout(), [1, 4, 8], torch.float32, "cpu", "grid", None,
+         out_dir=sys.argv[1] + "/cfg", results_dir=sys.argv[1] + "/res", space=space, reps=1, final_reps=1)
+print("RANK", os.environ["RANK"], o.is_main, o.config_path, sorted(r.tokens for r in o.results), flush=True)
+"""
+
+
+def test_torchrun_ranks_split_and_gather_on_rank0(tmp_path):
+    import subprocess
+    import sys
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not installed next to this python")
+    script = tmp_path / "tr.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), TRITON_INTERPRET="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = sorted(line for line in p.stdout.splitlines() if line.startswith("RANK"))
+    assert lines[0].startswith("RANK 0 True") and lines[0].endswith("[1, 4, 8]")
+    assert lines[1] == "RANK 1 False None [8]"
+    (run_dir,) = list((tmp_path / "res").iterdir())  # one folder: rank 0's name, broadcast
+    assert (run_dir / "measurements.w1.jsonl").exists()
+    assert_vllm_loadable(tmp_path / "cfg" / "E=4,N=32,device_name=cpu.json", [1, 4, 8])
