@@ -102,7 +102,7 @@ def test_report_merges_and_highlights(tmp_path):
     res = moebench("report", *map(str, folders), "--format", "md", "--out", str(md))
     assert res.returncode == 0
     lines = md.read_text().splitlines()
-    body = [x for x in lines if x.startswith("| m") or x.startswith("| custom")]
+    body = [x for x in lines if x.startswith("| custom")]
     assert len(body) == 2 and all(x.count("**") == 2 for x in body)  # one fastest per token count
     assert "imbalance" in lines[2]
     res = moebench("report", str(tmp_path / "nothing-here"))
