@@ -1,6 +1,7 @@
 """Triton experts on one GPU: whole layer, GEMM part, alignment, torch baseline, floors, reference.
 
     PYTHONPATH=. python benchmarks/bench_triton.py [--tokens 1,16,...] [--shapes a,b] [--sweep]
+        [--check-best] [--smoke]
 
 For each shape of design.md ("Performance reference points") and token count, in one run:
   layer_us   routing (softmax top-k, renormalised) + moebench `triton` experts via the modular
@@ -13,8 +14,10 @@ For each shape of design.md ("Performance reference points") and token count, in
              hit + activations in and out; ceilings measured in this run (a tuned read-only Triton
              kernel or torch.sum, whichever is faster; a bf16 8192^3 matmul)
   ref_us     design.md's reference table (vLLM-style kernel, vLLM's H200 configs, GEMM part)
-With --sweep, a few alternative tile configs are timed on the GEMM part to see how far the default
-heuristic is from the best of that small set.
+With --sweep, 20 alternative tile configs (plus TMA / store-and-sum variants) are timed on the GEMM
+part to see how far the default heuristic is from the best of that set; --check-best times only
+the best configs of the 2026-11-29 sweep (PREV_BEST), with and without TMA. --smoke runs tiny shapes
+on CPU under the Triton interpreter to check the script itself (its times mean nothing).
 Writes bench_triton.csv and bench_triton.md under $OUT (default ./bench-out), prints the table.
 """
 

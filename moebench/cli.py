@@ -412,6 +412,12 @@ def report(results, fmt, out_file, plot_path):
     _ = atomic_write_bytes
 
 
+from moebench.tuning.commands import configs, tune  # noqa: E402  (they import cli's helpers lazily)
+
+cli.add_command(tune)
+cli.add_command(configs)
+
+
 def main() -> None:
     """Entry point: bad input -> one line on stderr, exit status 2, no traceback."""
     try:

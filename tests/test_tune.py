@@ -138,6 +138,39 @@ def test_halving_pool_seeds_first():
     assert len({SP.config_key(c) for c in pool}) == 10
 
 
+def test_halving_finds_the_seeds_neighbour_within_budget():
+    """Synthetic latencies (no kernel): the optimum is one step from the previous count's winner."""
+    space = SP.full_space()
+    seed = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 16, "num_warps": 4,
+            "num_stages": 3}
+    best = dict(seed, num_stages=4)
+    calls: list[tuple[str, str, int]] = []
+
+    def measure(cfg, stage, reps):
+        calls.append((SP.key_str(cfg), stage, reps))
+        dist = sum(abs(SP.SPACE[k].index(cfg[k]) - SP.SPACE[k].index(best[k])) if cfg[k] in SP.SPACE[k] else 3
+                   for k in C.TILE_KEYS)
+        return S.Measurement(1, dict(cfg), stage, "ok", reps, latency_us=100.0 + 10 * dist)
+
+    default = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 8, "num_warps": 4,
+               "num_stages": 4}
+    for rng_seed in range(5):
+        calls.clear()
+        res = S.run_search("halving", space, measure, default=default, seeds=[seed], budget=32,
+                           rng=random.Random(rng_seed), reps=20, final_reps=50)
+        assert res.winner.config == best and res.winner.latency_us == 100.0
+        assert res.winner.stage == "final" and res.winner.reps == 50
+        assert len({c for c, st, _ in calls if st != "final"}) <= 32  # the budget: distinct configs screened
+    rounds = sorted({st for _, st, _ in calls if st.startswith("halving")})
+    # pool 24 -> 12 -> 6 -> 3 -> 2, then the refinement
+    assert rounds == ["halving-r0", "halving-r1", "halving-r2", "halving-r3", "halving-r4", "halving-refine"]
+    assert [r for c, st, r in calls if st == "halving-r0"][0] == 5
+    assert any(c == SP.key_str(default) for c, st, _ in calls if st == "final")  # the default competes
+    grid = S.run_search("grid", space[:10], measure, default=default, reps=3, final_reps=5)
+    assert len([c for c in calls[-15:] if c[1] == "grid"]) == 10
+    assert grid.winner.latency_us == min(m.latency_us for m in grid.measurements if m.stage == "final")
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end
 
@@ -371,10 +404,10 @@ def test_torchrun_ranks_split_and_gather_on_rank0(tmp_path):
         env.pop(k, None)
     p = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
                        capture_output=True, text=True, timeout=180, env=env)
-    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.returncode == 0, p.stderr[-3000:]
     lines = sorted(line for line in p.stdout.splitlines() if line.startswith("RANK"))
-    assert lines[0].startswith("RANK 0 True") and lines[0].endswith("[1, 4, 8]")
-    assert lines[1] == "RANK 1 False None [8]"
+    assert len(lines) == 2 and lines[0].startswith("RANK 0 True") and lines[0].endswith("[1, 4, 8]"), p.stdout
+    assert lines[1] == "RANK 1 False None [8]", p.stdout
     (run_dir,) = list((tmp_path / "res").iterdir())  # one folder: rank 0's name, broadcast
     assert (run_dir / "measurements.w1.jsonl").exists()
     assert_vllm_loadable(tmp_path / "cfg" / "E=4,N=32,device_name=cpu.json", [1, 4, 8])

@@ -19,6 +19,12 @@ or an explicit `config=` given to `TritonExperts`. In GEMM1, BLOCK_SIZE_N is the
 one program's output tile: half gate, half up columns (the same register budget as vLLM's
 unfused GEMM1 with that config). GEMM2 may split its K loop (I) over programs when there are too
 few output tiles to fill the GPU (`split_k`, chosen from the SM count unless given).
+
+Options (kept as constexpr variants, measured in benchmarks/PERF_triton.md): `use_tma` loads the
+weight tiles through TMA tensor descriptors on Hopper+ (default "auto": 16-bit inputs with
+BLOCK_SIZE_M >= 32); `atomic=False` writes weighted rows per pair and sums over K with torch
+instead of the atomic epilogue. Also here: `fused_topk_softmax`, softmax top-k routing in one
+launch (the benchmark's routing step).
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ from moebench.kernels.registry import register_experts
 from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
 
 #: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms): True,
-#: False, or "auto" = for 16-bit inputs with BLOCK_SIZE_M >= 32 (on an H200 TMA was 4-13% faster
-#: at those configs and neutral, +-1%, for BLOCK_SIZE_M = 16; benchmarks/PERF_triton.md).
+#: False, or "auto" = for 16-bit inputs with BLOCK_SIZE_M >= 32 (on an H200, same-config A/B:
+#: 1-13% faster at >= 1024 tokens with 128-row tiles, one point 5% slower; within +-1% for
+#: BLOCK_SIZE_M = 32; mixed for 16; benchmarks/PERF_triton.md).
 DEFAULT_USE_TMA: bool | str = "auto"
 #: Sum over top-k by fp32 atomic adds in GEMM2 (else per-pair rows + a torch sum over K).
 DEFAULT_ATOMIC = True

@@ -263,8 +263,9 @@ def default_config(M: int, E: int, N: int, H: int, topk: int, dtype: torch.dtype
     | > 48              | 128| 256 | 64      | 8  | 8 | 4   | compute-bound: large wgmma tiles, deep pipeline |
 
     K = 256 (3 stages) in the first band when both H and N are >= 2048 (long K loops), else 128
-    (4 stages). How far these bands are from the best config of the sweep at each point is
-    measured and recorded in benchmarks/PERF_triton.md. BLOCK_SIZE_N is the width of one program's output tile;
+    (4 stages). Measured on an H200 (2026-11-29, benchmarks/PERF_triton.md): at the 24 points
+    (3 shapes of design.md + a DeepSeek EP8 shard with expert_map, tokens 1..4096) these bands
+    were within 1.05x (median 1.007x) of the best of a 20-config sweep. BLOCK_SIZE_N is the width of one program's output tile;
     in GEMM1 the moebench kernel splits it evenly into gate and up columns (the register budget
     of vLLM's unfused GEMM1 with the same config). For fp32 inputs BLOCK_SIZE_K is halved (shared
     memory) and stages capped at 3. BLOCK_SIZE_N <= next power of two >= N (min 32) and

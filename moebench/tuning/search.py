@@ -12,10 +12,11 @@ Strategies (each calls `measure(config, stage, reps)`, which may answer from a j
 
     grid      every config of the (pruned) space
     random    `budget` configs drawn without replacement
-    halving   successive halving over a pool of `budget` configs: the seeds first (winners of
-              the neighbouring token count, the default heuristic's config), then their
-              neighbours in the space, then random configs; each round keeps the faster half
-              and doubles the repetitions
+    halving   successive halving over a pool of 3/4 of `budget` configs: the seeds first
+              (winners of the neighbouring token count, the default heuristic's config), then
+              their neighbours in the space, then random configs; each round keeps the faster
+              half and doubles the repetitions; the last quarter of the budget then times the
+              round winner's untried neighbours (one refinement step)
 
 Every strategy ends with a `final` stage: the best few re-timed with `final_reps`, plus the
 default heuristic's config timed the same way, so that winner, runner-up and default are
@@ -266,15 +267,20 @@ def search_random(space: Sequence[TileConfig], measure: MeasureFn, budget: int, 
 
 
 def halving_pool(space: Sequence[TileConfig], seeds: Sequence[Mapping[str, int]], budget: int, rng: random.Random) -> list[TileConfig]:
-    """Seeds (those in the space) first, then their neighbours in the space (at most half the
-    budget in all), then random configs of the space, `budget` in all."""
+    """`budget` configs: the seeds that are in the space first, then their neighbours in the
+    space (each seed's in a shuffled order, so that no parameter is favoured; seeds plus
+    neighbours at most half the budget), then random configs of the space."""
     in_space = {config_key(c): c for c in space}
-    pool = [in_space[config_key(s)] for s in _dedup(seeds) if config_key(s) in in_space]
-    near = [in_space[config_key(n)] for s in _dedup(seeds) for n in neighbours(s) if config_key(n) in in_space]
-    cap = max(len(pool), budget // 2)
-    pool = _dedup(pool + near)[: max(cap, 0)]
-    pool = pool[:budget]
-    rest = [c for c in space if config_key(c) not in {config_key(p) for p in pool}]
+    seeds = _dedup(seeds)
+    pool = [in_space[config_key(s)] for s in seeds if config_key(s) in in_space]
+    near: list[TileConfig] = []
+    for s in seeds:
+        nb = [in_space[config_key(n)] for n in neighbours(s) if config_key(n) in in_space]
+        rng.shuffle(nb)
+        near += nb
+    pool = _dedup(pool + near)[: max(len(pool), budget // 2)][:budget]
+    taken = {config_key(p) for p in pool}
+    rest = [c for c in space if config_key(c) not in taken]
     pool += rng.sample(rest, min(len(rest), budget - len(pool)))
     return pool
 
@@ -289,19 +295,34 @@ def search_halving(
     eta: int = 2,
     reps_max: int = 40,
 ) -> list[Measurement]:
-    """Successive halving over `halving_pool(...)`: round r times the survivors with
-    reps0 * eta**r repetitions (at most reps_max) and keeps the fastest 1/eta (at least 2)."""
-    alive = halving_pool(space, seeds, budget, rng)
+    """Successive halving, then one refinement step.
+
+    A quarter of the budget (none below 4) is kept for the refinement; the rest is the pool
+    (`halving_pool`). Round r times the survivors with reps0 * eta**r repetitions (at most
+    reps_max) and keeps the fastest 1/eta (at least 2) until 2 are left. Refinement: the
+    round winner's neighbours not yet measured (shuffled), timed like the last round, so an
+    optimum one step away from every pooled config is still found.
+    """
+    refine = budget // 4 if budget >= 4 else 0
+    alive = halving_pool(space, seeds, budget - refine, rng)
     out: list[Measurement] = []
+    last: list[Measurement] = []
     r, reps = 0, reps0
     while alive:
-        ms = [measure(c, f"halving-r{r}", reps) for c in alive]
-        out += ms
-        ok = ranked(ms)
+        last = [measure(c, f"halving-r{r}", reps) for c in alive]
+        out += last
+        ok = ranked(last)
         if len(ok) <= 2:
             break
         alive = [TileConfig(**m.config) for m in ok[: max(2, math.ceil(len(ok) / eta))]]  # type: ignore[typeddict-item]
         r, reps = r + 1, min(reps * eta, reps_max)
+    top = ranked(last)
+    if refine and top:
+        in_space = {config_key(c) for c in space}
+        tried = {config_key(m.config) for m in out}
+        nb = [n for n in neighbours(top[0].config) if config_key(n) in in_space and config_key(n) not in tried]
+        rng.shuffle(nb)
+        out += [measure(c, "halving-refine", reps) for c in nb[:refine]]
     return out
 
 

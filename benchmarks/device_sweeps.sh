@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call for the CLI-level GPU checks (issues 2, 4, 6): calibration, a real single-GPU
+# sweep, simulated TP8 / EP8 sweeps and tp-vs-ep comparisons, GPU tests. Results under $OUT.
+#   PYTHONPATH=. bash benchmarks/device_sweeps.sh
+set -uo pipefail
+OUT="${OUT:-./device-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1 COLUMNS=220 MOEBENCH_CACHE_DIR="$OUT/cache"
+R="$OUT/results"
+log="$OUT/log.txt"
+step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$log"; }
+mb() { python3 -m moebench.cli "$@" 2>&1 | tee -a "$log"; }
+
+step env --calibrate
+python3 -m moebench.cli env --calibrate --json > "$OUT/env.json" 2>>"$log"; tail -c 2000 "$OUT/env.json" >> "$log"
+step "sweep qwen3-30b-a3b (real, one GPU)"
+mb sweep --model qwen3-30b-a3b --tokens "${SWEEP_TOKENS:-1,16,64,256,1024,4096}" --out "$R" --reps 20
+for m in deepseek-v3 mixtral-8x7b; do
+  step "sweep $m --tp 8 (simulated)"
+  mb sweep --model $m --tp 8 --tokens 1,16,64,256,1024,4096 --experts triton,torch --prepare-finalize no-dpep --out "$R" --reps 20
+  step "sweep $m --ep 8 --dp 8 (simulated)"
+  mb sweep --model $m --ep 8 --dp 8 --tokens 1,16,64,256,1024,4096 --experts triton,torch,batched-triton,batched-torch --out "$R" --reps 20
+  step "compare $m tp-vs-ep world 8"
+  mb compare tp-vs-ep --model $m --world-size 8 --tokens 1,8,32,128,512,2048,8192 --experts triton,batched-triton,torch --plot "$OUT/compare-$m.png" --out "$R"
+done
+step "gpu tests"
+python3 -m pytest -q -m gpu tests 2>&1 | tail -25 | tee -a "$log"
+tar czf "$OUT/results.tgz" -C "$OUT" results cache 2>/dev/null
+rm -rf "$R"
+step done
