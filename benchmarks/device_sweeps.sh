@@ -19,9 +19,9 @@ for m in deepseek-v3 mixtral-8x7b; do
   step "sweep $m --tp 8 (simulated)"
   mb sweep --model $m --tp 8 --tokens 1,16,64,256,1024,4096 --experts triton,torch --prepare-finalize no-dpep --out "$R" --reps 20
   step "sweep $m --ep 8 --dp 8 (simulated)"
-  mb sweep --model $m --ep 8 --dp 8 --tokens 1,16,64,256,1024,4096 --experts triton,torch,batched-triton,batched-torch --out "$R" --reps 20
+  mb sweep --model $m --ep 8 --dp 8 --tokens 1,16,64,256,1024 --experts triton,torch,batched-triton --out "$R" --reps 20
   step "compare $m tp-vs-ep world 8"
-  mb compare tp-vs-ep --model $m --world-size 8 --tokens 1,8,32,128,512,2048,8192 --experts triton,batched-triton,torch --plot "$OUT/compare-$m.png" --out "$R"
+  mb compare tp-vs-ep --model $m --world-size 8 --tokens 1,8,32,128,512,2048,8192 --experts triton,batched-triton,torch --plot "$OUT/compare-$m.png" --out "$R" --reps 20
 done
 step "gpu tests"
 python3 -m pytest -q -m gpu tests 2>&1 | tail -25 | tee -a "$log"

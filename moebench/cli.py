@@ -285,8 +285,9 @@ def compare():
                    "default on CPU: H200.")
 @click.option("--no-check", is_flag=True, help="Skip the reference checks (simulated share and real ranks).")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="PNG file for the plots.")
+@click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
 def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, routing,
-             seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path):
+             seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path, reps):
     """TP (all-reduce) vs EP (dispatch/combine) over --world-size ranks: breakdown, crossover, advice."""
     from moebench.bench.hardware import datasheet_ceilings, device_summary
     from moebench.compare import run_compare, write_summary
@@ -319,7 +320,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     dev_name = gpu or device_summary(device).get("name")
     link = get_link(link_name, link_gbps) if link_name else choose_link(dev_name, link_gbps)
     spec = SweepSpec(shape=shape, tokens=tok, experts=resolve_names(experts, default_experts(), "experts", default_experts()),
-                     dtype=dt, device=device, routing=routing, seed=seed, check=not no_check)
+                     dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps)
     folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)
     meta = {"command": "compare tp-vs-ep", "argv": sys.argv[1:], "shape": shape.to_dict(), "world_size": world_size,
             "tokens": tok, "dtype": str(dt), "device": device, "routing": routing, "seed": seed,
