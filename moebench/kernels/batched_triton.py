@@ -27,7 +27,7 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceDelegate,
     alloc_output,
 )
-from moebench.kernels.moe_align import interpreter_compat, interpreting
+from moebench.kernels.moe_align import interpreter_compat, interpreting, triton_unavailable_reason
 from moebench.kernels.registry import register_experts
 from moebench.tuning.configs import TileConfig, default_config, validate_tile_config
 
@@ -254,6 +254,10 @@ class BatchedTritonExperts(Experts):
 
     name = "batched-triton"
     activation_format = ActivationFormat.BATCHED
+
+    @classmethod
+    def unavailable_reason(cls, device: str) -> str | None:
+        return triton_unavailable_reason(device)
 
     def __init__(self, config: Mapping[str, int] | None = None):
         self.config = validate_tile_config(dict(config), "BatchedTritonExperts config") if config is not None else None

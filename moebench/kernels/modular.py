@@ -135,7 +135,10 @@ class TopKWeightAndReduceBatched(TopKWeightAndReduce):
         m, k = slot_map.shape
         valid = slot_map >= 0
         rows = flat.index_select(0, slot_map.clamp(min=0).reshape(-1)).reshape(m, k, h).to(torch.float32)
-        w = (topk_weights.to(torch.float32) * valid).unsqueeze(-1)
+        # Remote pairs point at row 0 only to keep the gather static; that row may be unwritten
+        # (NaN in check mode), so mask with where, not by multiplying with a zero weight.
+        rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        w = topk_weights.to(torch.float32).unsqueeze(-1)
         return (rows * w).sum(dim=1).to(out.dtype)
 
 

@@ -35,6 +35,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def triton_unavailable_reason(device: str) -> str | None:
+    """Why moebench's Triton kernels cannot run on `device`, or None. On a CPU they run only
+    under the interpreter (slow; correctness, not speed)."""
+    if device == "cpu" and not interpreting():
+        return "Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 to run them (slowly) under the interpreter"
+    return None
+
+
 def interpreter_compat() -> None:
     """Work around Triton 3.6's interpreter with NumPy >= 2.3: a scalar kernel argument is a
     1-element array, and `int()` of it (what `range(0, n, BLOCK)` calls through `__index__`) raises

@@ -29,6 +29,8 @@ launch (the benchmark's routing step).
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Mapping
 
 import torch
@@ -43,7 +45,13 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceNoOp,
     alloc_output,
 )
-from moebench.kernels.moe_align import AlignResult, interpreter_compat, interpreting, moe_align_block_size
+from moebench.kernels.moe_align import (
+    AlignResult,
+    interpreter_compat,
+    interpreting,
+    moe_align_block_size,
+    triton_unavailable_reason,
+)
 from moebench.kernels.registry import register_experts
 from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
 
@@ -551,7 +559,7 @@ class TritonExperts(Experts):
 
     @classmethod
     def unavailable_reason(cls, device: str) -> str | None:
-        return None
+        return triton_unavailable_reason(device)
 
     def weight_and_reduce(self):
         return TopKWeightAndReduceNoOp()
