@@ -121,8 +121,15 @@ def _recommend(df: pd.DataFrame, winners: pd.DataFrame, crossover: int | None, n
     w = winners.loc[crossover].layout
     other = winners.loc[tokens[0]].layout
     a, b = at(crossover, w), at(crossover, other)
-    return (f"{w} wins from {crossover} tokens ({other} below): at {crossover} tokens {a.latency_us:.0f} us vs "
+    line = (f"{w} wins from {crossover} tokens ({other} below): at {crossover} tokens {a.latency_us:.0f} us vs "
             f"{b.latency_us:.0f} us, {_why(a, b)}")
+    later = [t for t in tokens if t > crossover and winners.loc[t].layout != w]
+    if later:  # the answer flips back: say where, so nobody reads one crossover as the whole story
+        t = later[0]
+        c, d = at(t, other), at(t, w)
+        line += (f"; {other} wins again from {t} tokens ({c.latency_us:.0f} vs {d.latency_us:.0f} us), "
+                 f"{_why(c, d)}")
+    return line
 
 
 def _why(win, lose) -> str:

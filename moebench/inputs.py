@@ -80,7 +80,9 @@ def check_fits(
     el = torch.tensor([], dtype=dtype).element_size()
     weights = e_local * 3 * hidden * inter_local * el
     staging = 3 * hidden * inter_local * (4 + 8)  # one expert in fp32 (generation) and fp64 (reference)
-    act = max_tokens * topk * (hidden + 2 * inter_local) * 8 * 3 + max_tokens * hidden * 8 * 4
+    # per (token, expert) pair: the gate/up intermediate and the output row, in the dtype and in
+    # fp32; per token: x, the output, and the float64 reference (accumulator and one expert's rows).
+    act = max_tokens * topk * (2 * inter_local + hidden) * (el + 4) + max_tokens * hidden * (2 * el + 3 * 8)
     need = weights + staging + act
     have = available_memory(device)
     if need > 0.9 * have:

@@ -38,7 +38,9 @@ def sort_by_expert(local_ids: torch.Tensor, num_local: int) -> ExpertSort:
     flat = local_ids.reshape(-1)
     key = torch.where(flat >= 0, flat, torch.full_like(flat, num_local))
     order = torch.argsort(key, stable=True)
-    counts_all = torch.bincount(key, minlength=num_local + 1)
+    # scatter_add into a fixed-size buffer: unlike bincount it needs no host sync (graph-capturable)
+    counts_all = torch.zeros(num_local + 1, dtype=torch.int64, device=flat.device)
+    counts_all.scatter_add_(0, key, torch.ones_like(key))
     counts = counts_all[:num_local]
     starts = torch.cumsum(counts_all, 0) - counts_all
     pos_sorted = torch.arange(flat.numel(), device=flat.device) - starts[key[order]]

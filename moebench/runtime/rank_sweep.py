@@ -73,7 +73,7 @@ def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = Tru
     ceilings = get_ceilings(spec.device) if main else None
     e_local = len(lay.local_experts(ctx.rank, s.num_experts)) if lay.enable_ep else s.num_experts
     i_local = lay.intermediate_per_rank(s.intermediate)
-    check_fits(e_local, s.hidden, i_local, max(spec.tokens) * lay.world_size, s.topk, spec.dtype, spec.device)
+    check_fits(e_local, s.hidden, i_local, spec.batch_tokens(max(spec.tokens), True), s.topk, spec.dtype, spec.device)
     w13, w2 = rank_weights(spec, ctx.rank)
     emap = lay.expert_map(ctx.rank, s.num_experts)
     el = torch.tensor([], dtype=spec.dtype).element_size()

@@ -83,7 +83,7 @@ def _weights(spec, rank: int, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
         cache.clear()  # one shard at a time on the device
         if lay.enable_ep:
             experts = lay.local_experts(rank, s.num_experts)
-            check_fits(len(experts), s.hidden, s.intermediate, max(spec.tokens) * lay.world_size, s.topk,
+            check_fits(len(experts), s.hidden, s.intermediate, spec.batch_tokens(max(spec.tokens), True), s.topk,
                        spec.dtype, spec.device)
             cache[key] = make_weights(experts, s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed)
         else:
