@@ -89,8 +89,9 @@ def test_sweep_end_to_end(tmp_path):
     assert meta["device"] == "cpu" and "git_revision" in meta and "torch" in json.dumps(meta)
     df = pd.read_csv(run / "results.csv")
     ok = df[df.status == "ok"]
-    assert set(ok.experts) >= {"torch", "batched-torch"}
+    assert set(ok.experts) >= {"torch", "batched-torch", "triton", "batched-triton"}  # Triton: interpreter
     assert ok.correct.all()
+    assert (ok[ok.experts == "triton"].config_source == "default heuristic").all()
     assert set(ok.tokens) == {0, 1, 5}
     skipped = df[df.status == "skipped"]
     mismatch = skipped[skipped.reason.str.contains("format mismatch")]

@@ -20,7 +20,7 @@ one program's output tile: half gate, half up columns (the same register budget 
 unfused GEMM1 with that config). GEMM2 may split its K loop (I) over programs when there are too
 few output tiles to fill the GPU (`split_k`, chosen from the SM count unless given).
 
-Options (kept as constexpr variants, measured in benchmarks/PERF_triton.md): `use_tma` loads the
+Options (kept as constexpr variants, measured in PERF.md section 3): `use_tma` loads the
 weight tiles through TMA tensor descriptors on Hopper+ (default "auto": 16-bit inputs with
 BLOCK_SIZE_M >= 32); `atomic=False` writes weighted rows per pair and sums over K with torch
 instead of the atomic epilogue. Also here: `fused_topk_softmax`, softmax top-k routing in one
@@ -58,7 +58,7 @@ from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_con
 #: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms): True,
 #: False, or "auto" = for 16-bit inputs with BLOCK_SIZE_M >= 32 (on an H200, same-config A/B:
 #: 1-13% faster at >= 1024 tokens with 128-row tiles, one point 5% slower; within +-1% for
-#: BLOCK_SIZE_M = 32; mixed for 16; benchmarks/PERF_triton.md).
+#: BLOCK_SIZE_M = 32; mixed for 16; PERF.md section 3).
 DEFAULT_USE_TMA: bool | str = "auto"
 #: Sum over top-k by fp32 atomic adds in GEMM2 (else per-pair rows + a torch sum over K).
 DEFAULT_ATOMIC = True
