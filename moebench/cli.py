@@ -378,7 +378,7 @@ def report(results, fmt, out_file, plot_path):
     """Merge result folders: pivot (tokens x backend pairs), fastest correct entry highlighted, export."""
     from moebench.plots import latency_plot
     from moebench.report import frame, html_report, pivot, pivot_markdown
-    from moebench.results import atomic_write_bytes, atomic_write_text, load_rows
+    from moebench.results import atomic_write_text, load_rows
 
     rows = load_rows(results)
     if not rows:
@@ -410,7 +410,6 @@ def report(results, fmt, out_file, plot_path):
                         + (" *" if c in fastest.columns and bool(fastest.loc[i, c]) else "") for c in table.columns])
         console.print(t)
     console.print(f"wrote {out_file}" + (f" and {plot_path}" if plot_path else ""))
-    _ = atomic_write_bytes
 
 
 from moebench.tuning.commands import configs, tune  # noqa: E402  (they import cli's helpers lazily)

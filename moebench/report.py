@@ -90,28 +90,35 @@ def _breakdown(r: ResultRow) -> str:
 
 
 def skipped_table(rows: Iterable[ResultRow]) -> Table | None:
-    """Each skipped pair once, with its reason (the files keep one row per token count)."""
-    seen: dict[tuple[str, str], str] = {}
+    """Skipped pairs grouped by why (the files keep one row per pair and token count)."""
+    by_reason: dict[str, list[str]] = {}
     for r in rows:
-        if r.status == "skipped":
-            seen.setdefault((r.prepare_finalize, r.experts), r.reason)
-    if not seen:
+        if r.status != "skipped":
+            continue
+        reason = r.reason
+        if reason.startswith("format mismatch"):
+            reason = "format mismatch: a Standard half with a BatchedExperts half"
+        pair = f"{r.prepare_finalize}+{r.experts}"
+        if pair not in by_reason.setdefault(reason, []):
+            by_reason[reason].append(pair)
+    if not by_reason:
         return None
-    t = Table(title=f"skipped pairs ({len(seen)})", header_style="bold")
-    for col in ("prepare/finalize", "experts", "reason"):
-        t.add_column(col)
-    for (pf, ex), reason in seen.items():
-        t.add_row(pf, ex, reason)
+    n = sum(len(v) for v in by_reason.values())
+    t = Table(title=f"skipped pairs ({n})", header_style="bold", show_lines=False)
+    t.add_column("why")
+    t.add_column("pairs")
+    for reason, pairs in by_reason.items():
+        t.add_row(reason, ", ".join(pairs))
     return t
 
 
 def print_rows(rows: Iterable[ResultRow], console: Console | None = None, title: str = "moebench sweep") -> None:
     rows = list(rows)
     console = console or Console()
+    console.print(sweep_table([r for r in rows if r.status != "skipped"], title))
     skipped = skipped_table(rows)
     if skipped is not None:
         console.print(skipped)
-    console.print(sweep_table([r for r in rows if r.status != "skipped"], title))
     notes = []
     if any(r.device == "cpu" and r.latency_us is not None for r in rows):
         notes.append("CPU times are wall clock: they test correctness and plumbing, not kernel speed.")
