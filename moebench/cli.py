@@ -104,13 +104,17 @@ def cli():
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--calibrate", is_flag=True, help="Measure memory and matmul ceilings on this device and cache them.")
+@click.option("--calibrate-link", is_flag=True,
+              help="Measure all-to-all bandwidth/latency between --world-size real ranks; simulated runs then use it.")
+@click.option("--world-size", "world_size", type=int, default=None, help="Ranks for --calibrate-link [GPUs; cpu: 2].")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None)
-def env(as_json: bool, calibrate: bool, device: str | None):
+def env(as_json: bool, calibrate: bool, calibrate_link: bool, world_size: int | None, device: str | None):
     """What this machine has: device, versions, ceilings, and which backends can run (and why not)."""
     from moebench.bench.hardware import calibrate as do_calibrate, device_summary, get_ceilings
     from moebench.kernels.registry import backend_infos
 
     device = resolve_device(device)
+    link_line = _calibrate_link(device, world_size) if calibrate_link else None
     world = torch.cuda.device_count() if device == "cuda" else 1
     ceilings = do_calibrate(device) if calibrate else get_ceilings(device)
     info = {
@@ -118,6 +122,8 @@ def env(as_json: bool, calibrate: bool, device: str | None):
         "ceilings": ceilings.as_dict() if ceilings is not None else None,
         "backends": [b.as_dict() for b in backend_infos(device, max(world, 1))],
     }
+    if link_line is not None:
+        info["link"] = link_line
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
@@ -137,6 +143,28 @@ def env(as_json: bool, calibrate: bool, device: str | None):
         bt.add_row(b["kind"], b["name"], b["activation_format"], b["dtypes"], b["devices"],
                    "[green]yes[/]" if b["usable"] else "[red]no[/]", b["reason"])
     console.print(bt)
+    if link_line is not None:
+        console.print(link_line)
+
+
+def _calibrate_link(device: str, world_size: int | None) -> str:
+    import datetime
+
+    from moebench.bench.hardware import device_summary
+    from moebench.runtime.link_calibration import measure_link
+    from moebench.runtime.simulate import write_measured_link
+
+    n = world_size or (torch.cuda.device_count() if device == "cuda" else 2)
+    if n < 2:
+        raise MoebenchError(f"--calibrate-link needs at least 2 ranks (have {n} on {device}); the link is between GPUs")
+    link, raw = measure_link(n, device)
+    name = device_summary(device).get("name") if device == "cuda" else "cpu"
+    path = write_measured_link(link, device_name=name, world_size=n, device=device,
+                              measured_at=datetime.datetime.now().isoformat(timespec="seconds"),
+                              method="all_to_all_single, slowest rank, median", **raw)
+    note = "" if device == "cuda" else " (gloo on CPU: a plumbing check, not a GPU link)"
+    return (f"link over {n} ranks: {link.bandwidth_gbps:g} GB/s per direction, {link.latency_us:g} us "
+            f"per step{note} -> {path}")
 
 
 @cli.command()

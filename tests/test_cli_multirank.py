@@ -85,3 +85,12 @@ def test_qwen3_ep4_all_pairs(tmp_path):
     assert set(df.status) <= {"ok", "skipped"}
     assert (df[df.status == "skipped"].reason.str.len() > 0).all()
     assert df[df.status == "ok"].correct.all() and (df.status == "ok").sum() == 2
+
+
+def test_calibrate_link_on_gloo(tmp_path):
+    res = moebench("env", "--calibrate-link", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    assert "link over 2 ranks" in info["link"] and "not a GPU link" in info["link"]
+    link = json.loads((tmp_path / "results" / "calibration" / "link.json").read_text())
+    assert link["device_name"] == "cpu" and link["bandwidth_gbps"] > 0 and link["latency_us"] > 0

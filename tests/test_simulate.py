@@ -74,12 +74,15 @@ def test_measured_link(tmp_path, monkeypatch):
     assert sim.measured_link() is None
     assert sim.choose_link("NVIDIA H200").name == "h200-nvlink"
     sim.write_measured_link(sim.LinkProfile("nccl-8xH200", 380.0, 2.5), device_name="NVIDIA H200", world_size=8)
-    m = sim.measured_link()
+    assert sim.measured_link() is None  # asked for no device: a GPU measurement does not apply
+    m = sim.measured_link(device_name="NVIDIA H200")
     assert (m.bandwidth_gbps, m.latency_us, m.source) == (380.0, 2.5, "measured")
     assert sim.choose_link("NVIDIA H200").source == "measured"
     assert sim.choose_link("NVIDIA A100-SXM4-80GB").name == "a100-nvlink"  # measured elsewhere
     over = sim.choose_link("NVIDIA H200", link_gbps=100.0)
     assert (over.bandwidth_gbps, over.latency_us, over.source) == (100.0, 2.5, "override")
+    sim.write_measured_link(sim.LinkProfile("gloo", 2.0, 150.0), device_name="cpu")
+    assert sim.choose_link("NVIDIA H200").name == "h200-nvlink"  # a CPU measurement never stands in
     f.write_text(json.dumps({"name": "x"}))
     with pytest.raises(MoebenchError, match="malformed"):
         sim.measured_link()

@@ -113,8 +113,9 @@ def link_file() -> Path:
 
 
 def measured_link(path: str | Path | None = None, device_name: str | None = None) -> LinkProfile | None:
-    """The measured link from the calibration file, or None when there is none (or it was measured
-    on a different device than `device_name`). A malformed file is an error, not silently ignored."""
+    """The measured link from the calibration file, or None when there is none or it was measured on
+    another device than `device_name` (names must match exactly; a CPU/gloo measurement is stored as
+    "cpu" and so never stands in for a GPU link). A malformed file is an error, not silently ignored."""
     p = Path(path) if path is not None else link_file()
     if not p.is_file():
         return None
@@ -123,7 +124,7 @@ def measured_link(path: str | Path | None = None, device_name: str | None = None
         bw, lat = float(d["bandwidth_gbps"]), float(d["latency_us"])
     except (ValueError, KeyError, TypeError) as e:
         raise MoebenchError(f"link measurement {p} is malformed ({e}); delete it or re-run the calibration")
-    if device_name and d.get("device_name") and d["device_name"] != device_name:
+    if d.get("device_name") != device_name:  # measured elsewhere (another GPU, or gloo on a CPU)
         return None
     return LinkProfile(str(d.get("name", "measured")), bw, lat, source="measured")
 
