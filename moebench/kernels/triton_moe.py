@@ -53,6 +53,7 @@ from moebench.kernels.moe_align import (
     triton_unavailable_reason,
 )
 from moebench.kernels.registry import register_experts
+from moebench.kernels.triton_common import mma
 from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
 
 #: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms): True,
@@ -144,16 +145,8 @@ def _silu_mul_gemm1_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            g = g.to(tl.float32)
-            u = u.to(tl.float32)
-        if IEEE_DOT:
-            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
+        acc_g = mma(a, g, acc_g, UPCAST, IEEE_DOT)
+        acc_u = mma(a, u, acc_u, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_xk
         g_ptrs += BLOCK_SIZE_K * stride_wk
         u_ptrs += BLOCK_SIZE_K * stride_wk
@@ -241,13 +234,7 @@ def _gemm2_weighted_sum_kernel(
             k_ok = offs_k < k_hi - (k - k_lo)
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE_DOT:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = mma(a, b, acc, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik
         b_ptrs += BLOCK_SIZE_K * stride_wk
 
