@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -217,6 +218,8 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     bad = [f for f in fmts if f not in EXPORT_FORMATS]
     if bad:
         raise MoebenchError(f"--format: unknown {', '.join(bad)}; valid: {', '.join(EXPORT_FORMATS)}")
+    if "parquet" in fmts and importlib.util.find_spec("pyarrow") is None:
+        raise MoebenchError("--format parquet needs pyarrow (pip install pyarrow), or drop parquet from --format")
     dt = parse_dtype(dtype or ("bf16" if device == "cuda" else "fp32"))
     if reps is not None and reps < 1:
         raise MoebenchError("--reps must be >= 1")

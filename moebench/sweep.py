@@ -174,7 +174,7 @@ def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings) -> None:
     except MoebenchError as e:
         row.status, row.reason = "failed", str(e)
         return
-    except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
+    except Exception as e:  # any backend failure (compile error, out of resources, OOM) becomes a failed row
         if spec.device == "cuda":
             torch.cuda.synchronize()
         row.status, row.reason = "failed", one_line(e)

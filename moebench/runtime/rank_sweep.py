@@ -115,7 +115,7 @@ def _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metri
     except MoebenchError as e:  # raised the same way on every rank (inputs are identical)
         row.status, row.reason = "failed", str(e)
         return
-    except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
+    except Exception as e:  # any backend failure (compile error, out of resources, OOM) becomes a failed row
         # A backend that fails to build or launch fails on every rank alike; a failure on one rank
         # only leaves its peers in a collective, which times out and ends the run with its message.
         row.status, row.reason = "failed", one_line(e)

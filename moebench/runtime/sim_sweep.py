@@ -67,7 +67,7 @@ def run_simulated_sweep(spec, store: RunStore, link: sim.LinkProfile, on_progres
                     _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, experts_model)
                 except MoebenchError as e:
                     row.status, row.reason = "failed", str(e)
-                except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
+                except Exception as e:  # any backend failure (compile error, out of resources, OOM) becomes a failed row
                     row.status, row.reason = "failed", one_line(e)
             store.add(row)
             rows.append(row)

@@ -1,0 +1,46 @@
+"""The sweep through the Python API: a failing backend becomes a failed row, the rest still runs."""
+
+import torch
+
+from moebench.kernels import registry
+from moebench.kernels.modular import ActivationFormat, Experts, TopKWeightAndReduceNoOp
+from moebench.models import custom_shape
+from moebench.results import RunStore
+from moebench.sweep import SweepSpec, run_sweep
+
+
+class BrokenExperts(Experts):
+    name = "broken-for-test"
+    activation_format = ActivationFormat.STANDARD
+
+    def weight_and_reduce(self):
+        return TopKWeightAndReduceNoOp()
+
+    def apply(self, prep, w13, w2):
+        raise Exception("compilation failed: out of resources (test)")  # noqa: TRY002 - like Triton's own
+
+
+def test_failing_backend_is_a_failed_row(tmp_path, monkeypatch):
+    monkeypatch.setitem(registry._EXPERTS_MODULES, BrokenExperts.name, __name__)
+    monkeypatch.setitem(registry._EXPERTS, BrokenExperts.name, BrokenExperts)
+    spec = SweepSpec(shape=custom_shape(6, 2, 16, 8), tokens=[3], experts=["broken-for-test", "torch"],
+                     prepare_finalize=["no-dpep"], dtype=torch.float32, device="cpu")
+    rows = run_sweep(spec, RunStore(tmp_path / "run"))
+    by = {r.experts: r for r in rows}
+    assert by["broken-for-test"].status == "failed" and "out of resources" in by["broken-for-test"].reason
+    assert by["torch"].status == "ok" and by["torch"].correct
+
+
+def test_wrong_result_is_not_correct(tmp_path, monkeypatch):
+    class WrongExperts(BrokenExperts):
+        name = "wrong-for-test"
+
+        def apply(self, prep, w13, w2):
+            return torch.zeros_like(prep.a)  # plausible shape, wrong values
+
+    monkeypatch.setitem(registry._EXPERTS_MODULES, WrongExperts.name, __name__)
+    monkeypatch.setitem(registry._EXPERTS, WrongExperts.name, WrongExperts)
+    spec = SweepSpec(shape=custom_shape(6, 2, 16, 8), tokens=[3], experts=["wrong-for-test"],
+                     prepare_finalize=["no-dpep"], dtype=torch.float32, device="cpu")
+    (row,) = run_sweep(spec, RunStore(tmp_path / "run"))
+    assert row.status == "ok" and row.correct is False and row.max_rel_err > 0.5
