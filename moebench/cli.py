@@ -264,13 +264,13 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     elif link_gbps is not None or link_name:
         raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
     main_rank = ctx is None or is_main(ctx)
+    if not main_rank:  # rank 0 owns the run folder; the others only compute
+        run_multirank(spec, out, ctx=ctx)
+        return
     folder = resume if resume is not None else ensure_writable_dir(out) / new_run_id("sweep", shape.name)
     meta = {"command": "sweep", "argv": sys.argv[1:], "mode": mode, "shape": shape.to_dict(),
             "layout": layout.__dict__, "tokens": tok, "dtype": str(dt), "device": device, "routing": routing,
             "seed": seed, "link": None if link is None else link.__dict__, "device_summary": device_summary(device)}
-    if not main_rank:
-        run_multirank(spec, folder, ctx=ctx)
-        return
     store = RunStore(folder, metadata=meta)
     n_total = len(spec.tokens) * len(spec.prepare_finalize) * len(spec.experts)
     console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, H={shape.hidden}, "

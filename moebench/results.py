@@ -155,7 +155,7 @@ def ensure_writable_dir(path: Path) -> Path:
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".moebench-write-test"
+        probe = path / f".moebench-write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:

@@ -94,3 +94,23 @@ def test_calibrate_link_on_gloo(tmp_path):
     assert "link over 2 ranks" in info["link"] and "not a GPU link" in info["link"]
     link = json.loads((tmp_path / "results" / "calibration" / "link.json").read_text())
     assert link["device_name"] == "cpu" and link["bandwidth_gbps"] > 0 and link["latency_us"] > 0
+
+
+def test_sweep_under_torchrun(tmp_path):
+    """Under torchrun moebench joins the group; only rank 0 writes the run folder."""
+    import os
+    import subprocess
+    import sys
+
+    from test_cli import ROOT
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "moebench.cli", "sweep", *SHAPE, "--tokens", "3", "--ep", "2",
+                          "--experts", "torch,batched-torch", "--out", "res"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    df, meta = _rows(tmp_path / "res")
+    assert meta["mode"] == "torchrun"
+    ok = df[df.status == "ok"]
+    assert len(ok) == 2 and ok.correct.all() and set(ok.prepare_finalize) == {"allgather-rs", "all2all-ll"}
