@@ -230,7 +230,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps,
     )
     from moebench.bench.hardware import device_summary
-    from moebench.runtime.distributed import is_main, join_torchrun
+    from moebench.runtime.distributed import is_main, join_torchrun, leave_torchrun
     from moebench.sweep import run_multirank, run_simulated
 
     ctx = join_torchrun() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
@@ -266,6 +266,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     main_rank = ctx is None or is_main(ctx)
     if not main_rank:  # rank 0 owns the run folder; the others only compute
         run_multirank(spec, out, ctx=ctx)
+        leave_torchrun(ctx)
         return
     folder = resume if resume is not None else ensure_writable_dir(out) / new_run_id("sweep", shape.name)
     meta = {"command": "sweep", "argv": sys.argv[1:], "mode": mode, "shape": shape.to_dict(),
@@ -299,6 +300,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     written = store.finish(fmts)
     print_rows(store.rows, console)
     console.print(f"wrote {', '.join(str(p) for p in written)}")
+    leave_torchrun(ctx)
 
 
 @cli.group()

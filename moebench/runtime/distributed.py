@@ -118,6 +118,15 @@ def barrier(ctx: RankContext | None) -> None:
 # torchrun
 
 
+def leave_torchrun(ctx: RankContext | None) -> None:
+    """End a torchrun run together: wait until every rank (rank 0 included, after writing its
+    files) is done, then tear the group down, so no rank exits while a peer still holds it."""
+    if ctx is None or not ctx.distributed:
+        return
+    barrier(ctx)
+    dist.destroy_process_group()
+
+
 def join_torchrun(timeout_s: float = DEFAULT_TIMEOUT_S) -> RankContext | None:
     """Join the process group of a torchrun job; None when RANK / WORLD_SIZE are not set.
 
