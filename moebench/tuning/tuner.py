@@ -504,7 +504,7 @@ def tune(
             diff = [k for k in spec.identity() if spec.identity()[k] != saved.identity()[k]]
             raise MoebenchError(f"--resume {run_dir}: this run differs from the saved one in {', '.join(diff)}; "
                                 f"resume with the same settings (or none: they are read from {SETTINGS})")
-    from moebench.runtime.distributed import join_torchrun
+    from moebench.runtime.distributed import join_torchrun, leave_torchrun
 
     ctx = join_torchrun() if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) else None
     main = ctx is None or ctx.rank == 0
@@ -531,6 +531,7 @@ def tune(
     if ctx is not None and ctx.world_size > 1:
         results = _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens)
         if not main:
+            leave_torchrun(ctx)  # waits for rank 0's files, so no rank exits holding the group
             return TuneOutcome(run_dir, None, results, spec, is_main=False)
     else:
         slots = resolve_gpus(gpus, device)
@@ -543,6 +544,8 @@ def tune(
     results.sort(key=lambda r: r.tokens)
     config_path = write_results(spec, results, out_dir)
     files = write_report(run_dir, spec, results, config_path)
+    if ctx is not None and ctx.world_size > 1:
+        leave_torchrun(ctx)
     return TuneOutcome(run_dir, config_path, results, spec, files)
 
 
