@@ -197,8 +197,11 @@ def models(as_json: bool):
 @click.option("--no-check", is_flag=True, help="Skip the float64 reference check.")
 @click.option("--resume", "resume", type=click.Path(path_type=Path), default=None, help="Continue a run folder.")
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
+@click.option("--routings", type=int, default=1, show_default=True,
+              help="Distinct routings cycled through the timed calls (fresh routing per call, as vLLM's tuner).")
 def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, routing,
-          seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps):
+          seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps,
+          routings):
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
     from moebench.inputs import parse_dtype
     from moebench.kernels.registry import prepare_finalize_names
@@ -223,11 +226,13 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     dt = parse_dtype(dtype or ("bf16" if device == "cuda" else "fp32"))
     if reps is not None and reps < 1:
         raise MoebenchError("--reps must be >= 1")
+    if routings < 1:
+        raise MoebenchError("--routings must be >= 1")
     spec = SweepSpec(
         shape=shape, tokens=tok, layout=layout,
         experts=resolve_names(experts, default_experts() + ["reference"], "experts", default_experts()),
         prepare_finalize=resolve_names(prepare_finalize, prepare_finalize_names(), "prepare_finalize", prepare_finalize_names()),
-        dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps,
+        dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, routings=routings,
     )
     from moebench.bench.hardware import device_summary
     from moebench.runtime.distributed import is_main, join_torchrun, leave_torchrun

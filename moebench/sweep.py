@@ -43,6 +43,10 @@ class SweepSpec:
     check: bool = True
     warmup: int | None = None
     reps: int | None = None
+    #: Distinct routings the timed calls cycle through (1 = the checked routing every call). With
+    #: N > 1 every CUDA-graph replay runs N different routings, as vLLM's tuner does, so hot
+    #: experts' weights do not stay in L2 from one call to the next.
+    routings: int = 1
     #: False: `tokens` are per rank (a DP rank brings M tokens, M * world in all). True: `tokens`
     #: are the whole batch, split over the DP ranks (how tp-vs-ep compares equal work).
     tokens_are_global: bool = False
@@ -146,7 +150,8 @@ def run_sweep(
             else:
                 if ref is None and spec.check:
                     ref = reference_moe(x, w13, w2, topk_weights, topk_ids)
-                _measure(spec, row, pf, ex, (x, w13, w2, topk_weights, topk_ids), ref, flops, nbytes, ceilings)
+                _measure(spec, row, pf, ex, (x, w13, w2, topk_weights, topk_ids), ref, flops, nbytes, ceilings,
+                         variants=routing_variants(spec, m, x, w13, w2))
             store.add(row)
             rows.append(row)
             if on_progress:
@@ -154,8 +159,33 @@ def run_sweep(
     return rows
 
 
-def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings) -> None:
-    """Check `pf + ex` on `args` against `ref`, then time it; fills `row` in place."""
+def routing_variants(spec: SweepSpec, m: int, x, w13, w2) -> list[tuple]:
+    """Argument tuples with `spec.routings - 1` extra routings of the same distribution (the first
+    routing, the checked one, is the caller's)."""
+    s = spec.shape
+    out = []
+    for j in range(1, spec.routings):
+        w, ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m + 7919 * j, device=spec.device)
+        out.append((x, w13, w2, w, ids))
+    return out
+
+
+def cycling(kernel, variants: list[tuple]) -> Callable[[], object]:
+    """A call that applies `kernel` to the next argument tuple each time (captured into a CUDA
+    graph, each captured call keeps its own routing)."""
+    state = {"i": 0}
+
+    def call():
+        args = variants[state["i"] % len(variants)]
+        state["i"] += 1
+        return kernel.apply(*args)
+
+    return call
+
+
+def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings, variants: list[tuple] = ()) -> None:
+    """Check `pf + ex` on `args` against `ref`, then time it (cycling through `args` and
+    `variants`, other routings of the same distribution); fills `row` in place."""
     try:
         kernel = make_kernel(ex, pf)
         if spec.check:
@@ -170,7 +200,8 @@ def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings) -> None:
         if not kernel.experts.timed:
             row.reason = "correctness only (not timed)"
             return
-        t = time_fn(lambda: kernel.apply(*args), spec.device, **spec.timing_kwargs())
+        t = time_fn(cycling(kernel, [args, *variants]), spec.device, **spec.timing_kwargs())
+
     except MoebenchError as e:
         row.status, row.reason = "failed", str(e)
         return
@@ -180,6 +211,9 @@ def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings) -> None:
         row.status, row.reason = "failed", one_line(e)
         return
     row.latency_us, row.p10_us, row.p90_us, row.timing_method = t.median_us, t.p10_us, t.p90_us, t.method
+    if variants:
+        row.timing_method += f", {1 + len(variants)} routings cycled"
+        row.extra["routings"] = 1 + len(variants)
     fill_metrics(row, flops, nbytes, ceilings)
 
 

@@ -44,3 +44,28 @@ def test_wrong_result_is_not_correct(tmp_path, monkeypatch):
                      prepare_finalize=["no-dpep"], dtype=torch.float32, device="cpu")
     (row,) = run_sweep(spec, RunStore(tmp_path / "run"))
     assert row.status == "ok" and row.correct is False and row.max_rel_err > 0.5
+
+
+def test_timed_calls_cycle_through_routings(tmp_path, monkeypatch):
+    """--routings N: the timed calls see N different routings (the first is the checked one)."""
+    seen = []
+
+    class Recording(BrokenExperts):
+        name = "recording-for-test"
+
+        def apply(self, prep, w13, w2):
+            seen.append(prep.topk_ids.clone())
+            from moebench.kernels.reference import reference_moe
+
+            return reference_moe(prep.a, w13, w2, prep.topk_weights, prep.topk_ids).to(prep.a.dtype)
+
+    monkeypatch.setitem(registry._EXPERTS_MODULES, Recording.name, __name__)
+    monkeypatch.setitem(registry._EXPERTS, Recording.name, Recording)
+    spec = SweepSpec(shape=custom_shape(16, 2, 16, 8), tokens=[6], experts=["recording-for-test"],
+                     prepare_finalize=["no-dpep"], dtype=torch.float32, device="cpu", routings=3, reps=6, warmup=0)
+    (row,) = run_sweep(spec, RunStore(tmp_path / "run"))
+    assert row.correct and row.extra["routings"] == 3 and "3 routings cycled" in row.timing_method
+    timed = seen[1:]  # the first call is the check
+    assert len(timed) == 6
+    distinct = {tuple(t.flatten().tolist()) for t in timed}
+    assert len(distinct) == 3 and tuple(seen[0].flatten().tolist()) in distinct
