@@ -209,7 +209,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     from moebench.report import EXPORT_FORMATS, print_rows
     from moebench.results import RunStore, ensure_writable_dir, new_run_id
     from moebench.routing import parse_routing
-    from moebench.sweep import SweepSpec, default_experts, resolve_names, run_sweep
+    from moebench.sweep import SweepSpec, default_experts, resolve_names
 
     device = resolve_device(device)
     shape = resolve_shape(model, num_experts, topk, hidden, intermediate)
@@ -236,30 +236,12 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     )
     from moebench.bench.hardware import device_summary
     from moebench.runtime.distributed import is_main, join_torchrun, leave_torchrun
-    from moebench.sweep import run_multirank, run_simulated
+    from moebench.sweep import choose_mode, run, run_multirank
 
     ctx = join_torchrun() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
-    mode = "single"
-    if ctx is not None:
-        if ctx.world_size != layout.world_size:
-            raise MoebenchError(f"torchrun started {ctx.world_size} ranks but the layout needs {layout.world_size} "
-                                f"(dp {layout.dp} x tp {layout.tp})")
-        mode = "torchrun"
-    elif layout.world_size > 1:
-        if simulate:
-            mode = "simulate"
-        elif world_size is not None:
-            if device == "cuda" and torch.cuda.device_count() < world_size:
-                raise MoebenchError(f"--world-size {world_size} needs {world_size} GPUs but "
-                                    f"{torch.cuda.device_count()} are visible; add --simulate to model the other ranks")
-            mode = "spawn"
-        else:
-            mode = "simulate"
-            console.print(f"[yellow]notice:[/] {layout.describe()} asked for without --world-size: simulating it "
-                          f"(one rank's share computed here, communication modeled); pass --world-size "
-                          f"{layout.world_size} to run real ranks")
-    elif simulate:
-        console.print("[yellow]notice:[/] --simulate with a single rank changes nothing: running it for real")
+    mode, notice = choose_mode(layout, device, simulate, world_size, ctx)
+    if notice:
+        console.print(f"[yellow]notice:[/] {notice}")
     link = None
     if mode == "simulate":
         from moebench.runtime.simulate import choose_link, get_link
@@ -283,9 +265,8 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
                   f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {dtype or ('bf16' if device == 'cuda' else 'fp32')}, "
                   f"routing {routing} -> {folder}")
     try:
-        if mode in ("spawn", "torchrun"):
-            run_multirank(spec, folder, world_size=layout.world_size, ctx=ctx)
-            store = RunStore(folder)  # rank 0 appended the rows there
+        if mode in ("spawn", "torchrun"):  # rank 0 shows the progress bar
+            store = run(spec, store, mode, ctx=ctx)
         else:
             with _progress() as prog:
                 task = prog.add_task("sweep", total=n_total)
@@ -293,10 +274,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
                 def tick(row):
                     prog.update(task, advance=1, description=f"M={row.tokens} {row.prepare_finalize}+{row.experts}")
 
-                if mode == "simulate":
-                    run_simulated(spec, store, link, on_progress=tick)
-                else:
-                    run_sweep(spec, store, on_progress=tick)
+                store = run(spec, store, mode, link=link, on_progress=tick)
     except KeyboardInterrupt:
         store = RunStore(folder)
         store.finish(fmts)

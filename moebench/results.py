@@ -8,6 +8,7 @@ A run folder can be reopened to resume: rows already there are skipped by key.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import datetime as _dt
 import json
 import math
@@ -223,11 +224,8 @@ class RunStore:
         written = []
         for fmt in formats:
             path = self.folder / f"results.{fmt}"
-            if fmt == "parquet":
-                try:
-                    import pyarrow  # noqa: F401
-                except ImportError:
-                    continue
+            if fmt == "parquet" and importlib.util.find_spec("pyarrow") is None:
+                continue  # the CLI refuses --format parquet without pyarrow; the API skips it
             _atomic_write_with(path, lambda tmp, fmt=fmt: export_frame(df, tmp, fmt))
             written.append(path)
         return written

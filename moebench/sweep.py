@@ -241,3 +241,44 @@ def run_simulated(spec: SweepSpec, store: RunStore, link, on_progress=None, expe
     from moebench.runtime.sim_sweep import run_simulated_sweep
 
     return run_simulated_sweep(spec, store, link, on_progress, experts_model)
+
+
+def choose_mode(layout: ParallelLayout, device: str, simulate: bool = False, world_size: int | None = None,
+                ctx=None) -> tuple[str, str | None]:
+    """How a sweep of `layout` runs here: "single", "torchrun" (joined group `ctx`), "spawn"
+    (--world-size real processes) or "simulate"; plus a notice for the user, or None.
+
+    A multi-rank layout asked for without --world-size is simulated (one device computes one
+    rank's share); --world-size larger than the visible GPUs on CUDA is an error."""
+    if ctx is not None:
+        if ctx.world_size != layout.world_size:
+            raise MoebenchError(f"torchrun started {ctx.world_size} ranks but the layout needs {layout.world_size} "
+                                f"(dp {layout.dp} x tp {layout.tp})")
+        return "torchrun", None
+    if layout.world_size == 1:
+        note = "--simulate with a single rank changes nothing: running it for real" if simulate else None
+        return "single", note
+    if simulate:
+        return "simulate", None
+    if world_size is not None:
+        have = torch.cuda.device_count() if device == "cuda" else world_size
+        if have < world_size:
+            raise MoebenchError(f"--world-size {world_size} needs {world_size} GPUs but {have} are visible; "
+                                f"add --simulate to model the other ranks")
+        return "spawn", None
+    return "simulate", (f"{layout.describe()} asked for without --world-size: simulating it (one rank's share "
+                        f"computed here, communication modeled); pass --world-size {layout.world_size} to run real ranks")
+
+
+def run(spec: SweepSpec, store: RunStore, mode: str, link=None, ctx=None,
+        on_progress: Callable[[ResultRow], None] | None = None) -> RunStore:
+    """Run `spec` the way `choose_mode` decided; returns the store holding every row (for real
+    ranks, re-read from the folder rank 0 appended to)."""
+    if mode in ("spawn", "torchrun"):
+        run_multirank(spec, store.folder, world_size=spec.layout.world_size, ctx=ctx)
+        return RunStore(store.folder)
+    if mode == "simulate":
+        run_simulated(spec, store, link, on_progress=on_progress)
+    else:
+        run_sweep(spec, store, on_progress=on_progress)
+    return store

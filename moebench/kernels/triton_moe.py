@@ -29,8 +29,6 @@ launch (the benchmark's routing step).
 
 from __future__ import annotations
 
-import os
-
 from typing import Any, Mapping
 
 import torch

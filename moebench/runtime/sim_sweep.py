@@ -48,7 +48,6 @@ def run_simulated_sweep(spec, store: RunStore, link: sim.LinkProfile, on_progres
     and checked against the reference here."""
     from moebench.sweep import base_row, one_line, plan
 
-    s, lay = spec.shape, spec.layout
     pairs = plan(spec)
     ceilings = get_ceilings(spec.device)
     el = torch.tensor([], dtype=spec.dtype).element_size()

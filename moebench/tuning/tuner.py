@@ -678,7 +678,7 @@ def write_report(run_dir: Path, spec: TuneSpec, results: Sequence[TokenResult], 
         f"- file: `{config_path}`" if config_path else "- file: none (no token count found a working config)",
         f"- E={spec.local_experts} local experts, N={spec.inter_per_rank}, dtype {dtype_name(spec.dtype)}, "
         f"device {C.device_name(spec.device)}, search `{spec.strategy}`, budget {spec.budget or DEFAULT_BUDGET}",
-        f"- latencies: median us of one layer call (routing alignment + both GEMMs), final stage" + cpu_note,
+        "- latencies: median us of one layer call (routing alignment + both GEMMs), final stage" + cpu_note,
         "| " + " | ".join(REPORT_COLUMNS[:10]) + " | search_s |",
         "|" + "---|" * 11,
     ]
