@@ -69,3 +69,22 @@ def test_timed_calls_cycle_through_routings(tmp_path, monkeypatch):
     assert len(timed) == 6
     distinct = {tuple(t.flatten().tolist()) for t in timed}
     assert len(distinct) == 3 and tuple(seen[0].flatten().tolist()) in distinct
+
+
+def test_choose_mode():
+    import pytest
+
+    from moebench.errors import MoebenchError
+    from moebench.layout import ParallelLayout
+    from moebench.sweep import choose_mode
+
+    one, ep4 = ParallelLayout(), ParallelLayout(dp=4, enable_ep=True)
+    assert choose_mode(one, "cpu") == ("single", None)
+    assert choose_mode(one, "cpu", simulate=True)[0] == "single"  # with a notice
+    assert choose_mode(ep4, "cpu", simulate=True) == ("simulate", None)
+    assert choose_mode(ep4, "cpu", world_size=4) == ("spawn", None)
+    mode, notice = choose_mode(ep4, "cpu")
+    assert mode == "simulate" and "--world-size 4" in notice
+    if torch.cuda.device_count() < 4:
+        with pytest.raises(MoebenchError, match="needs 4 GPUs"):
+            choose_mode(ep4, "cuda", world_size=4)
