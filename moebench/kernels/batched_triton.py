@@ -29,7 +29,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.moe_align import interpreter_compat, interpreting, triton_unavailable_reason
 from moebench.kernels.registry import register_experts
-from moebench.kernels.triton_common import mma
+from moebench.kernels.triton_common import grouped_tile, mma
 from moebench.tuning.configs import TileConfig, default_config, validate_tile_config
 
 
@@ -64,12 +64,7 @@ def _batched_silu_mul_gemm1_kernel(
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(T, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
 
     # Skip tiles past this expert's valid rows.
     count = tl.load(num_tokens_ptr + expert)
@@ -140,12 +135,7 @@ def _batched_gemm2_kernel(
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(T, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(H, BLOCK_SIZE_N)
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
 
     count = tl.load(num_tokens_ptr + expert)
     if pid_m * BLOCK_SIZE_M >= count:

@@ -16,3 +16,16 @@ def mma(a, b, acc, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
+    """Program id -> (row tile, column tile), walking GROUP_SIZE_M row tiles down one column tile
+    before moving right, so neighbouring programs share weight tiles in L2 (Triton tutorial order)."""
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n

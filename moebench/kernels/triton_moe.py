@@ -51,7 +51,7 @@ from moebench.kernels.moe_align import (
     triton_unavailable_reason,
 )
 from moebench.kernels.registry import register_experts
-from moebench.kernels.triton_common import mma
+from moebench.kernels.triton_common import grouped_tile, mma
 from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
 
 #: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms): True,
@@ -96,12 +96,7 @@ def _silu_mul_gemm1_kernel(
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = min(num_blocks_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
 
     # Blocks past the used length (padding of the worst-case grid) have nothing to do.
     if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
@@ -192,12 +187,7 @@ def _gemm2_weighted_sum_kernel(
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_n = tl.cdiv(H, BLOCK_SIZE_N)
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = min(num_blocks_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
 
     if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
         return
