@@ -344,7 +344,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
             "device_summary": device_summary(device)}
     store = RunStore(folder, metadata=meta)
     how = (f"experts time = {experts_model.device_name} roofline floor (datasheet), not measured"
-           if experts_model is not None else f"experts time measured on this {device}")
+           if experts_model is not None else f"experts time measured on {dev_name}")
     console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {dtype or 'bf16'}, "
                   f"routing {routing}: simulated ({how}; communication from {link.name} {link.bandwidth_gbps:g} GB/s)"
                   + ("; correctness also checked on real gloo ranks" if device == "cpu" and not no_check else ""))

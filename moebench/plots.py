@@ -31,8 +31,20 @@ def compare_plot(summary: pd.DataFrame, crossover: int | None, title: str, path:
     for layout, g in summary.groupby("layout"):
         g = g.sort_values("tokens")
         ax.plot(g.tokens, g.latency_us, marker="o", label=f"{layout} ({', '.join(sorted(set(g.prepare_finalize)))})")
-    if crossover is not None:
-        ax.axvline(crossover, color="red", linestyle="--", label=f"crossover: {crossover} tokens")
+    # Every token count where the winning layout changes (the first is `crossover`).
+    flips = []
+    if "winner" in summary.columns:
+        winners = summary[summary.winner.astype(bool)].sort_values("tokens")
+        prev = None
+        for t, layout in zip(winners.tokens, winners.layout):
+            if prev is not None and layout != prev:
+                flips.append((int(t), layout))
+            prev = layout
+    elif crossover is not None:
+        flips = [(crossover, "")]
+    for i, (t, layout) in enumerate(flips):
+        ax.axvline(t, color="red", linestyle="--" if i == 0 else ":",
+                   label=f"{layout or 'winner'} from {t} tokens" if layout else f"crossover: {t} tokens")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch tokens (all ranks)")
