@@ -23,7 +23,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
   fi
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  # With setuptools already here (as on machines without a package index), build in place.
+  iso=""
+  if .venv/bin/python -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" >/dev/null 2>&1; then
+    iso="--no-build-isolation"
+  fi
+  .venv/bin/python -m pip install -q --disable-pip-version-check $iso -e '.[test]'
   echo "$want" > "$stamp"
 fi
 
