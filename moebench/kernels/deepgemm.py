@@ -38,12 +38,9 @@ def _deep_gemm_reason(device: str) -> str | None:
     return None
 
 
-@register_experts
-class DeepGemmExperts(Experts):
-    """Standard: pairs sorted by expert into DeepGEMM's padded contiguous layout. Returns (M, K, H)."""
+class _DeepGemmBackend(Experts):
+    """What both DeepGEMM backends declare: bf16, CUDA (Hopper), deep_gemm importable."""
 
-    name = "deepgemm"
-    activation_format = ActivationFormat.STANDARD
     supported_dtypes = (torch.bfloat16,)
     supported_devices = ("cuda",)
 
@@ -51,6 +48,13 @@ class DeepGemmExperts(Experts):
     def unavailable_reason(cls, device: str) -> str | None:
         return _deep_gemm_reason(device)
 
+
+@register_experts
+class DeepGemmExperts(_DeepGemmBackend):
+    """Standard: pairs sorted by expert into DeepGEMM's padded contiguous layout. Returns (M, K, H)."""
+
+    name = "deepgemm"
+    activation_format = ActivationFormat.STANDARD
     def weight_and_reduce(self):
         return TopKWeightAndReduceContiguous()
 
@@ -86,18 +90,11 @@ class DeepGemmExperts(Experts):
 
 
 @register_experts
-class BatchedDeepGemmExperts(Experts):
+class BatchedDeepGemmExperts(_DeepGemmBackend):
     """BatchedExperts: masked grouped GEMM over (E_local, T, H). Returns (E_local, T, H) unweighted."""
 
     name = "batched-deepgemm"
     activation_format = ActivationFormat.BATCHED
-    supported_dtypes = (torch.bfloat16,)
-    supported_devices = ("cuda",)
-
-    @classmethod
-    def unavailable_reason(cls, device: str) -> str | None:
-        return _deep_gemm_reason(device)
-
     def weight_and_reduce(self):
         return TopKWeightAndReduceDelegate()
 
