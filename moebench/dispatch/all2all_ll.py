@@ -35,6 +35,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.registry import register_prepare_finalize
 from moebench.kernels.token_layout import batched_slots, scatter_to_batched
+from moebench.quant import maybe_quantize, pack_rows, unpack_rows
 from moebench.layout import ParallelLayout
 from moebench.runtime.distributed import group_rank_world
 
@@ -101,9 +102,11 @@ class AllToAllLLPrepareAndFinalize(PrepareAndFinalize):
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
         dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group)
 
-    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map) -> PrepareResult:
+    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map, quant=None) -> PrepareResult:
         """x (M, H), topk_ids (M, K) global ids -> a (E_local, max_tokens_per_rank * world, H),
-        expert_num_tokens (E_local,) int32."""
+        expert_num_tokens (E_local,) int32. With `quant`, x is quantised before dispatch and each
+        message is one byte row, fp8 payload then scales (as DeepEP-LL sends fp8); a is then fp8
+        with a_scale (E_local, T, G)."""
         rank, world = group_rank_world(self.group)
         m, k = topk_ids.shape
         hidden = x.shape[-1]
@@ -123,7 +126,9 @@ class AllToAllLLPrepareAndFinalize(PrepareAndFinalize):
         dest = owner[ids]  # (M*K,)
         order = torch.argsort(dest, stable=True)
         send_counts_t = torch.bincount(dest, minlength=world)
-        send_x = x.index_select(0, order // k) if m else x.new_empty((0, hidden))
+        q, scale = maybe_quantize(x, quant)
+        rows_in = q if quant is None else pack_rows(q, scale)  # (M, H) or (M, H + 4G) uint8
+        send_x = rows_in.index_select(0, order // k) if m else rows_in.new_empty((0, rows_in.shape[-1]))
         send_local = ids[order] - first[dest[order]]  # local expert id on the destination rank
 
         if world == 1:
@@ -136,13 +141,17 @@ class AllToAllLLPrepareAndFinalize(PrepareAndFinalize):
             send_counts = [int(c) for c in send_counts_t.tolist()]
             recv_counts = [int(c) for c in recv_counts_t.tolist()]
             n_recv = sum(recv_counts)
-            recv_x = x.new_empty((n_recv, hidden))
+            recv_x = send_x.new_empty((n_recv, send_x.shape[-1]))
             self._a2a(recv_x, send_x.contiguous(), recv_counts, send_counts)
             recv_local = torch.empty(n_recv, dtype=torch.int64, device=x.device)
             self._a2a(recv_local, send_local.contiguous(), recv_counts, send_counts)
 
         cap = self.max_tokens_per_rank * world  # one expert gets a token at most once per source rank
         slot_map, expert_num_tokens = batched_slots(recv_local.view(-1, 1), num_local_experts, cap)
+        a_scale = None
+        if quant is not None:
+            recv_x, recv_scale = unpack_rows(recv_x, hidden)
+            a_scale = scatter_to_batched(recv_scale, slot_map, num_local_experts, cap)
         a = scatter_to_batched(recv_x, slot_map, num_local_experts, cap)
         handle = All2AllHandle(
             order=order, send_counts=send_counts, recv_counts=recv_counts,
@@ -150,7 +159,7 @@ class AllToAllLLPrepareAndFinalize(PrepareAndFinalize):
         )
         return PrepareResult(
             a=a, topk_ids=None, topk_weights=None, expert_num_tokens=expert_num_tokens,
-            expert_map=expert_map, num_experts=num_experts, handle=handle,
+            expert_map=expert_map, num_experts=num_experts, handle=handle, a_scale=a_scale, quant=quant.scheme if quant else None,
         )
 
     def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:

@@ -28,6 +28,7 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceContiguous,
 )
 from moebench.kernels.registry import register_prepare_finalize
+from moebench.quant import maybe_quantize, pack_rows, unpack_rows
 from moebench.runtime.distributed import all_gather_single, group_rank_world, reduce_scatter_single
 
 
@@ -66,26 +67,31 @@ class AllGatherReduceScatterPrepareAndFinalize(PrepareAndFinalize):
         out = out.view(h.world, h.pad, *t.shape[1:])
         return torch.cat([out[r, : h.counts[r]] for r in range(h.world)], dim=0)
 
-    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map) -> PrepareResult:
-        """x (M_r, H), topk_weights (M_r, K) float32, topk_ids (M_r, K) -> a (sum M_r, H) etc."""
+    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map, quant=None) -> PrepareResult:
+        """x (M_r, H), topk_weights (M_r, K) float32, topk_ids (M_r, K) -> a (sum M_r, H) etc.
+        With `quant`, x is quantised first and fp8 rows with their scales are gathered."""
         rank, world = group_rank_world(self.group)
+        q, a_scale = maybe_quantize(x, quant)
         if world == 1:
             handle = AllGatherHandle([x.shape[0]], 0, 1, max(x.shape[0], 1))
             return PrepareResult(
-                a=x, topk_ids=topk_ids, topk_weights=topk_weights, expert_num_tokens=None,
-                expert_map=expert_map, num_experts=num_experts, handle=handle,
+                a=q, topk_ids=topk_ids, topk_weights=topk_weights, expert_num_tokens=None,
+                expert_map=expert_map, num_experts=num_experts, handle=handle, a_scale=a_scale, quant=quant.scheme if quant else None,
             )
         count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
         counts_t = torch.empty(world, dtype=torch.int64, device=x.device)
         all_gather_single(counts_t, count, self.group)
         counts = [int(c) for c in counts_t.tolist()]
         h = AllGatherHandle(counts=counts, rank=rank, world=world, pad=max(max(counts), 1))
-        a = self._gather(x, h)
+        if quant is None:
+            a = self._gather(x, h)
+        else:  # one byte row per token: fp8 payload then its scales
+            a, a_scale = unpack_rows(self._gather(pack_rows(q, a_scale), h), x.shape[-1])
         w = self._gather(topk_weights, h)
         ids = self._gather(topk_ids, h)
         return PrepareResult(
             a=a, topk_ids=ids, topk_weights=w, expert_num_tokens=None,
-            expert_map=expert_map, num_experts=num_experts, handle=h,
+            expert_map=expert_map, num_experts=num_experts, handle=h, a_scale=a_scale, quant=quant.scheme if quant else None,
         )
 
     def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:

@@ -15,6 +15,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.registry import register_prepare_finalize
 from moebench.kernels.token_layout import batched_slots, local_topk_ids, scatter_to_batched
+from moebench.quant import maybe_quantize
 
 
 @register_prepare_finalize
@@ -26,15 +27,17 @@ class BatchedLocalPrepareAndFinalize(PrepareAndFinalize):
     def default_weight_and_reduce(self) -> TopKWeightAndReduce:
         return TopKWeightAndReduceBatched()
 
-    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map) -> PrepareResult:
+    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map, quant=None) -> PrepareResult:
         num_local = num_local_experts
         max_tokens = max(x.shape[0], 1)  # an expert receives each token at most once
         local = local_topk_ids(topk_ids, expert_map)
         slot_map, counts = batched_slots(local, num_local, max_tokens)
-        a = scatter_to_batched(x, slot_map, num_local, max_tokens)
+        q, scale = maybe_quantize(x, quant)
+        a = scatter_to_batched(q, slot_map, num_local, max_tokens)
+        a_scale = None if scale is None else scatter_to_batched(scale.contiguous(), slot_map, num_local, max_tokens)
         return PrepareResult(
             a=a, topk_ids=None, topk_weights=None, expert_num_tokens=counts,
-            expert_map=expert_map, num_experts=num_experts, handle=slot_map,
+            expert_map=expert_map, num_experts=num_experts, handle=slot_map, a_scale=a_scale, quant=quant.scheme if quant else None,
         )
 
     def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:

@@ -71,6 +71,9 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     needs_expert_parallel = True
     #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
     communicates = True
+    #: DeepEP-LL quantises inside its dispatch (use_fp8): per-token 1x128 groups, i.e. the
+    #: activation side of block scales with bk = 128.
+    supported_quant = ("block",)
 
     @classmethod
     def unavailable_reason(cls, device: str, world_size: int) -> str | None:
@@ -115,12 +118,19 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
             self._buffer_key = key
         return self._buffer
 
-    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map) -> PrepareResult:
+    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map, quant=None) -> PrepareResult:
         """x (M, H) bf16, topk_ids (M, K) -> a (E_local, max_tokens_per_rank * world, H) bf16,
-        expert_num_tokens (E_local,) int32."""
+        expert_num_tokens (E_local,) int32. With block `quant` (bk = 128), DeepEP quantises in
+        its dispatch (use_fp8): a fp8, a_scale (E_local, T, H / 128) float32."""
         rank, world = group_rank_world(self.group)
         if x.dtype != torch.bfloat16:
             raise UnsupportedError(f"deepep-ll dispatches bf16 activations, got {x.dtype}")
+        use_fp8 = quant is not None
+        if use_fp8 and (quant.scheme.scales != "block" or quant.scheme.group_k != 128 or x.shape[-1] % 128):
+            raise UnsupportedError(
+                f"deepep-ll quantises in 1x128 groups: needs block scales with bk = 128 and hidden % 128 == 0, "
+                f"got {quant.scheme.describe()} with hidden {x.shape[-1]}"
+            )
         if num_experts % world:
             raise UnsupportedError(
                 f"deepep-ll places E / world experts per rank: {num_experts} experts do not split over {world} ranks"
@@ -138,11 +148,15 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
         ids = topk_ids.to(torch.int64).contiguous()
         recv_x, recv_count, handle, _event, _hook = buf.low_latency_dispatch(
             x.contiguous(), ids, self.max_tokens_per_rank, num_experts,
-            use_fp8=False, async_finish=False, return_recv_hook=False,
+            use_fp8=use_fp8, async_finish=False, return_recv_hook=False,
         )
+        a_scale = None
+        if use_fp8:  # DeepEP returns (fp8 rows, fp32 scales (E_local, T, H / 128))
+            recv_x, a_scale = recv_x
         return PrepareResult(
             a=recv_x, topk_ids=None, topk_weights=None, expert_num_tokens=recv_count,
             expert_map=expert_map, num_experts=num_experts, handle=DeepEPHandle(handle, ids),
+            a_scale=a_scale, quant=quant.scheme if quant else None,
         )
 
     def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:

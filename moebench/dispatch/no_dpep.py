@@ -13,6 +13,7 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceContiguous,
 )
 from moebench.kernels.registry import register_prepare_finalize
+from moebench.quant import maybe_quantize
 
 
 @register_prepare_finalize
@@ -23,10 +24,11 @@ class NoDPEPPrepareAndFinalize(PrepareAndFinalize):
     def default_weight_and_reduce(self) -> TopKWeightAndReduce:
         return TopKWeightAndReduceContiguous()
 
-    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map) -> PrepareResult:
+    def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map, quant=None) -> PrepareResult:
+        a, a_scale = maybe_quantize(x, quant)
         return PrepareResult(
-            a=x, topk_ids=topk_ids, topk_weights=topk_weights, expert_num_tokens=None,
-            expert_map=expert_map, num_experts=num_experts,
+            a=a, topk_ids=topk_ids, topk_weights=topk_weights, expert_num_tokens=None,
+            expert_map=expert_map, num_experts=num_experts, a_scale=a_scale, quant=quant.scheme if quant else None,
         )
 
     def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:

@@ -20,7 +20,8 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 
-from moebench.errors import FormatMismatchError
+from moebench.errors import FormatMismatchError, UnsupportedError
+from moebench.quant import SCALES, ActQuant, QuantScheme, scheme_of
 
 
 class ActivationFormat(enum.Enum):
@@ -77,6 +78,10 @@ class PrepareResult:
     expert_map:        (E,) int32 global -> local expert id, -1 when remote; None = all local
     num_experts:       E, the global number of experts
     handle:            private state of the P/F for finalize (slot maps, split sizes, ...)
+    a_scale:           when `a` is quantised (float8_e4m3fn): float32 scales per row of `a`,
+                       STANDARD (M', G), BATCHED (E_local, max_tokens, G); G = groups per row
+                       (moebench.quant); None when `a` is not quantised
+    quant:             the QuantScheme `a` was quantised with, or None
     """
 
     a: torch.Tensor
@@ -86,6 +91,8 @@ class PrepareResult:
     expert_map: torch.Tensor | None
     num_experts: int
     handle: Any = field(default=None)
+    a_scale: torch.Tensor | None = None
+    quant: QuantScheme | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,9 +194,11 @@ class PrepareAndFinalize(ABC):
         num_experts: int,
         num_local_experts: int,
         expert_map: torch.Tensor | None,
+        quant: ActQuant | None = None,
     ) -> PrepareResult:
         """x (M, H), topk_weights (M, K) float32, topk_ids (M, K) global ids; num_experts = E
-        (global), num_local_experts = E_local (w13.shape[0]); expert_map (E,) or None."""
+        (global), num_local_experts = E_local (w13.shape[0]); expert_map (E,) or None.
+        quant: quantise x with this scheme before any dispatch (result a fp8 + a_scale)."""
 
     @abstractmethod
     def finalize(
@@ -216,6 +225,11 @@ class Experts(ABC):
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     #: False for correctness-only backends (the float64 reference): never timed as a contender.
     timed: ClassVar[bool] = True
+    #: fp8 scale kinds (moebench.quant.SCALES) the experts take quantised weights with; () = none.
+    supported_quant: ClassVar[tuple[str, ...]] = ()
+    #: With quantised weights: True = the experts want unquantised activations and quantise them
+    #: themselves; False = prepare quantises (before dispatch) and hands over fp8 + scales.
+    quantizes_input: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls, device: str) -> str | None:
@@ -228,7 +242,9 @@ class Experts(ABC):
 
     @abstractmethod
     def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """w13 (E_local, 2I, H), w2 (E_local, H, I).
+        """w13 (E_local, 2I, H), w2 (E_local, H, I): tensors, or moebench.quant.QuantWeight with
+        the same shapes when quantised (then prep.a is fp8 with prep.a_scale, unless the experts
+        declare quantizes_input).
 
         STANDARD: returns (M', H) when weight_and_reduce() is no-op, (M', K, H) for contiguous.
         BATCHED:  returns (E_local, max_tokens, H), unweighted.
@@ -253,6 +269,21 @@ class FusedMoEKernel:
     def name(self) -> str:
         return f"{self.prepare_finalize.name}+{self.experts.name}"
 
+    def check_quant(self, w13, w2) -> QuantScheme | None:
+        """The weights' QuantScheme (None = unquantised); refuses a pair that cannot run it."""
+        quant = scheme_of(w13)
+        if scheme_of(w2) != quant:
+            raise UnsupportedError("w13 and w2 must be quantised with the same scheme (or both not at all)")
+        if quant is None:
+            return None
+        if quant.scales not in self.experts.supported_quant:
+            raise UnsupportedError(f"experts '{self.experts.name}' do not support {quant.describe()}")
+        if not self.experts.quantizes_input and quant.scales not in self.prepare_finalize.supported_quant:
+            raise UnsupportedError(
+                f"prepare/finalize '{self.prepare_finalize.name}' cannot quantise activations as {quant.describe()}"
+            )
+        return quant
+
     def apply(
         self,
         x: torch.Tensor,
@@ -270,7 +301,12 @@ class FusedMoEKernel:
         """
         if num_experts is None:
             num_experts = expert_map.shape[0] if expert_map is not None else w13.shape[0]
-        prep = self.prepare_finalize.prepare(x, topk_weights, topk_ids, num_experts, w13.shape[0], expert_map)
+        quant = self.check_quant(w13, w2)
+        # Which side quantises the activations is the experts' declaration, never a guess.
+        pf_quant = None if quant is None or self.experts.quantizes_input else ActQuant(quant, w13.input_scale)
+        prep = self.prepare_finalize.prepare(
+            x, topk_weights, topk_ids, num_experts, w13.shape[0], expert_map, quant=pf_quant
+        )
         out = self.experts.apply(prep, w13, w2)
         war = self.prepare_finalize.resolve(self.experts.weight_and_reduce())
         return self.prepare_finalize.finalize(out, prep, topk_weights, war)

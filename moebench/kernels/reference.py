@@ -12,6 +12,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.registry import register_experts
 from moebench.kernels.token_layout import local_topk_ids
+from moebench.quant import SCALES, as_float, fake_quant, scheme_of
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -32,8 +33,13 @@ def reference_moe(
 
     x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_* (M, K) with global ids;
     expert_map (E,) global -> local (-1: remote, contributes zero). Returns (M, H) float64 on x's device.
+
+    Quantised weights (moebench.quant.QuantWeight) are dequantised, and the activations go through
+    the scheme's rounding points exactly as the kernels see them (x quantised; the intermediate
+    stored in x's dtype, then quantised), so the check measures the kernel, not fp8 itself.
     """
-    xd = x.double()
+    quant = scheme_of(w13)
+    xd = x.double() if quant is None else fake_quant(x, quant, x.dtype, w13.input_scale)
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     local = local_topk_ids(topk_ids, expert_map)
     w = topk_weights.double()
@@ -41,8 +47,10 @@ def reference_moe(
         if e < 0:
             continue
         tok, kk = torch.nonzero(local == e, as_tuple=True)
-        h = silu_and_mul(xd[tok] @ w13[e].double().t())
-        y = h @ w2[e].double().t()
+        h = silu_and_mul(xd[tok] @ as_float(w13[e : e + 1])[0].t())
+        if quant is not None:
+            h = fake_quant(h, quant, x.dtype, w2.input_scale)
+        y = h @ as_float(w2[e : e + 1])[0].t()
         out.index_add_(0, tok, y * w[tok, kk].unsqueeze(-1))
     return out
 
@@ -54,6 +62,8 @@ class ReferenceExperts(Experts):
     name = "reference"
     activation_format = ActivationFormat.STANDARD
     timed = False
+    supported_quant = SCALES
+    quantizes_input = True  # takes x unquantised and emulates the scheme itself
 
     def weight_and_reduce(self):
         return TopKWeightAndReduceNoOp()

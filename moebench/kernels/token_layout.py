@@ -64,7 +64,10 @@ def batched_slots(local_ids: torch.Tensor, num_local: int, max_tokens: int) -> t
 def scatter_to_batched(
     x: torch.Tensor, slot_map: torch.Tensor, num_local: int, max_tokens: int
 ) -> torch.Tensor:
-    """x (M, H) and slot_map (M, K) -> (E_local, max_tokens, H); rows past each count are garbage."""
+    """x (M, H) and slot_map (M, K) -> (E_local, max_tokens, H); rows past each count are garbage.
+    Any dtype: fp8 rows move as bytes (index_copy has no fp8 kernel on every device)."""
+    if x.element_size() == 1 and x.dtype != torch.uint8:
+        return scatter_to_batched(x.view(torch.uint8), slot_map, num_local, max_tokens).view(x.dtype)
     m, k = slot_map.shape
     h = x.shape[-1]
     rows = num_local * max_tokens
