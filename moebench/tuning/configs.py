@@ -20,6 +20,8 @@ the entry with the nearest token count wins (ties go to the smaller count). With
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import os
 import tempfile
@@ -49,6 +51,10 @@ class TileConfig(TypedDict):
 
 # ---------------------------------------------------------------------------------------------
 # Names
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from moebench.quant import QuantScheme
 
 
 def device_name(device: torch.device | str | None = None) -> str:
@@ -201,9 +207,11 @@ def config_search_dirs() -> list[Path]:
     return dirs
 
 
-def find_config_file(E: int, N: int, device_name: str, dtype: torch.dtype | str | None = None) -> Path | None:
-    """The first existing file for (E, N, device, dtype) along `config_search_dirs()`."""
-    name = config_file_name(E, N, device_name, dtype)
+def find_config_file(
+    E: int, N: int, device_name: str, dtype: torch.dtype | str | None = None, block_shape: list[int] | None = None
+) -> Path | None:
+    """The first existing file for (E, N, device, dtype[, block_shape]) along `config_search_dirs()`."""
+    name = config_file_name(E, N, device_name, dtype, block_shape)
     for d in config_search_dirs():
         p = d / name
         if p.is_file():
@@ -227,8 +235,12 @@ def lookup_config(
     hidden: int | None = None,
     topk: int | None = None,
     num_experts_global: int | None = None,
+    quant: "QuantScheme | None" = None,
 ) -> tuple[TileConfig, str]:
     """Tile config for M tokens of an (E local experts, N = intermediate per rank) layer.
+
+    quant: an fp8 scheme: the file is `...,dtype=fp8_w8a8[,block_shape=[bn,bk]].json` (vLLM's
+    name) and the default heuristic keeps BLOCK_SIZE_K / BLOCK_SIZE_N inside the scale block.
 
     Returns (config, source) where source is "<file path>[<tokens>]" or "default heuristic".
     Without a file, `default_config(M, E_for_heuristic, N, hidden, topk, dtype)` decides, with
@@ -236,13 +248,32 @@ def lookup_config(
     default to 4096 and 1 when unknown.
     """
     dev = device_name if device_name is not None else current_device_name()
-    path = find_config_file(E, N, dev, dtype)
+    if quant is not None:
+        path = find_config_file(E, N, dev, quant.name, quant.file_block_shape)
+    else:
+        path = find_config_file(E, N, dev, dtype)
     if path is not None:
         key, cfg = nearest_entry(_load_cached(path), M)
         return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
     cfg = default_config(M, num_experts_global or E, N, hidden or 4096, topk or 1,
                          dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
+    if quant is not None:
+        cfg = fit_to_quant_block(cfg, quant)
     return cfg, "default heuristic"
+
+
+def fit_to_quant_block(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
+    """Block-quantised weights: BLOCK_SIZE_K must divide bk (one scale column per K step) and
+    BLOCK_SIZE_N must divide bn, as vLLM requires of its fp8 block configs. Other schemes: as is."""
+    if quant.block_shape is None:
+        return cfg
+    bn, bk = quant.block_shape
+    out = TileConfig(**cfg)  # type: ignore[typeddict-item]
+    while bk % out["BLOCK_SIZE_K"] and out["BLOCK_SIZE_K"] > 16:
+        out["BLOCK_SIZE_K"] //= 2
+    while bn % out["BLOCK_SIZE_N"] and out["BLOCK_SIZE_N"] > 16:
+        out["BLOCK_SIZE_N"] //= 2
+    return out
 
 
 def default_config(M: int, E: int, N: int, H: int, topk: int, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
