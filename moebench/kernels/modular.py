@@ -82,6 +82,8 @@ class PrepareResult:
                        STANDARD (M', G), BATCHED (E_local, max_tokens, G); G = groups per row
                        (moebench.quant); None when `a` is not quantised
     quant:             the QuantScheme `a` was quantised with, or None
+    out_dtype:         dtype of the layer's input x, which the experts' output keeps (set by
+                       FusedMoEKernel; None = a's dtype)
     """
 
     a: torch.Tensor
@@ -93,6 +95,7 @@ class PrepareResult:
     handle: Any = field(default=None)
     a_scale: torch.Tensor | None = None
     quant: QuantScheme | None = None
+    out_dtype: torch.dtype | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +310,7 @@ class FusedMoEKernel:
         prep = self.prepare_finalize.prepare(
             x, topk_weights, topk_ids, num_experts, w13.shape[0], expert_map, quant=pf_quant
         )
+        prep.out_dtype = x.dtype
         out = self.experts.apply(prep, w13, w2)
         war = self.prepare_finalize.resolve(self.experts.weight_and_reduce())
         return self.prepare_finalize.finalize(out, prep, topk_weights, war)
