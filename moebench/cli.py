@@ -79,7 +79,13 @@ def shape_options(f):
         click.option("--ep", type=int, default=None, help="Expert parallelism over N ranks (N = dp * tp)."),
         click.option("--world-size", "world_size", type=int, default=None, help="Ranks to run (spawned processes)."),
         click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present."),
-        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="Default: bf16 on cuda, fp32 on cpu."),
+        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_w8a8"]), default=None,
+                     help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations, bf16 output."),
+        click.option("--block-shape", "block_shape", default=None,
+                     help="fp8_w8a8 block-quantised weights, e.g. 128,128 (activations: 1 x 128 groups)."),
+        click.option("--scales", type=click.Choice(["tensor", "token", "block"]), default=None,
+                     help="fp8_w8a8 scales: tensor (static per tensor) | token (per token x per channel) | block "
+                          "[tensor; block with --block-shape]."),
         click.option("--routing", default="uniform", show_default=True, help="uniform | zipf:S | hot:F | file:PATH"),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True, help="Results folder."),
@@ -87,6 +93,26 @@ def shape_options(f):
     for o in reversed(opts):
         f = o(f)
     return f
+
+
+def resolve_precision(dtype: str | None, block_shape: str | None, scales: str | None, device: str,
+                      default: str) -> tuple[torch.dtype, object]:
+    """--dtype/--block-shape/--scales -> (activation dtype, fp8 QuantScheme or None). fp8_w8a8 keeps
+    bf16 activations around the quantised GEMMs (and as the output)."""
+    from moebench.inputs import parse_dtype
+    from moebench.quant import parse_quant
+
+    quant = parse_quant(dtype, block_shape, scales)
+    if quant is not None:
+        return torch.bfloat16, quant
+    return parse_dtype(dtype or default), None
+
+
+def _precision_text(spec) -> str:
+    """'bf16', or 'fp8_w8a8 block[128,128] (bf16 activations)'."""
+    if spec.quant is None:
+        return spec.dtype_label
+    return f"{spec.quant.describe()} ({str(spec.dtype).replace('torch.', '')} activations)"
 
 
 def _progress() -> Progress:
@@ -199,11 +225,10 @@ def models(as_json: bool):
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
 @click.option("--routings", type=int, default=1, show_default=True,
               help="Distinct routings cycled through the timed calls (fresh routing per call, as vLLM's tuner).")
-def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, routing,
-          seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps,
+def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, block_shape,
+          scales, routing, seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps,
           routings):
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
-    from moebench.inputs import parse_dtype
     from moebench.kernels.registry import prepare_finalize_names
     from moebench.layout import ParallelLayout
     from moebench.report import EXPORT_FORMATS, print_rows
@@ -223,7 +248,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         raise MoebenchError(f"--format: unknown {', '.join(bad)}; valid: {', '.join(EXPORT_FORMATS)}")
     if "parquet" in fmts and importlib.util.find_spec("pyarrow") is None:
         raise MoebenchError("--format parquet needs pyarrow (pip install pyarrow), or drop parquet from --format")
-    dt = parse_dtype(dtype or ("bf16" if device == "cuda" else "fp32"))
+    dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16" if device == "cuda" else "fp32")
     if reps is not None and reps < 1:
         raise MoebenchError("--reps must be >= 1")
     if routings < 1:
@@ -233,6 +258,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         experts=resolve_names(experts, default_experts() + ["reference"], "experts", default_experts()),
         prepare_finalize=resolve_names(prepare_finalize, prepare_finalize_names(), "prepare_finalize", prepare_finalize_names()),
         dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, routings=routings,
+        quant=quant,
     )
     from moebench.bench.hardware import device_summary
     from moebench.runtime.distributed import is_main, join_torchrun, leave_torchrun
@@ -257,12 +283,13 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         return
     folder = resume if resume is not None else ensure_writable_dir(out) / new_run_id("sweep", shape.name)
     meta = {"command": "sweep", "argv": sys.argv[1:], "mode": mode, "shape": shape.to_dict(),
-            "layout": layout.__dict__, "tokens": tok, "dtype": str(dt), "device": device, "routing": routing,
+            "layout": layout.__dict__, "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label,
+            "activation_dtype": str(dt), "device": device, "routing": routing,
             "seed": seed, "link": None if link is None else link.__dict__, "device_summary": device_summary(device)}
     store = RunStore(folder, metadata=meta)
     n_total = len(spec.tokens) * len(spec.prepare_finalize) * len(spec.experts)
     console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, H={shape.hidden}, "
-                  f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {dtype or ('bf16' if device == 'cuda' else 'fp32')}, "
+                  f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {_precision_text(spec)}, "
                   f"routing {routing} -> {folder}")
     try:
         if mode in ("spawn", "torchrun"):  # rank 0 shows the progress bar
@@ -302,12 +329,11 @@ def compare():
 @click.option("--no-check", is_flag=True, help="Skip the reference checks (simulated share and real ranks).")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="PNG file for the plots.")
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
-def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, routing,
-             seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path, reps):
+def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype,
+             block_shape, scales, routing, seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path, reps):
     """TP (all-reduce) vs EP (dispatch/combine) over --world-size ranks: breakdown, crossover, advice."""
     from moebench.bench.hardware import datasheet_ceilings, device_summary
     from moebench.compare import run_compare, write_summary
-    from moebench.inputs import parse_dtype
     from moebench.plots import compare_plot
     from moebench.results import RunStore, ensure_writable_dir, new_run_id
     from moebench.routing import parse_routing
@@ -326,7 +352,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         lay.validate_shape(shape.num_experts, shape.intermediate)
     tok = parse_tokens(tokens) if tokens is not None else [1, 4, 16, 64, 256, 1024, 4096]
     parse_routing(routing)
-    dt = parse_dtype(dtype or "bf16")
+    dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16")
     experts_model = None
     gpu = target_gpu or ("H200" if device == "cpu" else None)
     if gpu is not None:
@@ -336,16 +362,17 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     dev_name = gpu or device_summary(device).get("name")
     link = get_link(link_name, link_gbps) if link_name else choose_link(dev_name, link_gbps)
     spec = SweepSpec(shape=shape, tokens=tok, experts=resolve_names(experts, default_experts(), "experts", default_experts()),
-                     dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps)
+                     dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, quant=quant)
     folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)
     meta = {"command": "compare tp-vs-ep", "argv": sys.argv[1:], "shape": shape.to_dict(), "world_size": world_size,
-            "tokens": tok, "dtype": str(dt), "device": device, "routing": routing, "seed": seed,
+            "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label, "device": device, "routing": routing,
+            "seed": seed,
             "link": link.__dict__, "experts_model": None if experts_model is None else experts_model.as_dict(),
             "device_summary": device_summary(device)}
     store = RunStore(folder, metadata=meta)
     how = (f"experts time = {experts_model.device_name} roofline floor (datasheet), not measured"
            if experts_model is not None else f"experts time measured on {dev_name}")
-    console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {dtype or 'bf16'}, "
+    console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {_precision_text(spec)}, "
                   f"routing {routing}: simulated ({how}; communication from {link.name} {link.bandwidth_gbps:g} GB/s)"
                   + ("; correctness also checked on real gloo ranks" if device == "cpu" and not no_check else ""))
     with _progress() as prog:

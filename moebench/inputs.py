@@ -29,9 +29,13 @@ def make_weights(
     seed: int,
     tp_rank: int = 0,
     tp_size: int = 1,
+    quant=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights of the given global experts, w13 (E_local, 2I', H) and w2 (E_local, H, I'), with
     I' = intermediate / tp_size (this TP rank's column / row shard), N(0, 1/fan_in).
+
+    quant: a moebench.quant.QuantScheme -> QuantWeights (fp8 + scales), quantised from these
+    values; each rank quantises the shard it holds (`dtype` is then the activation dtype).
 
     Every expert is drawn from its own seed, so any rank, shard or subset sees the same values as a
     full single-rank run: a shard of the full weights equals the weights of the shard.
@@ -48,6 +52,10 @@ def make_weights(
         w13[i, :ip] = full13[lo:hi]
         w13[i, ip:] = full13[intermediate + lo : intermediate + hi]
         w2[i] = full2[:, lo:hi]
+    if quant is not None:
+        from moebench.quant import quantize_weights
+
+        return quantize_weights(w13, w2, quant, dtype)
     return w13, w2
 
 

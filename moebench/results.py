@@ -74,13 +74,18 @@ class ResultRow:
     rank_tokens: str = ""
     rank_imbalance: float | None = None
     config_source: str = ""
+    #: fp8 scheme ("per-tensor", "per-token", "block[128,128]"; "" unquantised); dtype says fp8_w8a8
+    quant: str = ""
+    #: fp8 rows: ||out - ref|| / ||ref|| against the float64 reference of the unquantised weights
+    #: and activations (what fp8 costs in accuracy; max_rel_err checks the kernel itself)
+    err_vs_unquantized: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def key(self) -> tuple:
         """Identity of a measurement, used to skip work on resume."""
         return (self.model, self.num_experts, self.topk, self.hidden, self.intermediate, self.tokens,
                 self.tp, self.dp, self.ep, self.prepare_finalize, self.experts, self.dtype, self.device,
-                self.routing, self.modeled)
+                self.routing, self.modeled, self.quant)
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

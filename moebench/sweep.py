@@ -26,6 +26,7 @@ from moebench.kernels.registry import (
 )
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
+from moebench.quant import QuantScheme, quantize_weights
 from moebench.results import ResultRow, RunStore
 from moebench.routing import load_imbalance, make_routing
 
@@ -50,6 +51,25 @@ class SweepSpec:
     #: False: `tokens` are per rank (a DP rank brings M tokens, M * world in all). True: `tokens`
     #: are the whole batch, split over the DP ranks (how tp-vs-ep compares equal work).
     tokens_are_global: bool = False
+    #: fp8 scheme (weights and activations quantised; `dtype` is then the activation and output
+    #: dtype); None = unquantised.
+    quant: QuantScheme | None = None
+
+    @property
+    def dtype_label(self) -> str:
+        """The `dtype` column: 'fp8_w8a8' for quantised runs, else 'bf16' / 'fp16' / 'fp32'."""
+        return self.quant.name if self.quant is not None else dtype_name(self.dtype)
+
+    @property
+    def quant_label(self) -> str:
+        """The `quant` column: 'per-tensor', 'per-token', 'block[128,128]' or ''."""
+        if self.quant is None:
+            return ""
+        return self.quant.describe().split(" ", 1)[1]
+
+    @property
+    def act_bytes(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
 
     def batch_tokens(self, m: int, moves_tokens: bool) -> int:
         """Tokens of the whole batch for a case of `m` tokens."""
@@ -86,7 +106,7 @@ def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
     for pf in spec.prepare_finalize:
         for ex in spec.experts:
             reason = check_combination(
-                pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep
+                pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep, quant=spec.quant
             )
             if reason is None and spec.layout.dp > 1 and not get_prepare_finalize_class(pf).communicates:
                 reason = (f"prepare/finalize '{pf}' keeps tokens where they are, so dp {spec.layout.dp} > 1 "
@@ -104,8 +124,8 @@ def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
     return ResultRow(
         model=s.name, num_experts=s.num_experts, topk=s.topk, hidden=s.hidden, intermediate=s.intermediate,
         tokens=tokens, tp=lay.tp, dp=lay.dp, ep=lay.ep_size, world_size=lay.world_size,
-        prepare_finalize=pf, experts=ex, activation_format=fmt, dtype=dtype_name(spec.dtype),
-        device=spec.device, routing=spec.routing,
+        prepare_finalize=pf, experts=ex, activation_format=fmt, dtype=spec.dtype_label,
+        device=spec.device, routing=spec.routing, quant=spec.quant_label,
     )
 
 
@@ -132,14 +152,15 @@ def run_sweep(
     if runnable:
         check_fits(s.num_experts, s.hidden, s.intermediate, max(spec.tokens, default=0), s.topk, spec.dtype, spec.device)
         w13, w2 = make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed)
+    # fp8: the kernels run on the quantised weights; the unquantised ones stay for err_vs_unquantized.
+    qw13, qw2 = quantize_weights(w13, w2, spec.quant, spec.dtype) if runnable else (None, None)
     for m in spec.tokens:
         x = make_tokens(m, s.hidden, spec.dtype, spec.device, spec.seed + m)
         topk_weights, topk_ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
         imbalance = load_imbalance(topk_ids, s.num_experts)
-        ref = None
+        ref = ref_unq = None
         flops = metrics.layer_flops(m, s.topk, s.hidden, s.intermediate)
-        nbytes = metrics.layer_bytes(topk_ids, s.num_experts, s.hidden, s.intermediate,
-                                     torch.tensor([], dtype=spec.dtype).element_size(), m)
+        nbytes = metrics.layer_bytes(topk_ids, s.num_experts, s.hidden, s.intermediate, spec.act_bytes, m, spec.quant)
         for pf, ex, reason in pairs:
             row = base_row(spec, m, pf, ex)
             row.imbalance = imbalance
@@ -149,9 +170,11 @@ def run_sweep(
                 row.status, row.reason = "skipped", reason
             else:
                 if ref is None and spec.check:
-                    ref = reference_moe(x, w13, w2, topk_weights, topk_ids)
-                _measure(spec, row, pf, ex, (x, w13, w2, topk_weights, topk_ids), ref, flops, nbytes, ceilings,
-                         variants=routing_variants(spec, m, x, w13, w2))
+                    ref = reference_moe(x, qw13, qw2, topk_weights, topk_ids)
+                    if spec.quant is not None:
+                        ref_unq = reference_moe(x, w13, w2, topk_weights, topk_ids)
+                _measure(spec, row, pf, ex, (x, qw13, qw2, topk_weights, topk_ids), ref, flops, nbytes, ceilings,
+                         variants=routing_variants(spec, m, x, qw13, qw2), ref_unquantized=ref_unq)
             store.add(row)
             rows.append(row)
             if on_progress:
@@ -183,16 +206,20 @@ def cycling(kernel, variants: list[tuple]) -> Callable[[], object]:
     return call
 
 
-def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings, variants: list[tuple] = ()) -> None:
+def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings, variants: list[tuple] = (),
+             ref_unquantized=None) -> None:
     """Check `pf + ex` on `args` against `ref`, then time it (cycling through `args` and
-    `variants`, other routings of the same distribution); fills `row` in place."""
+    `variants`, other routings of the same distribution); fills `row` in place. fp8 rows also
+    get their error against `ref_unquantized` (the reference without quantisation)."""
     try:
         kernel = make_kernel(ex, pf)
         if spec.check:
             with poisoned_outputs():
                 out = kernel.apply(*args)
             row.max_rel_err = relative_error(out, ref)
-            row.correct = is_correct(row.max_rel_err, spec.dtype)
+            row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
+            if ref_unquantized is not None:
+                row.err_vs_unquantized = relative_error(out, ref_unquantized)
         else:
             kernel.apply(*args)
         # Backends that pick a tile config say where it came from (tuned file or default heuristic).

@@ -45,6 +45,22 @@ def experts_hit(topk_ids: torch.Tensor, num_experts: int) -> int:
     return int(torch.unique(flat).numel())
 
 
+def expert_weight_bytes(hidden: int, intermediate: int, dtype_bytes: int | float, quant=None) -> float:
+    """Bytes of one expert's w13 + w2 (3 * H * I elements). With an fp8 QuantScheme: one byte
+    per element plus the fp32 scales (tensor: 2 per expert; token: one per output channel,
+    2I + H; block: one per [bn, bk] block of each matrix)."""
+    if quant is None:
+        return 3 * hidden * intermediate * dtype_bytes
+    if quant.scales == "tensor":
+        n_scales = 2
+    elif quant.scales == "token":
+        n_scales = 2 * intermediate + hidden
+    else:
+        bn, bk = quant.block_shape
+        n_scales = math.ceil(2 * intermediate / bn) * math.ceil(hidden / bk) + math.ceil(hidden / bn) * math.ceil(intermediate / bk)
+    return 3 * hidden * intermediate + 4 * n_scales
+
+
 def layer_bytes(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -52,13 +68,15 @@ def layer_bytes(
     intermediate: int,
     dtype_bytes: int | float,
     tokens: int | None = None,
+    quant=None,
 ) -> int:
     """Bytes the layer must move at least once: the weights of the experts hit (w13 + w2,
-    3 * H * I elements each) plus the activations in and out (2 * tokens * H).
+    3 * H * I elements each; fp8 payload and scales with `quant`, see `expert_weight_bytes`) plus
+    the activations in and out (2 * tokens * H in the activation dtype, `dtype_bytes`).
     topk_ids: (M, K); tokens defaults to M."""
     m = topk_ids.shape[0] if tokens is None else tokens
     hit = experts_hit(topk_ids, num_experts)
-    return int(round((hit * 3 * hidden * intermediate + 2 * m * hidden) * dtype_bytes))
+    return int(round(hit * expert_weight_bytes(hidden, intermediate, dtype_bytes, quant) + 2 * m * hidden * dtype_bytes))
 
 
 def roofline(flops: float, nbytes: float, ceilings: Ceilings, dtype: str | torch.dtype = "bf16") -> float:

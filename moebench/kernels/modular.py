@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Iterator
 import torch
 
 from moebench.errors import FormatMismatchError, UnsupportedError
-from moebench.quant import SCALES, ActQuant, QuantScheme, scheme_of
+from moebench.quant import ActQuant, QuantScheme, scheme_of
 
 
 class ActivationFormat(enum.Enum):
@@ -239,6 +239,12 @@ class Experts(ABC):
         """None when usable here, else why not."""
         return None
 
+    @classmethod
+    def quant_unavailable_reason(cls, device: str, scheme: QuantScheme) -> str | None:
+        """None when `scheme` (one of supported_quant) runs on `device`, else why not (a
+        backend whose fp8 path needs particular hardware says so here)."""
+        return None
+
     @abstractmethod
     def weight_and_reduce(self) -> TopKWeightAndReduce:
         """Which top-k weight-and-reduce the output of `apply` still needs."""
@@ -287,6 +293,20 @@ class FusedMoEKernel:
             )
         return quant
 
+    def prepare(self, x, w13, w2, topk_weights, topk_ids, expert_map=None, num_experts=None) -> PrepareResult:
+        """Step 1 alone (arguments as `apply`): the P/F's prepare, quantising x there when the
+        weights are quantised and the experts do not quantise their input themselves."""
+        if num_experts is None:
+            num_experts = expert_map.shape[0] if expert_map is not None else w13.shape[0]
+        quant = self.check_quant(w13, w2)
+        # Which side quantises the activations is the experts' declaration, never a guess.
+        pf_quant = None if quant is None or self.experts.quantizes_input else ActQuant(quant, w13.input_scale)
+        prep = self.prepare_finalize.prepare(
+            x, topk_weights, topk_ids, num_experts, w13.shape[0], expert_map, quant=pf_quant
+        )
+        prep.out_dtype = x.dtype
+        return prep
+
     def apply(
         self,
         x: torch.Tensor,
@@ -302,15 +322,7 @@ class FusedMoEKernel:
         expert_map (E,) maps global to local expert ids (-1 = remote); num_experts is the global E
         (defaults to w13.shape[0] when there is no expert_map).
         """
-        if num_experts is None:
-            num_experts = expert_map.shape[0] if expert_map is not None else w13.shape[0]
-        quant = self.check_quant(w13, w2)
-        # Which side quantises the activations is the experts' declaration, never a guess.
-        pf_quant = None if quant is None or self.experts.quantizes_input else ActQuant(quant, w13.input_scale)
-        prep = self.prepare_finalize.prepare(
-            x, topk_weights, topk_ids, num_experts, w13.shape[0], expert_map, quant=pf_quant
-        )
-        prep.out_dtype = x.dtype
+        prep = self.prepare(x, w13, w2, topk_weights, topk_ids, expert_map, num_experts)
         out = self.experts.apply(prep, w13, w2)
         war = self.prepare_finalize.resolve(self.experts.weight_and_reduce())
         return self.prepare_finalize.finalize(out, prep, topk_weights, war)

@@ -127,7 +127,7 @@ def backend_infos(device: str, world_size: int = 1) -> list[BackendInfo]:
         rows.append(
             BackendInfo(
                 "experts", name, str(cls.activation_format),
-                ",".join(_dtype_name(d) for d in cls.supported_dtypes), ",".join(cls.supported_devices),
+                _dtypes_text(cls), ",".join(cls.supported_devices),
                 reason is None, reason or "",
             )
         )
@@ -145,6 +145,14 @@ def backend_infos(device: str, world_size: int = 1) -> list[BackendInfo]:
             )
         )
     return rows
+
+
+def _dtypes_text(cls: type[Experts]) -> str:
+    """'fp32,fp16,bf16' plus 'fp8_w8a8(tensor/token/block)' for the fp8 scales it takes."""
+    text = ",".join(_dtype_name(d) for d in cls.supported_dtypes)
+    if cls.supported_quant:
+        text += ",fp8_w8a8(" + "/".join(cls.supported_quant) + ")"
+    return text
 
 
 def _experts_reason(cls: type[Experts], device: str, dtype: torch.dtype | None) -> str | None:
@@ -167,6 +175,16 @@ def _pf_reason(cls: type[PrepareAndFinalize], device: str, world_size: int, enab
     return cls.unavailable_reason(device, world_size)
 
 
+def _quant_reason(pf_cls: type[PrepareAndFinalize], ex_cls: type[Experts], device: str, quant) -> str | None:
+    if quant is None:
+        return None
+    if quant.scales not in ex_cls.supported_quant:
+        return f"experts '{ex_cls.name}' do not support {quant.describe()}"
+    if not ex_cls.quantizes_input and quant.scales not in pf_cls.supported_quant:
+        return f"prepare/finalize '{pf_cls.name}' cannot quantise activations as {quant.describe()}"
+    return ex_cls.quant_unavailable_reason(device, quant)
+
+
 def check_combination(
     prepare_finalize: str,
     experts: str,
@@ -174,8 +192,10 @@ def check_combination(
     dtype: torch.dtype | None = None,
     world_size: int = 1,
     enable_ep: bool | None = None,
+    quant=None,
 ) -> str | None:
-    """None when the pair can run here; else the reason, naming both halves where it matters."""
+    """None when the pair can run here; else the reason, naming both halves where it matters.
+    quant: a moebench.quant.QuantScheme for fp8 runs (dtype is then the activation dtype)."""
     try:
         pf_cls = get_prepare_finalize_class(prepare_finalize)
         ex_cls = get_experts_class(experts)
@@ -186,7 +206,8 @@ def check_combination(
             f"format mismatch: prepare/finalize '{pf_cls.name}' gives {pf_cls.activation_format}, "
             f"experts '{ex_cls.name}' take {ex_cls.activation_format}"
         )
-    return _pf_reason(pf_cls, device, world_size, enable_ep) or _experts_reason(ex_cls, device, dtype)
+    return (_pf_reason(pf_cls, device, world_size, enable_ep) or _experts_reason(ex_cls, device, dtype)
+            or _quant_reason(pf_cls, ex_cls, device, quant))
 
 
 def make_experts(name: str, **kwargs: Any) -> Experts:

@@ -234,14 +234,14 @@ def _layer(kernel: FusedMoEKernel, inp: RankInputs, ctx: RankContext, timer: Pha
     pf, ex = kernel.prepare_finalize, kernel.experts
     if inp.all_reduce:
         with timer.phase("experts"):
-            prep = pf.prepare(inp.x, inp.topk_weights, inp.topk_ids, inp.num_experts, inp.w13.shape[0], inp.expert_map)
+            prep = kernel.prepare(inp.x, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids, inp.expert_map, inp.num_experts)
             out = ex.apply(prep, inp.w13, inp.w2)
             y = pf.finalize(out, prep, inp.topk_weights, pf.resolve(ex.weight_and_reduce()))
         with timer.phase("allreduce"):
             y = _all_reduce(y.contiguous(), ctx)
         return y
     with timer.phase("dispatch"):
-        prep = pf.prepare(inp.x, inp.topk_weights, inp.topk_ids, inp.num_experts, inp.w13.shape[0], inp.expert_map)
+        prep = kernel.prepare(inp.x, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids, inp.expert_map, inp.num_experts)
     with timer.phase("experts"):
         out = ex.apply(prep, inp.w13, inp.w2)
     with timer.phase("combine"):

@@ -45,9 +45,9 @@ def rank_weights(spec, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     s, lay = spec.shape, spec.layout
     if lay.enable_ep:
         experts = lay.local_experts(rank, s.num_experts)
-        return make_weights(experts, s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed)
+        return make_weights(experts, s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed, quant=spec.quant)
     return make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed,
-                        tp_rank=rank, tp_size=lay.moe_tp_size)
+                        tp_rank=rank, tp_size=lay.moe_tp_size, quant=spec.quant)
 
 
 def _all_reduce(t: torch.Tensor, ctx: RankContext, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -76,7 +76,7 @@ def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = Tru
     check_fits(e_local, s.hidden, i_local, spec.batch_tokens(max(spec.tokens), True), s.topk, spec.dtype, spec.device)
     w13, w2 = rank_weights(spec, ctx.rank)
     emap = lay.expert_map(ctx.rank, s.num_experts)
-    el = torch.tensor([], dtype=spec.dtype).element_size()
+    el = spec.act_bytes
     progress = _RankProgress(len(spec.tokens) * len(pairs), main and show_progress)
     written = 0
     for m in spec.tokens:
@@ -126,7 +126,7 @@ def _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metri
         lo, hi = inp.rows
         err = torch.tensor([relative_error(out, ref[lo:hi]) if hi > lo else 0.0], dtype=torch.float64, device=dev)
         row.max_rel_err = float(_all_reduce(err, ctx, dist.ReduceOp.MAX).item())
-        row.correct = is_correct(row.max_rel_err, spec.dtype)
+        row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
     ph = timed.phases
     total = ph["total"]
     row.latency_us, row.p10_us, row.p90_us, row.timing_method = total.median_us, total.p10_us, total.p90_us, total.method
@@ -138,19 +138,31 @@ def _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metri
     row.extra["pairs_per_rank"] = ",".join(map(str, inp.pairs_per_rank))
     # Per-rank averages of the whole layer's work.
     flops = metrics.layer_flops(m_full, s.topk, s.hidden, s.intermediate) / lay.world_size
-    nbytes = metrics.layer_bytes(ids, s.num_experts, s.hidden, s.intermediate, el, m_full) / lay.world_size
+    nbytes = metrics.layer_bytes(ids, s.num_experts, s.hidden, s.intermediate, el, m_full, spec.quant) / lay.world_size
     if ceilings is not None:
         fill_metrics(row, flops, nbytes, ceilings)
     if moves_tokens:
-        set_comm_gbps(row, ids, s.hidden, el, lay.world_size)
+        set_comm_gbps(row, ids, s.hidden, el, lay.world_size, spec.quant)
 
 
-def set_comm_gbps(row, ids_full: torch.Tensor, hidden: int, el: int, world: int) -> None:
-    """Dispatch / combine GB/s per rank, counting bytes per (token, expert) pair as DeepEP does."""
-    per_rank = metrics.dispatch_bytes(ids_full, hidden, dtype_bytes=el) / world
+def token_bytes(hidden: int, el: int, quant=None) -> int:
+    """Bytes of one dispatched token row: hidden * el, or with fp8 the payload plus one fp32
+    scale per group (moebench.quant.pack_rows)."""
+    if quant is None:
+        return hidden * el
+    return hidden + 4 * quant.num_groups(hidden)
+
+
+def set_comm_gbps(row, ids_full: torch.Tensor, hidden: int, el: int, world: int, quant=None) -> None:
+    """Dispatch / combine GB/s per rank, counting bytes per (token, expert) pair as DeepEP does
+    (fp8 dispatch: payload + scales + header; combine sends the activation dtype)."""
+    per_rank = {
+        "dispatch": metrics.dispatch_bytes(ids_full, hidden, fp8=quant is not None, dtype_bytes=el) / world,
+        "combine": metrics.dispatch_bytes(ids_full, hidden, dtype_bytes=el) / world,
+    }
     for name in ("dispatch", "combine"):
         us = getattr(row, f"{name}_us")
-        row.extra[f"{name}_gbps"] = per_rank / (us * 1e3) if us else None
+        row.extra[f"{name}_gbps"] = per_rank[name] / (us * 1e3) if us else None
 
 
 class _RankProgress:

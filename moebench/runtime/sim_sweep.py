@@ -30,7 +30,7 @@ from moebench.results import RunStore
 from moebench.routing import load_imbalance, make_routing
 from moebench.runtime import simulate as sim
 from moebench.runtime.rank_case import token_split
-from moebench.runtime.rank_sweep import set_comm_gbps
+from moebench.runtime.rank_sweep import set_comm_gbps, token_bytes
 
 
 def _stand_in(pf_name: str) -> str:
@@ -50,7 +50,7 @@ def run_simulated_sweep(spec, store: RunStore, link: sim.LinkProfile, on_progres
 
     pairs = plan(spec)
     ceilings = get_ceilings(spec.device)
-    el = torch.tensor([], dtype=spec.dtype).element_size()
+    el = spec.act_bytes
     weights_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
     rows = []
     for m in spec.tokens:
@@ -84,12 +84,13 @@ def _weights(spec, rank: int, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
             experts = lay.local_experts(rank, s.num_experts)
             check_fits(len(experts), s.hidden, s.intermediate, spec.batch_tokens(max(spec.tokens), True), s.topk,
                        spec.dtype, spec.device)
-            cache[key] = make_weights(experts, s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed)
+            cache[key] = make_weights(experts, s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed,
+                                      quant=spec.quant)
         else:
             check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), max(spec.tokens),
                        s.topk, spec.dtype, spec.device)
             cache[key] = make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device,
-                                      spec.seed, tp_rank=rank, tp_size=lay.moe_tp_size)
+                                      spec.seed, tp_rank=rank, tp_size=lay.moe_tp_size, quant=spec.quant)
     return cache[key]
 
 
@@ -122,21 +123,21 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, expe
             out = kernel.apply(*args)
         ref = reference_moe(x, w13, w2, wts, ids, emap)
         row.max_rel_err = relative_error(out, ref)
-        row.correct = is_correct(row.max_rel_err, spec.dtype)
+        row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
     # The rank's experts work (flops, bytes of the experts it hits) for the roofline.
     local = local_topk_ids(ids, emap)
     pairs = int((local >= 0).sum())
     i_r = w2.shape[-1]
     flops = metrics.layer_flops(pairs, 1, s.hidden, i_r)
     hit = int(torch.unique(local[local >= 0]).numel())
-    nbytes = hit * 3 * s.hidden * i_r * el + 2 * pairs * s.hidden * el
+    nbytes = hit * metrics.expert_weight_bytes(s.hidden, i_r, el, spec.quant) + 2 * pairs * s.hidden * el
     if experts_model is not None:
         floor = metrics.roofline(flops, nbytes, experts_model, dtype=row.dtype)
         t = Timing(floor, floor, floor, 0, f"roofline model ({experts_model.device_name}, {experts_model.source})")
         ceilings = experts_model
     else:
-        pfo, exo = kernel.prepare_finalize, kernel.experts
-        prep = pfo.prepare(x, wts, ids, s.num_experts, w13.shape[0], emap)
+        exo = kernel.experts
+        prep = kernel.prepare(x, w13, w2, wts, ids, emap, s.num_experts)
         t = time_fn(lambda: exo.apply(prep, w13, w2), spec.device, **spec.timing_kwargs())
     row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.name})"
 
@@ -145,13 +146,14 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, expe
         row.allreduce_us = sim.tp_allreduce_us(m, s.hidden, el, world, link) if world > 1 else 0.0
         comm = row.allreduce_us
     elif pf == "allgather-rs":
-        row.dispatch_us = sim.allgather_us(m_full * (s.hidden * el + s.topk * 8), world, link)
+        row.dispatch_us = sim.allgather_us(m_full * (token_bytes(s.hidden, el, spec.quant) + s.topk * 8), world, link)
         row.combine_us = sim.reduce_scatter_us(m_full * s.hidden * el, world, link)
         comm = row.dispatch_us + row.combine_us
     else:
-        row.dispatch_us, row.combine_us = sim.ep_dispatch_combine_us(ids.cpu(), lay, s.num_experts, s.hidden, link,
-                                                                     dispatch_bytes=el, combine_bytes=el)
-        set_comm_gbps(row, ids, s.hidden, el, world)
+        row.dispatch_us, row.combine_us = sim.ep_dispatch_combine_us(
+            ids.cpu(), lay, s.num_experts, s.hidden, link,
+            dispatch_bytes=token_bytes(s.hidden, el, spec.quant) / s.hidden, combine_bytes=el)
+        set_comm_gbps(row, ids, s.hidden, el, world, spec.quant)
         comm = row.dispatch_us + row.combine_us
     row.latency_us = row.experts_us + comm
     row.p10_us = t.p10_us + comm
