@@ -138,6 +138,9 @@ class ParallelLayout:
         t = self.moe_tp_size
         if t == 1:
             return w13, w2
+        if not isinstance(w13, torch.Tensor):
+            raise MoebenchError("TP shards of quantised weights are quantised per shard: build them with "
+                                "moebench.inputs.make_weights(..., tp_rank=r, tp_size=t, quant=scheme)")
         inter = two_i // 2
         ip = inter // t
         lo, hi = rank * ip, (rank + 1) * ip

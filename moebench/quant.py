@@ -219,6 +219,13 @@ class QuantWeight:
             idx = slice(idx, idx + 1)
         return QuantWeight(self.q[idx], self.scale[idx], self.scheme, self.input_scale)
 
+    def to(self, device) -> "QuantWeight":
+        s = None if self.input_scale is None else self.input_scale.to(device)
+        return QuantWeight(self.q.to(device), self.scale.to(device), self.scheme, s)
+
+    def contiguous(self) -> "QuantWeight":
+        return QuantWeight(self.q.contiguous(), self.scale.contiguous(), self.scheme, self.input_scale)
+
     def scale_strides(self) -> tuple[int, int, int]:
         """(per expert, per N row, per K block) strides of `scale` as kernels index it:
         scale[e * s0 + (n // bn) * s1 + (k // bk) * s2] for block, scale[e * s0 + n * s1] else."""

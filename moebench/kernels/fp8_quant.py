@@ -1,0 +1,245 @@
+"""FP8 (e4m3) activation quantisation on the device, with moebench.quant's arithmetic bit for bit.
+
+    quantize_rows(x, scheme, static_scale)  same contract as moebench.quant.quantize_activation:
+                                            x (..., K) -> q (..., K) float8_e4m3fn, scale (..., G) fp32
+
+One Triton kernel over (row tiles, scale groups, batches). Each program takes BLOCK_M rows of one
+group of columns (bk columns for `block`, the whole row for `token` and `tensor`): the group's amax
+per row (dynamic schemes), scale = max(amax, AMAX_EPS) / 448, q = clamp(x / scale, +-448) rounded to
+e4m3, nearest even. The per-tensor scheme uses a static scale read from the device (no amax, and
+the returned scale is that scalar expanded over rows, stride 0).
+
+Rows to skip are read on the device, never synchronised to the host: `row_limit` (1,) int32 (the
+Standard kernel's intermediate: only rows < num_tokens_post_padded are in use) or `batch_counts`
+(B,) int (the BatchedExperts layout: rows [0, count[b]) of batch b); skipped rows of q and scale
+stay unwritten.
+
+Exactness: divisions are IEEE round-to-nearest (`div_rn`, as torch's division), and the fp32 ->
+e4m3 cast rounds to nearest even in hardware. Triton's CPU interpreter gets that cast wrong when
+the rounding carries into the exponent (1.97 -> 1.0) and for e4m3 subnormals, so under the
+interpreter the kernel rounds in fp32 first (`round_e4m3`, exact bit arithmetic) and the cast
+only converts an exactly representable value.
+
+Also here: `check_block_config`, the tile-config rule block-scaled kernels need (BLOCK_SIZE_K
+divides bk: one scale column per K step).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from moebench.errors import MoebenchError
+from moebench.kernels.moe_align import interpreter_compat, interpreting
+from moebench.quant import AMAX_EPS, FP8_DTYPE, FP8_MAX, QuantScheme
+
+
+@triton.jit
+def round_e4m3(v):
+    """fp32 v (already within +-448) rounded to the nearest e4m3 value (ties to even), in fp32:
+    exact bit arithmetic, for the interpreter whose own cast rounds wrongly. The step of e4m3 at
+    v is 2^(e - 3) with e = exponent of v, at least -6 (subnormals)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3), a power of two
+    y = tl.abs(v) / step  # exact: < 16
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    r = tl.where(tie & odd, r - 1.0, r)
+    a = tl.minimum(r * step, 448.0)
+    return (a.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
+    """Store clamp(x / scale[:, None], +-448) as e4m3 at q_ptrs."""
+    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    if EXACT_ROUND:
+        v = round_e4m3(v)
+    tl.store(q_ptrs, v.to(q_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr,  # (B, T, K) any float dtype
+    q_ptr,  # (B, T, K) float8_e4m3fn out
+    s_ptr,  # (B, T, G) fp32 out (dynamic schemes only)
+    static_ptr,  # (1,) fp32 static scale (STATIC only)
+    limit_ptr,  # LIMIT == 1: (1,) rows in use; LIMIT == 2: (B,) rows in use per batch
+    T,
+    K,
+    group_k,  # columns per scale group (K for one group per row)
+    stride_xb,
+    stride_xm,
+    stride_xk,
+    stride_qb,
+    stride_qm,
+    stride_qk,
+    stride_sb,
+    stride_sm,
+    stride_sg,
+    STATIC: tl.constexpr,  # per-tensor: the scale is static_ptr[0]
+    LIMIT: tl.constexpr,  # 0: all T rows; 1: limit_ptr[0]; 2: limit_ptr[batch]
+    ONE_CHUNK: tl.constexpr,  # group_k <= BLOCK_K: the group is loaded once
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,  # interpreter: round in fp32 before the cast
+):
+    pid_m = tl.program_id(0)
+    grp = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    rows_used = T
+    if LIMIT == 1:
+        rows_used = tl.minimum(tl.load(limit_ptr), T)
+    elif LIMIT == 2:
+        rows_used = tl.minimum(tl.load(limit_ptr + b).to(tl.int32), T)
+    if pid_m * BLOCK_M >= rows_used:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows_used
+    rows = offs_m.to(tl.int64)
+    k_lo = grp * group_k
+    k_hi = tl.minimum(k_lo + group_k, K)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + b * stride_xb + rows[:, None] * stride_xm
+    q_row = q_ptr + b * stride_qb + rows[:, None] * stride_qm
+
+    if ONE_CHUNK:
+        cols = k_lo + offs_k
+        mask = row_ok[:, None] & (cols < k_hi)[None, :]
+        x = tl.load(x_row + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(static_ptr)
+        else:
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_EPS)
+            scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 448.0, tl.float32))
+        _quant_group(x, scale, q_row + cols[None, :] * stride_qk, mask, EXACT_ROUND)
+    else:
+        if STATIC:
+            scale = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(static_ptr)
+        else:
+            amax = tl.zeros((BLOCK_M,), tl.float32)
+            for c in range(k_lo, k_hi, BLOCK_K):
+                cols = c + offs_k
+                mask = row_ok[:, None] & (cols < k_hi)[None, :]
+                x = tl.load(x_row + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            amax = tl.maximum(amax, AMAX_EPS)
+            scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 448.0, tl.float32))
+        for c in range(k_lo, k_hi, BLOCK_K):
+            cols = c + offs_k
+            mask = row_ok[:, None] & (cols < k_hi)[None, :]
+            x = tl.load(x_row + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            _quant_group(x, scale, q_row + cols[None, :] * stride_qk, mask, EXACT_ROUND)
+
+    if not STATIC:
+        tl.store(s_ptr + b * stride_sb + rows * stride_sm + grp * stride_sg, scale, mask=row_ok)
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """moebench.quant's scale of an amax: max(amax, AMAX_EPS) / 448 in fp32."""
+    return amax.float().clamp(min=AMAX_EPS) / FP8_MAX
+
+
+def _launch(
+    x3: torch.Tensor,
+    q3: torch.Tensor,
+    s3: torch.Tensor | None,
+    scheme: QuantScheme,
+    static: torch.Tensor | None,
+    row_limit: torch.Tensor | None,
+    batch_counts: torch.Tensor | None,
+) -> None:
+    """x3, q3 (B, T, K); s3 (B, T, G) for the dynamic schemes; static (1,) fp32 for tensor."""
+    nb, t, k = x3.shape
+    if nb == 0 or t == 0 or k == 0:
+        return
+    if interpreting():
+        interpreter_compat()
+    group_k = scheme.group_k or k
+    groups = scheme.num_groups(k)
+    block_k = min(triton.next_power_of_2(group_k), 1024)
+    block_m = max(1, min(triton.next_power_of_2(t), 4096 // block_k))
+    if batch_counts is not None:
+        limit, mode = batch_counts, 2
+    elif row_limit is not None:
+        limit, mode = row_limit, 1
+    else:
+        limit, mode = x3, 0  # unused
+    is_static = scheme.scales == "tensor"
+    s_arg = s3 if s3 is not None else q3
+    s_strides = s3.stride() if s3 is not None else (0, 0, 0)
+    static_arg = static if static is not None else x3
+    grid = (triton.cdiv(t, block_m), groups, nb)
+    _quant_rows_kernel[grid](
+        x3, q3, s_arg, static_arg, limit, t, k, group_k,
+        x3.stride(0), x3.stride(1), x3.stride(2), q3.stride(0), q3.stride(1), q3.stride(2), *s_strides,
+        STATIC=is_static, LIMIT=mode, ONE_CHUNK=group_k <= block_k, BLOCK_M=block_m, BLOCK_K=block_k,
+        EXACT_ROUND=interpreting(), num_warps=4,
+    )
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    scheme: QuantScheme,
+    static_scale: torch.Tensor | None = None,
+    *,
+    row_limit: torch.Tensor | None = None,
+    batch_counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) float -> (q (..., K) float8_e4m3fn, scale (..., G) float32), equal bit for bit to
+    moebench.quant.quantize_activation(x, scheme, static_scale), computed by one Triton launch.
+
+    tensor: `static_scale` (1,) (the dynamic amax of all of x when None), returned expanded over
+    rows (stride 0); token: one scale per row; block: one per row and bk columns.
+
+    row_limit (1,) int32 on the device: only rows < row_limit[0] of a 2-D x are quantised;
+    batch_counts (B,): x is (B, T, K) and only rows [0, count[b]) of batch b are. Skipped rows of q
+    and of a dynamic scale stay unwritten. Neither synchronises with the host."""
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise MoebenchError(f"quantize_rows takes fp32/fp16/bf16 activations, got {x.dtype}")
+    k = x.shape[-1]
+    lead = tuple(x.shape[:-1])
+    if batch_counts is not None:
+        if x.dim() != 3 or batch_counts.numel() != x.shape[0]:
+            raise MoebenchError("quantize_rows: batch_counts needs x (B, T, K) and B counts")
+        x3 = x
+    else:
+        if row_limit is not None and x.dim() != 2:
+            raise MoebenchError("quantize_rows: row_limit needs a 2-D x (rows, K)")
+        x3 = x.reshape(1, -1, k)
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    q3 = q.view(x3.shape)
+    if scheme.scales == "tensor":
+        if static_scale is None:
+            amax = x.abs().amax() if x.numel() else x.new_zeros(())
+            static = _scale_of(amax).reshape(1)
+        else:
+            static = static_scale.to(device=x.device, dtype=torch.float32).reshape(1)
+        _launch(x3, q3, None, scheme, static, row_limit, batch_counts)
+        return q, static.reshape([1] * (len(lead) + 1)).expand(*lead, 1)
+    groups = scheme.num_groups(k)
+    if x.numel() == 0:
+        return q, torch.ones((*lead, groups), dtype=torch.float32, device=x.device)
+    s = torch.empty((*lead, groups), dtype=torch.float32, device=x.device)
+    _launch(x3, q3, s.view(*x3.shape[:-1], groups), scheme, None, row_limit, batch_counts)
+    return q, s
+
+
+def check_block_config(cfg: Mapping[str, int], scheme: QuantScheme | None, where: str) -> None:
+    """Block-scaled GEMMs step K by BLOCK_SIZE_K and apply one scale column per step, so
+    BLOCK_SIZE_K must divide bk (moebench.tuning.configs.fit_to_quant_block makes defaults so)."""
+    if scheme is None or scheme.block_shape is None:
+        return
+    bk = scheme.block_shape[1]
+    if bk % cfg["BLOCK_SIZE_K"]:
+        raise MoebenchError(
+            f"{where}: BLOCK_SIZE_K={cfg['BLOCK_SIZE_K']} does not divide the fp8 scale block's "
+            f"bk={bk} ({scheme.describe()}); use a BLOCK_SIZE_K that divides {bk}"
+        )
