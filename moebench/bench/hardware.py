@@ -40,7 +40,7 @@ try:  # only the read-bandwidth calibration kernel needs Triton
 except ImportError:  # pragma: no cover - triton ships with CUDA/ROCm torch builds
     triton = None
 
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")  # keys of Ceilings.matmul_tflops
 
 
 @dataclass
@@ -49,7 +49,8 @@ class Ceilings:
 
     mem_read_gbps:  read-only bandwidth, GB/s (1e9 bytes/s); the memory floor uses it
     mem_copy_gbps:  device copy bandwidth counting read + write bytes, GB/s (None if unknown)
-    matmul_tflops:  {"bf16"|"fp16"|"fp32": TFLOP/s} (fp32 without TF32)
+    matmul_tflops:  {"bf16"|"fp16"|"fp32"|"fp8": TFLOP/s} (fp32 without TF32; fp8 = e4m3 x e4m3
+                    with fp32 scales and bf16 output, torch._scaled_mm; absent where unsupported)
     source:         "measured <date>", "datasheet" or "cpu measured <date>"
     device_type:    "cuda" (also ROCm) or "cpu"
     notes:          how the numbers were obtained
@@ -79,9 +80,10 @@ class Ceilings:
         return self.mem_read_gbps or self.mem_copy_gbps
 
     def tflops(self, dtype: str = "bf16") -> float | None:
-        """Matmul peak for `dtype` ("bf16", "fp16", "fp32" or a torch dtype). When that dtype was
-        not measured, the highest known rate (a higher peak only lowers the floor, so the
-        roofline stays a lower bound on time)."""
+        """Matmul peak for `dtype` ("bf16", "fp16", "fp32", "fp8", "fp8_w8a8" or a torch dtype;
+        fp8_w8a8 and the float8 dtypes read the "fp8" entry). When that dtype was not measured,
+        the highest known rate (a higher peak only lowers the floor, so the roofline stays a
+        lower bound on time)."""
         key = _dtype_key(dtype)
         if key in self.matmul_tflops:
             return self.matmul_tflops[key]
@@ -99,9 +101,19 @@ class Ceilings:
 
 
 def _dtype_key(dtype: str | torch.dtype) -> str:
+    """bf16 / fp16 / fp32 / fp8 key of matmul_tflops for a torch dtype or a dtype name
+    (fp8_w8a8, the moebench.quant scheme name, and the float8 e4m3 / e5m2 dtypes map to "fp8")."""
     if isinstance(dtype, torch.dtype):
-        return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+        known = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"):
+            if getattr(torch, name, None) is not None:
+                known[getattr(torch, name)] = "fp8"
+        return known.get(dtype, str(dtype))
     d = str(dtype).lower()
+    if d.startswith("torch."):
+        d = d[len("torch."):]
+    if d.startswith("float8") or d.startswith("fp8"):
+        return "fp8"
     return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(d, d)
 
 
@@ -109,17 +121,17 @@ def _dtype_key(dtype: str | torch.dtype) -> str:
 # Datasheet profiles (dense peaks; vendor datasheets). Patterns match torch's device name.
 
 _DATASHEETS: tuple[tuple[str, str, float, dict[str, float]], ...] = (
-    # (regex on the lower-case name, profile name, HBM GB/s, TFLOP/s)
-    (r"h200", "NVIDIA H200 (SXM)", 4800.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
+    # (regex on the lower-case name, profile name, HBM GB/s, TFLOP/s); "fp8" = dense e4m3 peak
+    (r"h200", "NVIDIA H200 (SXM)", 4800.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0}),
     (r"h100.*pcie", "NVIDIA H100 PCIe", 2000.0, {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0}),
-    (r"h100|h800", "NVIDIA H100/H800 SXM", 3350.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
+    (r"h100|h800", "NVIDIA H100/H800 SXM", 3350.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0}),
     (r"\bh20\b", "NVIDIA H20", 4000.0, {"bf16": 148.0, "fp16": 148.0, "fp32": 44.0}),
     (r"a100.*40gb", "NVIDIA A100 40GB", 1555.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
     (r"a100.*pcie", "NVIDIA A100 80GB PCIe", 1935.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
     (r"a100", "NVIDIA A100 80GB SXM", 2039.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
-    (r"b200", "NVIDIA B200", 8000.0, {"bf16": 2250.0, "fp16": 2250.0, "fp32": 75.0}),
-    (r"l40s", "NVIDIA L40S", 864.0, {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6}),
-    (r"mi300x", "AMD Instinct MI300X", 5300.0, {"bf16": 1307.4, "fp16": 1307.4, "fp32": 163.4}),
+    (r"b200", "NVIDIA B200", 8000.0, {"bf16": 2250.0, "fp16": 2250.0, "fp32": 75.0, "fp8": 4500.0}),
+    (r"l40s", "NVIDIA L40S", 864.0, {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6, "fp8": 733.0}),
+    (r"mi300x", "AMD Instinct MI300X", 5300.0, {"bf16": 1307.4, "fp16": 1307.4, "fp32": 163.4, "fp8": 2614.9}),
 )
 
 
@@ -385,6 +397,12 @@ def _calibrate_cuda(dev: torch.device) -> Ceilings:
             tflops[key] = 2 * n**3 / (us * 1e-6) / 1e12
             del a, b
         notes.append(f"matmul {n}^3 median of CUDA events")
+
+        # (d) fp8 e4m3 x e4m3 -> bf16 with per-tensor fp32 scales (torch._scaled_mm).
+        fp8_tflops, fp8_note = _fp8_matmul_tflops(dev, n)
+        if fp8_tflops is not None:
+            tflops["fp8"] = fp8_tflops
+        notes.append(fp8_note)
         torch.cuda.empty_cache()
 
     return Ceilings(
@@ -392,6 +410,54 @@ def _calibrate_cuda(dev: torch.device) -> Ceilings:
         matmul_tflops={k: round(v, 1) for k, v in tflops.items()}, source=f"measured {_today()}", device_type="cuda",
         torch_version=torch.__version__, triton_version=_triton_version(), notes="; ".join(notes),
     )
+
+
+def fp8_matmul_unavailable_reason(dev: torch.device) -> str | None:
+    """None when torch._scaled_mm (e4m3, per-tensor scales) can run on `dev`, else why not."""
+    if getattr(torch, "_scaled_mm", None) is None or getattr(torch, "float8_e4m3fn", None) is None:
+        return f"torch {torch.__version__} has no torch._scaled_mm / float8_e4m3fn"
+    if dev.type != "cuda":
+        return "fp8 matmul is measured on CUDA GPUs only"
+    if getattr(torch.version, "hip", None):
+        return None  # MI300+ runs it (with its own fp8 flavour: see _fp8_dtype)
+    major, minor = torch.cuda.get_device_capability(dev)
+    if (major, minor) < (8, 9):
+        return f"fp8 matmul needs compute capability 8.9+ (Ada / Hopper / Blackwell), this GPU is {major}.{minor}"
+    return None
+
+
+def _fp8_dtype(dev: torch.device) -> torch.dtype:
+    """e4m3 as the device runs it: float8_e4m3fnuz on MI300 (gfx94x), else float8_e4m3fn."""
+    if getattr(torch.version, "hip", None) and hasattr(torch, "float8_e4m3fnuz"):
+        try:
+            if "gfx94" in torch.cuda.get_device_properties(dev).gcnArchName:
+                return torch.float8_e4m3fnuz
+        except AttributeError:
+            pass
+    return torch.float8_e4m3fn
+
+
+def _fp8_matmul_tflops(dev: torch.device, n: int = 8192, reps: int = 20) -> tuple[float | None, str]:
+    """(TFLOP/s or None, a note) of an n^3 fp8 e4m3 matmul: torch._scaled_mm(a, b, scale_a,
+    scale_b, out_dtype=bf16) with a row-major, b column-major, scales 1-element fp32 tensors."""
+    reason = fp8_matmul_unavailable_reason(dev)
+    if reason is not None:
+        return None, f"fp8 matmul skipped: {reason}"
+    f8 = _fp8_dtype(dev)
+    try:
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16).to(f8)
+        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16).to(f8).t()  # column-major
+        one = torch.ones((), device=dev, dtype=torch.float32)
+        fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+        fn()
+        torch.cuda.synchronize(dev)
+        us = _median_cuda_us(fn, reps=reps)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:  # an fp8 GEMM torch cannot run here
+        first = (str(e).strip().splitlines() or [""])[0][:100]
+        return None, f"fp8 matmul skipped: torch._scaled_mm failed ({e.__class__.__name__}: {first})"
+    finally:
+        a = b = None  # noqa: F841 - free the operands before the caller empties the cache
+    return 2 * n**3 / (us * 1e-6) / 1e12, f"fp8 {str(f8).replace('torch.', '')} {n}^3 torch._scaled_mm, bf16 out"
 
 
 if triton is not None:
@@ -479,5 +545,6 @@ def calibrate_cpu(budget_s: float = 1.5) -> Ceilings:
         mem_copy_gbps=round(copy_gbps, 2), matmul_tflops={"fp32": round(fp32_tflops, 4)},
         source=f"cpu measured {_today()}", device_type="cpu", torch_version=torch.__version__,
         triton_version=_triton_version(),
-        notes=f"rough CPU figures ({torch.get_num_threads()} threads): 128 MiB copy/sum, {n}^3 fp32 matmul; not GPU numbers",
+        notes=(f"rough CPU figures ({torch.get_num_threads()} threads): 128 MiB copy/sum, {n}^3 fp32 matmul; "
+               f"not GPU numbers; fp8 matmul skipped (GPU only)"),
     )

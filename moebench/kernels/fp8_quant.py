@@ -36,6 +36,8 @@ from moebench.errors import MoebenchError
 from moebench.kernels.moe_align import interpreter_compat, interpreting
 from moebench.quant import AMAX_EPS, FP8_DTYPE, FP8_MAX, QuantScheme
 
+_EPS = tl.constexpr(AMAX_EPS)
+
 
 @triton.jit
 def round_e4m3(v):
@@ -117,7 +119,7 @@ def _quant_rows_kernel(
         if STATIC:
             scale = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(static_ptr)
         else:
-            amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_EPS)
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), _EPS)
             scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 448.0, tl.float32))
         _quant_group(x, scale, q_row + cols[None, :] * stride_qk, mask, EXACT_ROUND)
     else:
@@ -130,7 +132,7 @@ def _quant_rows_kernel(
                 mask = row_ok[:, None] & (cols < k_hi)[None, :]
                 x = tl.load(x_row + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-            amax = tl.maximum(amax, AMAX_EPS)
+            amax = tl.maximum(amax, _EPS)
             scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 448.0, tl.float32))
         for c in range(k_lo, k_hi, BLOCK_K):
             cols = c + offs_k

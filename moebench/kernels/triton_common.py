@@ -29,3 +29,18 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def block_scaled_mma(a, b, acc, a_s, b_s, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """acc + (a @ b) * a_s[:, None] * b_s[None, :]: one K step of a block-scaled fp8 GEMM (the dot
+    of this step alone, then its row and column dequantisation scales). UPCAST as in `mma` (the
+    interpreter cannot dot fp8 operands)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE_DOT:
+        d = tl.dot(a, b, input_precision="ieee")
+    else:
+        d = tl.dot(a, b)
+    return acc + d * a_s[:, None] * b_s[None, :]

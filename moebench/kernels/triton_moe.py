@@ -51,7 +51,7 @@ from moebench.kernels.moe_align import (
     triton_unavailable_reason,
 )
 from moebench.kernels.registry import register_experts
-from moebench.kernels.triton_common import grouped_tile, mma
+from moebench.kernels.triton_common import block_scaled_mma, grouped_tile, mma
 from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
 
 #: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms): True,
@@ -72,6 +72,8 @@ def _silu_mul_gemm1_kernel(
     sorted_ids_ptr,  # (max_padded,) flat pair ids, sentinel = num_pairs
     expert_ids_ptr,  # (max_blocks,) local expert per block
     ntpp_ptr,  # (1,) used length of sorted_ids
+    a_scale_ptr,  # QUANT: (M, G) fp32 dequantisation scales of x's rows (stride 0 over rows: per tensor)
+    w_scale_ptr,  # QUANT: scales of w13 (see stride_ws*)
     num_pairs,
     N_INTER,  # I
     H,
@@ -83,6 +85,11 @@ def _silu_mul_gemm1_kernel(
     stride_wk,
     stride_im,
     stride_in,
+    stride_asm,
+    stride_asg,
+    stride_wse,  # w13 scale of (expert, row n, K group): e * stride_wse + n' * stride_wsn + g * stride_wsk,
+    stride_wsn,  # n' = n (QUANT 1) or n // GROUP_N (QUANT 2); 0 for broadcast dimensions
+    stride_wsk,
     TOPK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,  # intermediate columns per program (gate and up each)
@@ -92,6 +99,10 @@ def _silu_mul_gemm1_kernel(
     UPCAST: tl.constexpr,  # interpreter: 16-bit operands -> fp32 before tl.dot
     IEEE_DOT: tl.constexpr,  # fp32 operands: full-precision dot, no tf32
     USE_TMA: tl.constexpr,  # weight tiles through the tensor-memory accelerator (Hopper+)
+    QUANT: tl.constexpr = 0,  # fp8: 0 none; 1 per-row x per-channel scales (tensor/token) in the
+    #                           epilogue; 2 block scales [GROUP_N, GROUP_K] applied per K step
+    GROUP_N: tl.constexpr = 1,
+    GROUP_K: tl.constexpr = 1,  # QUANT 2: a multiple of BLOCK_SIZE_K
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -121,6 +132,15 @@ def _silu_mul_gemm1_kernel(
     # neighbouring rows or zeros, their columns are masked at the store.
     g_row = (expert * 2 * N_INTER + pid_n * BLOCK_SIZE_N).to(tl.int32)
 
+    # Scales: x's row scale (per token), and w13's for the gate rows n and the up rows I + n.
+    as_ptrs = a_scale_ptr + token * stride_asm
+    if QUANT == 2:
+        gs_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // GROUP_N) * stride_wsn
+        us_ptrs = w_scale_ptr + expert * stride_wse + ((offs_n + N_INTER) // GROUP_N) * stride_wsn
+    else:
+        gs_ptrs = w_scale_ptr + expert * stride_wse + offs_n * stride_wsn
+        us_ptrs = gs_ptrs + N_INTER * stride_wsn
+
     acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
@@ -138,11 +158,26 @@ def _silu_mul_gemm1_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc_g = mma(a, g, acc_g, UPCAST, IEEE_DOT)
-        acc_u = mma(a, u, acc_u, UPCAST, IEEE_DOT)
+        if QUANT == 2:
+            kg = (k * BLOCK_SIZE_K) // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_asg, mask=row_ok, other=0.0)
+            g_s = tl.load(gs_ptrs + kg * stride_wsk, mask=col_ok, other=0.0)
+            u_s = tl.load(us_ptrs + kg * stride_wsk, mask=col_ok, other=0.0)
+            acc_g = block_scaled_mma(a, g, acc_g, a_s, g_s, UPCAST, IEEE_DOT)
+            acc_u = block_scaled_mma(a, u, acc_u, a_s, u_s, UPCAST, IEEE_DOT)
+        else:
+            acc_g = mma(a, g, acc_g, UPCAST, IEEE_DOT)
+            acc_u = mma(a, u, acc_u, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_xk
         g_ptrs += BLOCK_SIZE_K * stride_wk
         u_ptrs += BLOCK_SIZE_K * stride_wk
+
+    if QUANT == 1:
+        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
+        g_s = tl.load(gs_ptrs, mask=col_ok, other=0.0)
+        u_s = tl.load(us_ptrs, mask=col_ok, other=0.0)
+        acc_g = acc_g * a_s[:, None] * g_s[None, :]
+        acc_u = acc_u * a_s[:, None] * u_s[None, :]
 
     # Epilogue: SiLU(gate) * up, stored at the block's sorted rows (sentinel rows hold zeros).
     h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -160,6 +195,8 @@ def _gemm2_weighted_sum_kernel(
     sorted_ids_ptr,
     expert_ids_ptr,
     ntpp_ptr,
+    a_scale_ptr,  # QUANT: (max_padded, G) fp32 scales of inter's sorted rows (stride 0 over rows: per tensor)
+    w_scale_ptr,  # QUANT: scales of w2
     num_pairs,
     H,
     N_INTER,  # I, the K dimension of this GEMM
@@ -172,6 +209,11 @@ def _gemm2_weighted_sum_kernel(
     stride_wk,
     stride_wsm,
     stride_wsn,
+    stride_asm,
+    stride_asg,
+    stride_bse,  # w2 scales, as stride_ws* in GEMM1
+    stride_bsn,
+    stride_bsk,
     TOPK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
@@ -182,6 +224,9 @@ def _gemm2_weighted_sum_kernel(
     IEEE_DOT: tl.constexpr,
     USE_TMA: tl.constexpr,
     ATOMIC: tl.constexpr,  # sum over top-k by atomic add (else: weighted rows per pair, summed later)
+    QUANT: tl.constexpr = 0,  # as in GEMM1
+    GROUP_N: tl.constexpr = 1,
+    GROUP_K: tl.constexpr = 1,
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -208,6 +253,14 @@ def _gemm2_weighted_sum_kernel(
 
     b_row = (expert * H + pid_n * BLOCK_SIZE_N).to(tl.int32)
 
+    # Scales: inter's sorted rows (all rows of a used block are written, sentinels as zeros) and
+    # w2's output channels n.
+    as_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
+    if QUANT == 2:
+        bs_ptrs = w_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
+    else:
+        bs_ptrs = w_scale_ptr + expert * stride_bse + offs_n * stride_bsn
+
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     k_hi = min(k_lo + k_per_split, N_INTER)
     for k in range(k_lo, k_hi, BLOCK_SIZE_K):
@@ -222,9 +275,20 @@ def _gemm2_weighted_sum_kernel(
             k_ok = offs_k < k_hi - (k - k_lo)
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = mma(a, b, acc, UPCAST, IEEE_DOT)
+        if QUANT == 2:
+            kg = k // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_asg)
+            b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=col_ok, other=0.0)
+            acc = block_scaled_mma(a, b, acc, a_s, b_s, UPCAST, IEEE_DOT)
+        else:
+            acc = mma(a, b, acc, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik
         b_ptrs += BLOCK_SIZE_K * stride_wk
+
+    if QUANT == 1:
+        a_s = tl.load(as_ptrs)
+        b_s = tl.load(bs_ptrs, mask=col_ok, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
 
     # Epilogue: router weight of each pair, then the sum over top-k as an fp32 atomic add into
     # the pair's token row (sentinel rows are masked off).
