@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Iterator
 import torch
 
 from moebench.errors import FormatMismatchError, UnsupportedError
-from moebench.quant import ActQuant, QuantScheme, scheme_of
+from moebench.quant import SCALES, ActQuant, QuantScheme, scheme_of
 
 
 class ActivationFormat(enum.Enum):
@@ -178,6 +178,9 @@ class PrepareAndFinalize(ABC):
     #: True when it moves tokens between ranks (each rank brings its own tokens: the DP path);
     #: False when tokens stay put (the TP path: same tokens on every rank, all-reduce after).
     communicates: ClassVar[bool] = False
+    #: fp8 scale kinds (moebench.quant.SCALES) prepare can quantise activations with, before
+    #: any dispatch (so fp8 travels); () = it cannot quantise.
+    supported_quant: ClassVar[tuple[str, ...]] = SCALES
 
     @classmethod
     def unavailable_reason(cls, device: str, world_size: int) -> str | None:
