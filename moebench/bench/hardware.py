@@ -9,6 +9,10 @@ Where the numbers come from, best first:
 3. on a CPU, a quick rough measurement (`source = "cpu measured <date>"`): good enough to fill
    the columns, never a statement about GPU kernels.
 
+Matmul ceilings are keyed "bf16", "fp16", "fp32" and "fp8" (e4m3 x e4m3 -> bf16 with fp32
+per-tensor scales, torch._scaled_mm; measured on CUDA GPUs of compute capability 8.9+ and ROCm,
+skipped with a note elsewhere); `Ceilings.tflops("fp8_w8a8")` reads the "fp8" entry.
+
 Reads run faster than a copy on HBM (H200: about 4.8 TB/s read vs 4.3 TB/s copy counting read +
 write), and MoE layers mostly read weights, so the memory floor uses the read ceiling, measured
 with a tuned read-only Triton reduction (best of a few block sizes), a torch reduction, and the

@@ -1,8 +1,10 @@
 """Click commands `tune` and `configs` (list, show, diff, commit); the main group attaches them.
 
     moebench tune --model NAME [--tp N] [--ep N] [--tokens ...] [--search grid|random|halving]
-                  [--budget N] [--gpus all|0,1] [--resume RUN_DIR] [--out DIR] [--device] [--dtype]
+                  [--budget N] [--gpus all|0,1] [--resume RUN_DIR] [--out DIR] [--device]
+                  [--dtype bf16|fp16|fp32|fp8_w8a8] [--block-shape BN,BK] [--scales tensor|token|block]
     moebench configs list | show FILE|E,N | diff A B | commit FILE...
+                  (show / diff of E,N: --dtype fp8_w8a8 [--block-shape BN,BK] pick the fp8 file)
 
 Commands parse and print; the work is in `moebench.tuning.tuner` and `moebench.tuning.configs`.
 """
@@ -59,7 +61,13 @@ def parse_config_name(name: str) -> dict[str, str | int | None] | None:
 @click.option("--dp", type=int, default=None, help="Data-parallel size (with --ep).")
 @click.option("--ep", type=int, default=None, help="Expert parallelism over N ranks: E of the file = local experts.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="Default: bf16 on cuda, fp32 on cpu.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_w8a8"]), default=None,
+              help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations (bf16 around them); "
+                   "writes the ...,dtype=fp8_w8a8[,block_shape=[BN,BK]].json file.")
+@click.option("--block-shape", "block_shape", default=None,
+              help="fp8_w8a8 block-quantised weights, e.g. 128,128 (prunes BLOCK_SIZE_K/N to divide it).")
+@click.option("--scales", type=click.Choice(["tensor", "token", "block"]), default=None,
+              help="fp8_w8a8 scales: tensor | token | block [tensor; block with --block-shape].")
 @click.option("--routing", default=None, help="uniform | zipf:S | hot:F | file:PATH  [uniform]")
 @click.option("--seed", type=int, default=None, help="Inputs and sampling seed [0].")
 @click.option("--search", "strategy", type=click.Choice(["grid", "random", "halving"]), default=None,
@@ -76,11 +84,11 @@ def parse_config_name(name: str) -> dict[str, str | int | None] | None:
 @click.option("--reps", type=int, default=None, help="Timer repetitions while screening [cuda 20, cpu 2].")
 @click.option("--final-reps", "final_reps", type=int, default=None, help="Repetitions of the final stage [cuda 50, cpu 3].")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Only show the search space after pruning, per token count.")
-def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, routing, seed, strategy,
-         budget, gpus, resume, out, results_dir, reps, final_reps, dry_run):
+def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, block_shape, scales, routing,
+         seed, strategy, budget, gpus, resume, out, results_dir, reps, final_reps, dry_run):
     """Find the fastest Triton tile config per token count; write the vLLM-format file."""
     from moebench.cli import parse_tokens, resolve_device, resolve_shape
-    from moebench.inputs import parse_dtype
+    from moebench.inputs import dtype_name
     from moebench.layout import ParallelLayout
     from moebench.results import new_run_id
     from moebench.routing import parse_routing
@@ -100,8 +108,11 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             spec.device = resolve_device(device)
         else:
             resolve_device(spec.device)
-        if dtype is not None:
-            spec.dtype = parse_dtype(dtype)
+        if any(v is not None for v in (dtype, block_shape, scales)):
+            saved = spec.quant.name if spec.quant is not None else dtype_name(spec.dtype)
+            if not (spec.quant is not None and dtype in (None, spec.quant.name) and block_shape is None
+                    and scales is None):  # a bare --dtype fp8_w8a8 keeps the saved scheme
+                spec.dtype, spec.quant = _precision(dtype or saved, block_shape, scales, dtype_name(spec.dtype))
         if tokens is not None:
             spec.tokens = parse_tokens(tokens)
         for attr, v in (("routing", routing), ("seed", seed), ("strategy", strategy), ("budget", budget),
@@ -111,13 +122,14 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         run_dir = resume
     else:
         dev = resolve_device(device)
+        act_dtype, quant = _precision(dtype, block_shape, scales, "bf16" if dev == "cuda" else "fp32")
         spec = T.TuneSpec(
             shape=resolve_shape(model, num_experts, topk, hidden, intermediate),
             layout=ParallelLayout.from_args(tp, dp, ep),
             tokens=parse_tokens(tokens) if tokens is not None else (TUNE_TOKENS_CUDA if dev == "cuda" else TUNE_TOKENS_CPU),
-            dtype=parse_dtype(dtype or ("bf16" if dev == "cuda" else "fp32")), device=dev,
+            dtype=act_dtype, device=dev,
             strategy=strategy or "halving", budget=budget, seed=seed or 0, routing=routing or "uniform",
-            reps=reps, final_reps=final_reps,
+            reps=reps, final_reps=final_reps, quant=quant,
         )
         run_dir = Path(results_dir) / new_run_id("tune", spec.shape.name)
     parse_routing(spec.routing)
@@ -125,7 +137,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
     T._validate(spec)
     s = spec.shape
     console.print(f"[bold]moebench tune[/] {s.name} (E={s.num_experts}, topk={s.topk}, H={s.hidden}, I={s.intermediate}) "
-                  f"{spec.layout.describe()} -> file E={spec.local_experts},N={spec.inter_per_rank} on {spec.device}, "
+                  f"{spec.layout.describe()}, {spec.precision} -> {T.config_path_for(spec, out).name} on {spec.device}, "
                   f"search {spec.strategy}")
     counts = T.prune_counts(spec)
     pt = Table(title="search space after pruning")
@@ -158,7 +170,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                 spec.shape, spec.layout, spec.tokens, spec.dtype, spec.device, spec.strategy, spec.budget, out,
                 resume, gpus, run_dir=run_dir, results_dir=results_dir, seed=spec.seed, routing=spec.routing,
                 reps=spec.reps, final_reps=spec.final_reps, space=spec.space, on_measure=on_measure,
-                on_tokens=on_tokens,
+                on_tokens=on_tokens, quant=spec.quant,
             )
     except KeyboardInterrupt:
         err_console.print(f"interrupted: finished measurements are kept in {run_dir} "
@@ -176,6 +188,20 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         raise MoebenchError(f"no token count found a working config; see {outcome.run_dir / 'report.md'}")
 
 
+def _precision(dtype: str | None, block_shape: str | None, scales: str | None, default: str):
+    """--dtype/--block-shape/--scales -> (activation dtype, fp8 QuantScheme or None); fp8_w8a8
+    keeps bf16 activations. Errors are MoebenchError (one line, exit 2)."""
+    from moebench.inputs import parse_dtype
+    from moebench.quant import parse_quant
+
+    import torch
+
+    quant = parse_quant(dtype, block_shape, scales)
+    if quant is not None:
+        return torch.bfloat16, quant
+    return parse_dtype(dtype or default), None
+
+
 def torch_device_is_cpu(device: str) -> bool:
     return not str(device).startswith("cuda")
 
@@ -189,8 +215,14 @@ def configs():
     """Tuned-config files: list, show, diff, commit into the package."""
 
 
-def _resolve_file(arg: str, device: str | None, dtype: str | None) -> Path:
-    """A path, or 'E,N' looked up along the lookup order for `device` (default: this machine)."""
+def _resolve_file(arg: str, device: str | None, dtype: str | None, block_shape: str | None = None) -> Path:
+    """A path, or 'E,N' looked up along the lookup order for `device` (default: this machine),
+    `dtype` (the file name's dtype tag, e.g. fp8_w8a8) and `block_shape` ('128,128')."""
+    from moebench.quant import parse_block_shape
+
+    bs = parse_block_shape(block_shape)
+    if bs is not None and not dtype:
+        raise MoebenchError("--block-shape picks an fp8 file: give --dtype fp8_w8a8 with it")
     p = Path(arg)
     if p.is_file():
         return p
@@ -201,9 +233,9 @@ def _resolve_file(arg: str, device: str | None, dtype: str | None) -> Path:
         raise MoebenchError(f"{arg!r} is neither a config file nor 'E,N' (e.g. 8,14336)")
     e, n = int(m[1]), int(m[2])
     dev = device or C.current_device_name()
-    found = C.find_config_file(e, n, dev, dtype)
+    found = C.find_config_file(e, n, dev, dtype, list(bs) if bs else None)
     if found is None:
-        name = C.config_file_name(e, n, dev, dtype)
+        name = C.config_file_name(e, n, dev, dtype, list(bs) if bs else None)
         raise MoebenchError(f"no {name} in {', '.join(str(d) for d in C.config_search_dirs())}")
     return found
 
@@ -240,22 +272,23 @@ def configs_list(dirs, as_json):
         console.print("no tuned-config files in " + ", ".join(str(d) for d in C.config_search_dirs()))
         return
     t = Table(title="tuned configs (first folder wins at lookup)")
-    for c in ("folder", "E", "N", "device", "dtype", "token counts", "status"):
+    for c in ("folder", "E", "N", "device", "dtype", "block_shape", "token counts", "status"):
         t.add_column(c)
     for r in rows:
         t.add_row(r["dir"], str(r["E"]), str(r["N"]), str(r["device"]), r["dtype"] or "-",
-                  ",".join(map(str, r["tokens"])), r["status"])
+                  f"[{r['block_shape']}]" if r["block_shape"] else "-", ",".join(map(str, r["tokens"])), r["status"])
     console.print(t)
 
 
 @configs.command("show")
 @click.argument("target")
 @click.option("--device", "device", default=None, help="Device name for an E,N target (default: this machine's).")
-@click.option("--dtype", default=None, help="dtype tag of the file name (quantised kernels only).")
+@click.option("--dtype", default=None, help="dtype tag of the file name (quantised kernels only, e.g. fp8_w8a8).")
+@click.option("--block-shape", "block_shape", default=None, help="block_shape of the file name (fp8 block scales, e.g. 128,128).")
 @click.option("--json", "as_json", is_flag=True)
-def configs_show(target, device, dtype, as_json):
+def configs_show(target, device, dtype, block_shape, as_json):
     """One file's entries: TARGET is a path or E,N (looked up for this device)."""
-    path = _resolve_file(target, device, dtype)
+    path = _resolve_file(target, device, dtype, block_shape)
     table = C.load_config_file(path)
     if as_json:
         click.echo(json.dumps({str(k): dict(v) for k, v in table.items()}, indent=2))
@@ -289,9 +322,11 @@ def diff_tables(a: dict, b: dict) -> list[tuple[int, str]]:
 @click.argument("a")
 @click.argument("b")
 @click.option("--device", "device", default=None, help="Device name for E,N targets.")
-def configs_diff(a, b, device):
+@click.option("--dtype", default=None, help="dtype tag of the file names for E,N targets (e.g. fp8_w8a8).")
+@click.option("--block-shape", "block_shape", default=None, help="block_shape of the file names for E,N targets.")
+def configs_diff(a, b, device, dtype, block_shape):
     """Per token count, which fields differ between two files (paths or E,N)."""
-    pa, pb = _resolve_file(a, device, None), _resolve_file(b, device, None)
+    pa, pb = _resolve_file(a, device, dtype, block_shape), _resolve_file(b, device, dtype, block_shape)
     diffs = diff_tables(C.load_config_file(pa), C.load_config_file(pb))
     console.print(f"A = {pa}\nB = {pb}")
     if not diffs:
@@ -315,7 +350,8 @@ def configs_commit(files):
         if not f.is_file():
             raise MoebenchError(f"config file {f} does not exist")
         if parse_config_name(f.name) is None:
-            raise MoebenchError(f"{f.name} is not a vLLM config file name (E=..,N=..,device_name=..[,dtype=..].json)")
+            raise MoebenchError(f"{f.name} is not a vLLM config file name "
+                                f"(E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]].json)")
         C.load_config_file(f)  # raises with the file and entry named
         checked.append(f)
     dest_dir.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@ A candidate is measured the way the sweep times the layer: the whole `no-dpep + 
 `graph_calls` calls in one CUDA graph and each call uses the next of `graph_calls` pre-drawn
 routings, so every replay walks several different routings (as vLLM's tuner does with fresh
 routing per call); a config is checked once per token count against the float64
-`moebench.reference_moe` (a wrong config is recorded as `wrong` and never ranked). Compile
+`moebench.reference_moe` (a wrong config is recorded as `wrong` and never ranked; fp8 weights:
+the reference emulates the scheme, tolerance moebench.correctness.FP8_TOLERANCE). Compile
 failures and out-of-resources are recorded as `failed` and skipped.
 
 Strategies (each calls `measure(config, stage, reps)`, which may answer from a journal):
@@ -43,6 +44,7 @@ from moebench.kernels.reference import reference_moe
 from moebench.kernels.registry import make_kernel
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
+from moebench.quant import QuantScheme
 from moebench.routing import make_routing
 from moebench.tuning.configs import TILE_KEYS, TileConfig, validate_tile_config
 from moebench.tuning.space import config_key, key_str, neighbours
@@ -118,17 +120,20 @@ def default_timer(device: str, graph_calls: int = GRAPH_CALLS) -> Timer:
 @dataclass
 class LayerWeights:
     """This rank's weights: w13 (E_local, 2I', H), w2 (E_local, H, I') of rank 0 of `layout`
-    (TP: the 1/tp shard of every expert; EP: rank 0's whole experts), and expert_map (E,) or None."""
+    (TP: the 1/tp shard of every expert; EP: rank 0's whole experts), and expert_map (E,) or None.
+    With an fp8 scheme, w13 / w2 are moebench.quant.QuantWeight (quantised from the `dtype` weights
+    by moebench.quant.quantize_weights, with `dtype` as the activation dtype)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     expert_map: torch.Tensor | None
 
     @classmethod
-    def build(cls, shape: MoEShape, layout: ParallelLayout, dtype: torch.dtype, device: str, seed: int = 0) -> "LayerWeights":
+    def build(cls, shape: MoEShape, layout: ParallelLayout, dtype: torch.dtype, device: str, seed: int = 0,
+              quant: QuantScheme | None = None) -> "LayerWeights":
         experts = layout.local_experts(0, shape.num_experts) if layout.enable_ep else range(shape.num_experts)
         w13, w2 = make_weights(experts, shape.hidden, shape.intermediate, dtype, device, seed,
-                               tp_rank=0, tp_size=layout.moe_tp_size)
+                               tp_rank=0, tp_size=layout.moe_tp_size, quant=quant)
         emap = layout.expert_map(0, shape.num_experts)
         return cls(w13, w2, emap.to(device) if emap is not None else None)
 
@@ -138,6 +143,7 @@ class LayerBench:
 
     x (M, H); `n_routings` routings (topk_weights (M, K) float32, topk_ids (M, K) int32) drawn
     from `routing`; the float64 reference of the first routing, computed on first use.
+    quant: the fp8 scheme of the weights (None = unquantised); it picks the check's tolerance.
     """
 
     def __init__(
@@ -152,12 +158,14 @@ class LayerBench:
         timer: Timer | None = None,
         n_routings: int = GRAPH_CALLS,
         worker: int = 0,
+        quant: QuantScheme | None = None,
     ):
         if tokens < 1:
             raise MoebenchError(f"token count {tokens} cannot be tuned; give counts >= 1")
         self.shape, self.w, self.tokens, self.dtype, self.device = shape, weights, tokens, dtype, device
         self.timer = timer or default_timer(device, n_routings)
         self.worker = worker
+        self.quant = quant
         self.x = make_tokens(tokens, shape.hidden, dtype, device, seed + tokens)
         self.routings = [
             make_routing(routing, tokens, shape.num_experts, shape.topk, seed=seed * 7919 + tokens * 31 + i, device=device)
@@ -191,7 +199,7 @@ class LayerBench:
                     out = self._call(kernel, 0)
                 m.max_rel_err = relative_error(out, self.reference())
                 m.checked = True
-                if not is_correct(m.max_rel_err, self.dtype):
+                if not is_correct(m.max_rel_err, self.dtype, self.quant):
                     m.status, m.reason = "wrong", f"max_rel_err {m.max_rel_err:.3g} above tolerance"
                     return m
             counter = [0]

@@ -9,7 +9,10 @@ The full space is the grid vLLM's and SGLang's tuners walk (their value lists, m
 `prune` drops, for one problem (token count, experts, sizes, dtype, device), the configs that
 cannot run or cannot win, and counts each reason:
 
+    fp8 block       block-quantised fp8 weights ([bn, bk] scale blocks): BLOCK_SIZE_K must divide
+                    bk and BLOCK_SIZE_N must divide bn (one scale per tile, as vLLM's tuner prunes)
     shared memory   num_stages * (BM*BK + BK*BN) * dtype bytes > the device's per-block limit
+                    (fp8: 1 byte per element)
                     (both GEMMs stage an A tile (BM, BK) and B tiles totalling (BK, BN) per stage;
                     GEMM1's BN is split into gate and up halves of the same total)
     BLOCK_SIZE_M    far above the tokens per expert: BM > max(16, 2 * next_pow2(M*topk/E)) means
@@ -54,6 +57,9 @@ SPACE: dict[str, tuple[int, ...]] = {
 DEFAULT_SMEM_BYTES = 227 * 1024
 
 ConfigKey = tuple[int, int, int, int, int, int]
+
+#: Pruning reason of a config whose tile does not fit inside the fp8 scale block.
+FP8_BLOCK_REASON = "BLOCK_SIZE_K/N not dividing the fp8 scale block"
 
 
 def config_key(cfg: Mapping[str, int]) -> ConfigKey:
@@ -112,7 +118,9 @@ class Problem:
     """What the pruning rules look at: one layer call on one rank.
 
     tokens: M on this rank; num_experts: E global (routing spreads over these); local_experts:
-    experts on this rank (w13.shape[0]); hidden: H; inter: I per rank (w2.shape[2]).
+    experts on this rank (w13.shape[0]); hidden: H; inter: I per rank (w2.shape[2]);
+    elem_bytes: bytes per GEMM operand element (1 for fp8); quant_block: (bn, bk) of
+    block-quantised fp8 weights, else None.
     """
 
     tokens: int
@@ -123,6 +131,7 @@ class Problem:
     inter: int
     elem_bytes: int = 2
     smem_limit: int = DEFAULT_SMEM_BYTES
+    quant_block: tuple[int, int] | None = None
 
     @property
     def tokens_per_expert(self) -> float:
@@ -155,6 +164,8 @@ def prune_reason(cfg: Mapping[str, int], p: Problem) -> str | None:
     """Why `cfg` cannot run or cannot win on `p` (None: keep). Duplicated GROUP_SIZE_M values
     are handled by `prune` (they depend on the other values present)."""
     bm, bn, bk = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    if p.quant_block is not None and (p.quant_block[1] % bk or p.quant_block[0] % bn):
+        return FP8_BLOCK_REASON
     if smem_bytes(cfg, p.elem_bytes) > p.smem_limit:
         return "shared memory"
     if bm > max(16, 2 * _next_pow2(p.tokens_per_expert)):

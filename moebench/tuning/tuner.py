@@ -12,8 +12,15 @@ Run folder (`results/<run-id>/`, or the folder given to `resume`):
                                latency, speed-up over the default, cost of the search
 
 The config file goes to `out_dir` (default `results/configs/`, the second folder of the lookup
-order) as `E={E_local},N={I/tp},device_name=...json`; entries already in that file for other
-token counts are kept.
+order) as `E={E_local},N={I/tp},device_name=...json` (fp8: `...,dtype=fp8_w8a8[,block_shape=[bn,bk]].json`,
+vLLM's names); entries already in that file for other token counts are kept.
+
+fp8 (`quant`, a moebench.quant.QuantScheme): the weights are quantised once
+(moebench.quant.quantize_weights, bf16 activations), every candidate is checked against the
+float64 reference that emulates the scheme (tolerance moebench.correctness.FP8_TOLERANCE), the
+space is pruned with 1-byte operands and, for block scales, to BLOCK_SIZE_K | bk and
+BLOCK_SIZE_N | bn (as vLLM's tuner prunes), and the default heuristic's config is fitted to the
+scale block (configs.fit_to_quant_block).
 
 Work split: token counts are cut into contiguous chunks (so each worker still seeds a count from
 its neighbour), one chunk per worker. Workers: one process per GPU of `gpus` (spawned), or under
@@ -41,6 +48,7 @@ from moebench.errors import MoebenchError
 from moebench.inputs import dtype_name, parse_dtype
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
+from moebench.quant import QuantScheme
 from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.tuning import configs as C
 from moebench.tuning.search import (
@@ -67,7 +75,9 @@ class TuneSpec:
     """Everything that decides what a tuning run measures (saved in tune.json for --resume).
 
     space: value lists per parameter (None = the full SPACE). reps / final_reps: timer
-    repetitions of the screening and final stages (None = device default).
+    repetitions of the screening and final stages (None = device default). quant: the fp8 scheme
+    (moebench.quant.QuantScheme) of the weights, None for unquantised; `dtype` is then the
+    activation dtype (bf16).
     """
 
     shape: MoEShape
@@ -82,6 +92,7 @@ class TuneSpec:
     reps: int | None = None
     final_reps: int | None = None
     space: dict[str, list[int]] | None = None
+    quant: QuantScheme | None = None
 
     def to_json(self) -> dict[str, Any]:
         shape = {k: v for k, v in self.shape.__dict__.items() if k != "aliases"}
@@ -90,6 +101,7 @@ class TuneSpec:
             "tokens": list(self.tokens), "dtype": dtype_name(self.dtype), "device": self.device,
             "strategy": self.strategy, "budget": self.budget, "seed": self.seed, "routing": self.routing,
             "reps": self.reps, "final_reps": self.final_reps, "space": self.space,
+            "quant": quant_to_json(self.quant),
         }
 
     @classmethod
@@ -98,8 +110,20 @@ class TuneSpec:
             shape=MoEShape(**d["shape"]), layout=ParallelLayout(**d["layout"]), tokens=[int(t) for t in d["tokens"]],
             dtype=parse_dtype(d["dtype"]), device=d["device"], strategy=d["strategy"], budget=d.get("budget"),
             seed=int(d.get("seed", 0)), routing=d.get("routing", "uniform"), reps=d.get("reps"),
-            final_reps=d.get("final_reps"), space=d.get("space"),
+            final_reps=d.get("final_reps"), space=d.get("space"), quant=quant_from_json(d.get("quant")),
         )
+
+    @property
+    def precision(self) -> str:
+        """'bf16', or 'fp8_w8a8 block[128,128] (bf16 activations)'."""
+        if self.quant is None:
+            return dtype_name(self.dtype)
+        return f"{self.quant.describe()} ({dtype_name(self.dtype)} activations)"
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes per GEMM operand element (shared memory estimate): 1 for fp8."""
+        return 1 if self.quant is not None else dtype_bytes(self.dtype)
 
     @property
     def local_experts(self) -> int:
@@ -122,6 +146,19 @@ class TuneSpec:
         d = self.to_json()
         d["shape"] = {k: d["shape"][k] for k in ("num_experts", "topk", "hidden", "intermediate")}
         return d
+
+
+def quant_to_json(q: QuantScheme | None) -> dict[str, Any] | None:
+    if q is None:
+        return None
+    return {"name": q.name, "scales": q.scales, "block_shape": list(q.block_shape) if q.block_shape else None}
+
+
+def quant_from_json(d: Mapping[str, Any] | None) -> QuantScheme | None:
+    if not d:
+        return None
+    bs = d.get("block_shape")
+    return QuantScheme(d.get("name", "fp8_w8a8"), d["scales"], tuple(int(b) for b in bs) if bs else None)
 
 
 def load_run_spec(run_dir: str | os.PathLike) -> TuneSpec:
@@ -279,10 +316,20 @@ class TokenResult:
 def _space_for(spec: TuneSpec, tokens: int) -> PruneReport:
     problem = Problem(
         tokens=tokens, num_experts=spec.shape.num_experts, local_experts=spec.local_experts, topk=spec.shape.topk,
-        hidden=spec.shape.hidden, inter=spec.inter_per_rank, elem_bytes=dtype_bytes(spec.dtype),
-        smem_limit=smem_limit(spec.device),
+        hidden=spec.shape.hidden, inter=spec.inter_per_rank, elem_bytes=spec.elem_bytes,
+        smem_limit=smem_limit(spec.device), quant_block=spec.quant.block_shape if spec.quant else None,
     )
     return prune(full_space(spec.space or SPACE), problem)
+
+
+def default_for(spec: TuneSpec, tokens: int) -> dict[str, int]:
+    """The default heuristic's config for `tokens` (what a run without a tuned file uses): fitted
+    to the fp8 scale block for block-quantised weights."""
+    cfg = C.default_config(tokens, spec.shape.num_experts, spec.inter_per_rank, spec.shape.hidden, spec.shape.topk,
+                           spec.dtype)
+    if spec.quant is not None:
+        cfg = C.fit_to_quant_block(cfg, spec.quant)
+    return dict(cfg)
 
 
 def prune_counts(spec: TuneSpec) -> dict[int, PruneReport]:
@@ -317,8 +364,7 @@ def run_worker(
     try:
         for m_tokens in sorted(set(int(t) for t in tokens)):
             rep = _space_for(spec, m_tokens)
-            default = C.default_config(m_tokens, spec.shape.num_experts, spec.inter_per_rank, spec.shape.hidden,
-                                       spec.shape.topk, spec.dtype)
+            default = default_for(spec, m_tokens)
             res = TokenResult(tokens=m_tokens, default=dict(default), space_total=rep.total,
                               space_kept=len(rep.kept), pruned=rep.pruned, worker=worker)
             bench: list[LayerBench] = []
@@ -336,9 +382,10 @@ def run_worker(
                     return Measurement(m_tokens, dict(cfg), stage, bad.status, reason=bad.reason, reused=True)
                 if not bench:
                     if not weights:
-                        weights.append(LayerWeights.build(spec.shape, spec.layout, spec.dtype, device, spec.seed))
+                        weights.append(LayerWeights.build(spec.shape, spec.layout, spec.dtype, device, spec.seed,
+                                                          quant=spec.quant))
                     bench.append(LayerBench(spec.shape, weights[0], m_tokens, spec.dtype, device, spec.seed,
-                                            spec.routing, timer, worker=worker))
+                                            spec.routing, timer, worker=worker, quant=spec.quant))
                 meas = bench[0].measure(cfg, stage, n_reps, check=not journal.checked(m_tokens, cfg))
                 journal.append(meas)
                 res.measured += 1
@@ -458,6 +505,12 @@ def _validate(spec: TuneSpec) -> None:
         for k, vals in spec.space.items():
             if k not in SPACE or not vals:
                 raise MoebenchError(f"search space: unknown parameter or empty list {k!r}")
+    if spec.quant is not None:
+        from moebench.kernels.registry import check_combination
+
+        reason = check_combination("no-dpep", "triton", torch.device(spec.device).type, spec.dtype, quant=spec.quant)
+        if reason is not None:
+            raise MoebenchError(f"cannot tune {spec.quant.describe()}: {reason}")
 
 
 def tune(
@@ -483,6 +536,7 @@ def tune(
     cache_limit_mb: float = 256.0,
     on_measure: Callable[[Measurement], None] | None = None,
     on_tokens: Callable[[TokenResult], None] | None = None,
+    quant: QuantScheme | None = None,
 ) -> TuneOutcome:
     """Tune the tile config of the `triton` experts for `shape` on rank 0 of `layout` (N = I/tp,
     E = local experts under EP) at each token count; write the vLLM file and the report.
@@ -490,12 +544,15 @@ def tune(
     strategy: grid | random | halving; budget: configs per token count for random / halving
     (default 48). resume: an earlier run folder (its settings must match). gpus: 'all', '0,1' or
     indices; several -> one spawned worker per GPU. timer / on_measure / on_tokens only reach an
-    in-process worker. Returns the run folder, the config file (None on ranks other than 0) and
-    one TokenResult per token count.
+    in-process worker. quant: an fp8 scheme (moebench.quant.QuantScheme; `dtype` is then the
+    activation dtype, bf16): quantised weights, the `...,dtype=fp8_w8a8[,block_shape=[..]].json`
+    file. Returns the run folder, the config file (None on ranks other than 0) and one TokenResult
+    per token count.
     """
     spec = TuneSpec(shape=shape, layout=layout, tokens=sorted(set(int(t) for t in tokens)), dtype=dtype,
                     device=device, strategy=strategy, budget=budget, seed=seed, routing=routing, reps=reps,
-                    final_reps=final_reps, space={k: list(v) for k, v in space.items()} if space else None)
+                    final_reps=final_reps, space={k: list(v) for k, v in space.items()} if space else None,
+                    quant=quant)
     _validate(spec)
     if resume is not None:
         run_dir = Path(resume)
@@ -604,9 +661,14 @@ def _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_toke
 
 
 def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None) -> Path:
-    """Where the vLLM file goes: out_dir (default results/configs) / E=..,N=..,device_name=...json."""
+    """Where the vLLM file goes: out_dir (default results/configs) / E=..,N=..,device_name=..
+    [,dtype=fp8_w8a8[,block_shape=[bn,bk]]].json."""
     folder = Path(out_dir) if out_dir is not None else Path("results") / "configs"
-    name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device), spec.dtype)
+    if spec.quant is not None:
+        name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device),
+                                  spec.quant.name, spec.quant.file_block_shape)
+    else:
+        name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device), spec.dtype)
     return folder / name
 
 
@@ -676,7 +738,7 @@ def write_report(run_dir: Path, spec: TuneSpec, results: Sequence[TokenResult], 
         f"{spec.layout.describe()}",
         "",
         f"- file: `{config_path}`" if config_path else "- file: none (no token count found a working config)",
-        f"- E={spec.local_experts} local experts, N={spec.inter_per_rank}, dtype {dtype_name(spec.dtype)}, "
+        f"- E={spec.local_experts} local experts, N={spec.inter_per_rank}, dtype {spec.precision}, "
         f"device {C.device_name(spec.device)}, search `{spec.strategy}`, budget {spec.budget or DEFAULT_BUDGET}",
         "- latencies: median us of one layer call (routing alignment + both GEMMs), final stage" + cpu_note,
         "| " + " | ".join(REPORT_COLUMNS[:10]) + " | search_s |",
