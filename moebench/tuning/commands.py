@@ -73,7 +73,7 @@ def parse_config_name(name: str) -> dict[str, str | int | None] | None:
 @click.option("--search", "strategy", type=click.Choice(["grid", "random", "halving"]), default=None,
               help="grid: every pruned config; random: --budget samples; halving (default): successive halving "
                    "seeded by the neighbouring token count's winners.")
-@click.option("--budget", type=int, default=None, help="Configs per token count for random / halving [48].")
+@click.option("--budget", type=int, default=None, help="Configs per token count for random / halving [auto: 5% of the pruned space, 6-48].")
 @click.option("--gpus", default="all", show_default=True, help="GPUs to spread token counts over: all, or 0,1,...")
 @click.option("--resume", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Continue an interrupted run folder (its settings are read from it).")

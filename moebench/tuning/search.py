@@ -56,7 +56,18 @@ MeasureFn = Callable[[TileConfig, str, int], "Measurement"]
 
 STRATEGIES = ("grid", "random", "halving")
 GRAPH_CALLS = 8  # calls (and routings) per CUDA graph replay
-DEFAULT_BUDGET = 48  # halving / random pool size when none is given
+#: Without --budget, halving / random measure this share of the pruned space, within
+#: [MIN_BUDGET, MAX_BUDGET] configs per token count. A grid costs about the same per config
+#: (compile + a few reps) as halving's screening rounds, and halving re-times its survivors, so a
+#: 5% pool keeps the search under a tenth of the grid's time (PERF.md section 6).
+DEFAULT_BUDGET_SHARE = 0.05
+MIN_BUDGET, MAX_BUDGET = 6, 48
+DEFAULT_BUDGET = "auto"
+
+
+def default_budget(space_size: int) -> int:
+    """Configs per token count when no --budget is given: 5% of the pruned space, 6..48."""
+    return max(MIN_BUDGET, min(MAX_BUDGET, int(space_size * DEFAULT_BUDGET_SHARE)))
 
 
 @dataclass
@@ -353,7 +364,7 @@ def run_search(
     if strategy not in STRATEGIES:
         raise MoebenchError(f"unknown search strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
     rng = rng or random.Random(0)
-    budget = DEFAULT_BUDGET if budget is None else int(budget)
+    budget = default_budget(len(space)) if budget is None else int(budget)
     if budget < 1:
         raise MoebenchError(f"--budget must be >= 1, got {budget}")
     if strategy == "grid":

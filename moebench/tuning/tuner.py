@@ -52,7 +52,6 @@ from moebench.quant import QuantScheme
 from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.tuning import configs as C
 from moebench.tuning.search import (
-    DEFAULT_BUDGET,
     STRATEGIES,
     LayerBench,
     LayerWeights,
@@ -739,7 +738,7 @@ def write_report(run_dir: Path, spec: TuneSpec, results: Sequence[TokenResult], 
         "",
         f"- file: `{config_path}`" if config_path else "- file: none (no token count found a working config)",
         f"- E={spec.local_experts} local experts, N={spec.inter_per_rank}, dtype {spec.precision}, "
-        f"device {C.device_name(spec.device)}, search `{spec.strategy}`, budget {spec.budget or DEFAULT_BUDGET}",
+        f"device {C.device_name(spec.device)}, search `{spec.strategy}`, budget {spec.budget or 'auto (5% of the pruned space, 6-48 configs)'}",
         "- latencies: median us of one layer call (routing alignment + both GEMMs), final stage" + cpu_note,
         "| " + " | ".join(REPORT_COLUMNS[:10]) + " | search_s |",
         "|" + "---|" * 11,
