@@ -119,8 +119,15 @@ def _to_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (t.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return amax.float().clamp(min=AMAX_EPS) / FP8_MAX
+#: fp32(1 / 448): scales are amax times this product on every device (a division by a Python
+#: scalar is a multiply by its fp32 reciprocal on CUDA but a true division on the CPU), so the same
+#: amax gives the same scale bits everywhere, in torch and in the Triton kernels.
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
+
+
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The fp8 scale of an amax: max(amax, AMAX_EPS) * fp32(1/448), fp32."""
+    return amax.float().clamp(min=AMAX_EPS) * INV_FP8_MAX
 
 
 def quantize_activation(
@@ -134,20 +141,20 @@ def quantize_activation(
     k = x.shape[-1]
     lead = x.shape[:-1]
     if scheme.scales == "tensor":
-        s = static_scale.float().reshape(()) if static_scale is not None else _scale_of(x.abs().amax() if x.numel() else x.new_zeros(()))
+        s = static_scale.float().reshape(()) if static_scale is not None else scale_of(x.abs().amax() if x.numel() else x.new_zeros(()))
         return _to_fp8(x, s), s.reshape([1] * (len(lead) + 1)).expand(*lead, 1)
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), torch.ones(
             (*lead, scheme.num_groups(k)), dtype=torch.float32, device=x.device
         )
     if scheme.scales == "token":
-        s = _scale_of(x.abs().amax(dim=-1, keepdim=True))
+        s = scale_of(x.abs().amax(dim=-1, keepdim=True))
         return _to_fp8(x, s), s
     g = scheme.group_k
     n = scheme.num_groups(k)
     pad = n * g - k
     xp = torch.nn.functional.pad(x.float(), (0, pad)).reshape(*lead, n, g)
-    s = _scale_of(xp.abs().amax(dim=-1))  # (..., n)
+    s = scale_of(xp.abs().amax(dim=-1))  # (..., n)
     q = (xp / s.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(*lead, n * g)[..., :k]
     return q.contiguous(), s
 
@@ -253,15 +260,15 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme) -> QuantWeight:
     e, n, k = w.shape
     wf = w.float()
     if scheme.scales == "tensor":
-        s = _scale_of(wf.abs().amax(dim=(1, 2)))  # (E,)
+        s = scale_of(wf.abs().amax(dim=(1, 2)))  # (E,)
         return QuantWeight(_to_fp8(wf, s.view(e, 1, 1)), s, scheme)
     if scheme.scales == "token":
-        s = _scale_of(wf.abs().amax(dim=2))  # (E, N)
+        s = scale_of(wf.abs().amax(dim=2))  # (E, N)
         return QuantWeight(_to_fp8(wf, s.view(e, n, 1)), s, scheme)
     bn, bk = scheme.block_shape
     nb, kb = -(-n // bn), -(-k // bk)
     wp = torch.nn.functional.pad(wf, (0, kb * bk - k, 0, nb * bn - n)).view(e, nb, bn, kb, bk)
-    s = _scale_of(wp.abs().amax(dim=(2, 4)))  # (E, nb, kb)
+    s = scale_of(wp.abs().amax(dim=(2, 4)))  # (E, nb, kb)
     q = (wp / s.view(e, nb, 1, kb, 1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.view(e, nb * bn, kb * bk)[:, :n, :k].contiguous()
     return QuantWeight(q, s.contiguous(), scheme)
@@ -274,14 +281,14 @@ def calibrate_input_scales(w13: QuantWeight, w2: QuantWeight, act_dtype: torch.d
     e, two_i, h = w13.shape
     g = torch.Generator(device=w13.device).manual_seed(0)
     x = torch.randn((tokens, h), generator=g, device=w13.device).to(act_dtype)
-    w13.input_scale = _scale_of(x.float().abs().amax()).reshape(1)
+    w13.input_scale = scale_of(x.float().abs().amax()).reshape(1)
     xq = fake_quant(x, w13.scheme, act_dtype, w13.input_scale).float()
     amax = torch.zeros((), device=w13.device)
     for j in range(e):
         gu = xq @ w13[j].dequantize(torch.float32)[0].t()
         inter = torch.nn.functional.silu(gu[:, : two_i // 2]) * gu[:, two_i // 2 :]
         amax = torch.maximum(amax, inter.to(act_dtype).float().abs().amax())
-    w2.input_scale = _scale_of(amax).reshape(1)
+    w2.input_scale = scale_of(amax).reshape(1)
 
 
 def quantize_weights(w13: torch.Tensor, w2: torch.Tensor, scheme: QuantScheme | None, act_dtype=torch.bfloat16):

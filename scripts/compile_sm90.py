@@ -1,6 +1,7 @@
 """Compile moebench's Triton GEMM kernels for Hopper (sm_90) without a GPU.
 
-Lowers every kernel through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the
+Lowers every kernel (the unquantised GEMMs, their fp8 variants and the fp8 activation
+quantisation) through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the
 ptxas Triton ships), so a kernel change that would fail to build on the H200 fails here, on a CPU
 machine, first. Prints one line per kernel variant; exit status 1 on the first failure.
 
@@ -21,6 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moebench.kernels import batched_triton as B  # noqa: E402
+from moebench.kernels import fp8_quant as Q  # noqa: E402
 from moebench.kernels import triton_moe as T  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -39,17 +41,39 @@ def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] =
 
 def main() -> int:
     std_ptrs = {"x_ptr": "*bf16", "w13_ptr": "*bf16", "w2_ptr": "*bf16", "inter_ptr": "*bf16", "ws_ptr": "*fp32",
-                "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntpp_ptr": "*i32"}
-    for bm, bn, bk in ((16, 64, 256), (64, 128, 64)):  # a decode and a mid-size tile
+                "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntpp_ptr": "*i32",
+                "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
+    no_quant = dict(QUANT=0, GROUP_N=1, GROUP_K=1)
+    # unquantised: a decode and a mid-size tile; fp8: per-token (epilogue scales) on the decode
+    # tile, block [128, 128] (scales per K step) on the mid-size one.
+    variants = [((16, 64, 256), no_quant), ((64, 128, 64), no_quant),
+                ((16, 64, 128), dict(QUANT=1, GROUP_N=1, GROUP_K=1)),
+                ((64, 128, 64), dict(QUANT=2, GROUP_N=128, GROUP_K=128))]
+    for (bm, bn, bk), quant in variants:
+        fp8 = quant["QUANT"] != 0
         c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
-                 UPCAST=False, IEEE_DOT=False, USE_TMA=False)
-        print(compile_kernel(T._silu_mul_gemm1_kernel, c, std_ptrs, ("w13_desc",)))
-        print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, ATOMIC=True), std_ptrs, ("w2_desc",)))
-        for name in ("_batched_silu_mul_gemm1_kernel", "_batched_gemm2_kernel"):
+                 UPCAST=False, IEEE_DOT=False, USE_TMA=False, **quant)
+        # fp8: fp8 activations and weights in both GEMMs, the intermediate stored as bf16 by GEMM1
+        # and read as fp8 (after fp8_quant) by GEMM2.
+        p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if fp8 else std_ptrs
+        p2 = dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if fp8 else std_ptrs
+        print(compile_kernel(T._silu_mul_gemm1_kernel, c, p1, ("w13_desc",)))
+        print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, ATOMIC=True), p2, ("w2_desc",)))
+        for name, fp8_ptrs in (("_batched_silu_mul_gemm1_kernel", ("a_ptr", "w13_ptr")),
+                               ("_batched_gemm2_kernel", ("inter_ptr", "w2_ptr"))):
             jit = getattr(B, name)
             params = set(inspect.signature(jit.fn).parameters)
-            ptrs = {p: ("*i32" if "num_tokens" in p else "*bf16") for p in params if p.endswith("_ptr")}
+            ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16")
+                    for p in params if p.endswith("_ptr")}
+            if fp8:
+                ptrs.update({p: "*fp8e4nv" for p in fp8_ptrs})
             print(compile_kernel(jit, {k: v for k, v in c.items() if k in params}, ptrs))
+    # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
+    # (looped chunks), dynamic scales, rows limited on the device.
+    qptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "limit_ptr": "*i32"}
+    for one_chunk, block_m, block_k, limit in ((True, 32, 128, 1), (False, 4, 1024, 2)):
+        qc = dict(STATIC=False, LIMIT=limit, ONE_CHUNK=one_chunk, BLOCK_M=block_m, BLOCK_K=block_k, EXACT_ROUND=False)
+        print(compile_kernel(Q._quant_rows_kernel, qc, qptrs))
     return 0
 
 

@@ -196,7 +196,7 @@ def test_tune_spec_carries_the_scheme(tmp_path):
     for m in (1, 64, 4096):  # the default baseline fits the scale block
         d = T.default_for(specs[BLOCK], m)
         assert 128 % d["BLOCK_SIZE_K"] == 0 and 128 % d["BLOCK_SIZE_N"] == 0
-    assert T.default_for(specs[TENSOR], 4096) == dict(C.default_config(4096, 128, 768, 2048, 8, torch.bfloat16))
+    assert T.default_for(specs[TENSOR], 4096) == dict(C.quant_default(C.default_config(4096, 128, 768, 2048, 8, torch.bfloat16), TENSOR))
     counts = T.prune_counts(specs[BLOCK])
     assert all(SP.FP8_BLOCK_REASON in rep.pruned for rep in counts.values())
 

@@ -6,10 +6,15 @@ once when its row tile starts past it, so empty experts and empty tiles cost one
 
     GEMM1  a[e] @ w13[e]^T with gate and up tiles in the same K loop, SiLU(gate) * up -> inter
            (E_local, T, I)
-    GEMM2  inter[e] @ w2[e]^T -> out (E_local, T, H), unweighted, in a's dtype
+    GEMM2  inter[e] @ w2[e]^T -> out (E_local, T, H), unweighted, in a's dtype (fp8: the layer's)
 
 Rows past each expert's count are not written (the prepare/finalize reads only valid slots);
 weighting and the sum over top-k are delegated to the prepare/finalize.
+
+fp8_w8a8 (QuantWeight weights): a is float8_e4m3fn with a_scale (E_local, T, G), as the
+triton experts take it (see moebench.kernels.triton_moe): scales in the epilogue (tensor/token)
+or per K step (block); the intermediate is stored in the layer's dtype, quantised with the scheme
+(moebench.kernels.fp8_quant, rows past each count skipped), and the output is in the layer's dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moebench.errors import MoebenchError
+from moebench.kernels.fp8_quant import check_block_config, quant_meta, quantize_rows
 from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
@@ -29,8 +36,9 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.moe_align import interpreter_compat, interpreting, triton_unavailable_reason
 from moebench.kernels.registry import register_experts
-from moebench.kernels.triton_common import grouped_tile, mma
-from moebench.tuning.configs import TileConfig, default_config, validate_tile_config
+from moebench.kernels.triton_common import block_scaled_mma, cast_rne, grouped_tile, mma
+from moebench.quant import FP8_DTYPE, SCALES, QuantScheme, QuantWeight, scheme_of
+from moebench.tuning.configs import TileConfig, default_config, quant_default, validate_tile_config
 
 
 @triton.jit
@@ -39,6 +47,8 @@ def _batched_silu_mul_gemm1_kernel(
     w13_ptr,  # (E_local, 2I, H)
     inter_ptr,  # (E_local, T, I) out
     num_tokens_ptr,  # (E_local,) valid rows per expert
+    a_scale_ptr,  # QUANT: (E_local, T, G) fp32 scales of a's rows
+    w_scale_ptr,  # QUANT: scales of w13
     T,
     N_INTER,
     H,
@@ -51,6 +61,12 @@ def _batched_silu_mul_gemm1_kernel(
     stride_ie,
     stride_im,
     stride_in,
+    stride_ase,
+    stride_asm,
+    stride_asg,
+    stride_wse,  # w13 scale of (expert, row n, K group): e * stride_wse + n' * stride_wsn + g * stride_wsk,
+    stride_wsn,  # n' = n (QUANT 1) or n // GROUP_N (QUANT 2); 0 for broadcast dimensions
+    stride_wsk,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,  # intermediate columns per program (gate and up each)
     BLOCK_SIZE_K: tl.constexpr,
@@ -58,6 +74,10 @@ def _batched_silu_mul_gemm1_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    QUANT: tl.constexpr = 0,  # fp8: 0 none; 1 per-row x per-channel scales (tensor/token) in the
+    #                           epilogue; 2 block scales [GROUP_N, GROUP_K] applied per K step
+    GROUP_N: tl.constexpr = 1,
+    GROUP_K: tl.constexpr = 1,  # QUANT 2: a multiple of BLOCK_SIZE_K
 ):
     # Axis 1 = expert; axis 0 -> (row tile, intermediate tile), grouped for L2 reuse.
     expert = tl.program_id(1).to(tl.int64)
@@ -81,6 +101,14 @@ def _batched_silu_mul_gemm1_kernel(
     g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + N_INTER * stride_wn
 
+    as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
+    if QUANT == 2:
+        gs_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // GROUP_N) * stride_wsn
+        us_ptrs = w_scale_ptr + expert * stride_wse + ((offs_n + N_INTER) // GROUP_N) * stride_wsn
+    else:
+        gs_ptrs = w_scale_ptr + expert * stride_wse + offs_n * stride_wsn
+        us_ptrs = gs_ptrs + N_INTER * stride_wsn
+
     acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
@@ -93,16 +121,32 @@ def _batched_silu_mul_gemm1_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc_g = mma(a, g, acc_g, UPCAST, IEEE_DOT)
-        acc_u = mma(a, u, acc_u, UPCAST, IEEE_DOT)
+        if QUANT == 2:
+            kg = (k * BLOCK_SIZE_K) // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_asg, mask=row_ok, other=0.0)
+            g_s = tl.load(gs_ptrs + kg * stride_wsk, mask=col_ok, other=0.0)
+            u_s = tl.load(us_ptrs + kg * stride_wsk, mask=col_ok, other=0.0)
+            acc_g = block_scaled_mma(a, g, acc_g, a_s, g_s, UPCAST, IEEE_DOT)
+            acc_u = block_scaled_mma(a, u, acc_u, a_s, u_s, UPCAST, IEEE_DOT)
+        else:
+            acc_g = mma(a, g, acc_g, UPCAST, IEEE_DOT)
+            acc_u = mma(a, u, acc_u, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         g_ptrs += BLOCK_SIZE_K * stride_wk
         u_ptrs += BLOCK_SIZE_K * stride_wk
 
+    if QUANT == 1:
+        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
+        g_s = tl.load(gs_ptrs, mask=col_ok, other=0.0)
+        u_s = tl.load(us_ptrs, mask=col_ok, other=0.0)
+        acc_g = acc_g * a_s[:, None] * g_s[None, :]
+        acc_u = acc_u * a_s[:, None] * u_s[None, :]
+
     # Epilogue: SiLU(gate) * up for the valid rows.
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     i_ptrs = inter_ptr + expert * stride_ie + offs_m[:, None] * stride_im + offs_n[None, :] * stride_in
-    tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    h = cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST)
+    tl.store(i_ptrs, h, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -111,6 +155,8 @@ def _batched_gemm2_kernel(
     w2_ptr,  # (E_local, H, I)
     out_ptr,  # (E_local, T, H) out
     num_tokens_ptr,
+    a_scale_ptr,  # QUANT: (E_local, T, G) fp32 scales of inter's rows
+    w_scale_ptr,  # QUANT: scales of w2
     T,
     H,
     N_INTER,
@@ -123,6 +169,12 @@ def _batched_gemm2_kernel(
     stride_oe,
     stride_om,
     stride_on,
+    stride_ase,
+    stride_asm,
+    stride_asg,
+    stride_wse,  # as in GEMM1, for w2
+    stride_wsn,
+    stride_wsk,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -130,6 +182,9 @@ def _batched_gemm2_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    QUANT: tl.constexpr = 0,
+    GROUP_N: tl.constexpr = 1,
+    GROUP_K: tl.constexpr = 1,
 ):
     expert = tl.program_id(1).to(tl.int64)
     pid = tl.program_id(0)
@@ -150,6 +205,12 @@ def _batched_gemm2_kernel(
     a_ptrs = inter_ptr + expert * stride_ie + offs_m[:, None] * stride_im + offs_k[None, :] * stride_ik
     b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
 
+    as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
+    if QUANT == 2:
+        bs_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // GROUP_N) * stride_wsn
+    else:
+        bs_ptrs = w_scale_ptr + expert * stride_wse + offs_n * stride_wsn
+
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(N_INTER, BLOCK_SIZE_K)):
         if EVEN_K:
@@ -159,12 +220,24 @@ def _batched_gemm2_kernel(
             k_ok = offs_k < N_INTER - k * BLOCK_SIZE_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = mma(a, b, acc, UPCAST, IEEE_DOT)
+        if QUANT == 2:
+            kg = (k * BLOCK_SIZE_K) // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_asg, mask=row_ok, other=0.0)
+            b_s = tl.load(bs_ptrs + kg * stride_wsk, mask=col_ok, other=0.0)
+            acc = block_scaled_mma(a, b, acc, a_s, b_s, UPCAST, IEEE_DOT)
+        else:
+            acc = mma(a, b, acc, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik
         b_ptrs += BLOCK_SIZE_K * stride_wk
 
+    if QUANT == 1:
+        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptrs, mask=col_ok, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+
     o_ptrs = out_ptr + expert * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    acc = cast_rne(acc, out_ptr.dtype.element_ty, QUANT != 0 and UPCAST)
+    tl.store(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def batched_default_config(max_tokens: int, n_inter: int, hidden: int, dtype: torch.dtype) -> TileConfig:
@@ -178,18 +251,51 @@ def batched_default_config(max_tokens: int, n_inter: int, hidden: int, dtype: to
     return cfg
 
 
+def _scale_args(scale: torch.Tensor | None, w) -> tuple:
+    """(a_scale, w_scale) pointers and (a strides (3), w strides (3)); dummies without fp8."""
+    if not isinstance(w, QuantWeight):
+        return (w, w), (0, 0, 0, 0, 0, 0)
+    return (scale, w.scale), (*scale.stride(), *w.scale_strides())
+
+
 def batched_moe(
     a: torch.Tensor,
     expert_num_tokens: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13,
+    w2,
     config: Mapping[str, int],
+    a_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """a (E_local, T, H), expert_num_tokens (E_local,) int, w13 (E_local, 2I, H), w2 (E_local, H, I)
-    -> (E_local, T, H) unweighted in a's dtype (rows past each count unwritten)."""
+    -> (E_local, T, H) unweighted in a's dtype (rows past each count unwritten).
+
+    fp8 (w13, w2 QuantWeights of one scheme): a float8_e4m3fn with a_scale (E_local, T, G) fp32
+    (or a unquantised: quantised here with the scheme, w13.input_scale for per tensor); output
+    and the stored intermediate in out_dtype (default: bf16 for fp8 a, else a's dtype); the
+    intermediate is quantised with the scheme (w2.input_scale for per tensor) before GEMM2."""
     e_local, t, h = a.shape
     n_inter = w2.shape[2]
-    out = alloc_output((e_local, t, h), a.dtype, a.device)
+    scheme = scheme_of(w13)
+    if scheme_of(w2) != scheme:
+        raise MoebenchError("w13 and w2 must be quantised with the same scheme (or both not at all)")
+    counts = expert_num_tokens.to(device=a.device, dtype=torch.int32)
+    if scheme is not None:
+        check_block_config(config, scheme, "batched-triton experts")
+        if scheme.scales == "tensor" and w2.input_scale is None:
+            raise MoebenchError("per-tensor fp8 needs w2.input_scale (moebench.quant.quantize_weights sets it)")
+        if a.dtype == FP8_DTYPE:
+            if a_scale is None:
+                raise MoebenchError("fp8 activations need their a_scale (E_local, T, G) float32")
+            out_dtype = out_dtype or torch.bfloat16
+        else:
+            if scheme.scales == "tensor" and w13.input_scale is None:
+                raise MoebenchError("per-tensor fp8 of batched activations needs w13.input_scale")
+            out_dtype = out_dtype or a.dtype
+            a, a_scale = quantize_rows(a, scheme, w13.input_scale, batch_counts=counts)
+    else:
+        out_dtype = a.dtype
+    out = alloc_output((e_local, t, h), out_dtype, a.device)
     if e_local == 0 or t == 0:
         return out
     interp = interpreting()
@@ -198,24 +304,30 @@ def batched_moe(
     upcast = interp and a.dtype != torch.float32
     ieee = a.dtype == torch.float32 or upcast
     bm, bn, bk, g = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"], config["GROUP_SIZE_M"]
-    meta = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    counts = expert_num_tokens.to(device=a.device, dtype=torch.int32)
+    meta = dict(num_warps=config["num_warps"], num_stages=config["num_stages"], **quant_meta(w13))
+    w13q, w2q = (w13.q, w2.q) if scheme is not None else (w13, w2)
 
     bn1 = max(16, bn // 2)
-    inter = torch.empty((e_local, t, n_inter), dtype=a.dtype, device=a.device)
+    inter = torch.empty((e_local, t, n_inter), dtype=out_dtype, device=a.device)
+    ptrs, strides = _scale_args(a_scale, w13)
     grid1 = (triton.cdiv(t, bm) * triton.cdiv(n_inter, bn1), e_local)
     _batched_silu_mul_gemm1_kernel[grid1](
-        a, w13, inter, counts, t, n_inter, h,
-        a.stride(0), a.stride(1), a.stride(2), w13.stride(0), w13.stride(1), w13.stride(2),
-        inter.stride(0), inter.stride(1), inter.stride(2),
+        a, w13q, inter, counts, *ptrs, t, n_inter, h,
+        a.stride(0), a.stride(1), a.stride(2), w13q.stride(0), w13q.stride(1), w13q.stride(2),
+        inter.stride(0), inter.stride(1), inter.stride(2), *strides,
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta,
     )
+    inter_scale = None
+    if scheme is not None:
+        # Rows past each expert's count are skipped (counts read on the device).
+        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, batch_counts=counts)
+    ptrs, strides = _scale_args(inter_scale, w2)
     grid2 = (triton.cdiv(t, bm) * triton.cdiv(h, bn), e_local)
     _batched_gemm2_kernel[grid2](
-        inter, w2, out, counts, t, h, n_inter,
-        inter.stride(0), inter.stride(1), inter.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        inter, w2q, out, counts, *ptrs, t, h, n_inter,
+        inter.stride(0), inter.stride(1), inter.stride(2), w2q.stride(0), w2q.stride(1), w2q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), *strides,
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
         EVEN_K=n_inter % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta,
     )
@@ -226,11 +338,16 @@ def batched_moe(
 class BatchedTritonExperts(Experts):
     """BatchedExperts: (E_local, T, H) -> (E_local, T, H) unweighted; weights applied by the P/F.
 
-    config: a TileConfig used for every call (else `batched_default_config`).
+    config: a TileConfig used for every call (else `batched_default_config`, fitted to the fp8
+    scale block for block-quantised weights). fp8_w8a8 weights (all scales of moebench.quant)
+    take the activations prepare quantised (prep.a fp8 + prep.a_scale); the output is in
+    prep.out_dtype.
     """
 
     name = "batched-triton"
     activation_format = ActivationFormat.BATCHED
+    supported_quant = SCALES
+    quantizes_input = False
 
     @classmethod
     def unavailable_reason(cls, device: str) -> str | None:
@@ -242,12 +359,23 @@ class BatchedTritonExperts(Experts):
     def weight_and_reduce(self):
         return TopKWeightAndReduceDelegate()
 
-    def config_for(self, t: int, n_inter: int, hidden: int, dtype: torch.dtype) -> dict[str, Any]:
+    def config_for(
+        self, t: int, n_inter: int, hidden: int, dtype: torch.dtype, quant: QuantScheme | None = None
+    ) -> dict[str, Any]:
         if self.config is not None:
             return dict(self.config)
-        return dict(batched_default_config(t, n_inter, hidden, dtype))
+        cfg = batched_default_config(t, n_inter, hidden, dtype)
+        if quant is not None:
+            cfg = quant_default(cfg, quant)
+        return dict(cfg)
 
-    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
         a = prep.a
-        cfg = self.config_for(a.shape[1], w2.shape[2], a.shape[2], a.dtype)
-        return batched_moe(a, prep.expert_num_tokens, w13, w2, cfg)
+        scheme = scheme_of(w13)
+        out_dtype = None
+        dtype = a.dtype
+        if scheme is not None:
+            out_dtype = prep.out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
+            dtype = out_dtype
+        cfg = self.config_for(a.shape[1], w2.shape[2], a.shape[2], dtype, scheme)
+        return batched_moe(a, prep.expert_num_tokens, w13, w2, cfg, prep.a_scale, out_dtype)

@@ -14,14 +14,16 @@ Standard kernel's intermediate: only rows < num_tokens_post_padded are in use) o
 (B,) int (the BatchedExperts layout: rows [0, count[b]) of batch b); skipped rows of q and scale
 stay unwritten.
 
-Exactness: divisions are IEEE round-to-nearest (`div_rn`, as torch's division), and the fp32 ->
-e4m3 cast rounds to nearest even in hardware. Triton's CPU interpreter gets that cast wrong when
-the rounding carries into the exponent (1.97 -> 1.0) and for e4m3 subnormals, so under the
-interpreter the kernel rounds in fp32 first (`round_e4m3`, exact bit arithmetic) and the cast
-only converts an exactly representable value.
+Exactness: x / scale is an IEEE round-to-nearest division (`div_rn`, as torch's division of two
+tensors); the scale is amax * fp32(1/448) (moebench.quant.scale_of, the same bits on every
+device); the fp32 -> e4m3 cast rounds to nearest even in hardware. Triton's CPU interpreter gets that
+cast wrong when the rounding carries into the exponent (1.97 -> 1.0) and for e4m3 subnormals, so
+under the interpreter the kernel rounds in fp32 first (`round_e4m3`, exact bit arithmetic) and
+the cast only converts an exactly representable value.
 
-Also here: `check_block_config`, the tile-config rule block-scaled kernels need (BLOCK_SIZE_K
-divides bk: one scale column per K step).
+Also here, for the fp8 GEMM kernels: `quant_meta` (their QUANT / GROUP_N / GROUP_K constexprs) and
+`check_block_config`, the tile-config rule of block scales (BLOCK_SIZE_K divides bk: one scale
+column per K step).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ import triton.language as tl
 
 from moebench.errors import MoebenchError
 from moebench.kernels.moe_align import interpreter_compat, interpreting
-from moebench.quant import AMAX_EPS, FP8_DTYPE, FP8_MAX, QuantScheme
+from moebench.quant import AMAX_EPS, FP8_DTYPE, INV_FP8_MAX, QuantScheme, scale_of, scheme_of
 
 _EPS = tl.constexpr(AMAX_EPS)
+_INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
 
 
 @triton.jit
@@ -120,7 +123,7 @@ def _quant_rows_kernel(
             scale = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(static_ptr)
         else:
             amax = tl.maximum(tl.max(tl.abs(x), axis=1), _EPS)
-            scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 448.0, tl.float32))
+            scale = amax * _INV_FP8_MAX  # moebench.quant.scale_of
         _quant_group(x, scale, q_row + cols[None, :] * stride_qk, mask, EXACT_ROUND)
     else:
         if STATIC:
@@ -133,7 +136,7 @@ def _quant_rows_kernel(
                 x = tl.load(x_row + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
             amax = tl.maximum(amax, _EPS)
-            scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 448.0, tl.float32))
+            scale = amax * _INV_FP8_MAX  # moebench.quant.scale_of
         for c in range(k_lo, k_hi, BLOCK_K):
             cols = c + offs_k
             mask = row_ok[:, None] & (cols < k_hi)[None, :]
@@ -142,11 +145,6 @@ def _quant_rows_kernel(
 
     if not STATIC:
         tl.store(s_ptr + b * stride_sb + rows * stride_sm + grp * stride_sg, scale, mask=row_ok)
-
-
-def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """moebench.quant's scale of an amax: max(amax, AMAX_EPS) / 448 in fp32."""
-    return amax.float().clamp(min=AMAX_EPS) / FP8_MAX
 
 
 def _launch(
@@ -221,7 +219,7 @@ def quantize_rows(
     if scheme.scales == "tensor":
         if static_scale is None:
             amax = x.abs().amax() if x.numel() else x.new_zeros(())
-            static = _scale_of(amax).reshape(1)
+            static = scale_of(amax).reshape(1)
         else:
             static = static_scale.to(device=x.device, dtype=torch.float32).reshape(1)
         _launch(x3, q3, None, scheme, static, row_limit, batch_counts)
@@ -232,6 +230,18 @@ def quantize_rows(
     s = torch.empty((*lead, groups), dtype=torch.float32, device=x.device)
     _launch(x3, q3, s.view(*x3.shape[:-1], groups), scheme, None, row_limit, batch_counts)
     return q, s
+
+
+def quant_meta(w) -> dict[str, int]:
+    """The GEMM kernels' fp8 constexprs for a weight: QUANT 0 = unquantised, 1 = tensor / token
+    scales (applied in the epilogue), 2 = block scales (applied per K step); GROUP_N, GROUP_K =
+    the block shape (1 otherwise)."""
+    scheme = scheme_of(w)
+    if scheme is None:
+        return dict(QUANT=0, GROUP_N=1, GROUP_K=1)
+    if scheme.block_shape is None:
+        return dict(QUANT=1, GROUP_N=1, GROUP_K=1)
+    return dict(QUANT=2, GROUP_N=scheme.block_shape[0], GROUP_K=scheme.block_shape[1])
 
 
 def check_block_config(cfg: Mapping[str, int], scheme: QuantScheme | None, where: str) -> None:

@@ -44,3 +44,14 @@ def block_scaled_mma(a, b, acc, a_s, b_s, UPCAST: tl.constexpr, IEEE_DOT: tl.con
     else:
         d = tl.dot(a, b)
     return acc + d * a_s[:, None] * b_s[None, :]
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr, EXACT: tl.constexpr):
+    """fp32 x -> dtype. EXACT (the interpreter, whose fp32 -> bf16 cast truncates): round to
+    nearest even on the bits first, as the GPU and torch do, so the cast only drops zero bits."""
+    if EXACT and dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)

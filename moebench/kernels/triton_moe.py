@@ -20,6 +20,22 @@ one program's output tile: half gate, half up columns (the same register budget 
 unfused GEMM1 with that config). GEMM2 may split its K loop (I) over programs when there are too
 few output tiles to fill the GPU (`split_k`, chosen from the SM count unless given).
 
+fp8_w8a8 (QuantWeight weights, every scale kind of moebench.quant): x arrives quantised
+(float8_e4m3fn + per-row scales, from prepare or `fused_moe`); the GEMMs dot fp8 operands with
+fp32 accumulation. tensor/token scales multiply the accumulator in the epilogue (x's row scale
+times the weight's channel scale, gate row n and up row I + n each their own); block scales
+multiply each K step's dot (BLOCK_SIZE_K divides bk, so one scale column per step; any
+BLOCK_SIZE_N, the scale is read per column n // bn). The intermediate is stored in the layer's
+dtype (bf16/fp16), quantised with the same scheme by moebench.kernels.fp8_quant (w2.input_scale
+for per tensor; only rows < num_tokens_post_padded, read on the device), then GEMM2 as before;
+the output is in the layer's dtype. No TMA for fp8. Accuracy on Hopper: tensor/token scales
+accumulate the whole K loop in the fp8 MMA accumulator, which wgmma keeps at reduced precision
+(as vLLM's Triton kernel does; about 1-1.5e-2 from the emulating reference at Qwen3 / DeepSeek
+shapes with M >= 64 tiles, H200); block scales add each K step's dot in fp32 (<= 5e-3). Under
+the interpreter, fp8 operands are upcast like 16-bit ones and the bf16 stores round to nearest
+even explicitly (the interpreter's cast truncates), so the kernels match the reference's
+rounding points.
+
 Options (kept as constexpr variants, measured in PERF.md section 3): `use_tma` loads the
 weight tiles through TMA tensor descriptors on Hopper+ (default "auto": 16-bit inputs with
 BLOCK_SIZE_M >= 32); `atomic=False` writes weighted rows per pair and sums over K with torch
@@ -36,6 +52,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from moebench.errors import MoebenchError
+from moebench.kernels.fp8_quant import check_block_config, quant_meta, quantize_rows
 from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
@@ -51,7 +69,8 @@ from moebench.kernels.moe_align import (
     triton_unavailable_reason,
 )
 from moebench.kernels.registry import register_experts
-from moebench.kernels.triton_common import block_scaled_mma, grouped_tile, mma
+from moebench.kernels.triton_common import block_scaled_mma, cast_rne, grouped_tile, mma
+from moebench.quant import FP8_DTYPE, SCALES, QuantWeight, scheme_of
 from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
 
 #: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms): True,
@@ -182,7 +201,7 @@ def _silu_mul_gemm1_kernel(
     # Epilogue: SiLU(gate) * up, stored at the block's sorted rows (sentinel rows hold zeros).
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     i_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
-    tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=col_ok[None, :])
+    tl.store(i_ptrs, cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST), mask=col_ok[None, :])
 
 
 @triton.jit
@@ -300,7 +319,8 @@ def _gemm2_weighted_sum_kernel(
         tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
     else:
         o_ptrs = ws_ptr + pair[:, None].to(tl.int64) * stride_wsm + offs_n[None, :] * stride_wsn
-        tl.store(o_ptrs, acc.to(ws_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        acc = cast_rne(acc, ws_ptr.dtype.element_ty, QUANT != 0 and UPCAST)
+        tl.store(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -406,39 +426,62 @@ def _tma_ok(t: torch.Tensor) -> bool:
     )
 
 
+def _scale_args(scale: torch.Tensor | None, w) -> tuple:
+    """Kernel arguments of the fp8 scales: (a_scale, w_scale, a strides (2), w strides (3)); dummy
+    pointers and zeros without quantisation (the QUANT=0 variant never reads them)."""
+    if not isinstance(w, QuantWeight):
+        return (w, w, 0, 0, 0, 0, 0)
+    return (scale, w.scale, scale.stride(0), scale.stride(1), *w.scale_strides())
+
+
 def launch_gemm1(
-    x: torch.Tensor, w13: torch.Tensor, align: AlignResult, topk: int, config: Mapping[str, int], use_tma: bool = False
+    x: torch.Tensor,
+    w13,
+    align: AlignResult,
+    topk: int,
+    config: Mapping[str, int],
+    use_tma: bool = False,
+    a_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I) in x's dtype, sorted rows."""
+    """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
+
+    fp8: w13 a QuantWeight, x (M, H) float8_e4m3fn with a_scale (M, G) fp32 (any row stride, 0 for
+    per tensor); inter is then in out_dtype (default bf16)."""
     m, h = x.shape
     n_inter = w13.shape[1] // 2
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
     assert align.block_size_m == bm, "alignment block size differs from BLOCK_SIZE_M"
+    quant = quant_meta(w13)
     interp = interpreting()
     if interp:
         interpreter_compat()
     upcast = interp and x.dtype != torch.float32
     num_blocks = align.max_blocks
     bn1 = max(16, bn // 2)  # BLOCK_SIZE_N columns = half gate, half up
-    inter = torch.empty((num_blocks * bm, n_inter), dtype=x.dtype, device=x.device)
-    desc = w13
+    inter_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else x.dtype
+    inter = torch.empty((num_blocks * bm, n_inter), dtype=inter_dtype, device=x.device)
+    wq = w13.q if quant["QUANT"] else w13
+    desc = wq
     if use_tma:
-        desc = TensorDescriptor.from_tensor(w13.view(-1, h), [bn1, bk])
+        desc = TensorDescriptor.from_tensor(wq.view(-1, h), [bn1, bk])
+    sc = _scale_args(a_scale, w13)
     grid1 = (num_blocks * triton.cdiv(n_inter, bn1),)
     _silu_mul_gemm1_kernel[grid1](
-        x, w13, desc, inter, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
-        align.num_pairs, n_inter, h, num_blocks,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
+        x, wq, desc, inter, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        *sc[:2], align.num_pairs, n_inter, h, num_blocks,
+        x.stride(0), x.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), inter.stride(0), inter.stride(1),
+        *sc[2:],
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
     )
     return inter
 
 
 def launch_gemm2(
     inter: torch.Tensor,
-    w2: torch.Tensor,
+    w2,
     topk_weights: torch.Tensor,
     align: AlignResult,
     topk: int,
@@ -446,13 +489,18 @@ def launch_gemm2(
     split_k: int = 1,
     use_tma: bool = False,
     atomic: bool = True,
+    a_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """GEMM2 + router weight on aligned pairs. atomic: returns ws (M, H) fp32 with the sum over
     top-k done by atomic adds (split_k allowed); else (M*K, H) weighted rows per pair in inter's
-    dtype (rows of remote pairs zero), to be summed over K by the caller."""
+    dtype (out_dtype for fp8; rows of remote pairs zero), to be summed over K by the caller.
+
+    fp8: w2 a QuantWeight, inter (max_padded, I) float8_e4m3fn with a_scale (max_padded, G)."""
     m, k = topk_weights.shape
     e_local, h, n_inter = w2.shape
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    quant = quant_meta(w2)
     interp = interpreting()
     upcast = interp and inter.dtype != torch.float32
     num_blocks = align.max_blocks
@@ -460,33 +508,37 @@ def launch_gemm2(
         ws = torch.zeros((m, h), dtype=torch.float32, device=inter.device)
         split_k = max(1, min(int(split_k), triton.cdiv(n_inter, bk)))
     else:
-        ws = torch.zeros((m * k, h), dtype=inter.dtype, device=inter.device)
+        ws_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else inter.dtype
+        ws = torch.zeros((m * k, h), dtype=ws_dtype, device=inter.device)
         split_k = 1
     k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
     split_k = triton.cdiv(n_inter, k_per_split)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         weights = weights.to(torch.float32).contiguous()
-    desc = w2
+    wq = w2.q if quant["QUANT"] else w2
+    desc = wq
     if use_tma:
-        desc = TensorDescriptor.from_tensor(w2.view(-1, n_inter), [bn, bk])
+        desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter), [bn, bk])
+    sc = _scale_args(a_scale, w2)
     grid2 = (num_blocks * triton.cdiv(h, bn), split_k)
     _gemm2_weighted_sum_kernel[grid2](
-        inter, w2, desc, ws, weights, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
-        align.num_pairs, h, n_inter, num_blocks, k_per_split,
-        inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), ws.stride(0), ws.stride(1),
+        inter, wq, desc, ws, weights, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        *sc[:2], align.num_pairs, h, n_inter, num_blocks, k_per_split,
+        inter.stride(0), inter.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), ws.stride(0), ws.stride(1),
+        *sc[2:],
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
     )
     return ws
 
 
 def fused_moe_gemms(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13,
+    w2,
     topk_weights: torch.Tensor,
     align: AlignResult,
     topk: int,
@@ -495,21 +547,42 @@ def fused_moe_gemms(
     out: torch.Tensor | None = None,
     use_tma: bool = False,
     atomic: bool = True,
+    a_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
 
     use_tma: weight tiles through TMA descriptors (CUDA, compute capability >= 9; ignored
     elsewhere). atomic: sum over top-k by fp32 atomics in GEMM2's epilogue (then a cast), else
-    weighted rows per pair and a torch sum over K."""
+    weighted rows per pair and a torch sum over K.
+
+    fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
+    in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
+    scheme (w2.input_scale for per tensor) before GEMM2, as moebench.quant describes. No TMA."""
     m, h = x.shape
+    scheme = scheme_of(w13)
+    if scheme is not None:
+        out_dtype = out_dtype or torch.bfloat16
+        check_block_config(config, scheme, "triton experts")
+        if a_scale is None or x.dtype != FP8_DTYPE:
+            raise MoebenchError("fp8 triton experts need x as float8_e4m3fn with its a_scale")
+        if scheme.scales == "tensor" and w2.input_scale is None:
+            raise MoebenchError("per-tensor fp8 needs w2.input_scale (moebench.quant.quantize_weights sets it)")
+        use_tma = False
+    else:
+        out_dtype = x.dtype
     if out is None:
-        out = alloc_output((m, h), x.dtype, x.device)
+        out = alloc_output((m, h), out_dtype, x.device)
     if m == 0:
         return out
     use_tma = bool(use_tma) and _tma_ok(w13) and _tma_ok(w2)
-    inter = launch_gemm1(x, w13, align, topk, config, use_tma)
-    ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic)
+    inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype)
+    inter_scale = None
+    if scheme is not None:
+        # Only rows < num_tokens_post_padded are in use (read on the device).
+        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
+    ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic, inter_scale, out_dtype)
     if atomic:
         out.copy_(ws)
     else:
@@ -528,20 +601,22 @@ def resolve_use_tma(use_tma: bool | str | None, config: Mapping[str, int], dtype
 
 
 def select_config(
-    m: int, topk: int, w13: torch.Tensor, w2: torch.Tensor, num_experts: int, dtype: torch.dtype
+    m: int, topk: int, w13, w2, num_experts: int, dtype: torch.dtype
 ) -> tuple[TileConfig, str]:
-    """Tuned file (E = local experts, N = I) else the default heuristic over global experts."""
+    """Tuned file (E = local experts, N = I) else the default heuristic over global experts.
+    Quantised weights look up the scheme's file (dtype=fp8_w8a8[,block_shape=[..]]) and fit the
+    default to the scale block."""
     e_local, h, n_inter = w2.shape
     return lookup_config(
         e_local, n_inter, max(m, 1), dtype, hidden=h, topk=topk, num_experts_global=num_experts,
-        device_name=None if w2.device.type == "cuda" else "cpu",
+        device_name=None if w2.device.type == "cuda" else "cpu", quant=scheme_of(w2),
     )
 
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13,
+    w2,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None,
@@ -550,18 +625,40 @@ def fused_moe(
     split_k: int | None = None,
     use_tma: bool | None = None,
     atomic: bool | None = None,
+    a_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
-    use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC)."""
+    use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC).
+
+    fp8: w13 and w2 moebench.quant.QuantWeight of one scheme, and either
+      - x float8_e4m3fn with a_scale (M, G) fp32 (as prepare makes them); the output is in
+        out_dtype (default bf16), or
+      - x bf16/fp16/fp32: quantised here (`quantize_rows`, w13.input_scale for per tensor); the
+        output is in x's dtype (or out_dtype)."""
     m, k = topk_ids.shape
     e_local = w13.shape[0]
+    scheme = scheme_of(w13)
+    if scheme_of(w2) != scheme:
+        raise MoebenchError("w13 and w2 must be quantised with the same scheme (or both not at all)")
+    if scheme is None:
+        if a_scale is not None:
+            raise MoebenchError("a_scale is for fp8 weights (moebench.quant.QuantWeight) only")
+        out_dtype = x.dtype
+    elif x.dtype == FP8_DTYPE:
+        if a_scale is None:
+            raise MoebenchError("fp8 x needs its a_scale (rows, groups) float32")
+        out_dtype = out_dtype or torch.bfloat16
+    else:
+        out_dtype = out_dtype or x.dtype
+        x, a_scale = quantize_rows(x, scheme, w13.input_scale)
     if num_experts is None:
         num_experts = expert_map.shape[0] if expert_map is not None else e_local
     if config is None:
-        config, _ = select_config(m, k, w13, w2, num_experts, x.dtype)
+        config, _ = select_config(m, k, w13, w2, num_experts, out_dtype)
     if m == 0:
-        return alloc_output((0, x.shape[1]), x.dtype, x.device)
+        return alloc_output((0, x.shape[1]), out_dtype, x.device)
     align = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map)
     if split_k is None:
         est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
@@ -569,7 +666,10 @@ def fused_moe(
         split_k = choose_split_k(est_blocks, x.shape[1], w2.shape[2], config, _num_sms(x.device))
     use_tma = resolve_use_tma(use_tma, config, x.dtype)
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
-    return fused_moe_gemms(x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic)
+    return fused_moe_gemms(
+        x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
+        a_scale=a_scale, out_dtype=out_dtype,
+    )
 
 
 @register_experts
@@ -577,11 +677,14 @@ class TritonExperts(Experts):
     """Sorted-token fused MoE (Standard). Returns (M, H), weighted and summed over top-k.
 
     config: a TileConfig (vLLM keys) used for every call instead of the lookup; split_k: GEMM2 K
-    splits (None = from the SM count).
+    splits (None = from the SM count). fp8_w8a8 weights (all scales of moebench.quant) take the
+    activations prepare quantised (prep.a fp8 + prep.a_scale); the output is in prep.out_dtype.
     """
 
     name = "triton"
     activation_format = ActivationFormat.STANDARD
+    supported_quant = SCALES
+    quantizes_input = False
 
     def __init__(
         self,
@@ -603,18 +706,23 @@ class TritonExperts(Experts):
     def weight_and_reduce(self):
         return TopKWeightAndReduceNoOp()
 
-    def config_for(self, m: int, topk: int, w13: torch.Tensor, w2: torch.Tensor, num_experts: int, dtype) -> dict[str, Any]:
+    def config_for(self, m: int, topk: int, w13, w2, num_experts: int, dtype) -> dict[str, Any]:
         if self.config is not None:
             self.last_config_source = "explicit"
             return dict(self.config)
         cfg, self.last_config_source = select_config(m, topk, w13, w2, num_experts, dtype)
         return dict(cfg)
 
-    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
         x = prep.a
         m, k = prep.topk_ids.shape
-        cfg = self.config_for(m, k, w13, w2, prep.num_experts, x.dtype)
+        out_dtype = None
+        dtype = x.dtype
+        if scheme_of(w13) is not None:
+            out_dtype = prep.out_dtype or (torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype)
+            dtype = out_dtype
+        cfg = self.config_for(m, k, w13, w2, prep.num_experts, dtype)
         return fused_moe(
             x, w13, w2, prep.topk_weights, prep.topk_ids, prep.expert_map, prep.num_experts, cfg, self.split_k,
-            self.use_tma, self.atomic,
+            self.use_tma, self.atomic, a_scale=prep.a_scale, out_dtype=out_dtype,
         )

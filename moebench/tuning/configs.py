@@ -258,8 +258,16 @@ def lookup_config(
     cfg = default_config(M, num_experts_global or E, N, hidden or 4096, topk or 1,
                          dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
     if quant is not None:
-        cfg = fit_to_quant_block(cfg, quant)
+        cfg = quant_default(cfg, quant)
     return cfg, "default heuristic"
+
+
+def quant_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
+    """A 16-bit default config adapted to fp8: twice the BLOCK_SIZE_K (fp8 elements are half the
+    bytes, so a pipeline stage holds as many bytes, and block scales are multiplied in half as
+    often), then fitted inside the scale block (`fit_to_quant_block`)."""
+    out = TileConfig(**{**cfg, "BLOCK_SIZE_K": min(2 * cfg["BLOCK_SIZE_K"], 256)})  # type: ignore[typeddict-item]
+    return fit_to_quant_block(out, quant)
 
 
 def fit_to_quant_block(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:

@@ -327,7 +327,7 @@ def default_for(spec: TuneSpec, tokens: int) -> dict[str, int]:
     cfg = C.default_config(tokens, spec.shape.num_experts, spec.inter_per_rank, spec.shape.hidden, spec.shape.topk,
                            spec.dtype)
     if spec.quant is not None:
-        cfg = C.fit_to_quant_block(cfg, spec.quant)
+        cfg = C.quant_default(cfg, spec.quant)
     return dict(cfg)
 
 

@@ -1,0 +1,343 @@
+"""fp8_w8a8 in the Triton experts (`triton`, `batched-triton`) and the Triton activation
+quantisation (moebench.kernels.fp8_quant), under the interpreter on CPU.
+
+The kernels are checked against moebench.reference_moe, which emulates the scheme's rounding
+points (x quantised; the intermediate stored in the activation dtype, then quantised), so the
+error left is the kernel's: fp32 accumulation order and the final store in the activation dtype
+(measured about 1.6e-3 for bf16 Standard, 2.3e-3 for batched, whose finalize rounds once more).
+Shapes are odd (H=152, I=72: partial last scale group for every block shape), E=60 with top-4.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import moebench
+from moebench.errors import MoebenchError
+from moebench.inputs import make_weights
+from moebench.kernels.batched_triton import BatchedTritonExperts, batched_moe
+from moebench.kernels.fp8_quant import quantize_rows
+from moebench.kernels.modular import poisoned_outputs
+from moebench.kernels.triton_moe import TritonExperts, fused_moe
+from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation, quantize_weights
+from moebench.tuning.configs import fit_to_quant_block
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+H, I, E, K = 152, 72, 60, 4
+CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+SCHEMES = {
+    "tensor": QuantScheme("fp8_w8a8", "tensor"),
+    "token": QuantScheme("fp8_w8a8", "token"),
+    "block128": QuantScheme("fp8_w8a8", "block", (128, 128)),
+    "block32": QuantScheme("fp8_w8a8", "block", (32, 32)),
+}
+KERNELS = [("triton", "no-dpep"), ("batched-triton", "batched-local")]
+KIDS = ["triton", "batched"]
+#: What the kernels must reach against the emulating reference (bf16 output; see the docstring).
+TIGHT = 5e-3
+
+
+_WEIGHTS: dict = {}
+
+
+def _qweights(scheme: QuantScheme, e: int = E, h: int = H, i: int = I, dtype=torch.bfloat16):
+    key = (scheme, e, h, i, dtype)
+    if key not in _WEIGHTS:
+        w13, w2 = make_weights(range(e), h, i, torch.float32, DEV, seed=0)
+        _WEIGHTS[key] = quantize_weights(w13.to(dtype), w2.to(dtype), scheme, act_dtype=dtype)
+    return _WEIGHTS[key]
+
+
+def _routing(m: int, e: int, k: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    w, ids = torch.softmax(torch.randn(m, e, generator=g), -1).topk(k, -1)
+    return w.to(DEV), ids.to(DEV, torch.int32)
+
+
+def _x(m: int, dtype=torch.bfloat16, h: int = H, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, h, generator=g).to(DEV, dtype)
+
+
+def _expert_map(e_global: int, e_local: int, seed: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    m = torch.full((e_global,), -1, dtype=torch.int32)
+    m[torch.randperm(e_global, generator=g)[:e_local]] = torch.arange(e_local, dtype=torch.int32)
+    return m.to(DEV)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape
+    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
+    den = ref.norm().item()
+    num = (out.double() - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def _cfg(scheme: QuantScheme, **kw) -> dict:
+    return dict(fit_to_quant_block(dict(CFG, **kw), scheme))
+
+
+def _run(experts: str, pf: str, x, w13, w2, tw, ti, expert_map=None, num_experts=None, **kw):
+    kernel = moebench.make_kernel(experts, pf, experts_kwargs=kw)
+    with poisoned_outputs():
+        return kernel.apply(x, w13, w2, tw, ti, expert_map=expert_map, num_experts=num_experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The activation quantisation kernel: bit for bit moebench.quant.quantize_activation
+
+
+QSCHEMES = dict(SCHEMES, block32x48=QuantScheme("fp8_w8a8", "block", (32, 48)))
+
+
+@pytest.mark.parametrize("name", list(QSCHEMES))
+@pytest.mark.parametrize("shape", [(7, 200), (3, 5, 77), (1, 1), (0, 40), (5, 2500)])
+def test_quantize_rows_bit_exact(name, shape):
+    scheme = QSCHEMES[name]
+    g = torch.Generator().manual_seed(sum(shape))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (torch.randn(shape, generator=g) * 3).to(DEV, dtype)
+        flat = x.view(-1, shape[-1])
+        if flat.numel() > 3:
+            flat[0, :3] = 0  # zeros inside a row
+        if flat.shape[0] > 1:
+            flat[1] = 0  # an all-zero row: scale AMAX_EPS / 448, q = 0
+        statics = [None, torch.tensor([0.004], device=DEV)] if scheme.scales == "tensor" else [None]
+        for static in statics:  # 0.004: values beyond 448 * scale saturate
+            q, s = quantize_rows(x, scheme, static)
+            q_ref, s_ref = quantize_activation(x, scheme, static)
+            assert q.dtype == FP8_DTYPE and q.shape == q_ref.shape
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (name, shape, dtype, static)
+            assert s.shape == s_ref.shape and s.stride() == s_ref.stride() and torch.equal(s, s_ref)
+
+
+def test_quantize_rows_rounding_edges():
+    # Every e4m3 value, every midpoint between neighbours (ties -> even), the floats just beside
+    # the midpoints, subnormals, signed zeros and saturation, with scale 1: the interpreter's own
+    # cast rounds some of these wrongly, the kernel must not.
+    allq = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    allq = allq[~allq.isnan()].sort().values
+    mids = (allq[1:] + allq[:-1]) / 2
+    up, down = torch.full_like(mids, 1e9), torch.full_like(mids, -1e9)
+    extra = torch.tensor([0.0, -0.0, 1.97, -1.97, 1e-3, -1e-3, 1e-30, -1e-30, 448.0, 464.0, -1e6, 1e6])
+    x = torch.cat([allq, mids, torch.nextafter(mids, up), torch.nextafter(mids, down), extra]).to(DEV)
+    scheme = SCHEMES["tensor"]
+    one = torch.ones(1, device=DEV)
+    q, _ = quantize_rows(x.view(1, -1), scheme, one)
+    q_ref, _ = quantize_activation(x.view(1, -1), scheme, one)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["token", "block32"])
+def test_quantize_rows_limits(name):
+    # row_limit: rows past it are not written (the Standard intermediate past
+    # num_tokens_post_padded); batch_counts: rows past each batch's count are not written.
+    scheme = SCHEMES[name]
+    x = _x(12, h=100)
+    q, s = quantize_rows(x, scheme, row_limit=torch.tensor([5], dtype=torch.int32, device=DEV))
+    q_ref, s_ref = quantize_activation(x, scheme)
+    assert torch.equal(q[:5].view(torch.uint8), q_ref[:5].view(torch.uint8)) and torch.equal(s[:5], s_ref[:5])
+    xb = x.view(3, 4, 100)
+    counts = torch.tensor([0, 4, 2], dtype=torch.int32, device=DEV)
+    q, s = quantize_rows(xb, scheme, batch_counts=counts)
+    q_ref, s_ref = quantize_activation(xb, scheme)
+    for b, c in enumerate(counts.tolist()):
+        assert torch.equal(q[b, :c].view(torch.uint8), q_ref[b, :c].view(torch.uint8))
+        assert torch.equal(s[b, :c], s_ref[b, :c])
+
+
+# ---------------------------------------------------------------------------------------------
+# Both experts backends against the emulating reference
+
+
+@pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_fp8_matches_reference(experts, pf, name):
+    scheme = SCHEMES[name]
+    q13, q2 = _qweights(scheme)
+    m = 13
+    x = _x(m)
+    tw, ti = _routing(m, E, K)
+    out = _run(experts, pf, x, q13, q2, tw, ti, config=_cfg(scheme))
+    assert out.dtype == torch.bfloat16 and out.shape == (m, H)
+    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+
+
+@pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
+@pytest.mark.parametrize("name", ["token", "block128"])
+def test_fp8_fp32_activations_tight(experts, pf, name):
+    # With fp32 activations nothing is rounded to 16 bits: the kernel and the reference quantise
+    # the same values, and only the fp32 accumulation order is left.
+    scheme = SCHEMES[name]
+    q13, q2 = _qweights(scheme)
+    x = _x(9, torch.float32)
+    tw, ti = _routing(9, E, K)
+    out = _run(experts, pf, x, q13, q2, tw, ti, config=_cfg(scheme))
+    assert out.dtype == torch.float32
+    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < 1e-6
+
+
+@pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
+def test_fp8_one_token_fp16(experts, pf):
+    # M = 1 (most experts without tokens), fp16 activations: the output keeps x's dtype.
+    scheme = SCHEMES["block32"]
+    q13, q2 = _qweights(scheme, dtype=torch.float16)
+    x = _x(1, torch.float16)
+    tw, ti = _routing(1, E, K)
+    out = _run(experts, pf, x, q13, q2, tw, ti, config=_cfg(scheme))
+    assert out.dtype == torch.float16
+    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+
+
+@pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
+def test_fp8_zero_tokens(experts, pf):
+    q13, q2 = _qweights(SCHEMES["token"])
+    out = _run(experts, pf, _x(0), q13, q2, *_routing(0, E, K), config=CFG)
+    assert out.shape == (0, H) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["token", "block32"])
+def test_triton_fp8_one_expert_split_k(name):
+    # Every token on expert 7 (top-1): a long run of blocks, the others empty; BLOCK_SIZE_K=16
+    # with split_k=2 splits GEMM2's K loop (I=72: 80-wide halves, block groups of 32 inside).
+    scheme = SCHEMES[name]
+    q13, q2 = _qweights(scheme)
+    m = 40
+    x = _x(m)
+    ti = torch.full((m, 1), 7, dtype=torch.int32, device=DEV)
+    tw = torch.rand(m, 1, device=DEV)
+    cfg = _cfg(scheme, BLOCK_SIZE_K=16, GROUP_SIZE_M=4)
+    out = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=cfg, split_k=2)
+    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+
+
+@pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
+@pytest.mark.parametrize("name", ["tensor", "block128"])
+def test_fp8_expert_map_remote(experts, pf, name):
+    # 60 global experts, 20 here; every token visits local expert `here` (one full run), token 1
+    # routes only to remote experts: its row must be exactly zero.
+    scheme = SCHEMES[name]
+    e_local = 20
+    emap = _expert_map(E, e_local)
+    q13, q2 = _qweights(scheme, e=e_local)
+    m = 11
+    x = _x(m)
+    tw, ti = _routing(m, E, K)
+    ti[:, 0] = int(torch.nonzero(emap.cpu() >= 0).reshape(-1)[0])
+    ti[1] = torch.nonzero(emap.cpu() < 0).reshape(-1)[:K].to(DEV, torch.int32)
+    out = _run(experts, pf, x, q13, q2, tw, ti, expert_map=emap, config=_cfg(scheme, BLOCK_SIZE_M=32))
+    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti, emap)) < TIGHT
+    assert (out[1] == 0).all()
+
+
+def test_fp8_non_square_block_and_store_path():
+    # block [32, 48] (BLOCK_SIZE_K=16 divides 48, BLOCK_SIZE_N=32 divides 32), the per-pair store
+    # reduction (atomic=False), and use_tma=True, which fp8 ignores (no TMA for fp8).
+    scheme = QuantScheme("fp8_w8a8", "block", (32, 48))
+    q13, q2 = _qweights(scheme, e=16)
+    x = _x(7)
+    tw, ti = _routing(7, 16, K)
+    cfg = _cfg(scheme, BLOCK_SIZE_K=16)
+    out = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=cfg, atomic=False, use_tma=True)
+    ref = moebench.reference_moe(x, q13, q2, tw, ti)
+    assert _rel(out, ref) < TIGHT
+    out = _run("batched-triton", "batched-local", x, q13, q2, tw, ti, config=cfg)
+    assert _rel(out, ref) < TIGHT
+
+
+@pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
+def test_block_k_must_divide_scale_block(experts, pf):
+    scheme = SCHEMES["block32"]
+    q13, q2 = _qweights(scheme)
+    tw, ti = _routing(3, E, K)
+    with pytest.raises(MoebenchError, match=r"BLOCK_SIZE_K=64 does not divide .*bk=32"):
+        _run(experts, pf, _x(3), q13, q2, tw, ti, config=dict(CFG, BLOCK_SIZE_K=64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs and the public functions
+
+
+def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch):
+    # A tuned file under the fp8 name (dtype=fp8_w8a8,block_shape=[32,32]) is found and used;
+    # without it the default heuristic is fitted to the scale block.
+    scheme = SCHEMES["block32"]
+    e, h, i = 8, 64, 32
+    q13, q2 = _qweights(scheme, e=e, h=h, i=i)
+    x = _x(5, h=h)
+    tw, ti = _routing(5, e, 2)
+    ref = moebench.reference_moe(x, q13, q2, tw, ti)
+    monkeypatch.setenv("MOEBENCH_CONFIG_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+
+    experts = TritonExperts()
+    kernel = moebench.FusedMoEKernel(moebench.make_kernel("triton", "no-dpep").prepare_finalize, experts)
+    with poisoned_outputs():
+        out = kernel.apply(x, q13, q2, tw, ti)
+    assert experts.last_config_source == "default heuristic"
+    assert _rel(out, ref) < TIGHT
+
+    entry = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+    name = f"E={e},N={i},device_name=cpu,dtype=fp8_w8a8,block_shape=[32,32].json"
+    (tmp_path / name).write_text(json.dumps({"triton_version": "3.6.0", "8": entry}))
+    with poisoned_outputs():
+        out = kernel.apply(x, q13, q2, tw, ti)
+    assert experts.last_config_source.endswith(f"{name}[8]")
+    assert _rel(out, ref) < TIGHT
+
+
+def test_batched_fp8_default_config_fitted():
+    scheme = SCHEMES["block32"]
+    cfg = BatchedTritonExperts().config_for(64, 4096, 4096, torch.bfloat16, scheme)
+    assert 32 % cfg["BLOCK_SIZE_K"] == 0 and 32 % cfg["BLOCK_SIZE_N"] == 0
+    q13, q2 = _qweights(scheme, e=8, h=64, i=32)
+    x = _x(6, h=64)
+    tw, ti = _routing(6, 8, 2)
+    kernel = moebench.make_kernel("batched-triton", "batched-local")  # default config path
+    with poisoned_outputs():
+        out = kernel.apply(x, q13, q2, tw, ti)
+    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+
+
+@pytest.mark.parametrize("name", ["tensor", "block128"])
+def test_fused_moe_fp8_entry_points(name):
+    # fused_moe with QuantWeights: an unquantised x is quantised there (same bits as prepare's
+    # torch quantisation, so the same output as the modular kernel); an fp8 x needs a_scale, and
+    # its output (and stored intermediate) is in out_dtype.
+    scheme = SCHEMES[name]
+    q13, q2 = _qweights(scheme, e=16)
+    x = _x(6)
+    tw, ti = _routing(6, 16, K)
+    cfg = _cfg(scheme)
+    a = fused_moe(x, q13, q2, tw, ti, config=cfg)
+    b = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=cfg)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    x16 = x.to(torch.float16)
+    xq, xs = quantize_activation(x16, scheme, q13.input_scale)
+    c = fused_moe(xq, q13, q2, tw, ti, config=cfg, a_scale=xs, out_dtype=torch.float16)
+    assert c.dtype == torch.float16
+    assert _rel(c, moebench.reference_moe(x16, q13, q2, tw, ti)) < TIGHT
+    with pytest.raises(MoebenchError, match="a_scale"):
+        fused_moe(xq, q13, q2, tw, ti, config=cfg)
+
+
+def test_batched_moe_quantises_unquantised_input():
+    # batched_moe given bf16 activations with fp8 weights quantises them itself (rows past each
+    # count skipped) and matches the path where prepare quantised them.
+    scheme = SCHEMES["token"]
+    q13, q2 = _qweights(scheme, e=3)
+    a = torch.randn(3, 8, H, device=DEV).to(torch.bfloat16)
+    counts = torch.tensor([0, 8, 5], dtype=torch.int32, device=DEV)
+    cfg = _cfg(scheme)
+    with poisoned_outputs():
+        out = batched_moe(a, counts, q13, q2, cfg)
+        aq, s = quantize_activation(a, scheme)
+        ref = batched_moe(aq, counts, q13, q2, cfg, s, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    for e, c in enumerate(counts.tolist()):
+        assert torch.equal(out[e, :c], ref[e, :c])
+    assert torch.isnan(out[0]).all() and torch.isnan(out[2, 5:]).all()  # skipped rows stay unwritten
