@@ -22,7 +22,7 @@ def load(root: Path) -> pd.DataFrame:
     df = pd.concat(frames, ignore_index=True)
     df = df[df.status == "ok"].copy()
     df["quant"] = df["quant"].fillna("")
-    df["variant"] = df.apply(lambda r: f"{r.dtype}{(' ' + r.quant) if r.quant else ''} {r.experts}", axis=1)
+    df["variant"] = df.apply(lambda r: f"{r['dtype']}{(' ' + r['quant']) if r['quant'] else ''} {r['experts']}", axis=1)
     df["shape"] = df.apply(lambda r: f"{r.model} (E={r.num_experts}, K={r.topk}, H={r.hidden}, I={r.intermediate})", axis=1)
     return df
 

@@ -271,16 +271,15 @@ def quant_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
 
 
 def fit_to_quant_block(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
-    """Block-quantised weights: BLOCK_SIZE_K must divide bk (one scale column per K step) and
-    BLOCK_SIZE_N must divide bn, as vLLM requires of its fp8 block configs. Other schemes: as is."""
+    """Block-quantised weights: BLOCK_SIZE_K must divide bk (one scale column per K step), as
+    vLLM's tuner requires of its fp8 block configs. BLOCK_SIZE_N is free: the kernels (vLLM's and
+    moebench's) read one weight scale per output column. Other schemes: as is."""
     if quant.block_shape is None:
         return cfg
-    bn, bk = quant.block_shape
+    bk = quant.block_shape[1]
     out = TileConfig(**cfg)  # type: ignore[typeddict-item]
     while bk % out["BLOCK_SIZE_K"] and out["BLOCK_SIZE_K"] > 16:
         out["BLOCK_SIZE_K"] //= 2
-    while bn % out["BLOCK_SIZE_N"] and out["BLOCK_SIZE_N"] > 16:
-        out["BLOCK_SIZE_N"] //= 2
     return out
 
 

@@ -10,7 +10,8 @@ The full space is the grid vLLM's and SGLang's tuners walk (their value lists, m
 cannot run or cannot win, and counts each reason:
 
     fp8 block       block-quantised fp8 weights ([bn, bk] scale blocks): BLOCK_SIZE_K must divide
-                    bk and BLOCK_SIZE_N must divide bn (one scale per tile, as vLLM's tuner prunes)
+                    bk (one scale column per K step, as vLLM's tuner prunes); BLOCK_SIZE_N is free
+                    (both kernels read one weight scale per output column)
     shared memory   num_stages * (BM*BK + BK*BN) * dtype bytes > the device's per-block limit
                     (fp8: 1 byte per element)
                     (both GEMMs stage an A tile (BM, BK) and B tiles totalling (BK, BN) per stage;
@@ -59,7 +60,7 @@ DEFAULT_SMEM_BYTES = 227 * 1024
 ConfigKey = tuple[int, int, int, int, int, int]
 
 #: Pruning reason of a config whose tile does not fit inside the fp8 scale block.
-FP8_BLOCK_REASON = "BLOCK_SIZE_K/N not dividing the fp8 scale block"
+FP8_BLOCK_REASON = "BLOCK_SIZE_K not dividing the fp8 scale block"
 
 
 def config_key(cfg: Mapping[str, int]) -> ConfigKey:
@@ -164,7 +165,7 @@ def prune_reason(cfg: Mapping[str, int], p: Problem) -> str | None:
     """Why `cfg` cannot run or cannot win on `p` (None: keep). Duplicated GROUP_SIZE_M values
     are handled by `prune` (they depend on the other values present)."""
     bm, bn, bk = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
-    if p.quant_block is not None and (p.quant_block[1] % bk or p.quant_block[0] % bn):
+    if p.quant_block is not None and p.quant_block[1] % bk:
         return FP8_BLOCK_REASON
     if smem_bytes(cfg, p.elem_bytes) > p.smem_limit:
         return "shared memory"
