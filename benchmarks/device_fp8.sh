@@ -23,6 +23,7 @@ for s in "${SHAPES[@]}"; do
   python3 benchmarks/fp8_table.py "$R" > "$OUT/fp8_table.md" 2>>"$log"  # after every shape: a cut-off run keeps it
 done
 cat "$OUT/fp8_table.md" >> "$log"
+tar czf "$OUT/fp8-sweeps.tgz" -C "$OUT" results 2>/dev/null && rm -rf "$R"
 if [ -z "${SKIP_TESTS:-}" ]; then
   step "fp8 gpu tests"
   python3 -m pytest -q -m gpu tests/gpu -k "fp8" 2>&1 | tail -15 | tee -a "$log"

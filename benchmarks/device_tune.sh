@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call for `moebench tune` (issues 5 and 8): the default halving search (auto budget)
-# against the whole pruned grid at two token counts (separate processes and Triton caches), then
-# fp8 block-quantised configs for DeepSeek-V3's EP8 and TP8 shards. Results under $OUT.
+# One device call for `moebench tune` (issues 5 and 8): fp8 block-quantised configs for
+# DeepSeek-V3's EP8 and TP8 shards (fp8-tune.tgz), then the default halving search (auto budget)
+# against the whole pruned grid at GRID_POINTS (separate processes and Triton caches). Results under $OUT.
 #   PYTHONPATH=. bash benchmarks/device_tune.sh
 set -uo pipefail
 OUT="${OUT:-./device-out}"
@@ -12,22 +12,24 @@ log="$OUT/log.txt"
 step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$log"; }
 mb() { python3 -m moebench.cli "$@" 2>&1 | tail -${TAIL:-14} | tee -a "$log"; }
 
-if [ -z "${SKIP_GRID:-}" ]; then
-  for pt in "qwen3-30b-a3b 1" "mixtral-8x7b 16"; do
-    set -- $pt
-    for s in halving grid; do
-      step "tune $1 --tokens $2 --search $s"
-      TRITON_CACHE_DIR="$OUT/tcache-$1-$2-$s" mb tune --model $1 --tokens $2 --search $s --out "$OUT/cfg-$s" --results-dir "$R/$s"
-      rm -rf "$OUT/tcache-$1-$2-$s"
-    done
-  done
-fi
 TOKS="${FP8_TOKENS:-1,16,64,256,1024,4096}"
-for lay in "--ep 8" "--tp 8"; do
-  step "tune deepseek-v3 $lay fp8 block 128,128"
-  mb tune --model deepseek-v3 $lay --tokens "$TOKS" --dtype fp8_w8a8 --block-shape 128,128 --out "$OUT/configs" --results-dir "$R/fp8"
+if [ -z "${SKIP_FP8:-}" ]; then
+  for lay in "--ep 8" "--tp 8"; do
+    step "tune deepseek-v3 $lay fp8 block 128,128"
+    mb tune --model deepseek-v3 $lay --tokens "$TOKS" --dtype fp8_w8a8 --block-shape 128,128 --out "$OUT/configs" --results-dir "$R/fp8"
+  done
+  for f in "$R"/fp8/*/report.md; do echo "--- $f"; cat "$f"; done >> "$log" 2>/dev/null
+  tar czf "$OUT/fp8-tune.tgz" -C "$OUT" results/fp8 configs 2>/dev/null
+fi
+# halving (default budget) vs the whole pruned grid: "model tokens" pairs
+for pt in ${GRID_POINTS:-"qwen3-30b-a3b:1" "mixtral-8x7b:16"}; do
+  m=${pt%%:*}; t=${pt##*:}
+  for s in halving grid; do
+    step "tune $m --tokens $t --search $s"
+    TRITON_CACHE_DIR="$OUT/tcache-$m-$t-$s" mb tune --model $m --tokens $t --search $s --out "$OUT/cfg-$s" --results-dir "$R/$s"
+    rm -rf "$OUT/tcache-$m-$t-$s"
+    for f in "$R"/$s/*/report.md; do echo "--- $f"; cat "$f"; done >> "$log" 2>/dev/null
+  done
 done
-for f in "$R"/*/*/report.md; do echo "--- $f"; cat "$f"; done >> "$log" 2>/dev/null
-tar czf "$OUT/results.tgz" -C "$OUT" results configs cache 2>/dev/null
 rm -rf "$R" "$OUT/cfg-halving" "$OUT/cfg-grid"
 step done
