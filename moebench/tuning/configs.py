@@ -267,6 +267,10 @@ def quant_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
     bytes, so a pipeline stage holds as many bytes, and block scales are multiplied in half as
     often), then fitted inside the scale block (`fit_to_quant_block`)."""
     out = TileConfig(**{**cfg, "BLOCK_SIZE_K": min(2 * cfg["BLOCK_SIZE_K"], 256)})  # type: ignore[typeddict-item]
+    if quant.block_shape is not None:
+        # block scales: the per-K-step scaled partial product doubles the live accumulators;
+        # 256-wide tiles then spill (2.5-2.9x slower than 128 at >= 256 tokens on an H200, PERF.md)
+        out["BLOCK_SIZE_N"] = min(out["BLOCK_SIZE_N"], 128)
     return fit_to_quant_block(out, quant)
 
 
