@@ -2,15 +2,9 @@
 # One device call for issue 8 (fp8): calibrate (bf16 + fp8 matmul ceilings), fp8 GPU tests, and
 # bf16 vs fp8 sweeps of design.md's three shapes at tokens 1..4096 in the same run. Results under
 # $OUT (fp8_table.md, log.txt, results.tgz).   PYTHONPATH=. bash benchmarks/device_fp8.sh
-set -uo pipefail
-OUT="${OUT:-./device-out}"
-mkdir -p "$OUT"
-export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1 COLUMNS=220 MOEBENCH_CACHE_DIR="$OUT/cache"
-R="$OUT/results"
-log="$OUT/log.txt"
+TAIL="${TAIL:-6}"
+source "$(dirname "$0")/device_env.sh"
 TOK="${TOK:-1,16,64,256,1024,4096}"
-step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$log"; }
-mb() { python3 -m moebench.cli "$@" 2>&1 | tail -${TAIL:-6} | tee -a "$log"; }
 
 step env --calibrate
 python3 -m moebench.cli env --calibrate --json > "$OUT/env.json" 2>>"$log"; grep -A8 matmul_tflops "$OUT/env.json" >> "$log"

@@ -2,14 +2,7 @@
 # One device call for the CLI-level GPU checks (issues 2, 4, 6): calibration, a real single-GPU
 # sweep, simulated TP8 / EP8 sweeps and tp-vs-ep comparisons, GPU tests. Results under $OUT.
 #   PYTHONPATH=. bash benchmarks/device_sweeps.sh
-set -uo pipefail
-OUT="${OUT:-./device-out}"
-mkdir -p "$OUT"
-export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1 COLUMNS=220 MOEBENCH_CACHE_DIR="$OUT/cache"
-R="$OUT/results"
-log="$OUT/log.txt"
-step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$log"; }
-mb() { python3 -m moebench.cli "$@" 2>&1 | tee -a "$log"; }
+source "$(dirname "$0")/device_env.sh"
 
 step env --calibrate
 python3 -m moebench.cli env --calibrate --json > "$OUT/env.json" 2>>"$log"; tail -c 2000 "$OUT/env.json" >> "$log"

@@ -3,14 +3,9 @@
 # DeepSeek-V3's EP8 and TP8 shards (fp8-tune.tgz), then the default halving search (auto budget)
 # against the whole pruned grid at GRID_POINTS (separate processes and Triton caches). Results under $OUT.
 #   PYTHONPATH=. bash benchmarks/device_tune.sh
-set -uo pipefail
-OUT="${OUT:-./device-out}"
+TAIL="${TAIL:-14}"
+source "$(dirname "$0")/device_env.sh"
 mkdir -p "$OUT/configs"
-export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1 COLUMNS=220 MOEBENCH_CACHE_DIR="$OUT/cache"
-R="$OUT/results"
-log="$OUT/log.txt"
-step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$log"; }
-mb() { python3 -m moebench.cli "$@" 2>&1 | tail -${TAIL:-14} | tee -a "$log"; }
 
 TOKS="${FP8_TOKENS:-1,16,64,256,1024,4096}"
 if [ -z "${SKIP_FP8:-}" ]; then
@@ -19,7 +14,8 @@ if [ -z "${SKIP_FP8:-}" ]; then
     mb tune --model deepseek-v3 $lay --tokens "$TOKS" --dtype fp8_w8a8 --block-shape 128,128 --out "$OUT/configs" --results-dir "$R/fp8"
   done
   for f in "$R"/fp8/*/report.md; do echo "--- $f"; cat "$f"; done >> "$log" 2>/dev/null
-  tar czf "$OUT/fp8-tune.tgz" -C "$OUT" results/fp8 configs 2>/dev/null
+  # the config files (names with '=' do not come back as plain files) and the reports, not the journals
+  (cd "$OUT" && tar czf fp8-tune.tgz configs $(find results/fp8 -name 'report.*') 2>/dev/null)
 fi
 # halving (default budget) vs the whole pruned grid: "model tokens" pairs
 for pt in ${GRID_POINTS:-"qwen3-30b-a3b:1" "mixtral-8x7b:16"}; do

@@ -78,6 +78,21 @@ def time_cuda(
     return _summary(samples, "cuda-events")
 
 
+def capture_graph(fn: Callable[[], object]) -> tuple["torch.cuda.CUDAGraph", object]:
+    """One warm-up call of `fn` on a side stream, then one call captured in a CUDA graph.
+    Returns (graph, what the captured call returned): replaying the graph rewrites that output
+    from the current contents of the captured inputs."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def _time_graph(fn, reps, graph_calls, before_each) -> Timing:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -8,8 +8,9 @@ and `low_latency_combine`). BatchedExperts format, same layout as `all2all-ll`:
 
 Optional: deep_ep is imported lazily, only when the backend is used. Needs CUDA, >= 2 GPUs,
 bf16 activations, E divisible by the number of ranks (DeepEP places expert e on rank
-e // E_local) and at most max_tokens_per_rank tokens per rank. FP8 dispatch is not used: the
-batched experts backends take bf16 activations.
+e // E_local) and at most max_tokens_per_rank tokens per rank. fp8: with block scales of bk = 128
+(`--dtype fp8_w8a8 --block-shape N,128`) the dispatch quantises (DeepEP's use_fp8: 1x128 groups,
+fp32 scales) and the batched experts get fp8 rows with their scales, as from `all2all-ll`.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.moe_align import interpreter_compat, interpreting, triton_unavailable_reason
 from moebench.kernels.registry import register_experts
-from moebench.kernels.triton_common import block_scaled_mma, cast_rne, grouped_tile, mma
+from moebench.kernels.triton_common import cast_rne, dequant, grouped_tile, scale_ptrs, scaled_mma
 from moebench.quant import FP8_DTYPE, SCALES, QuantScheme, QuantWeight, scheme_of
 from moebench.tuning.configs import TileConfig, default_config, quant_default, validate_tile_config
 
@@ -102,12 +102,8 @@ def _batched_silu_mul_gemm1_kernel(
     u_ptrs = g_ptrs + N_INTER * stride_wn
 
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
-    if QUANT == 2:
-        gs_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // GROUP_N) * stride_wsn
-        us_ptrs = w_scale_ptr + expert * stride_wse + ((offs_n + N_INTER) // GROUP_N) * stride_wsn
-    else:
-        gs_ptrs = w_scale_ptr + expert * stride_wse + offs_n * stride_wsn
-        us_ptrs = gs_ptrs + N_INTER * stride_wsn
+    gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
+    us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
 
     acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
@@ -121,26 +117,17 @@ def _batched_silu_mul_gemm1_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if QUANT == 2:
-            kg = (k * BLOCK_SIZE_K) // GROUP_K
-            a_s = tl.load(as_ptrs + kg * stride_asg, mask=row_ok, other=0.0)
-            g_s = tl.load(gs_ptrs + kg * stride_wsk, mask=col_ok, other=0.0)
-            u_s = tl.load(us_ptrs + kg * stride_wsk, mask=col_ok, other=0.0)
-            acc_g = block_scaled_mma(a, g, acc_g, a_s, g_s, UPCAST, IEEE_DOT)
-            acc_u = block_scaled_mma(a, u, acc_u, a_s, u_s, UPCAST, IEEE_DOT)
-        else:
-            acc_g = mma(a, g, acc_g, UPCAST, IEEE_DOT)
-            acc_u = mma(a, u, acc_u, UPCAST, IEEE_DOT)
+        kk = k * BLOCK_SIZE_K
+        acc_g = scaled_mma(a, g, acc_g, kk, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
+        acc_u = scaled_mma(a, u, acc_u, kk, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         g_ptrs += BLOCK_SIZE_K * stride_wk
         u_ptrs += BLOCK_SIZE_K * stride_wk
 
-    if QUANT == 1:
-        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
-        g_s = tl.load(gs_ptrs, mask=col_ok, other=0.0)
-        u_s = tl.load(us_ptrs, mask=col_ok, other=0.0)
-        acc_g = acc_g * a_s[:, None] * g_s[None, :]
-        acc_u = acc_u * a_s[:, None] * u_s[None, :]
+    acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
+    acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
 
     # Epilogue: SiLU(gate) * up for the valid rows.
     h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -206,10 +193,7 @@ def _batched_gemm2_kernel(
     b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
 
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
-    if QUANT == 2:
-        bs_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // GROUP_N) * stride_wsn
-    else:
-        bs_ptrs = w_scale_ptr + expert * stride_wse + offs_n * stride_wsn
+    bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(N_INTER, BLOCK_SIZE_K)):
@@ -220,20 +204,12 @@ def _batched_gemm2_kernel(
             k_ok = offs_k < N_INTER - k * BLOCK_SIZE_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if QUANT == 2:
-            kg = (k * BLOCK_SIZE_K) // GROUP_K
-            a_s = tl.load(as_ptrs + kg * stride_asg, mask=row_ok, other=0.0)
-            b_s = tl.load(bs_ptrs + kg * stride_wsk, mask=col_ok, other=0.0)
-            acc = block_scaled_mma(a, b, acc, a_s, b_s, UPCAST, IEEE_DOT)
-        else:
-            acc = mma(a, b, acc, UPCAST, IEEE_DOT)
+        acc = scaled_mma(a, b, acc, k * BLOCK_SIZE_K, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                         QUANT, GROUP_K, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik
         b_ptrs += BLOCK_SIZE_K * stride_wk
 
-    if QUANT == 1:
-        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
-        b_s = tl.load(bs_ptrs, mask=col_ok, other=0.0)
-        acc = acc * a_s[:, None] * b_s[None, :]
+    acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
 
     o_ptrs = out_ptr + expert * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     acc = cast_rne(acc, out_ptr.dtype.element_ty, QUANT != 0 and UPCAST)

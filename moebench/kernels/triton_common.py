@@ -47,6 +47,41 @@ def block_scaled_mma(a, b, acc, a_s, b_s, UPCAST: tl.constexpr, IEEE_DOT: tl.con
 
 
 @triton.jit
+def scale_ptrs(base, expert, stride_e, stride_n, rows, QUANT: tl.constexpr, GROUP_N: tl.constexpr):
+    """Pointers to the fp8 scales of weight rows `rows` (output channels) of `expert`: each row's
+    own scale (QUANT 1; stride_n = 0 when there is one per expert) or its block row rows // GROUP_N
+    (QUANT 2, where K group g is at + g * stride_k)."""
+    if QUANT == 2:
+        rows = rows // GROUP_N
+    return base + expert * stride_e + rows * stride_n
+
+
+@triton.jit
+def scaled_mma(a, b, acc, k_start, as_ptrs, bs_ptrs, row_ok, col_ok, stride_ag, stride_bk,
+               QUANT: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """One K step starting at column k_start: acc += a @ b, or for block scales (QUANT 2) the
+    step's own product times its scale column k_start // GROUP_K of a's rows and b's columns."""
+    if QUANT == 2:
+        kg = k_start // GROUP_K
+        a_s = tl.load(as_ptrs + kg * stride_ag, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kg * stride_bk, mask=col_ok, other=0.0)
+        acc = block_scaled_mma(a, b, acc, a_s, b_s, UPCAST, IEEE_DOT)
+    else:
+        acc = mma(a, b, acc, UPCAST, IEEE_DOT)
+    return acc
+
+
+@triton.jit
+def dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT: tl.constexpr):
+    """Epilogue of per-tensor / per-token fp8 (QUANT 1): acc * a's row scale * b's column scale."""
+    if QUANT == 1:
+        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptrs, mask=col_ok, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+    return acc
+
+
+@triton.jit
 def cast_rne(x, dtype: tl.constexpr, EXACT: tl.constexpr):
     """fp32 x -> dtype. EXACT (the interpreter, whose fp32 -> bf16 cast truncates): round to
     nearest even on the bits first, as the GPU and torch do, so the cast only drops zero bits."""

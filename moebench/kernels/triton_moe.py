@@ -69,7 +69,7 @@ from moebench.kernels.moe_align import (
     triton_unavailable_reason,
 )
 from moebench.kernels.registry import register_experts
-from moebench.kernels.triton_common import block_scaled_mma, cast_rne, grouped_tile, mma
+from moebench.kernels.triton_common import cast_rne, dequant, grouped_tile, scale_ptrs, scaled_mma
 from moebench.quant import FP8_DTYPE, SCALES, QuantWeight, scheme_of
 from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
 
@@ -153,12 +153,8 @@ def _silu_mul_gemm1_kernel(
 
     # Scales: x's row scale (per token), and w13's for the gate rows n and the up rows I + n.
     as_ptrs = a_scale_ptr + token * stride_asm
-    if QUANT == 2:
-        gs_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // GROUP_N) * stride_wsn
-        us_ptrs = w_scale_ptr + expert * stride_wse + ((offs_n + N_INTER) // GROUP_N) * stride_wsn
-    else:
-        gs_ptrs = w_scale_ptr + expert * stride_wse + offs_n * stride_wsn
-        us_ptrs = gs_ptrs + N_INTER * stride_wsn
+    gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
+    us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
 
     acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
@@ -177,26 +173,17 @@ def _silu_mul_gemm1_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if QUANT == 2:
-            kg = (k * BLOCK_SIZE_K) // GROUP_K
-            a_s = tl.load(as_ptrs + kg * stride_asg, mask=row_ok, other=0.0)
-            g_s = tl.load(gs_ptrs + kg * stride_wsk, mask=col_ok, other=0.0)
-            u_s = tl.load(us_ptrs + kg * stride_wsk, mask=col_ok, other=0.0)
-            acc_g = block_scaled_mma(a, g, acc_g, a_s, g_s, UPCAST, IEEE_DOT)
-            acc_u = block_scaled_mma(a, u, acc_u, a_s, u_s, UPCAST, IEEE_DOT)
-        else:
-            acc_g = mma(a, g, acc_g, UPCAST, IEEE_DOT)
-            acc_u = mma(a, u, acc_u, UPCAST, IEEE_DOT)
+        kk = k * BLOCK_SIZE_K
+        acc_g = scaled_mma(a, g, acc_g, kk, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
+        acc_u = scaled_mma(a, u, acc_u, kk, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_xk
         g_ptrs += BLOCK_SIZE_K * stride_wk
         u_ptrs += BLOCK_SIZE_K * stride_wk
 
-    if QUANT == 1:
-        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
-        g_s = tl.load(gs_ptrs, mask=col_ok, other=0.0)
-        u_s = tl.load(us_ptrs, mask=col_ok, other=0.0)
-        acc_g = acc_g * a_s[:, None] * g_s[None, :]
-        acc_u = acc_u * a_s[:, None] * u_s[None, :]
+    acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
+    acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
 
     # Epilogue: SiLU(gate) * up, stored at the block's sorted rows (sentinel rows hold zeros).
     h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -275,10 +262,7 @@ def _gemm2_weighted_sum_kernel(
     # Scales: inter's sorted rows (all rows of a used block are written, sentinels as zeros) and
     # w2's output channels n.
     as_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
-    if QUANT == 2:
-        bs_ptrs = w_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
-    else:
-        bs_ptrs = w_scale_ptr + expert * stride_bse + offs_n * stride_bsn
+    bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_bse, stride_bsn, offs_n, QUANT, GROUP_N)
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     k_hi = min(k_lo + k_per_split, N_INTER)
@@ -294,20 +278,12 @@ def _gemm2_weighted_sum_kernel(
             k_ok = offs_k < k_hi - (k - k_lo)
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if QUANT == 2:
-            kg = k // GROUP_K
-            a_s = tl.load(as_ptrs + kg * stride_asg)
-            b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=col_ok, other=0.0)
-            acc = block_scaled_mma(a, b, acc, a_s, b_s, UPCAST, IEEE_DOT)
-        else:
-            acc = mma(a, b, acc, UPCAST, IEEE_DOT)
+        acc = scaled_mma(a, b, acc, k, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_bsk,
+                         QUANT, GROUP_K, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik
         b_ptrs += BLOCK_SIZE_K * stride_wk
 
-    if QUANT == 1:
-        a_s = tl.load(as_ptrs)
-        b_s = tl.load(bs_ptrs, mask=col_ok, other=0.0)
-        acc = acc * a_s[:, None] * b_s[None, :]
+    acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
 
     # Epilogue: router weight of each pair, then the sum over top-k as an fp32 atomic add into
     # the pair's token row (sentinel rows are masked off).

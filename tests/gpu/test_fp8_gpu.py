@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moebench
+from moebench.bench.timing import capture_graph
 from moebench.correctness import FP8_TOLERANCE, relative_error
 from moebench.kernels.fp8_quant import quantize_rows
 from moebench.kernels.modular import poisoned_outputs
@@ -120,14 +121,7 @@ def test_triton_fp8_cuda_graph(experts, pf, scales):
     def layer():
         return kernel.apply(x, q13, q2, tw, ti, expert_map=emap, num_experts=e)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer()
+    graph, out = capture_graph(layer)
     for seed in (5, 6):
         g = torch.Generator(device="cuda").manual_seed(seed)
         x.copy_(torch.randn(x.shape, device="cuda", generator=g, dtype=x.dtype))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moebench
+from moebench.bench.timing import capture_graph
 from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.moe_align import moe_align_block_size, moe_align_block_size_torch
 from moebench.kernels.triton_moe import fused_topk_softmax
@@ -84,14 +85,7 @@ def test_cuda_graph_capture_and_replay(shape, m):
         w, ids = torch.softmax(logits, -1).topk(k, -1)
         return kernel.apply(x, w13, w2, w / w.sum(-1, keepdim=True), ids.to(torch.int32), expert_map=emap, num_experts=e)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer()
+    graph, out = capture_graph(layer)
     for seed in (5, 6):
         g = torch.Generator(device="cuda").manual_seed(seed)
         logits.copy_(torch.randn(m, e, device="cuda", generator=g))

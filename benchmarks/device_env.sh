@@ -1,0 +1,11 @@
+# Sourced by the benchmarks/device_*.sh scripts: output folder, environment, log helpers.
+#   step TEXT      a timestamped section line in $OUT/log.txt
+#   mb ARGS...     run `moebench ARGS`, keep the last $TAIL lines of its output (all when TAIL is unset)
+set -uo pipefail
+OUT="${OUT:-./device-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1 COLUMNS=220 MOEBENCH_CACHE_DIR="$OUT/cache"
+R="$OUT/results"
+log="$OUT/log.txt"
+step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$log"; }
+mb() { python3 -m moebench.cli "$@" 2>&1 | tail -n "${TAIL:-+1}" | tee -a "$log"; }
