@@ -10,7 +10,7 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from moebench.results import CORE_COLUMNS, ResultRow, rows_to_frame
+from moebench.results import CORE_COLUMNS, ResultRow, precision_labels, rows_to_frame
 
 EXPORT_FORMATS = ("csv", "json", "md", "parquet", "html")
 
@@ -155,6 +155,7 @@ def pivot(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     if ok.empty:
         return pd.DataFrame(), pd.DataFrame()
     ok["pair"] = ok.apply(pair_label, axis=1)
+    ok["dtype"] = precision_labels(ok)  # fp8 schemes stay apart
     idx = ["model", "dtype", "device", "routing", "tokens"]
     table = ok.pivot_table(index=idx, columns="pair", values="latency_us", aggfunc="min")
     fastest = table.eq(table.min(axis=1), axis=0)

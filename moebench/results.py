@@ -102,6 +102,13 @@ class ResultRow:
         return cls(**kw)
 
 
+def precision_labels(df: pd.DataFrame) -> pd.Series:
+    """Per row 'bf16', 'fp32', ... or 'fp8_w8a8 block[128,128]': the dtype plus the fp8 scheme
+    (files written before the `quant` column read as unquantised)."""
+    quant = df["quant"].fillna("").astype(str) if "quant" in df else pd.Series("", index=df.index)
+    return df["dtype"].astype(str) + quant.map(lambda q: f" {q}" if q else "")
+
+
 def rows_to_frame(rows: Iterable[ResultRow]) -> pd.DataFrame:
     df = pd.DataFrame([r.as_dict() for r in rows])
     if df.empty:

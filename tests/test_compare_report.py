@@ -107,3 +107,19 @@ def test_report_merges_and_highlights(tmp_path):
     assert "imbalance" in lines[2]
     res = moebench("report", str(tmp_path / "nothing-here"))
     assert_bad_input(res, "does not exist")
+
+
+def test_report_keeps_precisions_apart():
+    """bf16 and two fp8 schemes of the same pair are three rows of the pivot, not one."""
+    from moebench.report import pivot
+    from moebench.results import rows_to_frame
+
+    def row(dtype, quant, us):
+        return ResultRow(model="m", num_experts=8, topk=2, hidden=64, intermediate=32, tokens=8, tp=1, dp=1, ep=1,
+                         world_size=1, prepare_finalize="no-dpep", experts="triton", activation_format="Standard",
+                         dtype=dtype, device="cuda", routing="uniform", latency_us=us, correct=True, quant=quant)
+
+    table, fastest = pivot(rows_to_frame([row("bf16", "", 10.0), row("fp8_w8a8", "block[128,128]", 7.0),
+                                          row("fp8_w8a8", "per-token", 6.0)]))
+    assert sorted(table.dtype) == ["bf16", "fp8_w8a8 block[128,128]", "fp8_w8a8 per-token"]
+    assert sorted(table["1 rank no-dpep+triton"]) == [6.0, 7.0, 10.0]
