@@ -51,7 +51,7 @@ def test_sweep_fp8_ep_real_ranks(tmp_path, scales):
     assert res.returncode == 0, res.stderr
     ok = _rows(tmp_path).query("status == 'ok'")
     assert set(zip(ok.prepare_finalize, ok.experts)) == {("all2all-ll", "batched-triton"), ("allgather-rs", "triton")}
-    assert ok.correct.all()
+    assert ok.correct.all() and ((ok.err_vs_unquantized > 0.01) & (ok.err_vs_unquantized < 0.15)).all()
     # fp8 dispatch: the payload is one byte per element plus scales, fewer bytes than bf16 would move
     assert ok.dispatch_us.notna().all()
 
@@ -62,13 +62,13 @@ def test_sweep_fp8_tp_and_simulated(tmp_path):
                    "--out", str(tmp_path / "tp"), timeout=600)
     assert res.returncode == 0, res.stderr
     ok = _rows(tmp_path / "tp").query("status == 'ok'")
-    assert len(ok) == 1 and ok.correct.all()
+    assert len(ok) == 1 and ok.correct.all() and 0.01 < ok.err_vs_unquantized.iloc[0] < 0.15
     res = moebench("sweep", *SHAPE, "--tokens", "4", "--dtype", "fp8_w8a8", "--block-shape", "16,16",
                    "--ep", "4", "--simulate", "--experts", "batched-triton", "--prepare-finalize", "all2all-ll",
                    "--out", str(tmp_path / "sim"), timeout=600)
     assert res.returncode == 0, res.stderr
     ok = _rows(tmp_path / "sim").query("status == 'ok'")
-    assert len(ok) == 1 and ok.correct.all() and ok.modeled.all()
+    assert len(ok) == 1 and ok.correct.all() and ok.modeled.all() and 0.01 < ok.err_vs_unquantized.iloc[0] < 0.15
 
 
 def test_compare_tp_vs_ep_fp8(tmp_path):

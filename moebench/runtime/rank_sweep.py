@@ -25,6 +25,7 @@ from moebench.inputs import check_fits, make_tokens, make_weights
 from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.reference import reference_moe
 from moebench.kernels.registry import get_prepare_finalize_class, make_kernel
+from moebench.quant import quantize_weights
 from moebench.results import RunStore
 from moebench.routing import load_imbalance, make_routing
 from moebench.runtime.distributed import RankContext, is_main
@@ -40,14 +41,19 @@ def prepare_finalize_kwargs(name: str, ctx: RankContext, layout, max_tokens_per_
     return {k: v for k, v in have.items() if k in params}
 
 
-def rank_weights(spec, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's shard, generated directly (same values as slicing the full weights)."""
+def rank_weights(spec, rank: int, keep_unquantized: bool = False) -> tuple[tuple, tuple | None]:
+    """This rank's shard, generated directly (same values as slicing the full weights):
+    ((w13, w2) as the kernels take them, quantised when spec.quant; the unquantised pair when
+    spec.quant and keep_unquantized, for err_vs_unquantized, else None)."""
     s, lay = spec.shape, spec.layout
     if lay.enable_ep:
-        experts = lay.local_experts(rank, s.num_experts)
-        return make_weights(experts, s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed, quant=spec.quant)
-    return make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed,
-                        tp_rank=rank, tp_size=lay.moe_tp_size, quant=spec.quant)
+        w13, w2 = make_weights(lay.local_experts(rank, s.num_experts), s.hidden, s.intermediate, spec.dtype,
+                               spec.device, spec.seed)
+    else:
+        w13, w2 = make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed,
+                               tp_rank=rank, tp_size=lay.moe_tp_size)
+    kernel_weights = quantize_weights(w13, w2, spec.quant, spec.dtype)
+    return kernel_weights, ((w13, w2) if spec.quant is not None and keep_unquantized else None)
 
 
 def _all_reduce(t: torch.Tensor, ctx: RankContext, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -74,7 +80,7 @@ def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = Tru
     e_local = len(lay.local_experts(ctx.rank, s.num_experts)) if lay.enable_ep else s.num_experts
     i_local = lay.intermediate_per_rank(s.intermediate)
     check_fits(e_local, s.hidden, i_local, spec.batch_tokens(max(spec.tokens), True), s.topk, spec.dtype, spec.device)
-    w13, w2 = rank_weights(spec, ctx.rank)
+    (w13, w2), unquantized = rank_weights(spec, ctx.rank, keep_unquantized=spec.check)
     emap = lay.expert_map(ctx.rank, s.num_experts)
     el = spec.act_bytes
     progress = _RankProgress(len(spec.tokens) * len(pairs), main and show_progress)
@@ -86,7 +92,7 @@ def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = Tru
                 progress.advance(row)
                 continue
             if reason is None:
-                _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metrics, one_line)
+                _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metrics, one_line, unquantized)
             else:
                 row.status, row.reason = "skipped", reason
             if main:
@@ -97,7 +103,7 @@ def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = Tru
     return written
 
 
-def _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metrics, one_line) -> None:
+def _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metrics, one_line, unquantized=None) -> None:
     s, lay = spec.shape, spec.layout
     moves_tokens = get_prepare_finalize_class(pf).communicates
     m_full = spec.batch_tokens(m, moves_tokens)
@@ -121,12 +127,18 @@ def _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metri
         row.status, row.reason = "failed", one_line(e)
         return
     if spec.check:
-        ref = reference_moe(x_full.to(dev), w13, w2, wts.to(dev), ids.to(dev), None if emap is None else emap.to(dev))
-        ref = _all_reduce(ref, ctx)
         lo, hi = inp.rows
-        err = torch.tensor([relative_error(out, ref[lo:hi]) if hi > lo else 0.0], dtype=torch.float64, device=dev)
-        row.max_rel_err = float(_all_reduce(err, ctx, dist.ReduceOp.MAX).item())
+        refs = [(w13, w2)] + ([unquantized] if unquantized is not None else [])
+        errs = []
+        for r13, r2 in refs:  # the kernels' weights; then (fp8) the unquantised ones
+            ref = reference_moe(x_full.to(dev), r13, r2, wts.to(dev), ids.to(dev), None if emap is None else emap.to(dev))
+            ref = _all_reduce(ref, ctx)  # TP: partial sums of the shards
+            err = torch.tensor([relative_error(out, ref[lo:hi]) if hi > lo else 0.0], dtype=torch.float64, device=dev)
+            errs.append(float(_all_reduce(err, ctx, dist.ReduceOp.MAX).item()))
+        row.max_rel_err = errs[0]
         row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
+        if len(errs) > 1:
+            row.err_vs_unquantized = errs[1]
     ph = timed.phases
     total = ph["total"]
     row.latency_us, row.p10_us, row.p90_us, row.timing_method = total.median_us, total.p10_us, total.p90_us, total.method

@@ -21,7 +21,7 @@ from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
-from moebench.inputs import check_fits, make_tokens, make_weights
+from moebench.inputs import check_fits, make_tokens
 from moebench.kernels.modular import ActivationFormat, poisoned_outputs
 from moebench.kernels.reference import reference_moe
 from moebench.kernels.registry import get_prepare_finalize_class, make_kernel
@@ -30,7 +30,7 @@ from moebench.results import RunStore
 from moebench.routing import load_imbalance, make_routing
 from moebench.runtime import simulate as sim
 from moebench.runtime.rank_case import token_split
-from moebench.runtime.rank_sweep import set_comm_gbps, token_bytes
+from moebench.runtime.rank_sweep import rank_weights, set_comm_gbps, token_bytes
 
 
 def _stand_in(pf_name: str) -> str:
@@ -75,22 +75,19 @@ def run_simulated_sweep(spec, store: RunStore, link: sim.LinkProfile, on_progres
     return rows
 
 
-def _weights(spec, rank: int, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _weights(spec, rank: int, cache: dict) -> tuple[tuple, tuple | None]:
+    """`rank_weights` of `rank`, one shard at a time on the device."""
     s, lay = spec.shape, spec.layout
     key = (rank, lay.enable_ep)
     if key not in cache:
-        cache.clear()  # one shard at a time on the device
+        cache.clear()
         if lay.enable_ep:
-            experts = lay.local_experts(rank, s.num_experts)
-            check_fits(len(experts), s.hidden, s.intermediate, spec.batch_tokens(max(spec.tokens), True), s.topk,
-                       spec.dtype, spec.device)
-            cache[key] = make_weights(experts, s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed,
-                                      quant=spec.quant)
+            check_fits(len(lay.local_experts(rank, s.num_experts)), s.hidden, s.intermediate,
+                       spec.batch_tokens(max(spec.tokens), True), s.topk, spec.dtype, spec.device)
         else:
             check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), max(spec.tokens),
                        s.topk, spec.dtype, spec.device)
-            cache[key] = make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device,
-                                      spec.seed, tp_rank=rank, tp_size=lay.moe_tp_size, quant=spec.quant)
+        cache[key] = rank_weights(spec, rank, keep_unquantized=spec.check)
     return cache[key]
 
 
@@ -110,7 +107,7 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, expe
     else:
         rank, emap = 0, None
         row.rank_imbalance = 1.0
-    w13, w2 = _weights(spec, rank, weights_cache)
+    (w13, w2), unquantized = _weights(spec, rank, weights_cache)
     row.extra["simulated_rank"] = rank
     split = token_split(m_full, world) if moves_tokens else [(0, m)] * world
     row.rank_tokens = ",".join(str(b - a) for a, b in split)
@@ -124,6 +121,8 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, expe
         ref = reference_moe(x, w13, w2, wts, ids, emap)
         row.max_rel_err = relative_error(out, ref)
         row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
+        if unquantized is not None:
+            row.err_vs_unquantized = relative_error(out, reference_moe(x, *unquantized, wts, ids, emap))
     # The rank's experts work (flops, bytes of the experts it hits) for the roofline.
     local = local_topk_ids(ids, emap)
     pairs = int((local >= 0).sum())
