@@ -309,6 +309,10 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         sys.exit(130)
     written = store.finish(fmts)
     print_rows(store.rows, console)
+    if store.rows and not any(r.status == "ok" for r in store.rows):
+        hint = (" On a CPU, `TRITON_INTERPRET=1 moebench sweep ...` runs the Triton experts under the interpreter"
+                " (slowly; for correctness)." if device == "cpu" and "TRITON_INTERPRET" not in os.environ else "")
+        console.print(f"[yellow]notice:[/] no pair could run here; the reasons are listed above.{hint}")
     console.print(f"wrote {', '.join(str(p) for p in written)}")
     leave_torchrun(ctx)
 

@@ -81,3 +81,21 @@ def test_compare_tp_vs_ep_fp8(tmp_path):
     # both layouts ran fp8 (simulated share + real gloo ranks), every row correct
     assert {1, 2} <= set(ok.ep) and (ok.dtype == "fp8_w8a8").all() and ok.correct.all()
     assert "fp8_w8a8 block[16,16]" in res.stdout.replace("\n", " ")
+
+
+def test_nothing_runs_says_why_and_how(tmp_path):
+    """fp8 on a CPU without the interpreter: no pair can run; the sweep says so and how to run them."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_cli import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), COLUMNS="200")
+    res = subprocess.run([sys.executable, "-m", "moebench.cli", "sweep", *SHAPE, "--tokens", "1", "--dtype", "fp8_w8a8",
+                          "--experts", "triton", "--prepare-finalize", "no-dpep", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = " ".join(res.stdout.split())
+    assert "no pair could run here" in out and "TRITON_INTERPRET=1" in out
