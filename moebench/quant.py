@@ -13,8 +13,9 @@ Per-tensor activation scales are static, as in vLLM's per-tensor fp8 checkpoints
 of w13 and w2): calibrated once when the weights are quantised (`calibrate_input_scales`: amax of
 256 N(0, 1) tokens and of their intermediate through every expert, / 448) and stored on the
 QuantWeight; values beyond them saturate at +-448, in the kernels and in the reference alike. A
-static scale also means every rank of a multi-rank run quantises the same way. Per-token and block
-activation scales are dynamic (amax of each row or group).
+static scale also means every rank quantises the layer input the same way, whichever tokens it
+holds (under TP each rank's intermediate scale is calibrated on its own shard, as its weights are
+quantised per shard). Per-token and block activation scales are dynamic (amax of each row or group).
 
 Every scale is a dequantisation multiplier: value = fp8 * scale. Sizes that are not multiples of
 the block are fine: the last block / group is partial (its scale covers the columns it has).
