@@ -108,13 +108,6 @@ def resolve_precision(dtype: str | None, block_shape: str | None, scales: str | 
     return parse_dtype(dtype or default), None
 
 
-def _precision_text(spec) -> str:
-    """'bf16', or 'fp8_w8a8 block[128,128] (bf16 activations)'."""
-    if spec.quant is None:
-        return spec.dtype_label
-    return f"{spec.quant.describe()} ({str(spec.dtype).replace('torch.', '')} activations)"
-
-
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=True)
@@ -289,7 +282,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     store = RunStore(folder, metadata=meta)
     n_total = len(spec.tokens) * len(spec.prepare_finalize) * len(spec.experts)
     console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, H={shape.hidden}, "
-                  f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {_precision_text(spec)}, "
+                  f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {spec.precision}, "
                   f"routing {routing} -> {folder}")
     try:
         if mode in ("spawn", "torchrun"):  # rank 0 shows the progress bar
@@ -376,7 +369,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     store = RunStore(folder, metadata=meta)
     how = (f"experts time = {experts_model.device_name} roofline floor (datasheet), not measured"
            if experts_model is not None else f"experts time measured on {dev_name}")
-    console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {_precision_text(spec)}, "
+    console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {spec.precision}, "
                   f"routing {routing}: simulated ({how}; communication from {link.name} {link.bandwidth_gbps:g} GB/s)"
                   + ("; correctness also checked on real gloo ranks" if device == "cpu" and not no_check else ""))
     with _progress() as prog:

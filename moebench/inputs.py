@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from moebench.errors import MoebenchError
+from moebench.quant import quantize_weights
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -53,10 +54,24 @@ def make_weights(
         w13[i, ip:] = full13[intermediate + lo : intermediate + hi]
         w2[i] = full2[:, lo:hi]
     if quant is not None:
-        from moebench.quant import quantize_weights
-
         return quantize_weights(w13, w2, quant, dtype)
     return w13, w2
+
+
+def rank_weights(spec, rank: int, keep_unquantized: bool = False) -> tuple[tuple, tuple | None]:
+    """Rank `rank`'s shard of a SweepSpec's weights (all of them for a single rank), generated
+    directly (same values as slicing the full weights): ((w13, w2) as the kernels take them,
+    quantised when spec.quant; the unquantised pair when spec.quant and keep_unquantized, for
+    err_vs_unquantized, else None)."""
+    s, lay = spec.shape, spec.layout
+    if lay.enable_ep:
+        w13, w2 = make_weights(lay.local_experts(rank, s.num_experts), s.hidden, s.intermediate, spec.dtype,
+                               spec.device, spec.seed)
+    else:
+        w13, w2 = make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed,
+                               tp_rank=rank, tp_size=lay.moe_tp_size)
+    kernel_weights = quantize_weights(w13, w2, spec.quant, spec.dtype)
+    return kernel_weights, ((w13, w2) if spec.quant is not None and keep_unquantized else None)
 
 
 def make_tokens(tokens: int, hidden: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:

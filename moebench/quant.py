@@ -74,16 +74,26 @@ class QuantScheme:
         """Scale columns of an activation with k columns."""
         return -(-k // self.group_k) if self.group_k else 1
 
+    @property
+    def scales_label(self) -> str:
+        """'per-tensor', 'per-token' or 'block[128,128]' (the `quant` result column)."""
+        if self.scales == "block":
+            return f"block[{self.block_shape[0]},{self.block_shape[1]}]"
+        return f"per-{self.scales}"
+
     def describe(self) -> str:
         """'fp8_w8a8 per-tensor', 'fp8_w8a8 per-token', 'fp8_w8a8 block[128,128]'."""
-        if self.scales == "block":
-            return f"{self.name} block[{self.block_shape[0]},{self.block_shape[1]}]"
-        return f"{self.name} per-{self.scales}"
+        return f"{self.name} {self.scales_label}"
 
     @property
     def file_block_shape(self) -> list[int] | None:
         """The `block_shape=[..]` part of a tuned-config file name (vLLM's naming)."""
         return list(self.block_shape) if self.block_shape else None
+
+
+def precision_text(act_dtype_name: str, quant: QuantScheme | None) -> str:
+    """'bf16', or 'fp8_w8a8 block[128,128] (bf16 activations)' (command headers, reports)."""
+    return act_dtype_name if quant is None else f"{quant.describe()} ({act_dtype_name} activations)"
 
 
 def parse_block_shape(text: str | None) -> tuple[int, int] | None:
@@ -338,7 +348,13 @@ class ActQuant:
 
 
 def maybe_quantize(x: torch.Tensor, quant: ActQuant | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """prepare()'s quantisation step: (x, None) without quant, else (fp8 x, scales (M, G))."""
+    """prepare()'s quantisation step: (x, None) without quant, else (fp8 x, scales (M, G)).
+    On a GPU through the one-launch Triton kernel the experts use for their intermediate
+    (moebench.kernels.fp8_quant.quantize_rows, bit for bit equal to `quantize_activation`)."""
     if quant is None:
         return x, None
+    if x.is_cuda:
+        from moebench.kernels.fp8_quant import quantize_rows  # Triton: imported only where it runs
+
+        return quantize_rows(x, quant.scheme, quant.static_scale)
     return quantize_activation(x, quant.scheme, quant.static_scale)

@@ -13,7 +13,7 @@ from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import time_fn
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
-from moebench.inputs import check_fits, dtype_name, make_tokens, make_weights
+from moebench.inputs import check_fits, dtype_name, make_tokens, rank_weights
 from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.reference import reference_moe
 from moebench.kernels.registry import (
@@ -26,7 +26,7 @@ from moebench.kernels.registry import (
 )
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
-from moebench.quant import QuantScheme, quantize_weights
+from moebench.quant import QuantScheme, precision_text
 from moebench.results import ResultRow, RunStore
 from moebench.routing import load_imbalance, make_routing
 
@@ -63,9 +63,12 @@ class SweepSpec:
     @property
     def quant_label(self) -> str:
         """The `quant` column: 'per-tensor', 'per-token', 'block[128,128]' or ''."""
-        if self.quant is None:
-            return ""
-        return self.quant.describe().split(" ", 1)[1]
+        return self.quant.scales_label if self.quant is not None else ""
+
+    @property
+    def precision(self) -> str:
+        """'bf16', or 'fp8_w8a8 block[128,128] (bf16 activations)'."""
+        return precision_text(dtype_name(self.dtype), self.quant)
 
     @property
     def act_bytes(self) -> int:
@@ -148,12 +151,11 @@ def run_sweep(
     runnable = [p for p in pairs if p[2] is None]
     rows: list[ResultRow] = []
     ceilings = get_ceilings(spec.device)
-    w13 = w2 = None
+    qw13 = qw2 = unquantized = None
     if runnable:
         check_fits(s.num_experts, s.hidden, s.intermediate, max(spec.tokens, default=0), s.topk, spec.dtype, spec.device)
-        w13, w2 = make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed)
-    # fp8: the kernels run on the quantised weights; the unquantised ones stay for err_vs_unquantized.
-    qw13, qw2 = quantize_weights(w13, w2, spec.quant, spec.dtype) if runnable else (None, None)
+        # fp8: the kernels run on the quantised weights; the unquantised ones stay for err_vs_unquantized.
+        (qw13, qw2), unquantized = rank_weights(spec, 0, keep_unquantized=spec.check)
     for m in spec.tokens:
         x = make_tokens(m, s.hidden, spec.dtype, spec.device, spec.seed + m)
         topk_weights, topk_ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
@@ -171,8 +173,8 @@ def run_sweep(
             else:
                 if ref is None and spec.check:
                     ref = reference_moe(x, qw13, qw2, topk_weights, topk_ids)
-                    if spec.quant is not None:
-                        ref_unq = reference_moe(x, w13, w2, topk_weights, topk_ids)
+                    if unquantized is not None:
+                        ref_unq = reference_moe(x, *unquantized, topk_weights, topk_ids)
                 _measure(spec, row, pf, ex, (x, qw13, qw2, topk_weights, topk_ids), ref, flops, nbytes, ceilings,
                          variants=routing_variants(spec, m, x, qw13, qw2), ref_unquantized=ref_unq)
             store.add(row)

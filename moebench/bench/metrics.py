@@ -119,6 +119,14 @@ def metrics(
 # Communication bytes (DeepEP conventions, see the module docstring).
 
 
+def packed_row_bytes(hidden: int, dtype_bytes: int, quant=None) -> int:
+    """Bytes of one token row as moebench's dispatch sends it: hidden * dtype_bytes, or with an
+    fp8 QuantScheme the payload plus one fp32 scale per group (moebench.quant.pack_rows)."""
+    if quant is None:
+        return hidden * dtype_bytes
+    return hidden + 4 * quant.num_groups(hidden)
+
+
 def message_bytes(hidden: int, fp8: bool = False, dtype_bytes: int = 2) -> int:
     """Bytes of one token message: FP8 = hidden + 4 * ceil(hidden / 128) + 16, else hidden * dtype_bytes."""
     if fp8:

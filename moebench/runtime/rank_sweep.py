@@ -21,11 +21,10 @@ from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
-from moebench.inputs import check_fits, make_tokens, make_weights
+from moebench.inputs import check_fits, make_tokens, rank_weights
 from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.reference import reference_moe
 from moebench.kernels.registry import get_prepare_finalize_class, make_kernel
-from moebench.quant import quantize_weights
 from moebench.results import RunStore
 from moebench.routing import load_imbalance, make_routing
 from moebench.runtime.distributed import RankContext, is_main
@@ -39,21 +38,6 @@ def prepare_finalize_kwargs(name: str, ctx: RankContext, layout, max_tokens_per_
             "max_tokens_per_rank": max(1, max_tokens_per_rank)}
     params = inspect.signature(cls.__init__).parameters
     return {k: v for k, v in have.items() if k in params}
-
-
-def rank_weights(spec, rank: int, keep_unquantized: bool = False) -> tuple[tuple, tuple | None]:
-    """This rank's shard, generated directly (same values as slicing the full weights):
-    ((w13, w2) as the kernels take them, quantised when spec.quant; the unquantised pair when
-    spec.quant and keep_unquantized, for err_vs_unquantized, else None)."""
-    s, lay = spec.shape, spec.layout
-    if lay.enable_ep:
-        w13, w2 = make_weights(lay.local_experts(rank, s.num_experts), s.hidden, s.intermediate, spec.dtype,
-                               spec.device, spec.seed)
-    else:
-        w13, w2 = make_weights(range(s.num_experts), s.hidden, s.intermediate, spec.dtype, spec.device, spec.seed,
-                               tp_rank=rank, tp_size=lay.moe_tp_size)
-    kernel_weights = quantize_weights(w13, w2, spec.quant, spec.dtype)
-    return kernel_weights, ((w13, w2) if spec.quant is not None and keep_unquantized else None)
 
 
 def _all_reduce(t: torch.Tensor, ctx: RankContext, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -155,14 +139,6 @@ def _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metri
         fill_metrics(row, flops, nbytes, ceilings)
     if moves_tokens:
         set_comm_gbps(row, ids, s.hidden, el, lay.world_size, spec.quant)
-
-
-def token_bytes(hidden: int, el: int, quant=None) -> int:
-    """Bytes of one dispatched token row: hidden * el, or with fp8 the payload plus one fp32
-    scale per group (moebench.quant.pack_rows)."""
-    if quant is None:
-        return hidden * el
-    return hidden + 4 * quant.num_groups(hidden)
 
 
 def set_comm_gbps(row, ids_full: torch.Tensor, hidden: int, el: int, world: int, quant=None) -> None:

@@ -21,7 +21,7 @@ from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
-from moebench.inputs import check_fits, make_tokens
+from moebench.inputs import check_fits, make_tokens, rank_weights
 from moebench.kernels.modular import ActivationFormat, poisoned_outputs
 from moebench.kernels.reference import reference_moe
 from moebench.kernels.registry import get_prepare_finalize_class, make_kernel
@@ -30,7 +30,7 @@ from moebench.results import RunStore
 from moebench.routing import load_imbalance, make_routing
 from moebench.runtime import simulate as sim
 from moebench.runtime.rank_case import token_split
-from moebench.runtime.rank_sweep import rank_weights, set_comm_gbps, token_bytes
+from moebench.runtime.rank_sweep import set_comm_gbps
 
 
 def _stand_in(pf_name: str) -> str:
@@ -145,13 +145,13 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, expe
         row.allreduce_us = sim.tp_allreduce_us(m, s.hidden, el, world, link) if world > 1 else 0.0
         comm = row.allreduce_us
     elif pf == "allgather-rs":
-        row.dispatch_us = sim.allgather_us(m_full * (token_bytes(s.hidden, el, spec.quant) + s.topk * 8), world, link)
+        row.dispatch_us = sim.allgather_us(m_full * (metrics.packed_row_bytes(s.hidden, el, spec.quant) + s.topk * 8), world, link)
         row.combine_us = sim.reduce_scatter_us(m_full * s.hidden * el, world, link)
         comm = row.dispatch_us + row.combine_us
     else:
         row.dispatch_us, row.combine_us = sim.ep_dispatch_combine_us(
             ids.cpu(), lay, s.num_experts, s.hidden, link,
-            dispatch_bytes=token_bytes(s.hidden, el, spec.quant) / s.hidden, combine_bytes=el)
+            dispatch_bytes=metrics.packed_row_bytes(s.hidden, el, spec.quant) / s.hidden, combine_bytes=el)
         set_comm_gbps(row, ids, s.hidden, el, world, spec.quant)
         comm = row.dispatch_us + row.combine_us
     row.latency_us = row.experts_us + comm

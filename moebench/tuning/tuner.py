@@ -48,7 +48,7 @@ from moebench.errors import MoebenchError
 from moebench.inputs import dtype_name, parse_dtype
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
-from moebench.quant import QuantScheme
+from moebench.quant import QuantScheme, precision_text
 from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.tuning import configs as C
 from moebench.tuning.search import (
@@ -115,9 +115,7 @@ class TuneSpec:
     @property
     def precision(self) -> str:
         """'bf16', or 'fp8_w8a8 block[128,128] (bf16 activations)'."""
-        if self.quant is None:
-            return dtype_name(self.dtype)
-        return f"{self.quant.describe()} ({dtype_name(self.dtype)} activations)"
+        return precision_text(dtype_name(self.dtype), self.quant)
 
     @property
     def elem_bytes(self) -> int:
