@@ -1,0 +1,256 @@
+"""moebench's `triton` experts against a vLLM-style kernel with vLLM's shipped H200 configs, in one
+run on the same routings (issues 3 and 5: design.md's reference table, re-measured here).
+
+    PYTHONPATH=. python benchmarks/vllm_style.py [--tokens 1,16,...] [--routings 4] [--smoke]
+
+The vLLM-style GEMM part is written here from the structure vLLM documents for its Triton
+fused_moe (not its code): one sorted-token grouped GEMM kernel used twice, with
+  GEMM1   rows of x gathered by pair // topk, a program walks BLOCK_SIZE_N *consecutive* rows of
+          w13 (E, 2I, H), output (M*topk, 2I) written at the pair's row
+  act     SiLU(gate) * up as its own launch -> (M*topk, I)
+  GEMM2   rows of the activation by pair, times the router weight -> (M*topk, H)
+  sum     over top-k (a torch sum) -> (M, H)
+on the same block alignment (moebench's moe_align_block_size; vLLM's has the same output format),
+with the tile configs of vLLM's `E=8,N=14336` and `E=128,N=768` H200 files (benchmarks/
+vllm_h200_configs.json: the six fields as lists in KEYS order; nearest token key, as vLLM looks them up). moebench's `triton` GEMM part
+(fused SiLU-mul epilogue, paired gate/up walk, atomic top-k sum) is timed with its shipped tuned
+file and with vLLM's config, so kernel and config effects separate.
+
+Per (shape, tokens) several routings (seeds) are timed, each CUDA-graph replayed, alignment outside
+the timed region (as design.md's "GEMM part"); the table gives the median over routings of each
+variant, the median of the per-routing ratios, the experts hit per routing and each GEMM1 alone.
+Writes vllm_style.csv / vllm_style.md under $OUT (default ./bench-out). --smoke: tiny shapes on
+CPU under the Triton interpreter, checking the script (its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+import triton
+import triton.language as tl
+
+import moebench
+from moebench.bench.timing import time_cpu, time_cuda
+from moebench.kernels.moe_align import interpreter_compat, interpreting, moe_align_block_size
+from moebench.kernels.triton_common import grouped_tile, mma
+from moebench.report import _markdown
+from moebench.results import atomic_write_text
+from moebench.kernels.triton_moe import (
+    _num_sms,
+    choose_split_k,
+    fused_moe_gemms,
+    fused_topk_softmax,
+    launch_gemm1,
+    resolve_use_tma,
+    select_config,
+)
+
+ON_GPU = torch.cuda.is_available()
+# name: (E, topk, H, I, vLLM config file key)
+SHAPES = {"mixtral": (8, 2, 4096, 14336, "E=8,N=14336"), "qwen3-30b-a3b": (128, 8, 2048, 768, "E=128,N=768")}
+SMOKE_SHAPES = {"tiny": (8, 2, 64, 96, "E=8,N=14336")}
+REF = {"mixtral": [191, 583, 673, 791, 1682, 5684], "qwen3-30b-a3b": [37, 209, 302, 332, 409, 906]}
+TOKENS = [1, 16, 64, 256, 1024, 4096]
+KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+
+
+@triton.jit
+def _sorted_gemm_kernel(
+    a_ptr,  # (rows, K): x (GEMM1, row = pair // TOPK) or the activation (GEMM2, row = pair)
+    b_ptr,  # (E, N, K)
+    c_ptr,  # (M * TOPK, N) out, row = pair
+    w_ptr,  # (M * TOPK,) router weights (MUL_WEIGHT only)
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    ntpp_ptr,
+    num_pairs,
+    N,
+    K,
+    num_blocks_m,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    A_ROW_DIV: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_SIZE_N), GROUP_SIZE_M)
+    if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M))
+    row_ok = pair < num_pairs
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    # A: gathered rows; B: BLOCK_SIZE_N consecutive rows of the expert's (N, K) matrix, transposed.
+    a_ptrs = a_ptr + (pair // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        k_ok = offs_k < K - k * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
+        acc = mma(a, b, acc, UPCAST, False)
+        a_ptrs += BLOCK_SIZE_K
+        b_ptrs += BLOCK_SIZE_K
+    if MUL_WEIGHT:
+        acc *= tl.load(w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, y_ptr, N_INTER, BLOCK: tl.constexpr):
+    # one program per (row, column block): y[r, n] = silu(x[r, n]) * x[r, I + n]
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N_INTER
+    g = tl.load(x_ptr + row * 2 * N_INTER + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * 2 * N_INTER + N_INTER + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N_INTER + offs, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _gemm(a, b, c, w, align, a_row_div: int, cfg) -> None:
+    n, k = b.shape[1], b.shape[2]
+    nb = align.max_blocks
+    grid = (nb * triton.cdiv(n, cfg["BLOCK_SIZE_N"]),)
+    if interpreting():
+        interpreter_compat()
+    _sorted_gemm_kernel[grid](
+        a, b, c, w, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, align.num_pairs,
+        n, k, nb, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=w is not None, BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"],
+        BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
+        UPCAST=interpreting() and a.dtype != torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def vllm_style_gemm1(x, w13, align, topk, cfg) -> torch.Tensor:
+    """x (M, H), w13 (E, 2I, H) -> (M*topk, 2I), rows by pair; rows of no local pair stay unwritten."""
+    c1 = torch.empty(x.shape[0] * topk, w13.shape[1], dtype=x.dtype, device=x.device)
+    _gemm(x, w13, c1, None, align, topk, cfg)
+    return c1
+
+
+def vllm_style_moe(x, w13, w2, topk_weights, align, topk, cfg) -> torch.Tensor:
+    """The vLLM-style GEMM part (4 launches): -> (M, H) in x's dtype. Every pair must be local."""
+    m, h = x.shape
+    n_inter = w2.shape[2]
+    c1 = vllm_style_gemm1(x, w13, align, topk, cfg)
+    act = torch.empty(m * topk, n_inter, dtype=x.dtype, device=x.device)
+    _silu_mul_kernel[(m * topk, triton.cdiv(n_inter, 1024))](c1, act, n_inter, BLOCK=1024)
+    c2 = torch.empty(m * topk, h, dtype=x.dtype, device=x.device)
+    _gemm(act, w2, c2, topk_weights.reshape(-1), align, 1, cfg)
+    return c2.view(m, topk, h).sum(dim=1)
+
+
+def vllm_config(table: dict[str, dict], m: int) -> dict[str, int]:
+    """vLLM's lookup: the entry whose token key is nearest to m."""
+    key = min(table, key=lambda k: abs(int(k) - m))
+    return table[key]
+
+
+def _time(fn, reps=30):
+    if ON_GPU:
+        return time_cuda(fn, reps=reps, graph_calls=5).median_us
+    return time_cpu(fn, warmup=1, reps=1).median_us
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--routings", type=int, default=4, help="routings (seeds) per point")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        SHAPES.update(SMOKE_SHAPES)
+        REF["tiny"] = REF["mixtral"]
+        args.shapes, args.routings = "tiny", min(args.routings, 2)
+    out_dir = os.environ.get("OUT", "bench-out")
+    os.makedirs(out_dir, exist_ok=True)
+    tables = json.loads((Path(__file__).parent / "vllm_h200_configs.json").read_text())
+    dev = torch.device("cuda" if ON_GPU else "cpu")
+    gpu = torch.cuda.get_device_name() if ON_GPU else "cpu (smoke: times mean nothing)"
+    head = f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, {args.routings} routings per point"
+    print("# " + head, flush=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        e, k, h, inter, key = SHAPES[shape]
+        table = {t: dict(zip(KEYS, c)) for t, c in tables[key].items()}
+        dt = torch.bfloat16
+        w13 = torch.randn(e, 2 * inter, h, dtype=dt, device=dev).mul_(h**-0.5)
+        w2 = torch.randn(e, h, inter, dtype=dt, device=dev).mul_(inter**-0.5)
+        for m in [int(t) for t in args.tokens.split(",")]:
+            vcfg = vllm_config(table, m)
+            ocfg, src = select_config(m, k, w13, w2, e, dt)
+            per = {name: [] for name in ("vllm", "ours", "ours_vcfg", "vllm_g1", "ours_g1", "ours_vcfg_g1")}
+            hits, errs = [], []
+            for r in range(args.routings):
+                g = torch.Generator(device=dev).manual_seed(1000 * r + m)
+                x = torch.randn(m, h, dtype=dt, device=dev, generator=g)
+                tw, ids = fused_topk_softmax(torch.randn(m, e, device=dev, generator=g), k, renormalize=True)
+                hits.append(int(torch.unique(ids).numel()))
+                va = moe_align_block_size(ids, vcfg["BLOCK_SIZE_M"], e)
+                oa = moe_align_block_size(ids, ocfg["BLOCK_SIZE_M"], e)
+                split = choose_split_k(oa.max_blocks, h, inter, ocfg, _num_sms(dev))
+                otma = resolve_use_tma(None, ocfg, dt)
+                vtma = resolve_use_tma(None, vcfg, dt)
+                if r == 0:  # correctness of the vLLM-style path, against the float64 reference
+                    ref = moebench.reference_moe(x, w13, w2, tw, ids, None)
+                    got = vllm_style_moe(x, w13, w2, tw, va, k, vcfg)
+                    errs.append(((got.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item())
+                    del ref, got
+                per["vllm"].append(_time(lambda: vllm_style_moe(x, w13, w2, tw, va, k, vcfg)))
+                per["ours"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, oa, k, ocfg, split, use_tma=otma)))
+                per["ours_vcfg"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=vtma)))
+                per["vllm_g1"].append(_time(lambda: vllm_style_gemm1(x, w13, va, k, vcfg), reps=20))
+                per["ours_g1"].append(_time(lambda: launch_gemm1(x, w13, oa, k, ocfg, otma), reps=20))
+                per["ours_vcfg_g1"].append(_time(lambda: launch_gemm1(x, w13, va, k, vcfg, vtma), reps=20))
+            med = {n: statistics.median(v) for n, v in per.items()}
+            ratio = statistics.median(o / v for o, v in zip(per["ours"], per["vllm"]))
+            ratio_v = statistics.median(o / v for o, v in zip(per["ours_vcfg"], per["vllm"]))
+            ref_us = REF[shape][TOKENS.index(m)] if m in TOKENS else float("nan")
+            row = dict(
+                shape=shape, tokens=m, experts_hit="/".join(map(str, hits)), vllm_us=round(med["vllm"], 1),
+                ours_us=round(med["ours"], 1), ours_over_vllm=round(ratio, 3), ours_vcfg_us=round(med["ours_vcfg"], 1),
+                ours_vcfg_over_vllm=round(ratio_v, 3), vllm_g1_us=round(med["vllm_g1"], 1), ours_g1_us=round(med["ours_g1"], 1),
+                ours_vcfg_g1_us=round(med["ours_vcfg_g1"], 1), design_ref_us=ref_us,
+                ours_over_design_ref=round(med["ours"] / ref_us, 3), vllm_config="/".join(str(vcfg[x]) for x in KEYS),
+                ours_config="/".join(str(ocfg[x]) for x in KEYS) + f" sk{split}" + (" tma" if otma else ""),
+                ours_config_source=src, vllm_style_err=f"{errs[0]:.2e}",
+                per_routing_vllm=" ".join(f"{t:.1f}" for t in per["vllm"]), per_routing_ours=" ".join(f"{t:.1f}" for t in per["ours"]),
+            )
+            rows.append(row)
+            print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
+            _write(out_dir, head, rows)
+        del w13, w2
+        if ON_GPU:
+            torch.cuda.empty_cache()
+    print(open(os.path.join(out_dir, "vllm_style.md")).read())
+    return 0
+
+
+def _write(out_dir: str, head: str, rows: list[dict]) -> None:
+    """csv and markdown, rewritten after every point (atomic renames)."""
+    df = pd.DataFrame(rows)
+    atomic_write_text(Path(out_dir) / "vllm_style.csv", df.to_csv(index=False))
+    table = _markdown(df.drop(columns=["per_routing_vllm", "per_routing_ours"]))
+    atomic_write_text(Path(out_dir) / "vllm_style.md", head + "\n\n" + table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
