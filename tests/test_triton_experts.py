@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 import moebench
 from moebench.kernels.batched_triton import BatchedTritonExperts, batched_default_config
 from moebench.kernels.modular import TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp, poisoned_outputs
-from moebench.kernels.moe_align import max_padded_size, moe_align_block_size, moe_align_block_size_torch
-from moebench.kernels.triton_moe import TritonExperts, choose_split_k, fused_moe, fused_topk_softmax
+from moebench.kernels.moe_align import (
+    direct_align,
+    max_padded_size,
+    moe_align_block_size,
+    moe_align_block_size_torch,
+    use_direct_align,
+)
+from moebench.kernels.triton_moe import (
+    TritonExperts,
+    choose_split_k,
+    fused_moe,
+    fused_moe_gemms,
+    fused_topk_softmax,
+    launch_gemm1,
+)
 
 H, I, E, K = 72, 40, 60, 4
 CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
@@ -292,3 +306,76 @@ def test_triton_variants_tma_and_store(use_tma, atomic):
     cfg = dict(CFG, BLOCK_SIZE_K=32)
     out = _run("triton", "no-dpep", x, w13, w2, tw, ti, expert_map=emap, config=cfg, use_tma=use_tma, atomic=atomic)
     assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch trimming for decode: direct_align (no alignment kernels) and GEMM2's accumulator zeroed
+# by GEMM1
+
+
+def test_use_direct_align_rule():
+    assert use_direct_align(1, 8, 128) and use_direct_align(1, 2, 8)
+    assert not use_direct_align(2, 8, 128) and not use_direct_align(16, 2, 8) and not use_direct_align(0, 8, 128)
+    assert use_direct_align(2, 10, 512) and not use_direct_align(3, 10, 512)
+
+
+def test_direct_align_layout():
+    ids = torch.tensor([[5, 2], [2, 7]], dtype=torch.int32, device=DEV)
+    a = direct_align(ids, 4)
+    s = torch.full((4, 4), 4, dtype=torch.int32)
+    s[:, 0] = torch.arange(4)
+    assert torch.equal(a.sorted_token_ids.cpu(), s.reshape(-1))
+    assert a.expert_ids.tolist() == [5, 2, 2, 7] and a.num_tokens_post_padded.tolist() == [16]
+    emap = torch.full((8,), -1, dtype=torch.int32, device=DEV)
+    emap[2], emap[7] = 0, 1
+    assert direct_align(ids, 4, emap).expert_ids.tolist() == [-1, 0, 0, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,use_map,split_k", [(1, False, 1), (1, True, 2), (3, True, 1), (5, False, 2)])
+def test_triton_direct_align_matches_reference(dtype, m, use_map, split_k):
+    # Forced direct: also with pairs sharing an expert (m=5 over few experts: the weights are read
+    # once per pair, the result must not change), remote experts skipped, and GEMM2 split over K.
+    e_global, e_local = (E, 20) if use_map else (6, 6)
+    emap = _expert_map(e_global, e_local) if use_map else None
+    w13, w2 = _weights(e_local, dtype)
+    x = _x(m, dtype)
+    tw, ti = _routing(m, e_global, K)
+    if use_map and m > 1:
+        ti[1] = torch.nonzero(emap.cpu() < 0).reshape(-1)[:K].to(DEV, torch.int32)  # token 1: all remote
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    with poisoned_outputs():
+        out = fused_moe(x, w13, w2, tw, ti, emap, e_global, CFG, split_k, direct=True, atomic=True)
+    assert _rel(out, ref) < TOL[dtype]
+    if use_map and m > 1:
+        assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("numel", [5, 3 * 6 * 1024 + 17])
+def test_gemm1_zeroes_the_gemm2_accumulator(numel):
+    # A NaN-filled buffer comes back zeroed: smaller than one program's share, and larger than
+    # 1024 elements per program of the grid (6 programs here), so the grid-stride loop repeats.
+    m = 40
+    w13, w2 = _weights(2, torch.float32)
+    x = _x(m, torch.float32)
+    align = moe_align_block_size(torch.zeros((m, 1), dtype=torch.int32, device=DEV), 64, 2)
+    acc = torch.full((numel,), float("nan"), device=DEV)
+    inter = launch_gemm1(x, w13, align, 1, dict(CFG, BLOCK_SIZE_M=64), zero=acc)
+    assert (acc == 0).all()
+    assert inter.shape[0] // 64 * triton.cdiv(I, 32) == 6  # the grid size the comment assumes
+
+
+@pytest.mark.parametrize("direct,zero", [(True, True), ("auto", True), (False, True)])
+def test_fused_moe_launch_trimming_matches_default(direct, zero):
+    dtype = torch.bfloat16
+    w13, w2 = _weights(E, dtype)
+    for m in (1, 9):
+        x = _x(m, dtype)
+        tw, ti = _routing(m, E, K)
+        base = fused_moe(x, w13, w2, tw, ti, config=CFG, direct=False)
+        align = direct_align(ti, 16) if direct is True or (direct == "auto" and m == 1) else moe_align_block_size(ti, 16, E)
+        got = fused_moe_gemms(x, w13, w2, tw, align, K, CFG, zero_in_gemm1=zero)
+        again = fused_moe(x, w13, w2, tw, ti, config=CFG, direct=direct)
+        assert torch.allclose(got.float(), again.float(), rtol=1e-2, atol=1e-3)  # atomics: any order
+        assert _rel(got, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+        assert torch.allclose(got.float(), base.float(), rtol=2e-2, atol=2e-3)

@@ -63,10 +63,12 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.moe_align import (
     AlignResult,
+    direct_align,
     interpreter_compat,
     interpreting,
     moe_align_block_size,
     triton_unavailable_reason,
+    use_direct_align,
 )
 from moebench.kernels.registry import register_experts
 from moebench.kernels.triton_common import cast_rne, dequant, grouped_tile, scale_ptrs, scaled_mma
@@ -80,6 +82,12 @@ from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_con
 DEFAULT_USE_TMA: bool | str = "auto"
 #: Sum over top-k by fp32 atomic adds in GEMM2 (else per-pair rows + a torch sum over K).
 DEFAULT_ATOMIC = True
+#: Launch trimming for decode, off until timed on a GPU (PERF.md section 3):
+#: - alignment: True / False / "auto" = `direct_align` (one block per pair, no alignment kernels)
+#:   where `use_direct_align` says the pairs hit nearly distinct experts (one token);
+#: - GEMM2's atomic accumulator zeroed by GEMM1's programs instead of a memset launch.
+DEFAULT_DIRECT_ALIGN: bool | str = False
+DEFAULT_ZERO_IN_GEMM1 = False
 
 
 @triton.jit
@@ -93,6 +101,8 @@ def _silu_mul_gemm1_kernel(
     ntpp_ptr,  # (1,) used length of sorted_ids
     a_scale_ptr,  # QUANT: (M, G) fp32 dequantisation scales of x's rows (stride 0 over rows: per tensor)
     w_scale_ptr,  # QUANT: scales of w13 (see stride_ws*)
+    zero_ptr,  # ZERO_OUT: fp32 buffer zeroed here (GEMM2's atomic accumulator), zero_numel elements
+    zero_numel,
     num_pairs,
     N_INTER,  # I
     H,
@@ -122,16 +132,27 @@ def _silu_mul_gemm1_kernel(
     #                           epilogue; 2 block scales [GROUP_N, GROUP_K] applied per K step
     GROUP_N: tl.constexpr = 1,
     GROUP_K: tl.constexpr = 1,  # QUANT 2: a multiple of BLOCK_SIZE_K
+    ZERO_OUT: tl.constexpr = False,
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
     pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
 
-    # Blocks past the used length (padding of the worst-case grid) have nothing to do.
+    # GEMM2's accumulator is zeroed here, 1024 elements per program in a grid-stride loop, instead
+    # of by a memset launch of its own; before the early exit, so that every program takes part.
+    if ZERO_OUT:
+        offs_z = tl.arange(0, 1024)
+        for z in range(pid * 1024, zero_numel, tl.num_programs(0) * 1024):
+            tl.store(zero_ptr + z + offs_z, tl.zeros((1024,), tl.float32), mask=z + offs_z < zero_numel)
+
+    # Blocks past the used length (padding of the worst-case grid) and blocks of a remote expert
+    # (direct_align) have nothing to do.
     if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
 
     # Rows: the pairs of this block; token = pair // K; sentinel rows load zeros.
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
@@ -243,6 +264,8 @@ def _gemm2_weighted_sum_kernel(
     if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # remote expert (direct_align)
+        return
 
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     pair = tl.load(sorted_ids_ptr + offs_m)
@@ -419,11 +442,13 @@ def launch_gemm1(
     use_tma: bool = False,
     a_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
 
     fp8: w13 a QuantWeight, x (M, H) float8_e4m3fn with a_scale (M, G) fp32 (any row stride, 0 for
-    per tensor); inter is then in out_dtype (default bf16)."""
+    per tensor); inter is then in out_dtype (default bf16). zero: a contiguous fp32 tensor that the
+    kernel also sets to zero (GEMM2's atomic accumulator: one launch fewer)."""
     m, h = x.shape
     n_inter = w13.shape[1] // 2
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
@@ -442,15 +467,18 @@ def launch_gemm1(
     if use_tma:
         desc = TensorDescriptor.from_tensor(wq.view(-1, h), [bn1, bk])
     sc = _scale_args(a_scale, w13)
+    if zero is not None:
+        assert zero.dtype == torch.float32 and zero.is_contiguous()
     grid1 = (num_blocks * triton.cdiv(n_inter, bn1),)
     _silu_mul_gemm1_kernel[grid1](
         x, wq, desc, inter, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
-        *sc[:2], align.num_pairs, n_inter, h, num_blocks,
+        *sc[:2], inter if zero is None else zero, 0 if zero is None else zero.numel(),
+        align.num_pairs, n_inter, h, num_blocks,
         x.stride(0), x.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), inter.stride(0), inter.stride(1),
         *sc[2:],
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
+        ZERO_OUT=zero is not None, num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
     )
     return inter
 
@@ -467,10 +495,12 @@ def launch_gemm2(
     atomic: bool = True,
     a_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    ws: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM2 + router weight on aligned pairs. atomic: returns ws (M, H) fp32 with the sum over
-    top-k done by atomic adds (split_k allowed); else (M*K, H) weighted rows per pair in inter's
-    dtype (out_dtype for fp8; rows of remote pairs zero), to be summed over K by the caller.
+    top-k done by atomic adds (split_k allowed; `ws` given = already zeroed, e.g. by GEMM1);
+    else (M*K, H) weighted rows per pair in inter's dtype (out_dtype for fp8; rows of remote pairs
+    zero), to be summed over K by the caller.
 
     fp8: w2 a QuantWeight, inter (max_padded, I) float8_e4m3fn with a_scale (max_padded, G)."""
     m, k = topk_weights.shape
@@ -481,7 +511,8 @@ def launch_gemm2(
     upcast = interp and inter.dtype != torch.float32
     num_blocks = align.max_blocks
     if atomic:
-        ws = torch.zeros((m, h), dtype=torch.float32, device=inter.device)
+        if ws is None:
+            ws = torch.zeros((m, h), dtype=torch.float32, device=inter.device)
         split_k = max(1, min(int(split_k), triton.cdiv(n_inter, bk)))
     else:
         ws_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else inter.dtype
@@ -525,18 +556,21 @@ def fused_moe_gemms(
     atomic: bool = True,
     a_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    zero_in_gemm1: bool | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
 
     use_tma: weight tiles through TMA descriptors (CUDA, compute capability >= 9; ignored
     elsewhere). atomic: sum over top-k by fp32 atomics in GEMM2's epilogue (then a cast), else
-    weighted rows per pair and a torch sum over K.
+    weighted rows per pair and a torch sum over K. zero_in_gemm1 (None: DEFAULT_ZERO_IN_GEMM1):
+    the atomic accumulator is zeroed by GEMM1's programs, not by a memset launch.
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
     scheme (w2.input_scale for per tensor) before GEMM2, as moebench.quant describes. No TMA."""
     m, h = x.shape
+    zero_in_gemm1 = DEFAULT_ZERO_IN_GEMM1 if zero_in_gemm1 is None else zero_in_gemm1
     scheme = scheme_of(w13)
     if scheme is not None:
         out_dtype = out_dtype or torch.bfloat16
@@ -553,12 +587,17 @@ def fused_moe_gemms(
     if m == 0:
         return out
     use_tma = bool(use_tma) and _tma_ok(w13) and _tma_ok(w2)
-    inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype)
+    # GEMM2's fp32 accumulator (atomic path), zeroed by GEMM1 or by a memset
+    acc = None
+    if atomic:
+        acc = torch.empty((m, h), dtype=torch.float32, device=x.device) if zero_in_gemm1 else torch.zeros(
+            (m, h), dtype=torch.float32, device=x.device)
+    inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None)
     inter_scale = None
     if scheme is not None:
         # Only rows < num_tokens_post_padded are in use (read on the device).
         inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
-    ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic, inter_scale, out_dtype)
+    ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic, inter_scale, out_dtype, ws=acc)
     if atomic:
         out.copy_(ws)
     else:
@@ -603,10 +642,14 @@ def fused_moe(
     atomic: bool | None = None,
     a_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    direct: bool | str | None = None,
+    zero_in_gemm1: bool | None = None,
 ) -> torch.Tensor:
     """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
-    use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC).
+    use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC). direct:
+    True / False / "auto" (None: DEFAULT_DIRECT_ALIGN), see moebench.kernels.moe_align.direct_align;
+    zero_in_gemm1: see `fused_moe_gemms`.
 
     fp8: w13 and w2 moebench.quant.QuantWeight of one scheme, and either
       - x float8_e4m3fn with a_scale (M, G) fp32 (as prepare makes them); the output is in
@@ -635,7 +678,11 @@ def fused_moe(
         config, _ = select_config(m, k, w13, w2, num_experts, out_dtype)
     if m == 0:
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
-    align = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map)
+    direct = DEFAULT_DIRECT_ALIGN if direct is None else direct
+    if use_direct_align(m, k, num_experts) if direct == "auto" else direct:
+        align = direct_align(topk_ids, config["BLOCK_SIZE_M"], expert_map)
+    else:
+        align = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map)
     if split_k is None:
         est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
         est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, config["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
@@ -644,7 +691,7 @@ def fused_moe(
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
-        a_scale=a_scale, out_dtype=out_dtype,
+        a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1,
     )
 
 

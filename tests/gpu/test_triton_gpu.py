@@ -104,3 +104,38 @@ def test_fused_topk_gpu(m, e, k):
     rw, rids = torch.softmax(logits, -1).topk(k, -1)
     assert torch.equal(ids.long(), rids)
     assert torch.allclose(w, rw / rw.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "dsv3-ep8"])
+def test_launch_trimming_in_a_cuda_graph(shape):
+    # direct_align + GEMM1 zeroing GEMM2's accumulator (off by default until timed): the direct
+    # layout is first built while the graph is captured (not cached then), replays give the
+    # reference, and an eager call afterwards (cached layout) too.
+    from moebench.kernels import moe_align, triton_moe
+
+    m = 1
+    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
+    k = ti.shape[1]
+    logits = torch.randn(m, e, device="cuda")
+
+    def layer():
+        w, ids = fused_topk_softmax(logits, k, renormalize=True)
+        return triton_moe.fused_moe(x, w13, w2, w, ids, emap, e, direct="auto", zero_in_gemm1=True)
+
+    layer()  # compile outside the capture
+    torch.cuda.synchronize()
+    moe_align._DIRECT_LAYOUTS.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    assert not moe_align._DIRECT_LAYOUTS
+    for seed in (5, 6):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        logits.copy_(torch.randn(m, e, device="cuda", generator=g))
+        x.copy_(torch.randn(m, x.shape[1], device="cuda", generator=g, dtype=x.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        w, ids = fused_topk_softmax(logits, k, renormalize=True)
+        ref = moebench.reference_moe(x, w13, w2, w, ids, emap)
+        assert _rel(out, ref) < 2e-2
+        assert _rel(layer(), ref) < 2e-2

@@ -1,5 +1,6 @@
-"""benchmarks/vllm_style.py (the same-run reference of PERF.md section 3): its vLLM-style GEMM part
-is checked against the float64 reference, and the script's smoke mode runs end to end."""
+"""Benchmark scripts that PERF.md quotes: benchmarks/vllm_style.py (the same-run reference of
+section 3; its vLLM-style GEMM part is checked against the float64 reference) and
+benchmarks/decode_launches.py; each script's smoke mode runs end to end on CPU."""
 
 import csv
 import os
@@ -49,3 +50,14 @@ def test_smoke_run_writes_its_table(tmp_path):
     assert [int(r["tokens"]) for r in rows] == [1, 16]
     assert all(float(r["vllm_style_err"]) < 3e-2 for r in rows)  # bf16, truncating interpreter stores
     assert "| tiny | 16 |" in (tmp_path / "vllm_style.md").read_text()
+
+
+def test_decode_launches_smoke(tmp_path):
+    # benchmarks/decode_launches.py: every variant correct against the reference, table written
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_launches.py"), "--smoke", "--tokens", "1,3"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "decode_launches.csv")))
+    assert len(rows) == 4 and [r["direct_rule"] for r in rows[:2]] == ["True", "False"]
+    assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows for v in ("baseline", "direct", "zero", "both"))
