@@ -31,9 +31,9 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 import moebench
+from moebench.bench.hardware import read_gbps_candidates
 from moebench.bench.timing import time_cpu
 from moebench.bench.timing import time_cuda as _time_cuda
 from moebench.kernels.moe_align import moe_align_block_size
@@ -118,39 +118,14 @@ def time_cuda(fn, reps=30, graph_calls=5, use_graph=True):
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 
 
-@triton.jit
-def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    # Persistent read-only reduction: program p sums chunks p, p + P, p + 2P, ...
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(pid * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-
 def read_ceiling() -> tuple[float, str]:
-    """Best read bandwidth (bytes/s) over a few read-only kernels on a 4 GiB buffer."""
+    """Best read bandwidth (bytes/s) of moebench's read-only kernels (Triton stream and tile walk,
+    torch.sum) over a 4 GiB buffer (moebench.bench.hardware.read_gbps_candidates)."""
     if not ON_GPU:
         return 1e11, "cpu (smoke)"
-    n = 1 << 31
-    buf = torch.ones(n, dtype=torch.bfloat16, device="cuda")
-    sms = _num_sms(buf.device)
-    best, how = 0.0, ""
-    partial = torch.empty(sms * 64, dtype=torch.float32, device="cuda")
-    for block, per_sm, warps in [(4096, 4, 8), (8192, 4, 8), (4096, 8, 4), (8192, 2, 16), (16384, 2, 16)]:
-        grid = (sms * per_sm,)
-        t = time_cuda(lambda: _read_kernel[grid](buf, partial, n, BLOCK=block, num_warps=warps), reps=10, graph_calls=3)
-        bw = n * 2 / (t.median_us * 1e-6)
-        if bw > best:
-            best, how = bw, f"triton read BLOCK={block} grid={per_sm}xSM warps={warps}"
-    t = time_cuda(lambda: buf.sum(dtype=torch.float32), reps=10, graph_calls=3)
-    bw = n * 2 / (t.median_us * 1e-6)
-    if bw > best:
-        best, how = bw, "torch.sum"
-    del buf
-    return best, how
+    cands, _ = read_gbps_candidates(torch.device("cuda"), 4 * 2**30)
+    how, gbps = max(cands.items(), key=lambda kv: kv[1])
+    return gbps * 1e9, how
 
 
 def matmul_ceiling() -> float:

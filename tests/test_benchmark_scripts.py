@@ -1,6 +1,6 @@
 """Benchmark scripts that PERF.md quotes: benchmarks/vllm_style.py (the same-run reference of
 section 3; its vLLM-style GEMM part is checked against the float64 reference) and
-benchmarks/decode_launches.py; each script's smoke mode runs end to end on CPU."""
+benchmarks/decode_launches.py and benchmarks/bench_triton.py; each script's smoke mode runs end to end on CPU."""
 
 import csv
 import os
@@ -61,3 +61,14 @@ def test_decode_launches_smoke(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "decode_launches.csv")))
     assert len(rows) == 4 and [r["direct_rule"] for r in rows[:2]] == ["True", "False"]
     assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows for v in ("baseline", "direct", "zero", "both"))
+
+
+def test_bench_triton_smoke(tmp_path):
+    # benchmarks/bench_triton.py (PERF.md section 3's table): runs end to end, every point correct
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_triton.py"), "--smoke", "--tokens", "1",
+                        "--check-best"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "bench_triton.csv")))
+    assert [r["shape"] for r in rows] == ["tiny", "tiny-map"]
+    assert all(float(r["max_rel_err"]) < 2e-2 for r in rows) and rows[0]["best_known_us"]

@@ -183,3 +183,25 @@ def test_tf32_off_restores_setting():
     with hardware._tf32_off():
         assert torch.backends.cuda.matmul.fp32_precision == "ieee"
     assert torch.backends.cuda.matmul.fp32_precision == before
+
+
+def test_read_walk_kernel_sums_its_rows():
+    """The 2-D tile-walk read kernel (interpreter on CPU) reduces each program's rows exactly once."""
+    x = torch.rand(64 * 4 * 3)
+    partial = torch.empty(3)
+    hardware.read_walk(x, partial, cols=64, block_r=4, block_c=16, num_warps=4, num_stages=2)
+    torch.testing.assert_close(partial, x.view(3, -1).sum(dim=1))
+    with pytest.raises(ValueError):
+        hardware.read_walk(x, partial, cols=64, block_r=4, block_c=24, num_warps=4, num_stages=2)
+
+
+def test_triton_read_candidates_check_and_name_every_variant(monkeypatch):
+    """Every stream and walk variant runs, is checked to sum all elements, and gets a GB/s."""
+    monkeypatch.setattr(hardware, "READ_STREAM_CONFIGS", ((1024, 2, 4),))
+    monkeypatch.setattr(hardware, "READ_WALK_COLS", 64)
+    monkeypatch.setattr(hardware, "READ_WALK_CONFIGS", ((8, 32, 4, 2), (16, 64, 4, 3)))
+    runs = hardware._triton_read_gbps(torch.ones(1024 * 2 * 3 + 5), time_us=lambda fn: 1.0)
+    assert sorted(runs) == ["triton stream BLOCK_SIZE=1024 ITERS=2 warps=4",
+                            "triton walk BLOCK_R=16 BLOCK_C=64 warps=4 stages=3",
+                            "triton walk BLOCK_R=8 BLOCK_C=32 warps=4 stages=2"]
+    assert runs["triton stream BLOCK_SIZE=1024 ITERS=2 warps=4"] == pytest.approx(1024 * 2 * 3 * 4 / 1e-6 / 1e9)
