@@ -57,7 +57,7 @@ def main() -> int:
         # and read as fp8 (after fp8_quant) by GEMM2.
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if fp8 else std_ptrs
         p2 = dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if fp8 else std_ptrs
-        print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False), p1, ("w13_desc",)))
+        print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False), p1, ("w13_desc",)))
         print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, ATOMIC=True), p2, ("w2_desc",)))
         for name, fp8_ptrs in (("_batched_silu_mul_gemm1_kernel", ("a_ptr", "w13_ptr")),
                                ("_batched_gemm2_kernel", ("inter_ptr", "w2_ptr"))):
@@ -70,8 +70,16 @@ def main() -> int:
             print(compile_kernel(jit, {k: v for k, v in c.items() if k in params}, ptrs))
     # GEMM1 also zeroing GEMM2's fp32 accumulator (decode tile)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
-             IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, **no_quant)
+             IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant)
     print(compile_kernel(T._silu_mul_gemm1_kernel, c, dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",)))
+    # GEMM1 with gate and up as one tile and one dot: decode and prefill tiles (BLOCK_SIZE_N is
+    # per half here, as launch_gemm1 passes it), and fp8 block scales
+    for (bm, bn, bk), quant in (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),
+                                ((64, 64, 64), dict(QUANT=2, GROUP_N=128, GROUP_K=128))):
+        c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
+                 IEEE_DOT=False, USE_TMA=False, ZERO_OUT=False, WIDE=True, **quant)
+        p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if quant["QUANT"] else std_ptrs
+        print(compile_kernel(T._silu_mul_gemm1_kernel, c, p1, ("w13_desc",)))
     # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
     # (looped chunks), dynamic scales, rows limited on the device.
     qptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "limit_ptr": "*i32"}

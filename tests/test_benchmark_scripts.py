@@ -49,6 +49,7 @@ def test_smoke_run_writes_its_table(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "vllm_style.csv")))
     assert [int(r["tokens"]) for r in rows] == [1, 16]
     assert all(float(r["vllm_style_err"]) < 3e-2 for r in rows)  # bf16, truncating interpreter stores
+    assert all(float(r["wide_vs_paired_err"]) < 1e-2 for r in rows)
     assert "| tiny | 16 |" in (tmp_path / "vllm_style.md").read_text()
 
 

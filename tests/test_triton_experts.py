@@ -379,3 +379,22 @@ def test_fused_moe_launch_trimming_matches_default(direct, zero):
         assert torch.allclose(got.float(), again.float(), rtol=1e-2, atol=1e-3)  # atomics: any order
         assert _rel(got, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
         assert torch.allclose(got.float(), base.float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bk", [64, 32])
+def test_wide_gemm1_matches_paired(dtype, bk):
+    # GEMM1 with gate and up loaded as one tile and one dot: the same intermediate as the paired
+    # walk (I=40 is not a multiple of the 32-column halves; H=72 leaves a K tail with bk=32).
+    w13, w2 = _weights(E, dtype)
+    x = _x(9, dtype)
+    tw, ti = _routing(9, E, K)
+    align = moe_align_block_size(ti, 16, E)
+    cfg = dict(CFG, BLOCK_SIZE_K=bk)
+    paired = launch_gemm1(x, w13, align, K, cfg)
+    wide = launch_gemm1(x, w13, align, K, cfg, wide=True)
+    used = int(align.num_tokens_post_padded)
+    torch.testing.assert_close(wide[:used].float(), paired[:used].float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    out = fused_moe_gemms(x, w13, w2, tw, align, K, cfg, wide=True)
+    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]

@@ -341,3 +341,18 @@ def test_batched_moe_quantises_unquantised_input():
     for e, c in enumerate(counts.tolist()):
         assert torch.equal(out[e, :c], ref[e, :c])
     assert torch.isnan(out[0]).all() and torch.isnan(out[2, 5:]).all()  # skipped rows stay unwritten
+
+
+@pytest.mark.parametrize("name", ["token", "block32", "tensor"])
+def test_triton_fp8_wide_gemm1(name):
+    # GEMM1 as one (BK, BLOCK_SIZE_N) tile and one dot: each column's scale follows its w13 row
+    # (gate n or up I + n), per channel and per block, and the result matches the reference.
+    scheme = SCHEMES[name]
+    q13, q2 = _qweights(scheme)
+    m = 9
+    x = _x(m)
+    tw, ti = _routing(m, E, K)
+    cfg = _cfg(scheme)
+    with poisoned_outputs():
+        out = fused_moe(x, q13, q2, tw, ti, config=cfg, wide=True)
+    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT

@@ -88,6 +88,10 @@ DEFAULT_ATOMIC = True
 #: - GEMM2's atomic accumulator zeroed by GEMM1's programs instead of a memset launch.
 DEFAULT_DIRECT_ALIGN: bool | str = False
 DEFAULT_ZERO_IN_GEMM1 = False
+#: GEMM1 loads the gate and up tiles as one (BK, BLOCK_SIZE_N) tile and does one dot (`wide`),
+#: off until timed: the same-run reference measured moebench's paired GEMM1 up to 10% slower than
+#: the vLLM-style one at prefill (PERF.md section 3). Its weights then load without TMA.
+DEFAULT_WIDE_GEMM1 = False
 
 
 @triton.jit
@@ -133,6 +137,7 @@ def _silu_mul_gemm1_kernel(
     GROUP_N: tl.constexpr = 1,
     GROUP_K: tl.constexpr = 1,  # QUANT 2: a multiple of BLOCK_SIZE_K
     ZERO_OUT: tl.constexpr = False,
+    WIDE: tl.constexpr = False,  # gate and up tiles loaded as one (BK, 2 BN) tile, one dot (no TMA)
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -163,48 +168,74 @@ def _silu_mul_gemm1_kernel(
     col_ok = offs_n < N_INTER
     offs_k = tl.arange(0, BLOCK_SIZE_K)
 
-    # Pointers: A (BM, BK) rows of x; gate (BK, BN) = w13[e, n, k]^T, up = the same I rows further.
-    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    u_ptrs = g_ptrs + N_INTER * stride_wn
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # A (BM, BK): rows of x
+    as_ptrs = a_scale_ptr + token * stride_asm  # x's row scales (fp8)
+    if WIDE:
+        # One (BK, 2 BN) weight tile per K step: the BN gate rows n.., then the same up rows I + n..,
+        # and one dot; the accumulator's two halves are split in the epilogue.
+        offs_w = tl.arange(0, 2 * BLOCK_SIZE_N)
+        n_w = pid_n * BLOCK_SIZE_N + offs_w % BLOCK_SIZE_N
+        wcol_ok = n_w < N_INTER
+        rows_w = n_w + (offs_w // BLOCK_SIZE_N) * N_INTER
+        w_ptrs = w13_ptr + expert * stride_we + rows_w[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        ws_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, rows_w, QUANT, GROUP_N)
+        acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=wcol_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < H - k * BLOCK_SIZE_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & wcol_ok[None, :], other=0.0)
+            acc = scaled_mma(a, w, acc, k * BLOCK_SIZE_K, as_ptrs, ws_ptrs, row_ok, wcol_ok, stride_asg, stride_wsk,
+                             QUANT, GROUP_K, UPCAST, IEEE_DOT)
+            a_ptrs += BLOCK_SIZE_K * stride_xk
+            w_ptrs += BLOCK_SIZE_K * stride_wk
+        acc = dequant(acc, as_ptrs, ws_ptrs, row_ok, wcol_ok, QUANT)
+        # (BM, 2 BN) -> (BM, 2, BN) -> (BM, BN, 2) -> gate, up
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1)))
+    else:
+        # Paired walk: gate (BK, BN) = w13[e, n, k]^T and up = the same I rows further, two dots.
+        g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        u_ptrs = g_ptrs + N_INTER * stride_wn
 
-    # TMA: row of the gate tile in the (E_local * 2I, H) view; rows past I (last tile) read the
-    # neighbouring rows or zeros, their columns are masked at the store.
-    g_row = (expert * 2 * N_INTER + pid_n * BLOCK_SIZE_N).to(tl.int32)
+        # TMA: row of the gate tile in the (E_local * 2I, H) view; rows past I (last tile) read the
+        # neighbouring rows or zeros, their columns are masked at the store.
+        g_row = (expert * 2 * N_INTER + pid_n * BLOCK_SIZE_N).to(tl.int32)
 
-    # Scales: x's row scale (per token), and w13's for the gate rows n and the up rows I + n.
-    as_ptrs = a_scale_ptr + token * stride_asm
-    gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
-    us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
+        # w13's scales for the gate rows n and the up rows I + n.
+        gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
+        us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
 
-    acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
-        if USE_TMA:
-            k_ok = offs_k < H - k * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = w13_desc.load([g_row, k * BLOCK_SIZE_K]).T
-            u = w13_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
-        elif EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < H - k * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        kk = k * BLOCK_SIZE_K
-        acc_g = scaled_mma(a, g, acc_g, kk, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
-        acc_u = scaled_mma(a, u, acc_u, kk, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
-        a_ptrs += BLOCK_SIZE_K * stride_xk
-        g_ptrs += BLOCK_SIZE_K * stride_wk
-        u_ptrs += BLOCK_SIZE_K * stride_wk
+        acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+            if USE_TMA:
+                k_ok = offs_k < H - k * BLOCK_SIZE_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                g = w13_desc.load([g_row, k * BLOCK_SIZE_K]).T
+                u = w13_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < H - k * BLOCK_SIZE_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            kk = k * BLOCK_SIZE_K
+            acc_g = scaled_mma(a, g, acc_g, kk, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                               QUANT, GROUP_K, UPCAST, IEEE_DOT)
+            acc_u = scaled_mma(a, u, acc_u, kk, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                               QUANT, GROUP_K, UPCAST, IEEE_DOT)
+            a_ptrs += BLOCK_SIZE_K * stride_xk
+            g_ptrs += BLOCK_SIZE_K * stride_wk
+            u_ptrs += BLOCK_SIZE_K * stride_wk
 
-    acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
-    acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
+        acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
+        acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
 
     # Epilogue: SiLU(gate) * up, stored at the block's sorted rows (sentinel rows hold zeros).
     h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -443,8 +474,10 @@ def launch_gemm1(
     a_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     zero: torch.Tensor | None = None,
+    wide: bool = False,
 ) -> torch.Tensor:
     """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
+    wide: gate and up tiles as one tile and one dot (DEFAULT_WIDE_GEMM1; no TMA then).
 
     fp8: w13 a QuantWeight, x (M, H) float8_e4m3fn with a_scale (M, G) fp32 (any row stride, 0 for
     per tensor); inter is then in out_dtype (default bf16). zero: a contiguous fp32 tensor that the
@@ -464,6 +497,7 @@ def launch_gemm1(
     inter = torch.empty((num_blocks * bm, n_inter), dtype=inter_dtype, device=x.device)
     wq = w13.q if quant["QUANT"] else w13
     desc = wq
+    use_tma = use_tma and not wide
     if use_tma:
         desc = TensorDescriptor.from_tensor(wq.view(-1, h), [bn1, bk])
     sc = _scale_args(a_scale, w13)
@@ -478,7 +512,7 @@ def launch_gemm1(
         *sc[2:],
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
-        ZERO_OUT=zero is not None, num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
+        ZERO_OUT=zero is not None, WIDE=wide, num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
     )
     return inter
 
@@ -557,6 +591,7 @@ def fused_moe_gemms(
     a_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     zero_in_gemm1: bool | None = None,
+    wide: bool | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
@@ -564,13 +599,15 @@ def fused_moe_gemms(
     use_tma: weight tiles through TMA descriptors (CUDA, compute capability >= 9; ignored
     elsewhere). atomic: sum over top-k by fp32 atomics in GEMM2's epilogue (then a cast), else
     weighted rows per pair and a torch sum over K. zero_in_gemm1 (None: DEFAULT_ZERO_IN_GEMM1):
-    the atomic accumulator is zeroed by GEMM1's programs, not by a memset launch.
+    the atomic accumulator is zeroed by GEMM1's programs, not by a memset launch. wide (None:
+    DEFAULT_WIDE_GEMM1): GEMM1 with one (BK, BLOCK_SIZE_N) weight tile and one dot per K step.
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
     scheme (w2.input_scale for per tensor) before GEMM2, as moebench.quant describes. No TMA."""
     m, h = x.shape
     zero_in_gemm1 = DEFAULT_ZERO_IN_GEMM1 if zero_in_gemm1 is None else zero_in_gemm1
+    wide = DEFAULT_WIDE_GEMM1 if wide is None else wide
     scheme = scheme_of(w13)
     if scheme is not None:
         out_dtype = out_dtype or torch.bfloat16
@@ -592,7 +629,8 @@ def fused_moe_gemms(
     if atomic:
         acc = torch.empty((m, h), dtype=torch.float32, device=x.device) if zero_in_gemm1 else torch.zeros(
             (m, h), dtype=torch.float32, device=x.device)
-    inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None)
+    inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
+                         wide=wide)
     inter_scale = None
     if scheme is not None:
         # Only rows < num_tokens_post_padded are in use (read on the device).
@@ -644,12 +682,13 @@ def fused_moe(
     out_dtype: torch.dtype | None = None,
     direct: bool | str | None = None,
     zero_in_gemm1: bool | None = None,
+    wide: bool | None = None,
 ) -> torch.Tensor:
     """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
     use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC). direct:
     True / False / "auto" (None: DEFAULT_DIRECT_ALIGN), see moebench.kernels.moe_align.direct_align;
-    zero_in_gemm1: see `fused_moe_gemms`.
+    zero_in_gemm1, wide: see `fused_moe_gemms`.
 
     fp8: w13 and w2 moebench.quant.QuantWeight of one scheme, and either
       - x float8_e4m3fn with a_scale (M, G) fp32 (as prepare makes them); the output is in
@@ -691,7 +730,7 @@ def fused_moe(
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
-        a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1,
+        a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide,
     )
 
 
