@@ -58,7 +58,7 @@ def main() -> int:
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if fp8 else std_ptrs
         p2 = dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if fp8 else std_ptrs
         print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False), p1, ("w13_desc",)))
-        print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, ATOMIC=True), p2, ("w2_desc",)))
+        print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, ATOMIC=True, A_TMA=False), p2, ("w2_desc", "inter_desc")))
         for name, fp8_ptrs in (("_batched_silu_mul_gemm1_kernel", ("a_ptr", "w13_ptr")),
                                ("_batched_gemm2_kernel", ("inter_ptr", "w2_ptr"))):
             jit = getattr(B, name)
@@ -80,6 +80,14 @@ def main() -> int:
                  IEEE_DOT=False, USE_TMA=False, ZERO_OUT=False, WIDE=True, **quant)
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if quant["QUANT"] else std_ptrs
         print(compile_kernel(T._silu_mul_gemm1_kernel, c, p1, ("w13_desc",)))
+    # TMA variants at the prefill tile: GEMM1's weights, GEMM2's weights and its inter tiles
+    bm, bn, bk = 128, 128, 64
+    c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, TOPK=8, EVEN_K=True, UPCAST=False,
+             IEEE_DOT=False, USE_TMA=True, **no_quant)
+    print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
+                         dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>")))
+    print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn, ATOMIC=True, A_TMA=True),
+                         dict(std_ptrs, inter_desc=f"tensordesc<bf16[{bm}, {bk}]>", w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
     # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
     # (looped chunks), dynamic scales, rows limited on the device.
     qptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "limit_ptr": "*i32"}

@@ -398,3 +398,19 @@ def test_wide_gemm1_matches_paired(dtype, bk):
                                atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     out = fused_moe_gemms(x, w13, w2, tw, align, K, cfg, wide=True)
     assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_gemm2_a_through_tma(split_k):
+    # GEMM2 loading inter's tiles through a TMA descriptor too (emulated by the interpreter): a K
+    # tail (I=40, BLOCK_SIZE_K=16 -> 3 steps, the last one past I) and K splits of whole steps.
+    dtype = torch.bfloat16
+    w13, w2 = _weights(E, dtype)
+    x = _x(9, dtype)
+    tw, ti = _routing(9, E, K)
+    cfg = dict(CFG, BLOCK_SIZE_K=16)
+    align = moe_align_block_size(ti, 16, E)
+    out = fused_moe_gemms(x, w13, w2, tw, align, K, cfg, split_k, use_tma=True, tma_a=True)
+    base = fused_moe_gemms(x, w13, w2, tw, align, K, cfg, split_k, use_tma=True, tma_a=False)
+    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+    torch.testing.assert_close(out.float(), base.float(), rtol=1e-2, atol=1e-3)

@@ -92,6 +92,9 @@ DEFAULT_ZERO_IN_GEMM1 = False
 #: off until timed: the same-run reference measured moebench's paired GEMM1 up to 10% slower than
 #: the vLLM-style one at prefill (PERF.md section 3). Its weights then load without TMA.
 DEFAULT_WIDE_GEMM1 = False
+#: With TMA, GEMM2 also loads its A tiles (inter's rows of a block are contiguous) through TMA;
+#: off until timed.
+DEFAULT_TMA_GEMM2_A = False
 
 
 @triton.jit
@@ -246,6 +249,7 @@ def _silu_mul_gemm1_kernel(
 @triton.jit
 def _gemm2_weighted_sum_kernel(
     inter_ptr,  # (max_padded, I)
+    inter_desc,  # TMA descriptor of inter, block (BLOCK_SIZE_M, BLOCK_SIZE_K); A_TMA only
     w2_ptr,  # (E_local, H, I)
     w2_desc,  # TMA descriptor of w2 as (E_local * H, I), block (BLOCK_SIZE_N, BLOCK_SIZE_K); USE_TMA only
     ws_ptr,  # ATOMIC: (M, H) fp32, zeroed; else (M*K, H) in the input dtype, one row per pair; out
@@ -285,6 +289,7 @@ def _gemm2_weighted_sum_kernel(
     QUANT: tl.constexpr = 0,  # as in GEMM1
     GROUP_N: tl.constexpr = 1,
     GROUP_K: tl.constexpr = 1,
+    A_TMA: tl.constexpr = False,  # with USE_TMA: inter's tiles through TMA too (k_per_split % BLOCK_SIZE_K == 0)
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -322,8 +327,11 @@ def _gemm2_weighted_sum_kernel(
     k_hi = min(k_lo + k_per_split, N_INTER)
     for k in range(k_lo, k_hi, BLOCK_SIZE_K):
         if USE_TMA:
-            k_ok = offs_k < k_hi - (k - k_lo)
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            if A_TMA:  # the block's rows of inter are contiguous; past I the descriptor reads zeros
+                a = inter_desc.load([pid_m * BLOCK_SIZE_M, k])
+            else:
+                k_ok = offs_k < k_hi - (k - k_lo)
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = w2_desc.load([b_row, k]).T
         elif EVEN_K:
             a = tl.load(a_ptrs)
@@ -530,8 +538,10 @@ def launch_gemm2(
     a_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     ws: torch.Tensor | None = None,
+    tma_a: bool = False,
 ) -> torch.Tensor:
-    """GEMM2 + router weight on aligned pairs. atomic: returns ws (M, H) fp32 with the sum over
+    """GEMM2 + router weight on aligned pairs. tma_a (with use_tma): inter's tiles load through
+    TMA as well as w2's (DEFAULT_TMA_GEMM2_A). atomic: returns ws (M, H) fp32 with the sum over
     top-k done by atomic adds (split_k allowed; `ws` given = already zeroed, e.g. by GEMM1);
     else (M*K, H) weighted rows per pair in inter's dtype (out_dtype for fp8; rows of remote pairs
     zero), to be summed over K by the caller.
@@ -561,16 +571,18 @@ def launch_gemm2(
     desc = wq
     if use_tma:
         desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter), [bn, bk])
+    a_tma = bool(use_tma and tma_a and _tma_ok(inter))
+    a_desc = TensorDescriptor.from_tensor(inter, [bm, bk]) if a_tma else inter
     sc = _scale_args(a_scale, w2)
     grid2 = (num_blocks * triton.cdiv(h, bn), split_k)
     _gemm2_weighted_sum_kernel[grid2](
-        inter, wq, desc, ws, weights, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        inter, a_desc, wq, desc, ws, weights, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
         *sc[:2], align.num_pairs, h, n_inter, num_blocks, k_per_split,
         inter.stride(0), inter.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), ws.stride(0), ws.stride(1),
         *sc[2:],
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
-        IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic,
+        IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic, A_TMA=a_tma,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
     )
     return ws
@@ -592,6 +604,7 @@ def fused_moe_gemms(
     out_dtype: torch.dtype | None = None,
     zero_in_gemm1: bool | None = None,
     wide: bool | None = None,
+    tma_a: bool | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
@@ -601,6 +614,7 @@ def fused_moe_gemms(
     weighted rows per pair and a torch sum over K. zero_in_gemm1 (None: DEFAULT_ZERO_IN_GEMM1):
     the atomic accumulator is zeroed by GEMM1's programs, not by a memset launch. wide (None:
     DEFAULT_WIDE_GEMM1): GEMM1 with one (BK, BLOCK_SIZE_N) weight tile and one dot per K step.
+    tma_a (None: DEFAULT_TMA_GEMM2_A): with use_tma, GEMM2's inter tiles through TMA too.
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
@@ -635,7 +649,8 @@ def fused_moe_gemms(
     if scheme is not None:
         # Only rows < num_tokens_post_padded are in use (read on the device).
         inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
-    ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic, inter_scale, out_dtype, ws=acc)
+    ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic, inter_scale, out_dtype,
+                      ws=acc, tma_a=DEFAULT_TMA_GEMM2_A if tma_a is None else tma_a)
     if atomic:
         out.copy_(ws)
     else:
