@@ -41,12 +41,17 @@ def test_vllm_config_lookup_takes_the_nearest_key():
     assert [vllm_style.vllm_config(table, m) for m in (1, 9, 30, 50, 4096)] == ["a", "b", "b", "c", "c"]
 
 
-def test_smoke_run_writes_its_table(tmp_path):
+def _smoke(script: str, tmp_path: Path, *args: str) -> list[dict]:
+    """Run benchmarks/<script> --smoke on CPU (interpreter) with OUT=tmp_path; its CSV rows."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_style.py"), "--smoke", "--tokens", "1,16"],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = list(csv.DictReader(open(tmp_path / "vllm_style.csv")))
+    return list(csv.DictReader(open(tmp_path / script.replace(".py", ".csv"))))
+
+
+def test_smoke_run_writes_its_table(tmp_path):
+    rows = _smoke("vllm_style.py", tmp_path, "--tokens", "1,16")
     assert [int(r["tokens"]) for r in rows] == [1, 16]
     assert all(float(r["vllm_style_err"]) < 3e-2 for r in rows)  # bf16, truncating interpreter stores
     assert all(float(r["wide_vs_paired_err"]) < 1e-2 for r in rows)
@@ -54,22 +59,14 @@ def test_smoke_run_writes_its_table(tmp_path):
 
 
 def test_decode_launches_smoke(tmp_path):
-    # benchmarks/decode_launches.py: every variant correct against the reference, table written
-    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_launches.py"), "--smoke", "--tokens", "1,3"],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = list(csv.DictReader(open(tmp_path / "decode_launches.csv")))
+    # every variant correct against the reference, table written
+    rows = _smoke("decode_launches.py", tmp_path, "--tokens", "1,3")
     assert len(rows) == 4 and [r["direct_rule"] for r in rows[:2]] == ["True", "False"]
     assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows for v in ("baseline", "direct", "zero", "both"))
 
 
 def test_bench_triton_smoke(tmp_path):
-    # benchmarks/bench_triton.py (PERF.md section 3's table): runs end to end, every point correct
-    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_triton.py"), "--smoke", "--tokens", "1",
-                        "--check-best"], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = list(csv.DictReader(open(tmp_path / "bench_triton.csv")))
+    # PERF.md section 3's table: runs end to end, every point correct
+    rows = _smoke("bench_triton.py", tmp_path, "--tokens", "1", "--check-best")
     assert [r["shape"] for r in rows] == ["tiny", "tiny-map"]
     assert all(float(r["max_rel_err"]) < 2e-2 for r in rows) and rows[0]["best_known_us"]

@@ -1,6 +1,5 @@
 """compare tp-vs-ep and report, end to end through the CLI; the PNGs are opened and checked."""
 
-import json
 
 import numpy as np
 import pandas as pd

@@ -37,6 +37,15 @@ def _setup(shape: str, m: int, dtype=torch.bfloat16, seed: int = 0):
     return x, w13, w2, tw, ti.to(torch.int32), emap, e
 
 
+def _replay_on_new_inputs(graph, logits, x, seed: int) -> None:
+    """New routing logits and activations into the captured buffers, then one replay."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits.copy_(torch.randn(logits.shape, device="cuda", generator=g))
+    x.copy_(torch.randn(x.shape, device="cuda", generator=g, dtype=x.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def _rel(out, ref):
     assert not torch.isnan(out).any()
     return ((out.double() - ref).norm() / ref.norm()).item()
@@ -87,11 +96,7 @@ def test_cuda_graph_capture_and_replay(shape, m):
 
     graph, out = capture_graph(layer)
     for seed in (5, 6):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        logits.copy_(torch.randn(m, e, device="cuda", generator=g))
-        x.copy_(torch.randn(m, x.shape[1], device="cuda", generator=g, dtype=x.dtype))
-        graph.replay()
-        torch.cuda.synchronize()
+        _replay_on_new_inputs(graph, logits, x, seed)
         w, ids = torch.softmax(logits, -1).topk(k, -1)
         ref = moebench.reference_moe(x, w13, w2, w / w.sum(-1, keepdim=True), ids, emap)
         assert _rel(out, ref) < 2e-2
@@ -130,11 +135,7 @@ def test_launch_trimming_in_a_cuda_graph(shape):
         out = layer()
     assert not moe_align._DIRECT_LAYOUTS
     for seed in (5, 6):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        logits.copy_(torch.randn(m, e, device="cuda", generator=g))
-        x.copy_(torch.randn(m, x.shape[1], device="cuda", generator=g, dtype=x.dtype))
-        graph.replay()
-        torch.cuda.synchronize()
+        _replay_on_new_inputs(graph, logits, x, seed)
         w, ids = fused_topk_softmax(logits, k, renormalize=True)
         ref = moebench.reference_moe(x, w13, w2, w, ids, emap)
         assert _rel(out, ref) < 2e-2
