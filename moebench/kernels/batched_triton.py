@@ -36,7 +36,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.moe_align import interpreter_compat, interpreting, triton_unavailable_reason
 from moebench.kernels.registry import register_experts
-from moebench.kernels.triton_common import cast_rne, dequant, grouped_tile, scale_ptrs, scaled_mma
+from moebench.kernels.triton_common import cast_rne, dequant, gate_up_mainloop, grouped_tile, scale_ptrs, scaled_mma
 from moebench.quant import FP8_DTYPE, SCALES, QuantScheme, QuantWeight, scheme_of
 from moebench.tuning.configs import TileConfig, default_config, quant_default, validate_tile_config
 
@@ -98,36 +98,11 @@ def _batched_silu_mul_gemm1_kernel(
     offs_k = tl.arange(0, BLOCK_SIZE_K)
 
     a_ptrs = a_ptr + expert * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    u_ptrs = g_ptrs + N_INTER * stride_wn
-
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
-    gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
-    us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
-
-    acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < H - k * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        kk = k * BLOCK_SIZE_K
-        acc_g = scaled_mma(a, g, acc_g, kk, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
-        acc_u = scaled_mma(a, u, acc_u, kk, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
-        a_ptrs += BLOCK_SIZE_K * stride_ak
-        g_ptrs += BLOCK_SIZE_K * stride_wk
-        u_ptrs += BLOCK_SIZE_K * stride_wk
-
-    acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
-    acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
+    acc_g, acc_u = gate_up_mainloop(
+        a_ptrs, stride_ak, row_ok, w13_ptr, w13_ptr, expert, stride_we, stride_wn, stride_wk, pid_n * BLOCK_SIZE_N,
+        N_INTER, H, as_ptrs, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, False, False, QUANT, GROUP_N, GROUP_K)
 
     # Epilogue: SiLU(gate) * up for the valid rows.
     h = acc_g * tl.sigmoid(acc_g) * acc_u

@@ -90,3 +90,106 @@ def cast_rne(x, dtype: tl.constexpr, EXACT: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def gate_up_mainloop(
+    a_ptrs,  # (BM, BK) pointers to the activation rows at K = 0
+    stride_ak,
+    row_ok,  # (BM,) rows that exist (others load zeros)
+    w_ptr,  # w13 (E_local, 2I, H)
+    w_desc,  # TMA descriptor of w13 as (E_local * 2I, H), block (BLOCK_SIZE_N, BLOCK_SIZE_K); USE_TMA only
+    expert,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    n0,  # first intermediate column of this program
+    N_INTER,
+    H,
+    as_ptrs,  # QUANT: (BM,) pointers to the rows' scales at K group 0
+    stride_asg,
+    ws_ptr,  # QUANT: w13's scales
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WIDE: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+):
+    """GEMM1's K loop for one (rows, intermediate tile) program of both Triton experts: the
+    activation tiles times the gate rows n0.. and the up rows I + n0.. of w13[expert] ->
+    (acc_g, acc_u), each (BLOCK_SIZE_M, BLOCK_SIZE_N) fp32 with the fp8 scales applied.
+
+    Paired walk: gate and up tiles loaded separately (through TMA when USE_TMA), two dots. WIDE:
+    one (BK, 2 BN) tile of both, one dot, halves split at the end (no TMA)."""
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    if WIDE:
+        # Columns 0..BN-1 are gate rows n0.., BN..2BN-1 the same up rows I further.
+        offs_w = tl.arange(0, 2 * BLOCK_SIZE_N)
+        n_w = n0 + offs_w % BLOCK_SIZE_N
+        wcol_ok = n_w < N_INTER
+        rows_w = n_w + (offs_w // BLOCK_SIZE_N) * N_INTER
+        w_ptrs = w_ptr + expert * stride_we + rows_w[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        wsc_ptrs = scale_ptrs(ws_ptr, expert, stride_wse, stride_wsn, rows_w, QUANT, GROUP_N)
+        acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=wcol_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < H - k * BLOCK_SIZE_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & wcol_ok[None, :], other=0.0)
+            acc = scaled_mma(a, w, acc, k * BLOCK_SIZE_K, as_ptrs, wsc_ptrs, row_ok, wcol_ok, stride_asg, stride_wsk,
+                             QUANT, GROUP_K, UPCAST, IEEE_DOT)
+            a_ptrs += BLOCK_SIZE_K * stride_ak
+            w_ptrs += BLOCK_SIZE_K * stride_wk
+        acc = dequant(acc, as_ptrs, wsc_ptrs, row_ok, wcol_ok, QUANT)
+        # (BM, 2 BN) -> (BM, 2, BN) -> (BM, BN, 2) -> gate, up
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1)))
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_SIZE_N)
+        col_ok = offs_n < N_INTER
+        g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        u_ptrs = g_ptrs + N_INTER * stride_wn
+        # TMA: the gate tile's first row in the (E_local * 2I, H) view; rows past I (last tile)
+        # read the neighbouring rows or zeros, their columns are masked at the caller's store.
+        g_row = (expert * 2 * N_INTER + n0).to(tl.int32)
+        gs_ptrs = scale_ptrs(ws_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
+        us_ptrs = scale_ptrs(ws_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
+        acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+            if USE_TMA:
+                k_ok = offs_k < H - k * BLOCK_SIZE_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                g = w_desc.load([g_row, k * BLOCK_SIZE_K]).T
+                u = w_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < H - k * BLOCK_SIZE_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            kk = k * BLOCK_SIZE_K
+            acc_g = scaled_mma(a, g, acc_g, kk, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                               QUANT, GROUP_K, UPCAST, IEEE_DOT)
+            acc_u = scaled_mma(a, u, acc_u, kk, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                               QUANT, GROUP_K, UPCAST, IEEE_DOT)
+            a_ptrs += BLOCK_SIZE_K * stride_ak
+            g_ptrs += BLOCK_SIZE_K * stride_wk
+            u_ptrs += BLOCK_SIZE_K * stride_wk
+        acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
+        acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
+    return acc_g, acc_u

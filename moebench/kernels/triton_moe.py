@@ -71,7 +71,7 @@ from moebench.kernels.moe_align import (
     use_direct_align,
 )
 from moebench.kernels.registry import register_experts
-from moebench.kernels.triton_common import cast_rne, dequant, grouped_tile, scale_ptrs, scaled_mma
+from moebench.kernels.triton_common import cast_rne, dequant, gate_up_mainloop, grouped_tile, scale_ptrs, scaled_mma
 from moebench.quant import FP8_DTYPE, SCALES, QuantWeight, scheme_of
 from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
 
@@ -171,74 +171,13 @@ def _silu_mul_gemm1_kernel(
     col_ok = offs_n < N_INTER
     offs_k = tl.arange(0, BLOCK_SIZE_K)
 
-    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # A (BM, BK): rows of x
-    as_ptrs = a_scale_ptr + token * stride_asm  # x's row scales (fp8)
-    if WIDE:
-        # One (BK, 2 BN) weight tile per K step: the BN gate rows n.., then the same up rows I + n..,
-        # and one dot; the accumulator's two halves are split in the epilogue.
-        offs_w = tl.arange(0, 2 * BLOCK_SIZE_N)
-        n_w = pid_n * BLOCK_SIZE_N + offs_w % BLOCK_SIZE_N
-        wcol_ok = n_w < N_INTER
-        rows_w = n_w + (offs_w // BLOCK_SIZE_N) * N_INTER
-        w_ptrs = w13_ptr + expert * stride_we + rows_w[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        ws_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, rows_w, QUANT, GROUP_N)
-        acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs, mask=wcol_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < H - k * BLOCK_SIZE_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & wcol_ok[None, :], other=0.0)
-            acc = scaled_mma(a, w, acc, k * BLOCK_SIZE_K, as_ptrs, ws_ptrs, row_ok, wcol_ok, stride_asg, stride_wsk,
-                             QUANT, GROUP_K, UPCAST, IEEE_DOT)
-            a_ptrs += BLOCK_SIZE_K * stride_xk
-            w_ptrs += BLOCK_SIZE_K * stride_wk
-        acc = dequant(acc, as_ptrs, ws_ptrs, row_ok, wcol_ok, QUANT)
-        # (BM, 2 BN) -> (BM, 2, BN) -> (BM, BN, 2) -> gate, up
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1)))
-    else:
-        # Paired walk: gate (BK, BN) = w13[e, n, k]^T and up = the same I rows further, two dots.
-        g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        u_ptrs = g_ptrs + N_INTER * stride_wn
-
-        # TMA: row of the gate tile in the (E_local * 2I, H) view; rows past I (last tile) read the
-        # neighbouring rows or zeros, their columns are masked at the store.
-        g_row = (expert * 2 * N_INTER + pid_n * BLOCK_SIZE_N).to(tl.int32)
-
-        # w13's scales for the gate rows n and the up rows I + n.
-        gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
-        us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
-
-        acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
-            if USE_TMA:
-                k_ok = offs_k < H - k * BLOCK_SIZE_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                g = w13_desc.load([g_row, k * BLOCK_SIZE_K]).T
-                u = w13_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
-            elif EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < H - k * BLOCK_SIZE_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            kk = k * BLOCK_SIZE_K
-            acc_g = scaled_mma(a, g, acc_g, kk, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                               QUANT, GROUP_K, UPCAST, IEEE_DOT)
-            acc_u = scaled_mma(a, u, acc_u, kk, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                               QUANT, GROUP_K, UPCAST, IEEE_DOT)
-            a_ptrs += BLOCK_SIZE_K * stride_xk
-            g_ptrs += BLOCK_SIZE_K * stride_wk
-            u_ptrs += BLOCK_SIZE_K * stride_wk
-
-        acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
-        acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
+    # A (BM, BK): the rows of x; x's row scales (fp8). Then the K loop over w13's gate and up rows.
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    as_ptrs = a_scale_ptr + token * stride_asm
+    acc_g, acc_u = gate_up_mainloop(
+        a_ptrs, stride_xk, row_ok, w13_ptr, w13_desc, expert, stride_we, stride_wn, stride_wk, pid_n * BLOCK_SIZE_N,
+        N_INTER, H, as_ptrs, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, USE_TMA, WIDE, QUANT, GROUP_N, GROUP_K)
 
     # Epilogue: SiLU(gate) * up, stored at the block's sorted rows (sentinel rows hold zeros).
     h = acc_g * tl.sigmoid(acc_g) * acc_u
