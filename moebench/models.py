@@ -42,6 +42,8 @@ class MoEShape:
     source:            URL of the config.json the numbers come from (or the local path)
     notes:             anything a user should know about this shape
     aliases:           other names get_model accepts for this preset
+    deploy:            the usual serving layouts on 8-GPU H200/H100 nodes ("tp1", "tp8", "ep8", ...):
+                       the shards for which moebench ships tuned configs (`moebench configs coverage`)
     """
 
     name: str
@@ -59,6 +61,7 @@ class MoEShape:
     source: str = ""
     notes: str = ""
     aliases: tuple[str, ...] = field(default=(), compare=False)
+    deploy: tuple[str, ...] = field(default=("tp1",), compare=False)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -157,48 +160,63 @@ def _preset(name: str, hf_id: str, E: int, topk: int, H: int, I: int, aliases: t
 _PRESET_LIST: tuple[MoEShape, ...] = (
     _preset("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", 8, 2, 4096, 14336,
             aliases=("mistralai/Mixtral-8x7B-Instruct-v0.1",),
+            deploy=("tp1", "tp8"),
             notes="num_local_experts; softmax over the top-2 logits (= softmax then renormalise)"),
     _preset("mixtral-8x22b", "mistralai/Mixtral-8x22B-v0.1", 8, 2, 6144, 16384,
             aliases=("mistralai/Mixtral-8x22B-Instruct-v0.1",),
+            deploy=("tp8",),
             notes="num_local_experts; softmax over the top-2 logits"),
     _preset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 128, 8, 2048, 768,
             aliases=("Qwen/Qwen3-30B-A3B-Instruct-2507", "Qwen/Qwen3-Coder-30B-A3B-Instruct"),
+            deploy=("tp1",),
             notes="moe_intermediate_size; norm_topk_prob=true"),
     _preset("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B", 128, 8, 4096, 1536,
             aliases=("Qwen/Qwen3-235B-A22B-Instruct-2507",),
+            deploy=("tp8", "ep8"),
             notes="moe_intermediate_size; norm_topk_prob=true"),
     _preset("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct", 512, 10, 2048, 512, shared_experts=1,
+            deploy=("tp4",),
             notes="moe_intermediate_size; norm_topk_prob=true; one shared expert (size 512)"),
     _preset("qwen2-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B", 60, 4, 2048, 1408, renormalize=False, shared_experts=1,
             aliases=("qwen1.5-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B-Chat"),
+            deploy=("tp1",),
             notes="Qwen2MoE architecture; norm_topk_prob=false; one gated shared expert of size 5632"),
     _preset("deepseek-v3", "deepseek-ai/DeepSeek-V3", 256, 8, 7168, 2048, scoring="sigmoid", n_group=8,
             topk_group=4, routed_scaling_factor=2.5, shared_experts=1,
             aliases=("deepseek-ai/DeepSeek-V3-0324", "deepseek-v3.1", "deepseek-ai/DeepSeek-V3.1"),
+            deploy=("tp8", "ep8"),
             notes="n_routed_experts; sigmoid scores with e_score_correction_bias, noaux_tc grouped top-k; "
                   "norm_topk_prob=true; first 3 layers dense"),
     _preset("deepseek-r1", "deepseek-ai/DeepSeek-R1", 256, 8, 7168, 2048, scoring="sigmoid", n_group=8,
             topk_group=4, routed_scaling_factor=2.5, shared_experts=1, aliases=("deepseek-ai/DeepSeek-R1-0528",),
+            deploy=("tp8", "ep8"),
             notes="same MoE shape as deepseek-v3"),
     _preset("deepseek-v2", "deepseek-ai/DeepSeek-V2", 160, 6, 5120, 1536, renormalize=False, n_group=8,
             topk_group=3, routed_scaling_factor=16.0, shared_experts=2,
+            deploy=("tp8",),
             notes="n_routed_experts; softmax, group_limited_greedy top-k; norm_topk_prob=false"),
     _preset("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite", 64, 6, 2048, 1408, renormalize=False,
             shared_experts=2, aliases=("deepseek-ai/DeepSeek-V2-Lite-Chat",),
+            deploy=("tp1",),
             notes="n_routed_experts; softmax, greedy top-k; norm_topk_prob=false"),
     _preset("gpt-oss-20b", "openai/gpt-oss-20b", 32, 4, 2880, 2880,
+            deploy=("tp1",),
             notes="num_local_experts; softmax over the top-4 logits; experts use a clamped SwiGLU with bias "
                   "and ship in MXFP4 (moebench times the plain SiLU-mul layer of this shape)"),
     _preset("gpt-oss-120b", "openai/gpt-oss-120b", 128, 4, 2880, 2880,
+            deploy=("tp4",),
             notes="num_local_experts; softmax over the top-4 logits; MXFP4 experts in the release"),
     _preset("olmoe-1b-7b", "allenai/OLMoE-1B-7B-0924", 64, 8, 2048, 1024, renormalize=False,
             aliases=("allenai/OLMoE-1B-7B-0924-Instruct", "olmoe"),
+            deploy=("tp1",),
             notes="num_experts; norm_topk_prob=false"),
     _preset("dbrx", "databricks/dbrx-base", 16, 4, 6144, 10752,
             aliases=("databricks/dbrx-instruct", "dbrx-instruct", "dbrx-base"),
+            deploy=("tp8",),
             notes="ffn_config.moe_num_experts / moe_top_k / ffn_hidden_size, d_model; moe_normalize_expert_weights=1"),
     _preset("llama4-scout", "meta-llama/Llama-4-Scout-17B-16E", 16, 1, 5120, 8192, scoring="sigmoid",
             renormalize=False, shared_experts=1, aliases=("meta-llama/Llama-4-Scout-17B-16E-Instruct",),
+            deploy=("tp8",),
             notes="text_config.num_local_experts; sigmoid of the top-1 logit; one shared expert"),
 )
 

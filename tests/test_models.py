@@ -191,3 +191,14 @@ def test_folder_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
     assert get_model("dbrx").name == "dbrx"
     with pytest.raises(MoebenchError, match="no config.json"):
         get_model(str(tmp_path / "dbrx"))
+
+
+def test_every_preset_deploy_layout_fits_its_shape():
+    # the shards `moebench configs coverage` asks tuned files for must be valid layouts
+    from moebench.models import PRESETS
+    from moebench.tuning.tuner import deploy_layout
+
+    for shape in PRESETS.values():
+        assert shape.deploy, shape.name
+        for name in shape.deploy:
+            deploy_layout(name)[0].validate_shape(shape.num_experts, shape.intermediate)

@@ -413,3 +413,35 @@ def test_torchrun_ranks_split_and_gather_on_rank0(tmp_path):
     (run_dir,) = list((tmp_path / "res").iterdir())  # one folder: rank 0's name, broadcast
     assert (run_dir / "measurements.w1.jsonl").exists()
     assert_vllm_loadable(tmp_path / "cfg" / "E=4,N=32,device_name=cpu.json", [1, 4, 8])
+
+
+def test_configs_coverage_of_the_presets_usual_layouts(tmp_path, monkeypatch):
+    # Every preset's deploy layouts map to the (E, N) file one rank looks up; a file in
+    # $MOEBENCH_CONFIG_DIR covers its shard, and --shards lists each missing file once.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path / "mine"))
+    C.write_config_file(tmp_path / "mine" / "E=32,N=2048,device_name=NVIDIA_H200.json", {1: GOOD})
+    g, r = _group(), CliRunner()
+    res = r.invoke(g, ["configs", "coverage", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {(x["model"], x["layout"]): x for x in json.loads(res.output)}
+    assert (rows[("mixtral-8x7b", "tp8")]["E"], rows[("mixtral-8x7b", "tp8")]["N"]) == (8, 1792)
+    assert (rows[("qwen3-235b-a22b", "ep8")]["E"], rows[("qwen3-235b-a22b", "ep8")]["N"]) == (16, 1536)
+    assert rows[("deepseek-v3", "ep8")]["found"] == str(tmp_path / "mine")
+    assert rows[("deepseek-v3", "tp8")]["found"] is None
+    shards = r.invoke(g, ["configs", "coverage", "--shards"]).output.strip().split(";")
+    assert "mixtral-8x7b:" in shards and "mixtral-8x7b:--tp 8" in shards and "qwen3-235b-a22b:--ep 8" in shards
+    assert "deepseek-v3:--ep 8" not in shards and "deepseek-r1:--ep 8" not in shards
+    assert sum(s.startswith(("deepseek-v3:--tp 8", "deepseek-r1:--tp 8")) for s in shards) == 1  # one file
+    res = r.invoke(g, ["configs", "coverage"])
+    assert res.exit_code == 0 and "missing" in res.output and "covered" in res.output
+
+
+def test_deploy_layout_names():
+    from moebench.tuning.tuner import deploy_layout
+
+    assert deploy_layout("tp1")[1] == "" and deploy_layout("tp8")[1] == "--tp 8" and deploy_layout("ep8")[1] == "--ep 8"
+    assert deploy_layout("ep8")[0].enable_ep and deploy_layout("tp4")[0].moe_tp_size == 4
+    with pytest.raises(MoebenchError, match="tpN or epN"):
+        deploy_layout("pp2")

@@ -340,6 +340,53 @@ def configs_diff(a, b, device, dtype, block_shape):
     console.print(t)
 
 
+def deploy_coverage(device_name: str) -> list[dict]:
+    """For every preset model and each of its usual layouts (`MoEShape.deploy`): the bf16 file a
+    rank looks up on `device_name` and where it is found along the lookup order (None: missing)."""
+    from moebench.models import PRESETS
+    from moebench.tuning.tuner import deploy_layout, file_shape
+
+    rows = []
+    for shape in PRESETS.values():
+        for name in shape.deploy:
+            layout, flags = deploy_layout(name)
+            e, n = file_shape(shape, layout)
+            found = C.find_config_file(e, n, device_name)
+            rows.append({"model": shape.name, "layout": name, "tune_flags": flags, "E": e, "N": n,
+                         "file": C.config_file_name(e, n, device_name), "found": str(found.parent) if found else None})
+    return rows
+
+
+@configs.command("coverage")
+@click.option("--device", "device", default="NVIDIA_H200", show_default=True,
+              help="Device name of the files (as in their names; spaces as underscores).")
+@click.option("--shards", "as_shards", is_flag=True,
+              help="Print only the missing shards as MODEL:FLAGS;... (the SHARDS of benchmarks/device_presets.sh).")
+@click.option("--json", "as_json", is_flag=True)
+def configs_coverage(device, as_shards, as_json):
+    """Which preset models' usual layouts (TP1 and their TP/EP shards) have a tuned bf16 file."""
+    rows = deploy_coverage(device.replace(" ", "_"))
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if as_shards:
+        missing: dict[str, str] = {}  # one shard per missing file (deepseek-v3 and -r1 share theirs)
+        for r in rows:
+            if r["found"] is None:
+                missing.setdefault(r["file"], f"{r['model']}:{r['tune_flags']}")
+        click.echo(";".join(missing.values()))
+        return
+    t = Table(title=f"tuned bf16 configs for the presets' usual layouts on {device}")
+    for c in ("model", "layout", "E", "N", "found in"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["model"], r["layout"], str(r["E"]), str(r["N"]), r["found"] or "[red]missing[/]")
+    console.print(t)
+    n_missing = sum(r["found"] is None for r in rows)
+    console.print(f"{len(rows) - n_missing} of {len(rows)} covered; tune the rest with "
+                  "`moebench tune --model MODEL [--tp N | --ep N]` (or `configs coverage --shards`).")
+
+
 @configs.command("commit")
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
 def configs_commit(files):

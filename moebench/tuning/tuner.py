@@ -34,6 +34,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -125,14 +126,12 @@ class TuneSpec:
     @property
     def local_experts(self) -> int:
         """E of the file name: experts on one rank (all of them without EP)."""
-        if self.layout.enable_ep:
-            return len(self.layout.local_experts(0, self.shape.num_experts))
-        return self.shape.num_experts
+        return file_shape(self.shape, self.layout)[0]
 
     @property
     def inter_per_rank(self) -> int:
         """N of the file name: I / tp."""
-        return self.layout.intermediate_per_rank(self.shape.intermediate)
+        return file_shape(self.shape, self.layout)[1]
 
     def screen_reps(self) -> tuple[int, int]:
         cuda = torch.device(self.device).type == "cuda"
@@ -655,6 +654,24 @@ def _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_toke
 
 # ---------------------------------------------------------------------------------------------
 # Outputs
+
+
+def file_shape(shape: MoEShape, layout: ParallelLayout) -> tuple[int, int]:
+    """(E, N) of the tuned-config file one rank of `layout` looks up: its local experts (all of
+    them without EP) and I / tp."""
+    e = len(layout.local_experts(0, shape.num_experts)) if layout.enable_ep else shape.num_experts
+    return e, layout.intermediate_per_rank(shape.intermediate)
+
+
+def deploy_layout(name: str) -> tuple[ParallelLayout, str]:
+    """'tp8' / 'ep8' / 'tp1' (a preset's `deploy` entry) -> (layout, the `moebench tune` flags)."""
+    m = re.fullmatch(r"(tp|ep)(\d+)", name)
+    if m is None:
+        raise MoebenchError(f"deploy layout {name!r}: expected tpN or epN, e.g. tp8")
+    n = int(m[2])
+    if m[1] == "ep":
+        return ParallelLayout.from_args(None, None, n), f"--ep {n}"
+    return ParallelLayout.from_args(n, None, None), "" if n == 1 else f"--tp {n}"
 
 
 def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None) -> Path:
