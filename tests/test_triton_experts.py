@@ -414,3 +414,13 @@ def test_gemm2_a_through_tma(split_k):
     base = fused_moe_gemms(x, w13, w2, tw, align, K, cfg, split_k, use_tma=True, tma_a=False)
     assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
     torch.testing.assert_close(out.float(), base.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_direct_align_caches_only_small_layouts():
+    from moebench.kernels import moe_align
+
+    moe_align._DIRECT_LAYOUTS.clear()
+    a = direct_align(torch.zeros((1, 8), dtype=torch.int32, device=DEV), 16)
+    assert direct_align(torch.ones((1, 8), dtype=torch.int32, device=DEV), 16).sorted_token_ids is a.sorted_token_ids
+    big = direct_align(torch.zeros((512, 8), dtype=torch.int32, device=DEV), 32)  # 4096 pairs x 32 rows
+    assert len(moe_align._DIRECT_LAYOUTS) == 1 and big.num_tokens_post_padded.item() == 4096 * 32
