@@ -1,4 +1,4 @@
-"""Launch trimming for decode (issue 3), A/B in one run: the `triton` layer (routing + experts via
+"""Launch trimming for decode (issues 3, 8), A/B in one run: the `triton` layer (routing + experts via
 the modular kernel) with the alignment kernels or `direct_align`, and with GEMM2's accumulator
 zeroed by a memset or by GEMM1 (moebench.kernels.triton_moe.DEFAULT_DIRECT_ALIGN /
 DEFAULT_ZERO_IN_GEMM1), on the same routing, CUDA-graph replay.
@@ -7,7 +7,9 @@ DEFAULT_ZERO_IN_GEMM1), on the same routing, CUDA-graph replay.
 
 Prediction (PERF.md section 3): at one token the two alignment launches (3.8-4.6 us measured)
 and the memset go, GEMM work unchanged: about -5 us per layer (Qwen3-30B-A3B 38.6 -> ~33 us).
-Writes decode_launches.csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU
+--fp8: per-tensor fp8_w8a8 weights, adding GEMM1's fused quantisation of the intermediate
+(DEFAULT_FUSE_FP8_INTER). Writes decode_launches[_fp8].csv / .md under $OUT (default
+./bench-out). --smoke: tiny shapes on CPU
 under the Triton interpreter (checks the script; its times mean nothing).
 """
 
@@ -34,15 +36,21 @@ ON_GPU = torch.cuda.is_available()
 SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768, 128),
           "dsv3-ep8": (256, 8, 7168, 2048, 32), "qwen3-next-80b-a3b": (512, 10, 2048, 512, 512)}
 SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
-VARIANTS = {"baseline": (False, False), "direct": ("auto", False), "zero": (False, True), "both": ("auto", True)}
+# name: (DEFAULT_DIRECT_ALIGN, DEFAULT_ZERO_IN_GEMM1, DEFAULT_FUSE_FP8_INTER)
+VARIANTS = {"baseline": (False, False, False), "direct": ("auto", False, False), "zero": (False, True, False),
+            "both": ("auto", True, False)}
+FP8_VARIANTS = {"fuse": (False, False, True), "all": ("auto", True, True)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,16")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--fp8", action="store_true", help="fp8_w8a8 per-tensor weights (adds the fused-quantisation variants)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    variants = dict(VARIANTS, **(FP8_VARIANTS if args.fp8 else {}))
+    stem = "decode_launches_fp8" if args.fp8 else "decode_launches"
     if args.smoke:
         SHAPES.update(SMOKE)
         args.shapes = ",".join(SMOKE)
@@ -50,7 +58,8 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda" if ON_GPU else "cpu")
     head = (f"{torch.cuda.get_device_name() if ON_GPU else 'cpu (smoke: times mean nothing)'}, torch "
-            f"{torch.__version__}, triton {triton.__version__}, bf16; layer = routing + triton experts (us)")
+            f"{torch.__version__}, triton {triton.__version__}, {'fp8_w8a8 per-tensor' if args.fp8 else 'bf16'}; "
+            "layer = routing + triton experts (us)")
     print("# " + head, flush=True)
     rows = []
     for shape in args.shapes.split(","):
@@ -58,6 +67,8 @@ def main() -> int:
         dt = torch.bfloat16
         w13 = torch.randn(e_local, 2 * inter, h, dtype=dt, device=dev).mul_(h**-0.5)
         w2 = torch.randn(e_local, h, inter, dtype=dt, device=dev).mul_(inter**-0.5)
+        if args.fp8:
+            w13, w2 = moebench.quantize_weights(w13, w2, moebench.QuantScheme(scales="tensor"), act_dtype=dt)
         emap = None
         if e_local < e:
             emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
@@ -74,8 +85,9 @@ def main() -> int:
 
             row = dict(shape=shape, tokens=m, direct_rule=triton_moe.use_direct_align(m, k, e))
             ref = None
-            for name, (direct, zero) in VARIANTS.items():
+            for name, (direct, zero, fuse) in variants.items():
                 triton_moe.DEFAULT_DIRECT_ALIGN, triton_moe.DEFAULT_ZERO_IN_GEMM1 = direct, zero
+                triton_moe.DEFAULT_FUSE_FP8_INTER = fuse
                 try:
                     out = layer()
                     if ref is None:
@@ -87,16 +99,17 @@ def main() -> int:
                     row[f"{name}_err"] = f"{err:.1e}"
                 finally:
                     triton_moe.DEFAULT_DIRECT_ALIGN, triton_moe.DEFAULT_ZERO_IN_GEMM1 = False, False
-            for name in VARIANTS:
+                    triton_moe.DEFAULT_FUSE_FP8_INTER = False
+            for name in variants:
                 if name != "baseline":
                     row[f"{name}/baseline"] = round(row[f"{name}_us"] / row["baseline_us"], 3)
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
             df = pd.DataFrame(rows)
-            atomic_write_text(out_dir / "decode_launches.csv", df.to_csv(index=False))
-            atomic_write_text(out_dir / "decode_launches.md", head + "\n\n" + _markdown(df))
+            atomic_write_text(out_dir / f"{stem}.csv", df.to_csv(index=False))
+            atomic_write_text(out_dir / f"{stem}.md", head + "\n\n" + _markdown(df))
         del w13, w2
-    print((out_dir / "decode_launches.md").read_text())
+    print((out_dir / f"{stem}.md").read_text())
     return 0
 
 

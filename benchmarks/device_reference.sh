@@ -18,6 +18,7 @@ fi
 if [ -z "${SKIP_DECODE:-}" ]; then
   step "decode_launches.py"
   python3 benchmarks/decode_launches.py 2>&1 | tee -a "$log" | tail -n 20
+  python3 benchmarks/decode_launches.py --fp8 --tokens 1,16 2>&1 | tee -a "$log" | tail -n 12
 fi
 if [ -z "${SKIP_TESTS:-}" ]; then
   step "pytest -m gpu tests/gpu"

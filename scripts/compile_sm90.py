@@ -31,8 +31,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] = ()) -> str:
     """Compile `jit` with `consts` as constexprs; other args are pointers (ptr_types) or i32.
     `unused` args (TMA descriptors when USE_TMA=False) are passed as None constexprs."""
-    names = list(inspect.signature(jit.fn).parameters)
-    consts = dict(consts, **{n: None for n in unused})
+    params = inspect.signature(jit.fn).parameters
+    names = list(params)
+    # constexpr parameters left out take their defaults (else they would become runtime ints)
+    defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty
+                and n not in ptr_types and n not in unused}
+    consts = dict(defaults, **consts, **{n: None for n in unused})
     sig = {n: "constexpr" if n in consts else ptr_types.get(n, "i32") for n in names}
     src = ASTSource(fn=jit, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=TARGET)
@@ -80,6 +84,11 @@ def main() -> int:
                  IEEE_DOT=False, USE_TMA=False, ZERO_OUT=False, WIDE=True, **quant)
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if quant["QUANT"] else std_ptrs
         print(compile_kernel(T._silu_mul_gemm1_kernel, c, p1, ("w13_desc",)))
+    # per-tensor fp8: GEMM1 quantising the intermediate in its epilogue (fp8 store)
+    c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
+             IEEE_DOT=False, USE_TMA=False, QUANT=1, GROUP_N=1, GROUP_K=1, QUANT_OUT=True)
+    print(compile_kernel(T._silu_mul_gemm1_kernel, c, dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv",
+                                                            inter_ptr="*fp8e4nv", out_scale_ptr="*fp32"), ("w13_desc",)))
     # TMA variants at the prefill tile: GEMM1's weights, GEMM2's weights and its inter tiles
     bm, bn, bk = 128, 128, 64
     c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, TOPK=8, EVEN_K=True, UPCAST=False,

@@ -41,13 +41,14 @@ def test_vllm_config_lookup_takes_the_nearest_key():
     assert [vllm_style.vllm_config(table, m) for m in (1, 9, 30, 50, 4096)] == ["a", "b", "b", "c", "c"]
 
 
-def _smoke(script: str, tmp_path: Path, *args: str) -> list[dict]:
-    """Run benchmarks/<script> --smoke on CPU (interpreter) with OUT=tmp_path; its CSV rows."""
+def _smoke(script: str, tmp_path: Path, *args: str, csv_name: str | None = None) -> list[dict]:
+    """Run benchmarks/<script> --smoke on CPU (interpreter) with OUT=tmp_path; the rows of its CSV
+    (csv_name, default <script>.csv)."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    return list(csv.DictReader(open(tmp_path / script.replace(".py", ".csv"))))
+    return list(csv.DictReader(open(tmp_path / (csv_name or script.replace(".py", ".csv")))))
 
 
 def test_smoke_run_writes_its_table(tmp_path):
@@ -70,3 +71,9 @@ def test_bench_triton_smoke(tmp_path):
     rows = _smoke("bench_triton.py", tmp_path, "--tokens", "1", "--check-best")
     assert [r["shape"] for r in rows] == ["tiny", "tiny-map"]
     assert all(float(r["max_rel_err"]) < 2e-2 for r in rows) and rows[0]["best_known_us"]
+
+
+def test_decode_launches_fp8_smoke(tmp_path):
+    # per-tensor fp8 weights: the fused intermediate quantisation variants too, all correct
+    rows = _smoke("decode_launches.py", tmp_path, "--tokens", "1", "--fp8", csv_name="decode_launches_fp8.csv")
+    assert len(rows) == 2 and all(float(r[f"{v}_err"]) < 3e-2 for r in rows for v in ("baseline", "fuse", "all"))

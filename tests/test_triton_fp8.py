@@ -356,3 +356,29 @@ def test_triton_fp8_wide_gemm1(name):
     with poisoned_outputs():
         out = fused_moe(x, q13, q2, tw, ti, config=cfg, wide=True)
     assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+def test_fused_per_tensor_intermediate_is_bit_exact(act):
+    # GEMM1 storing the per-tensor fp8 intermediate itself gives the bytes of the two-step path
+    # (store in the activation dtype, then quantize_rows with w2's static scale), rows in use.
+    from moebench.kernels.moe_align import moe_align_block_size
+    from moebench.kernels.triton_moe import fused_moe_gemms, launch_gemm1
+
+    scheme = SCHEMES["tensor"]
+    q13, q2 = _qweights(scheme, dtype=act)
+    m = 11
+    xq, xs = quantize_rows(_x(m, act), scheme, q13.input_scale)
+    tw, ti = _routing(m, E, K)
+    cfg = _cfg(scheme)
+    align = moe_align_block_size(ti, cfg["BLOCK_SIZE_M"], E)
+    two_step = launch_gemm1(xq, q13, align, K, cfg, a_scale=xs, out_dtype=act)
+    q_ref, _ = quantize_rows(two_step, scheme, q2.input_scale, row_limit=align.num_tokens_post_padded)
+    fused = launch_gemm1(xq, q13, align, K, cfg, a_scale=xs, out_dtype=act, out_scale=q2.input_scale)
+    used = int(align.num_tokens_post_padded)
+    assert fused.dtype == FP8_DTYPE
+    assert torch.equal(fused[:used].view(torch.uint8), q_ref[:used].view(torch.uint8))
+    a = fused_moe_gemms(xq, q13, q2, tw, align, K, cfg, a_scale=xs, out_dtype=act, fuse_fp8_inter=True)
+    b = fused_moe_gemms(xq, q13, q2, tw, align, K, cfg, a_scale=xs, out_dtype=act, fuse_fp8_inter=False)
+    torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-3)  # atomics: any order
+    assert _rel(a, moebench.reference_moe(_x(m, act), q13, q2, tw, ti)) < TIGHT

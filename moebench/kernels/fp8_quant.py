@@ -61,8 +61,9 @@ def round_e4m3(v):
 
 
 @triton.jit
-def _quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
-    """Store clamp(x / scale[:, None], +-448) as e4m3 at q_ptrs."""
+def quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
+    """Store clamp(x / scale[:, None], +-448) as e4m3 at q_ptrs (x (BM, BK) fp32; also the fused
+    epilogue of the Triton experts' GEMM1)."""
     v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if EXACT_ROUND:
@@ -124,7 +125,7 @@ def _quant_rows_kernel(
         else:
             amax = tl.maximum(tl.max(tl.abs(x), axis=1), _EPS)
             scale = amax * _INV_FP8_MAX  # moebench.quant.scale_of
-        _quant_group(x, scale, q_row + cols[None, :] * stride_qk, mask, EXACT_ROUND)
+        quant_group(x, scale, q_row + cols[None, :] * stride_qk, mask, EXACT_ROUND)
     else:
         if STATIC:
             scale = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(static_ptr)
@@ -141,7 +142,7 @@ def _quant_rows_kernel(
             cols = c + offs_k
             mask = row_ok[:, None] & (cols < k_hi)[None, :]
             x = tl.load(x_row + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            _quant_group(x, scale, q_row + cols[None, :] * stride_qk, mask, EXACT_ROUND)
+            quant_group(x, scale, q_row + cols[None, :] * stride_qk, mask, EXACT_ROUND)
 
     if not STATIC:
         tl.store(s_ptr + b * stride_sb + rows * stride_sm + grp * stride_sg, scale, mask=row_ok)

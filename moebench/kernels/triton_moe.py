@@ -53,7 +53,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moebench.errors import MoebenchError
-from moebench.kernels.fp8_quant import check_block_config, quant_meta, quantize_rows
+from moebench.kernels.fp8_quant import check_block_config, quant_group, quant_meta, quantize_rows
 from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
@@ -95,6 +95,9 @@ DEFAULT_WIDE_GEMM1 = False
 #: With TMA, GEMM2 also loads its A tiles (inter's rows of a block are contiguous) through TMA;
 #: off until timed.
 DEFAULT_TMA_GEMM2_A = False
+#: fp8 with per-tensor scales: GEMM1 stores the intermediate as fp8 with w2's static input scale
+#: (bit for bit the two-step result) instead of a bf16 store and a quantisation launch; off until timed.
+DEFAULT_FUSE_FP8_INTER = False
 
 
 @triton.jit
@@ -110,6 +113,7 @@ def _silu_mul_gemm1_kernel(
     w_scale_ptr,  # QUANT: scales of w13 (see stride_ws*)
     zero_ptr,  # ZERO_OUT: fp32 buffer zeroed here (GEMM2's atomic accumulator), zero_numel elements
     zero_numel,
+    out_scale_ptr,  # QUANT_OUT: (1,) fp32 static scale of the intermediate (per-tensor fp8)
     num_pairs,
     N_INTER,  # I
     H,
@@ -141,6 +145,8 @@ def _silu_mul_gemm1_kernel(
     GROUP_K: tl.constexpr = 1,  # QUANT 2: a multiple of BLOCK_SIZE_K
     ZERO_OUT: tl.constexpr = False,
     WIDE: tl.constexpr = False,  # gate and up tiles loaded as one (BK, 2 BN) tile, one dot (no TMA)
+    QUANT_OUT: tl.constexpr = False,  # store the intermediate as per-tensor fp8 (inter_ptr is fp8)
+    ACT_DTYPE: tl.constexpr = tl.bfloat16,  # QUANT_OUT: the activation dtype it is rounded to first
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -182,7 +188,14 @@ def _silu_mul_gemm1_kernel(
     # Epilogue: SiLU(gate) * up, stored at the block's sorted rows (sentinel rows hold zeros).
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     i_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
-    tl.store(i_ptrs, cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST), mask=col_ok[None, :])
+    if QUANT_OUT:
+        # Per-tensor fp8 intermediate, quantised here instead of by its own launch: rounded to the
+        # activation dtype first, as the two-step path stores it, then clamp(h / s) to e4m3.
+        h = cast_rne(h, ACT_DTYPE, UPCAST).to(tl.float32)
+        s = tl.full((BLOCK_SIZE_M,), 1.0, tl.float32) * tl.load(out_scale_ptr)
+        quant_group(h, s, i_ptrs, (offs_m >= 0)[:, None] & col_ok[None, :], UPCAST)
+    else:
+        tl.store(i_ptrs, cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST), mask=col_ok[None, :])
 
 
 @triton.jit
@@ -411,6 +424,9 @@ def _scale_args(scale: torch.Tensor | None, w) -> tuple:
     return (scale, w.scale, scale.stride(0), scale.stride(1), *w.scale_strides())
 
 
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 def launch_gemm1(
     x: torch.Tensor,
     w13,
@@ -422,9 +438,12 @@ def launch_gemm1(
     out_dtype: torch.dtype | None = None,
     zero: torch.Tensor | None = None,
     wide: bool = False,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
     wide: gate and up tiles as one tile and one dot (DEFAULT_WIDE_GEMM1; no TMA then).
+    out_scale: (1,) fp32 static scale: inter comes back as float8_e4m3fn, bit for bit what
+    `quantize_rows(inter, per-tensor scheme, out_scale)` makes of the out_dtype intermediate.
 
     fp8: w13 a QuantWeight, x (M, H) float8_e4m3fn with a_scale (M, G) fp32 (any row stride, 0 for
     per tensor); inter is then in out_dtype (default bf16). zero: a contiguous fp32 tensor that the
@@ -440,8 +459,9 @@ def launch_gemm1(
     upcast = interp and x.dtype != torch.float32
     num_blocks = align.max_blocks
     bn1 = max(16, bn // 2)  # BLOCK_SIZE_N columns = half gate, half up
-    inter_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else x.dtype
-    inter = torch.empty((num_blocks * bm, n_inter), dtype=inter_dtype, device=x.device)
+    act_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else x.dtype
+    inter = torch.empty((num_blocks * bm, n_inter), dtype=FP8_DTYPE if out_scale is not None else act_dtype,
+                        device=x.device)
     wq = w13.q if quant["QUANT"] else w13
     desc = wq
     use_tma = use_tma and not wide
@@ -454,12 +474,14 @@ def launch_gemm1(
     _silu_mul_gemm1_kernel[grid1](
         x, wq, desc, inter, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
         *sc[:2], inter if zero is None else zero, 0 if zero is None else zero.numel(),
+        inter if out_scale is None else out_scale.to(device=x.device, dtype=torch.float32).reshape(1),
         align.num_pairs, n_inter, h, num_blocks,
         x.stride(0), x.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), inter.stride(0), inter.stride(1),
         *sc[2:],
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
-        ZERO_OUT=zero is not None, WIDE=wide, num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
+        ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
     )
     return inter
 
@@ -544,6 +566,7 @@ def fused_moe_gemms(
     zero_in_gemm1: bool | None = None,
     wide: bool | None = None,
     tma_a: bool | None = None,
+    fuse_fp8_inter: bool | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
@@ -554,6 +577,7 @@ def fused_moe_gemms(
     the atomic accumulator is zeroed by GEMM1's programs, not by a memset launch. wide (None:
     DEFAULT_WIDE_GEMM1): GEMM1 with one (BK, BLOCK_SIZE_N) weight tile and one dot per K step.
     tma_a (None: DEFAULT_TMA_GEMM2_A): with use_tma, GEMM2's inter tiles through TMA too.
+    fuse_fp8_inter (None: DEFAULT_FUSE_FP8_INTER): per-tensor fp8 intermediate quantised in GEMM1.
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
@@ -582,10 +606,14 @@ def fused_moe_gemms(
     if atomic:
         acc = torch.empty((m, h), dtype=torch.float32, device=x.device) if zero_in_gemm1 else torch.zeros(
             (m, h), dtype=torch.float32, device=x.device)
+    fuse = scheme is not None and scheme.scales == "tensor" and (DEFAULT_FUSE_FP8_INTER if fuse_fp8_inter is None
+                                                                  else fuse_fp8_inter)
     inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
-                         wide=wide)
+                         wide=wide, out_scale=w2.input_scale if fuse else None)
     inter_scale = None
-    if scheme is not None:
+    if fuse:
+        inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
+    elif scheme is not None:
         # Only rows < num_tokens_post_padded are in use (read on the device).
         inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
     ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic, inter_scale, out_dtype,
