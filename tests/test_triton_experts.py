@@ -11,6 +11,7 @@ import torch
 import triton
 
 import moebench
+from helpers import random_expert_map, rel_err
 from moebench.kernels.batched_triton import BatchedTritonExperts, batched_default_config
 from moebench.kernels.modular import TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp, poisoned_outputs
 from moebench.kernels.moe_align import (
@@ -54,21 +55,6 @@ def _x(m: int, dtype: torch.dtype, h: int = H, seed: int = 2):
     return torch.randn(m, h, generator=g).to(DEV, dtype)
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape
-    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
-    den = ref.norm().item()
-    num = (out.double() - ref).norm().item()
-    return num / den if den > 0 else num
-
-
-def _expert_map(e_global: int, e_local: int, seed: int = 3) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    m = torch.full((e_global,), -1, dtype=torch.int32)
-    m[torch.randperm(e_global, generator=g)[:e_local]] = torch.arange(e_local, dtype=torch.int32)
-    return m.to(DEV)
-
-
 def _run(experts: str, pf: str, x, w13, w2, tw, ti, expert_map=None, num_experts=None, **kw):
     kernel = moebench.make_kernel(experts, pf, experts_kwargs=kw)
     with poisoned_outputs():
@@ -84,7 +70,7 @@ def test_align_matches_torch(m, k, e, bm, use_map):
     e_global = 2 * e if use_map else e
     g = torch.Generator().manual_seed(m)
     ids = torch.randint(0, e_global, (m, k), generator=g).to(DEV)
-    emap = _expert_map(e_global, e) if use_map else None
+    emap = random_expert_map(e_global, e, DEV) if use_map else None
     a = moe_align_block_size(ids, bm, e, emap, chunk=32)  # several chunks per expert
     b = moe_align_block_size_torch(ids, bm, e, emap)
     d = moe_align_block_size(ids, bm, e, emap)
@@ -130,7 +116,7 @@ def test_triton_matches_reference(dtype, m):
     tw, ti = _routing(m, E, K)
     out = _run("triton", "no-dpep", x, w13, w2, tw, ti, config=CFG)
     assert out.dtype == dtype and out.shape == (m, H)
-    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+    assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
 
 
 def test_triton_weight_and_reduce_is_noop():
@@ -155,14 +141,14 @@ def test_triton_all_tokens_on_one_expert_split_k_groups():
     tw = torch.rand(m, 1, device=DEV)
     cfg = dict(CFG, BLOCK_SIZE_K=16, BLOCK_SIZE_M=16, GROUP_SIZE_M=4)
     out = _run("triton", "no-dpep", x, w13, w2, tw, ti, config=cfg, split_k=2)
-    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+    assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_expert_map_remote(dtype):
     # 60 global experts, 20 here; token 0 routes only to remote experts -> its row must be zero.
     e_local = 20
-    emap = _expert_map(E, e_local)
+    emap = random_expert_map(E, e_local, DEV)
     w13, w2 = _weights(e_local, dtype)
     m = 11
     x = _x(m, dtype)
@@ -171,7 +157,7 @@ def test_triton_expert_map_remote(dtype):
     ti[0] = remote
     out = _run("triton", "no-dpep", x, w13, w2, tw, ti, expert_map=emap, config=dict(CFG, BLOCK_SIZE_M=32))
     ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
-    assert _rel(out, ref) < TOL[dtype]
+    assert rel_err(out, ref) < TOL[dtype]
     assert (out[0] == 0).all()
 
 
@@ -186,7 +172,7 @@ def test_triton_default_config_path():
     with poisoned_outputs():
         out = kernel.apply(x, w13, w2, tw, ti)
     assert experts.last_config_source == "default heuristic"
-    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+    assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
 
 
 def test_fused_moe_direct_matches_modular():
@@ -219,13 +205,13 @@ def test_batched_triton_matches_reference(dtype):
     tw, ti = _routing(m, E, K)
     out = _run("batched-triton", "batched-local", x, w13, w2, tw, ti, config=CFG)
     assert out.dtype == dtype and out.shape == (m, H)
-    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+    assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
 
 
 def test_batched_triton_expert_map_and_one_expert():
     dtype = torch.bfloat16
     e_local = 6
-    emap = _expert_map(E, e_local)
+    emap = random_expert_map(E, e_local, DEV)
     w13, w2 = _weights(e_local, dtype)
     m = 20
     x = _x(m, dtype)
@@ -236,7 +222,7 @@ def test_batched_triton_expert_map_and_one_expert():
     out = _run("batched-triton", "batched-local", x, w13, w2, tw, ti, expert_map=emap,
                config=dict(CFG, BLOCK_SIZE_M=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=2))
     ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
-    assert _rel(out, ref) < TOL[dtype]
+    assert rel_err(out, ref) < TOL[dtype]
     assert (out[1] == 0).all()
 
 
@@ -254,7 +240,7 @@ def test_batched_skips_rows_past_counts():
 
     for e, c in ((1, 5), (2, 16)):
         ref = silu_and_mul(a[e, :c].double() @ w13[e].double().t()) @ w2[e].double().t()
-        assert _rel(out[e, :c], ref) < 1e-4
+        assert rel_err(out[e, :c], ref) < 1e-4
     assert isinstance(BatchedTritonExperts().weight_and_reduce(), TopKWeightAndReduceDelegate)
 
 
@@ -289,7 +275,7 @@ def test_batched_finalize_with_empty_first_expert():
     tw = torch.rand(2, 2, device=DEV)
     out = _run("batched-triton", "batched-local", x, w13, w2, tw, ti, expert_map=emap, config=CFG)
     ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
-    assert _rel(out, ref) < 1e-4
+    assert rel_err(out, ref) < 1e-4
 
 
 @pytest.mark.parametrize("use_tma,atomic", [(True, True), (False, False), (True, False)])
@@ -298,14 +284,14 @@ def test_triton_variants_tma_and_store(use_tma, atomic):
     # expert_map (remote pairs) and a ragged K tail (H=72, BLOCK_SIZE_K=32).
     dtype = torch.bfloat16
     e_local = 20
-    emap = _expert_map(E, e_local)
+    emap = random_expert_map(E, e_local, DEV)
     w13, w2 = _weights(e_local, dtype)
     m = 7
     x = _x(m, dtype)
     tw, ti = _routing(m, E, K)
     cfg = dict(CFG, BLOCK_SIZE_K=32)
     out = _run("triton", "no-dpep", x, w13, w2, tw, ti, expert_map=emap, config=cfg, use_tma=use_tma, atomic=atomic)
-    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < TOL[dtype]
+    assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < TOL[dtype]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +323,7 @@ def test_triton_direct_align_matches_reference(dtype, m, use_map, split_k):
     # Forced direct: also with pairs sharing an expert (m=5 over few experts: the weights are read
     # once per pair, the result must not change), remote experts skipped, and GEMM2 split over K.
     e_global, e_local = (E, 20) if use_map else (6, 6)
-    emap = _expert_map(e_global, e_local) if use_map else None
+    emap = random_expert_map(e_global, e_local, DEV) if use_map else None
     w13, w2 = _weights(e_local, dtype)
     x = _x(m, dtype)
     tw, ti = _routing(m, e_global, K)
@@ -346,7 +332,7 @@ def test_triton_direct_align_matches_reference(dtype, m, use_map, split_k):
     ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
     with poisoned_outputs():
         out = fused_moe(x, w13, w2, tw, ti, emap, e_global, CFG, split_k, direct=True, atomic=True)
-    assert _rel(out, ref) < TOL[dtype]
+    assert rel_err(out, ref) < TOL[dtype]
     if use_map and m > 1:
         assert (out[1] == 0).all()
 
@@ -377,7 +363,7 @@ def test_fused_moe_launch_trimming_matches_default(direct, zero):
         got = fused_moe_gemms(x, w13, w2, tw, align, K, CFG, zero_in_gemm1=zero)
         again = fused_moe(x, w13, w2, tw, ti, config=CFG, direct=direct)
         assert torch.allclose(got.float(), again.float(), rtol=1e-2, atol=1e-3)  # atomics: any order
-        assert _rel(got, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+        assert rel_err(got, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
         assert torch.allclose(got.float(), base.float(), rtol=2e-2, atol=2e-3)
 
 
@@ -397,7 +383,7 @@ def test_wide_gemm1_matches_paired(dtype, bk):
     torch.testing.assert_close(wide[:used].float(), paired[:used].float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     out = fused_moe_gemms(x, w13, w2, tw, align, K, cfg, wide=True)
-    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+    assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
@@ -412,7 +398,7 @@ def test_gemm2_a_through_tma(split_k):
     align = moe_align_block_size(ti, 16, E)
     out = fused_moe_gemms(x, w13, w2, tw, align, K, cfg, split_k, use_tma=True, tma_a=True)
     base = fused_moe_gemms(x, w13, w2, tw, align, K, cfg, split_k, use_tma=True, tma_a=False)
-    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
+    assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype]
     torch.testing.assert_close(out.float(), base.float(), rtol=1e-2, atol=1e-3)
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import moebench
+from helpers import random_expert_map, rel_err
 from moebench.errors import MoebenchError
 from moebench.inputs import make_weights
 from moebench.kernels.batched_triton import BatchedTritonExperts, batched_moe
@@ -60,21 +61,6 @@ def _routing(m: int, e: int, k: int, seed: int = 1):
 def _x(m: int, dtype=torch.bfloat16, h: int = H, seed: int = 2):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(m, h, generator=g).to(DEV, dtype)
-
-
-def _expert_map(e_global: int, e_local: int, seed: int = 3) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    m = torch.full((e_global,), -1, dtype=torch.int32)
-    m[torch.randperm(e_global, generator=g)[:e_local]] = torch.arange(e_local, dtype=torch.int32)
-    return m.to(DEV)
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape
-    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
-    den = ref.norm().item()
-    num = (out.double() - ref).norm().item()
-    return num / den if den > 0 else num
 
 
 def _cfg(scheme: QuantScheme, **kw) -> dict:
@@ -164,7 +150,7 @@ def test_fp8_matches_reference(experts, pf, name):
     tw, ti = _routing(m, E, K)
     out = _run(experts, pf, x, q13, q2, tw, ti, config=_cfg(scheme))
     assert out.dtype == torch.bfloat16 and out.shape == (m, H)
-    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+    assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
 
 
 @pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
@@ -178,7 +164,7 @@ def test_fp8_fp32_activations_tight(experts, pf, name):
     tw, ti = _routing(9, E, K)
     out = _run(experts, pf, x, q13, q2, tw, ti, config=_cfg(scheme))
     assert out.dtype == torch.float32
-    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < 1e-6
+    assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < 1e-6
 
 
 @pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
@@ -190,7 +176,7 @@ def test_fp8_one_token_fp16(experts, pf):
     tw, ti = _routing(1, E, K)
     out = _run(experts, pf, x, q13, q2, tw, ti, config=_cfg(scheme))
     assert out.dtype == torch.float16
-    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+    assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
 
 
 @pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
@@ -212,7 +198,7 @@ def test_triton_fp8_one_expert_split_k(name):
     tw = torch.rand(m, 1, device=DEV)
     cfg = _cfg(scheme, BLOCK_SIZE_K=16, GROUP_SIZE_M=4)
     out = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=cfg, split_k=2)
-    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+    assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
 
 
 @pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
@@ -222,7 +208,7 @@ def test_fp8_expert_map_remote(experts, pf, name):
     # routes only to remote experts: its row must be exactly zero.
     scheme = SCHEMES[name]
     e_local = 20
-    emap = _expert_map(E, e_local)
+    emap = random_expert_map(E, e_local, DEV)
     q13, q2 = _qweights(scheme, e=e_local)
     m = 11
     x = _x(m)
@@ -230,7 +216,7 @@ def test_fp8_expert_map_remote(experts, pf, name):
     ti[:, 0] = int(torch.nonzero(emap.cpu() >= 0).reshape(-1)[0])
     ti[1] = torch.nonzero(emap.cpu() < 0).reshape(-1)[:K].to(DEV, torch.int32)
     out = _run(experts, pf, x, q13, q2, tw, ti, expert_map=emap, config=_cfg(scheme, BLOCK_SIZE_M=32))
-    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti, emap)) < TIGHT
+    assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti, emap)) < TIGHT
     assert (out[1] == 0).all()
 
 
@@ -244,9 +230,9 @@ def test_fp8_non_square_block_and_store_path():
     cfg = _cfg(scheme, BLOCK_SIZE_K=16)
     out = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=cfg, atomic=False, use_tma=True)
     ref = moebench.reference_moe(x, q13, q2, tw, ti)
-    assert _rel(out, ref) < TIGHT
+    assert rel_err(out, ref) < TIGHT
     out = _run("batched-triton", "batched-local", x, q13, q2, tw, ti, config=cfg)
-    assert _rel(out, ref) < TIGHT
+    assert rel_err(out, ref) < TIGHT
 
 
 @pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
@@ -279,7 +265,7 @@ def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch):
     with poisoned_outputs():
         out = kernel.apply(x, q13, q2, tw, ti)
     assert experts.last_config_source == "default heuristic"
-    assert _rel(out, ref) < TIGHT
+    assert rel_err(out, ref) < TIGHT
 
     entry = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     name = f"E={e},N={i},device_name=cpu,dtype=fp8_w8a8,block_shape=[32,32].json"
@@ -287,7 +273,7 @@ def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch):
     with poisoned_outputs():
         out = kernel.apply(x, q13, q2, tw, ti)
     assert experts.last_config_source.endswith(f"{name}[8]")
-    assert _rel(out, ref) < TIGHT
+    assert rel_err(out, ref) < TIGHT
 
 
 def test_batched_fp8_default_config_fitted():
@@ -300,7 +286,7 @@ def test_batched_fp8_default_config_fitted():
     kernel = moebench.make_kernel("batched-triton", "batched-local")  # default config path
     with poisoned_outputs():
         out = kernel.apply(x, q13, q2, tw, ti)
-    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+    assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
 
 
 @pytest.mark.parametrize("name", ["tensor", "block128"])
@@ -320,7 +306,7 @@ def test_fused_moe_fp8_entry_points(name):
     xq, xs = quantize_activation(x16, scheme, q13.input_scale)
     c = fused_moe(xq, q13, q2, tw, ti, config=cfg, a_scale=xs, out_dtype=torch.float16)
     assert c.dtype == torch.float16
-    assert _rel(c, moebench.reference_moe(x16, q13, q2, tw, ti)) < TIGHT
+    assert rel_err(c, moebench.reference_moe(x16, q13, q2, tw, ti)) < TIGHT
     with pytest.raises(MoebenchError, match="a_scale"):
         fused_moe(xq, q13, q2, tw, ti, config=cfg)
 
@@ -355,7 +341,7 @@ def test_triton_fp8_wide_gemm1(name):
     cfg = _cfg(scheme)
     with poisoned_outputs():
         out = fused_moe(x, q13, q2, tw, ti, config=cfg, wide=True)
-    assert _rel(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+    assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
 
 
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
@@ -381,4 +367,4 @@ def test_fused_per_tensor_intermediate_is_bit_exact(act):
     a = fused_moe_gemms(xq, q13, q2, tw, align, K, cfg, a_scale=xs, out_dtype=act, fuse_fp8_inter=True)
     b = fused_moe_gemms(xq, q13, q2, tw, align, K, cfg, a_scale=xs, out_dtype=act, fuse_fp8_inter=False)
     torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-3)  # atomics: any order
-    assert _rel(a, moebench.reference_moe(_x(m, act), q13, q2, tw, ti)) < TIGHT
+    assert rel_err(a, moebench.reference_moe(_x(m, act), q13, q2, tw, ti)) < TIGHT

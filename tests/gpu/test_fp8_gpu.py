@@ -14,6 +14,8 @@ from moebench.kernels.fp8_quant import quantize_rows
 from moebench.kernels.modular import poisoned_outputs
 from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation, quantize_weights
 
+from gpu_helpers import first_experts_map, replay_on_new_inputs, softmax_topk
+
 pytestmark = pytest.mark.gpu
 
 SCHEMES = {
@@ -47,13 +49,8 @@ def _setup(shape: str, m: int, scheme: QuantScheme, seed: int = 0):
     x = torch.randn(m, h, device="cuda", generator=g, dtype=torch.bfloat16)
     logits = torch.randn(m, e, device="cuda", generator=g)
     logits[:, :e_local] += 1.0  # EP shards: lean towards the local experts, so M = 1 hits one
-    tw, ti = torch.softmax(logits, -1).topk(k, -1)
-    tw = tw / tw.sum(-1, keepdim=True)
-    emap = None
-    if e_local < e:
-        emap = torch.full((e,), -1, dtype=torch.int32, device="cuda")
-        emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device="cuda")
-    return x, q13, q2, tw, ti.to(torch.int32), emap, e
+    tw, ti = softmax_topk(logits, k)
+    return x, q13, q2, tw, ti, first_experts_map(e, e_local), e
 
 
 CASES = [(s, sh, m) for s in ("tensor", "token", "block128") for sh, m in
@@ -123,9 +120,6 @@ def test_triton_fp8_cuda_graph(experts, pf, scales):
 
     graph, out = capture_graph(layer)
     for seed in (5, 6):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, device="cuda", generator=g, dtype=x.dtype))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_on_new_inputs(graph, x, seed)
         err = relative_error(out, moebench.reference_moe(x, q13, q2, tw, ti, emap))
         assert err < FP8_TOLERANCE, err

@@ -15,6 +15,8 @@ from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.torch_experts import TorchExperts
 from moebench.quant import QuantScheme, quantize_weights
 
+from gpu_helpers import first_experts_map, replay_on_new_inputs, softmax_topk
+
 pytestmark = pytest.mark.gpu
 
 SCHEMES = {"tensor": QuantScheme("fp8_w8a8", "tensor"), "token": QuantScheme("fp8_w8a8", "token")}
@@ -40,13 +42,8 @@ def _setup(shape: str, m: int, scheme: QuantScheme, seed: int = 0):
     w2 = torch.randn(e_local, h, i, device="cuda", generator=g, dtype=torch.bfloat16) / i**0.5
     q13, q2 = quantize_weights(w13, w2, scheme, act_dtype=torch.bfloat16)
     x = torch.randn(m, h, device="cuda", generator=g, dtype=torch.bfloat16)
-    tw, ti = torch.softmax(torch.randn(m, e, device="cuda", generator=g), -1).topk(k, -1)
-    tw = tw / tw.sum(-1, keepdim=True)
-    emap = None
-    if e_local < e:
-        emap = torch.full((e,), -1, dtype=torch.int32, device="cuda")
-        emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device="cuda")
-    return x, q13, q2, tw, ti.to(torch.int32), emap, e
+    tw, ti = softmax_topk(torch.randn(m, e, device="cuda", generator=g), k)
+    return x, q13, q2, tw, ti, first_experts_map(e, e_local), e
 
 
 @pytest.mark.parametrize("scales", list(SCHEMES))
@@ -76,10 +73,7 @@ def test_torch_fp8_cuda_graph(scales):
 
     graph, out = capture_graph(layer)
     for seed in (5, 6):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, device="cuda", generator=g, dtype=x.dtype))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_on_new_inputs(graph, x, seed)
         ref = moebench.reference_moe(x, q13, q2, tw, ti, emap)
         assert relative_error(out, ref) < FP8_TOLERANCE
 

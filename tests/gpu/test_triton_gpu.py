@@ -11,6 +11,8 @@ from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.moe_align import moe_align_block_size, moe_align_block_size_torch
 from moebench.kernels.triton_moe import fused_topk_softmax
 
+from gpu_helpers import first_experts_map, replay_on_new_inputs, softmax_topk
+
 pytestmark = pytest.mark.gpu
 
 # name: (E global, topk, H, I, E local)
@@ -27,23 +29,8 @@ def _setup(shape: str, m: int, dtype=torch.bfloat16, seed: int = 0):
     w13 = (torch.randn(e_local, 2 * i, h, device="cuda", generator=g, dtype=dtype) / h**0.5)
     w2 = (torch.randn(e_local, h, i, device="cuda", generator=g, dtype=dtype) / i**0.5)
     x = torch.randn(m, h, device="cuda", generator=g, dtype=dtype)
-    logits = torch.randn(m, e, device="cuda", generator=g)
-    tw, ti = torch.softmax(logits, -1).topk(k, -1)
-    tw = tw / tw.sum(-1, keepdim=True)
-    emap = None
-    if e_local < e:
-        emap = torch.full((e,), -1, dtype=torch.int32, device="cuda")
-        emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device="cuda")
-    return x, w13, w2, tw, ti.to(torch.int32), emap, e
-
-
-def _replay_on_new_inputs(graph, logits, x, seed: int) -> None:
-    """New routing logits and activations into the captured buffers, then one replay."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    logits.copy_(torch.randn(logits.shape, device="cuda", generator=g))
-    x.copy_(torch.randn(x.shape, device="cuda", generator=g, dtype=x.dtype))
-    graph.replay()
-    torch.cuda.synchronize()
+    tw, ti = softmax_topk(torch.randn(m, e, device="cuda", generator=g), k)
+    return x, w13, w2, tw, ti, first_experts_map(e, e_local), e
 
 
 def _rel(out, ref):
@@ -96,7 +83,7 @@ def test_cuda_graph_capture_and_replay(shape, m):
 
     graph, out = capture_graph(layer)
     for seed in (5, 6):
-        _replay_on_new_inputs(graph, logits, x, seed)
+        replay_on_new_inputs(graph, x, seed, logits)
         w, ids = torch.softmax(logits, -1).topk(k, -1)
         ref = moebench.reference_moe(x, w13, w2, w / w.sum(-1, keepdim=True), ids, emap)
         assert _rel(out, ref) < 2e-2
@@ -135,7 +122,7 @@ def test_launch_trimming_in_a_cuda_graph(shape):
         out = layer()
     assert not moe_align._DIRECT_LAYOUTS
     for seed in (5, 6):
-        _replay_on_new_inputs(graph, logits, x, seed)
+        replay_on_new_inputs(graph, x, seed, logits)
         w, ids = fused_topk_softmax(logits, k, renormalize=True)
         ref = moebench.reference_moe(x, w13, w2, w, ids, emap)
         assert _rel(out, ref) < 2e-2
