@@ -14,9 +14,11 @@ on the same block alignment (moebench's moe_align_block_size; vLLM's has the sam
 with the tile configs of vLLM's `E=8,N=14336` and `E=128,N=768` H200 files (benchmarks/
 vllm_h200_configs.json: the six fields as lists in KEYS order; nearest token key, as vLLM looks them up). moebench's `triton` GEMM part
 (fused SiLU-mul epilogue, paired gate/up walk, atomic top-k sum) is timed with its shipped tuned
-file and with vLLM's config, so kernel and config effects separate; at vLLM's config also without
-TMA, with the wide GEMM1 (gate and up as one tile, one dot: `wide=True`), and with TMA for both
-GEMMs' weights and GEMM2's inter tiles (`tma_a=True`).
+file and with vLLM's config, so kernel and config effects separate (`ours`, `ours_vcfg`: the default
+code path, so GEMM1 is the wide walk where DEFAULT_WIDE_GEMM1 says so); at vLLM's config also with
+the paired gate/up walk (`wide=False`) with and without TMA, with the wide GEMM1 (gate and up as
+one tile, one dot: `wide=True`), and with TMA for both GEMMs' weights and GEMM2's inter tiles
+(`tma_a=True`).
 
 Per (shape, tokens) several routings (seeds) are timed, each CUDA-graph replayed, alignment outside
 the timed region (as design.md's "GEMM part"); the table gives the median over routings of each
@@ -199,7 +201,7 @@ def main() -> int:
         for m in [int(t) for t in args.tokens.split(",")]:
             vcfg = vllm_config(table, m)
             ocfg, src = select_config(m, k, w13, w2, e, dt)
-            per = {name: [] for name in ("vllm", "ours", "ours_vcfg", "ours_vcfg_notma", "ours_vcfg_wide", "ours_vcfg_tma_a", "vllm_g1",
+            per = {name: [] for name in ("vllm", "ours", "ours_vcfg", "ours_vcfg_paired", "ours_vcfg_notma", "ours_vcfg_wide", "ours_vcfg_tma_a", "vllm_g1",
                                          "ours_g1", "ours_vcfg_g1", "ours_vcfg_g1_notma", "ours_vcfg_g1_wide")}
             hits, errs = [], []
             for r in range(args.routings):
@@ -220,11 +222,15 @@ def main() -> int:
                 per["vllm"].append(_time(lambda: vllm_style_moe(x, w13, w2, tw, va, k, vcfg)))
                 per["ours"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, oa, k, ocfg, split, use_tma=otma)))
                 per["ours_vcfg"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=vtma)))
-                # GEMM1 variants of moebench's kernel at vLLM's config: TMA weight loads as the default
-                # says, without TMA, and the wide single-dot walk (no TMA in GEMM1)
-                per["ours_vcfg_notma"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=False)))
+                # GEMM1 variants of moebench's kernel at vLLM's config: the paired walk with TMA weight
+                # loads as the default says and without TMA, and the wide single-dot walk (no TMA in GEMM1)
+                per["ours_vcfg_paired"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=vtma,
+                                                                             wide=False)))
+                per["ours_vcfg_notma"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=False,
+                                                                            wide=False)))
                 per["ours_vcfg_wide"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=vtma, wide=True)))
-                per["ours_vcfg_tma_a"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=True, tma_a=True)))
+                per["ours_vcfg_tma_a"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=True, tma_a=True,
+                                                                            wide=False)))
                 per["vllm_g1"].append(_time(lambda: vllm_style_gemm1(x, w13, va, k, vcfg), reps=20))
                 per["ours_g1"].append(_time(lambda: launch_gemm1(x, w13, oa, k, ocfg, otma), reps=20))
                 per["ours_vcfg_g1"].append(_time(lambda: launch_gemm1(x, w13, va, k, vcfg, vtma), reps=20))
@@ -232,7 +238,7 @@ def main() -> int:
                 per["ours_vcfg_g1_wide"].append(_time(lambda: launch_gemm1(x, w13, va, k, vcfg, False, wide=True), reps=20))
                 if r == 0:  # the wide walk gives the paired walk's result
                     got = fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, wide=True)
-                    ref = fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1)
+                    ref = fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, wide=False)
                     errs.append(((got.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item())
             med = {n: statistics.median(v) for n, v in per.items()}
             ratio = statistics.median(o / v for o, v in zip(per["ours"], per["vllm"]))
@@ -241,9 +247,10 @@ def main() -> int:
             row = dict(
                 shape=shape, tokens=m, experts_hit="/".join(map(str, hits)), vllm_us=round(med["vllm"], 1),
                 ours_us=round(med["ours"], 1), ours_over_vllm=round(ratio, 3), ours_vcfg_us=round(med["ours_vcfg"], 1),
-                ours_vcfg_over_vllm=round(ratio_v, 3), ours_vcfg_notma_us=round(med["ours_vcfg_notma"], 1),
+                ours_vcfg_over_vllm=round(ratio_v, 3), ours_vcfg_paired_us=round(med["ours_vcfg_paired"], 1),
+                ours_vcfg_notma_us=round(med["ours_vcfg_notma"], 1),
                 ours_vcfg_wide_us=round(med["ours_vcfg_wide"], 1), ours_vcfg_tma_a_us=round(med["ours_vcfg_tma_a"], 1),
-                wide_over_paired=round(statistics.median(a / b for a, b in zip(per["ours_vcfg_wide"], per["ours_vcfg"])), 3),
+                wide_over_paired=round(statistics.median(a / b for a, b in zip(per["ours_vcfg_wide"], per["ours_vcfg_paired"])), 3),
                 vllm_g1_us=round(med["vllm_g1"], 1), ours_g1_us=round(med["ours_g1"], 1),
                 ours_vcfg_g1_us=round(med["ours_vcfg_g1"], 1), ours_vcfg_g1_notma_us=round(med["ours_vcfg_g1_notma"], 1),
                 ours_vcfg_g1_wide_us=round(med["ours_vcfg_g1_wide"], 1), design_ref_us=ref_us,

@@ -12,6 +12,7 @@ from moebench.kernels.moe_align import moe_align_block_size, moe_align_block_siz
 from moebench.kernels.triton_moe import fused_topk_softmax
 
 from gpu_helpers import first_experts_map, replay_on_new_inputs, softmax_topk
+from helpers import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -34,8 +35,7 @@ def _setup(shape: str, m: int, dtype=torch.bfloat16, seed: int = 0):
 
 
 def _rel(out, ref):
-    assert not torch.isnan(out).any()
-    return ((out.double() - ref).norm() / ref.norm()).item()
+    return rel_err(out, ref)  # an all-remote token under EP: zero output against a zero reference
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
