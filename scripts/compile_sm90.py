@@ -1,4 +1,4 @@
-"""Compile moebench's Triton GEMM kernels for Hopper (sm_90) without a GPU.
+"""Compile moebench's Triton GEMM and routing kernels for Hopper (sm_90) without a GPU.
 
 Lowers every kernel (the unquantised GEMMs, their fp8 variants and the fp8 activation
 quantisation) through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the
@@ -103,6 +103,10 @@ def main() -> int:
     for one_chunk, block_m, block_k, limit in ((True, 32, 128, 1), (False, 4, 1024, 2)):
         qc = dict(STATIC=False, LIMIT=limit, ONE_CHUNK=one_chunk, BLOCK_M=block_m, BLOCK_K=block_k, EXACT_ROUND=False)
         print(compile_kernel(Q._quant_rows_kernel, qc, qptrs))
+    # Softmax top-k routing: Qwen3-Next's (512 experts, top-10) and DeepSeek's (256, top-8) shapes
+    for block_e, topk, rows in ((512, 10, 4), (256, 8, 8)):
+        rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows)
+        print(compile_kernel(T._topk_softmax_kernel, rc, {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}))
     return 0
 
 

@@ -249,7 +249,8 @@ def test_batched_default_config_caps_block_m():
     assert batched_default_config(3, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] == 16
 
 
-@pytest.mark.parametrize("m,e,k,renorm", [(5, 60, 4, True), (33, 8, 2, False), (3, 256, 8, True)])
+@pytest.mark.parametrize("m,e,k,renorm", [(5, 60, 4, True), (33, 8, 2, False), (3, 256, 8, True), (4, 512, 10, True),
+                                          (17, 16, 1, False)])
 def test_fused_topk_softmax_matches_torch(m, e, k, renorm):
     g = torch.Generator().manual_seed(e)
     logits = torch.randn(m, e, generator=g).to(DEV)
@@ -259,6 +260,14 @@ def test_fused_topk_softmax_matches_torch(m, e, k, renorm):
         rw = rw / rw.sum(-1, keepdim=True)
     assert torch.equal(ids.long(), rids) and ids.dtype == torch.int32
     assert torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_topk_softmax_ties_go_to_the_lower_expert():
+    logits = torch.zeros(3, 40, device=DEV)
+    logits[1, 7] = logits[1, 30] = 2.0  # two equal winners, then 38 equal runners-up
+    w, ids = fused_topk_softmax(logits, 4, renormalize=True)
+    assert ids.tolist() == [[0, 1, 2, 3], [7, 30, 0, 1], [0, 1, 2, 3]]
+    assert torch.allclose(w[0], torch.full((4,), 0.25, device=DEV)) and torch.allclose(w.sum(-1), torch.ones(3, device=DEV))
 
 
 def test_batched_finalize_with_empty_first_expert():

@@ -368,3 +368,42 @@ def test_fused_per_tensor_intermediate_is_bit_exact(act):
     b = fused_moe_gemms(xq, q13, q2, tw, align, K, cfg, a_scale=xs, out_dtype=act, fuse_fp8_inter=False)
     torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-3)  # atomics: any order
     assert rel_err(a, moebench.reference_moe(_x(m, act), q13, q2, tw, ti)) < TIGHT
+
+
+# ---------------------------------------------------------------------------------------------
+# The measured defaults: which path fused_moe's "auto" switches take (PERF.md section 3)
+
+
+@pytest.mark.parametrize("scales,direct_expected", [("tensor", True), ("token", False), (None, True)])
+@pytest.mark.parametrize("block_m,wide_expected", [(16, False), (64, True)])
+def test_auto_defaults_pick_the_timed_paths(monkeypatch, scales, direct_expected, block_m, wide_expected):
+    from moebench.kernels import triton_moe
+
+    seen: dict = {}
+    real_direct, real_g1 = triton_moe.direct_align, triton_moe.launch_gemm1
+
+    def spy_direct(*a, **kw):
+        seen["direct"] = True
+        return real_direct(*a, **kw)
+
+    def spy_g1(*a, **kw):
+        seen["wide"], seen["fused_fp8"] = kw.get("wide"), kw.get("out_scale") is not None
+        return real_g1(*a, **kw)
+
+    monkeypatch.setattr(triton_moe, "direct_align", spy_direct)
+    monkeypatch.setattr(triton_moe, "launch_gemm1", spy_g1)
+    cfg = dict(CFG, BLOCK_SIZE_M=block_m)
+    x = _x(1)
+    tw, ti = _routing(1, E, K)
+    if scales is None:
+        w13, w2 = make_weights(range(E), H, I, torch.bfloat16, DEV, seed=0)
+    else:
+        w13, w2 = _qweights(QuantScheme("fp8_w8a8", scales))
+    out = fused_moe(x, w13, w2, tw, ti, config=cfg)
+    # direct alignment for one token, except fp8 with a separate quantisation launch
+    assert seen.get("direct", False) == direct_expected
+    # the wide GEMM1 only for 16-bit inputs with BLOCK_SIZE_M >= 64
+    assert seen["wide"] == (wide_expected and scales is None)
+    # per-tensor fp8: the intermediate is quantised by GEMM1 itself
+    assert seen["fused_fp8"] == (scales == "tensor")
+    assert not torch.isnan(out.float()).any()

@@ -325,11 +325,12 @@ def _topk_softmax_kernel(
     E,
     stride_lm,
     TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,  # next power of two of TOPK (register tile of the winners)
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    # ROWS tokens per program: softmax over the E logits of each, then K rounds of argmax.
+    # ROWS tokens per program: softmax over the E logits of each, then K rounds of one max each.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < M
@@ -340,23 +341,29 @@ def _topk_softmax_kernel(
     p = tl.exp(x - tl.where(row_ok, tl.max(x, axis=1), 0.0)[:, None])
     p = tl.where(ok, p, 0.0)
     p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
-    p = tl.where(ok, p, -1.0)  # padding never wins
-    # Sum of the K winners first (for renormalisation), on a copy.
+    # One int64 key per (row, expert) so that a single max finds value and index together:
+    # p >= 0, so its float bits order like integers (high half); the low half is the reversed
+    # column, so of equal probabilities the lower expert id wins. Padding (-1) never wins.
+    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(ok, (bits << 32) | (BLOCK_E - 1 - cols)[None, :].to(tl.int64), -1)
+    slot = tl.arange(0, TOPK_P2)
+    vals = tl.zeros((ROWS, TOPK_P2), dtype=tl.float32)
+    ids = tl.zeros((ROWS, TOPK_P2), dtype=tl.int32)
     total = tl.zeros((ROWS,), dtype=tl.float32)
-    q = p
-    for _ in tl.static_range(TOPK):
-        best = tl.max(q, axis=1)
-        idx = tl.argmax(q, axis=1, tie_break_left=True)
-        total += best
-        q = tl.where(cols[None, :] == idx[:, None], -1.0, q)
-    total = tl.where(row_ok, total, 1.0)
-    scale = 1.0 / total if RENORMALIZE else tl.full((ROWS,), 1.0, tl.float32)
     for k in tl.static_range(TOPK):
-        best = tl.max(p, axis=1)
-        idx = tl.argmax(p, axis=1, tie_break_left=True)
-        tl.store(weights_ptr + rows * TOPK + k, best * scale, mask=row_ok)
-        tl.store(ids_ptr + rows * TOPK + k, idx.to(tl.int32), mask=row_ok)
-        p = tl.where(cols[None, :] == idx[:, None], -1.0, p)
+        best = tl.max(key, axis=1)
+        key = tl.where(key == best[:, None], -1, key)  # keys are distinct: removes the winner only
+        v = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        i = (BLOCK_E - 1 - (best & (BLOCK_E - 1))).to(tl.int32)
+        total += v
+        vals = tl.where(slot[None, :] == k, v[:, None], vals)
+        ids = tl.where(slot[None, :] == k, i[:, None], ids)
+    if RENORMALIZE:
+        vals = vals / tl.where(row_ok, total, 1.0)[:, None]
+    out = rows[:, None] * TOPK + slot[None, :]
+    mask = row_ok[:, None] & (slot < TOPK)[None, :]
+    tl.store(weights_ptr + out, vals, mask=mask)
+    tl.store(ids_ptr + out, ids, mask=mask)
 
 
 def fused_topk_softmax(logits: torch.Tensor, topk: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,7 +383,8 @@ def fused_topk_softmax(logits: torch.Tensor, topk: int, renormalize: bool = True
     rows = max(1, min(16, 2048 // block_e))
     _topk_softmax_kernel[(triton.cdiv(m, rows),)](
         logits, weights, ids, m, e, logits.stride(0),
-        TOPK=topk, RENORMALIZE=renormalize, BLOCK_E=block_e, ROWS=rows, num_warps=4,
+        TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=renormalize, BLOCK_E=block_e, ROWS=rows,
+        num_warps=4,
     )
     return weights, ids
 
@@ -705,7 +713,12 @@ def fused_moe(
     if m == 0:
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
     direct = DEFAULT_DIRECT_ALIGN if direct is None else direct
-    if use_direct_align(m, k, num_experts) if direct == "auto" else direct:
+    if direct == "auto":
+        # fp8 with a separate quantisation launch measured slower with it once (DeepSeek-V3 EP8
+        # M=1: 23 -> 33 us), so "auto" keeps it to 16-bit and the fused per-tensor fp8 path.
+        fused_fp8 = scheme is not None and scheme.scales == "tensor" and DEFAULT_FUSE_FP8_INTER
+        direct = (scheme is None or fused_fp8) and use_direct_align(m, k, num_experts)
+    if direct:
         align = direct_align(topk_ids, config["BLOCK_SIZE_M"], expert_map)
     else:
         align = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map)
