@@ -3,12 +3,14 @@ the modular kernel) with the alignment kernels or `direct_align`, and with GEMM2
 zeroed by a memset or by GEMM1 (moebench.kernels.triton_moe.DEFAULT_DIRECT_ALIGN /
 DEFAULT_ZERO_IN_GEMM1), on the same routing, CUDA-graph replay.
 
-    PYTHONPATH=. python benchmarks/decode_launches.py [--tokens 1,2,4,16] [--shapes a,b] [--smoke]
+    PYTHONPATH=. python benchmarks/decode_launches.py [--tokens 1,2,4,16,64] [--shapes a,b] [--fp8] [--smoke]
 
-Prediction (PERF.md section 3): at one token the two alignment launches (3.8-4.6 us measured)
-and the memset go, GEMM work unchanged: about -5 us per layer (Qwen3-30B-A3B 38.6 -> ~33 us).
+Measured (PERF.md section 3; both are defaults now): at one token the two alignment launches and
+the memset go, GEMM work unchanged: Qwen3-30B-A3B M=1 40.0 -> 33.5 us.
 --fp8: per-tensor fp8_w8a8 weights, adding GEMM1's fused quantisation of the intermediate
-(DEFAULT_FUSE_FP8_INTER). Writes decode_launches[_fp8].csv / .md under $OUT (default
+(DEFAULT_FUSE_FP8_INTER). bf16 also times `one_pass` (DEFAULT_ONE_PASS: both GEMMs in one launch,
+no intermediate in memory; predicted -2 to -4 us at 1-4 tokens, a loss at 16+ tokens of Mixtral
+where many rows per block make its atomic adds large). Writes decode_launches[_fp8].csv / .md under $OUT (default
 ./bench-out). --smoke: tiny shapes on CPU
 under the Triton interpreter (checks the script; its times mean nothing).
 """
@@ -36,20 +38,24 @@ ON_GPU = torch.cuda.is_available()
 SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768, 128),
           "dsv3-ep8": (256, 8, 7168, 2048, 32), "qwen3-next-80b-a3b": (512, 10, 2048, 512, 512)}
 SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
-# name: (DEFAULT_DIRECT_ALIGN, DEFAULT_ZERO_IN_GEMM1, DEFAULT_FUSE_FP8_INTER)
-VARIANTS = {"baseline": (False, False, False), "direct": ("auto", False, False), "zero": (False, True, False),
-            "both": ("auto", True, False)}
-FP8_VARIANTS = {"fuse": (False, False, True), "all": ("auto", True, True)}
+# The switches of moebench.kernels.triton_moe each variant sets; "baseline" is the path before any
+# of them (two alignment kernels, a memset, GEMM1, GEMM2, [quantisation launch]).
+SWITCHES = ("DEFAULT_DIRECT_ALIGN", "DEFAULT_ZERO_IN_GEMM1", "DEFAULT_FUSE_FP8_INTER", "DEFAULT_ONE_PASS")
+VARIANTS = {"baseline": (False, False, False, False), "direct": ("auto", False, False, False),
+            "zero": (False, True, False, False), "both": ("auto", True, False, False)}
+BF16_VARIANTS = {"one_pass": ("auto", False, False, True)}
+FP8_VARIANTS = {"fuse": (False, False, True, False), "all": ("auto", True, True, False)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="1,2,4,16")
+    ap.add_argument("--tokens", default="1,2,4,16,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--fp8", action="store_true", help="fp8_w8a8 per-tensor weights (adds the fused-quantisation variants)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    variants = dict(VARIANTS, **(FP8_VARIANTS if args.fp8 else {}))
+    variants = dict(VARIANTS, **(FP8_VARIANTS if args.fp8 else BF16_VARIANTS))
+    saved = tuple(getattr(triton_moe, n) for n in SWITCHES)
     stem = "decode_launches_fp8" if args.fp8 else "decode_launches"
     if args.smoke:
         SHAPES.update(SMOKE)
@@ -85,9 +91,9 @@ def main() -> int:
 
             row = dict(shape=shape, tokens=m, direct_rule=triton_moe.use_direct_align(m, k, e))
             ref = None
-            for name, (direct, zero, fuse) in variants.items():
-                triton_moe.DEFAULT_DIRECT_ALIGN, triton_moe.DEFAULT_ZERO_IN_GEMM1 = direct, zero
-                triton_moe.DEFAULT_FUSE_FP8_INTER = fuse
+            for name, values in variants.items():
+                for n, v in zip(SWITCHES, values):
+                    setattr(triton_moe, n, v)
                 try:
                     out = layer()
                     if ref is None:
@@ -98,11 +104,13 @@ def main() -> int:
                     row[f"{name}_us"] = round(t.median_us, 1)
                     row[f"{name}_err"] = f"{err:.1e}"
                 finally:
-                    triton_moe.DEFAULT_DIRECT_ALIGN, triton_moe.DEFAULT_ZERO_IN_GEMM1 = False, False
-                    triton_moe.DEFAULT_FUSE_FP8_INTER = False
+                    for n, v in zip(SWITCHES, saved):
+                        setattr(triton_moe, n, v)
             for name in variants:
                 if name != "baseline":
                     row[f"{name}/baseline"] = round(row[f"{name}_us"] / row["baseline_us"], 3)
+            if "one_pass" in variants:  # against the path it would replace (direct + zeroing in GEMM1)
+                row["one_pass/both"] = round(row["one_pass_us"] / row["both_us"], 3)
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
             df = pd.DataFrame(rows)

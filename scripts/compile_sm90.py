@@ -103,6 +103,10 @@ def main() -> int:
     for one_chunk, block_m, block_k, limit in ((True, 32, 128, 1), (False, 4, 1024, 2)):
         qc = dict(STATIC=False, LIMIT=limit, ONE_CHUNK=one_chunk, BLOCK_M=block_m, BLOCK_K=block_k, EXACT_ROUND=False)
         print(compile_kernel(Q._quant_rows_kernel, qc, qptrs))
+    # Both GEMMs in one launch (decode tile)
+    c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, BLOCK_SIZE_H=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
+             UPCAST=False, IEEE_DOT=False)
+    print(compile_kernel(T._one_pass_kernel, c, {k: v for k, v in std_ptrs.items() if k != "inter_ptr"}))
     # Softmax top-k routing: Qwen3-Next's (512 experts, top-10) and DeepSeek's (256, top-8) shapes
     for block_e, topk, rows in ((512, 10, 4), (256, 8, 8)):
         rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows)

@@ -28,6 +28,7 @@ from moebench.kernels.triton_moe import (
     fused_moe_gemms,
     fused_topk_softmax,
     launch_gemm1,
+    launch_one_pass,
 )
 
 H, I, E, K = 72, 40, 60, 4
@@ -419,3 +420,43 @@ def test_direct_align_caches_only_small_layouts():
     assert direct_align(torch.ones((1, 8), dtype=torch.int32, device=DEV), 16).sorted_token_ids is a.sorted_token_ids
     big = direct_align(torch.zeros((512, 8), dtype=torch.int32, device=DEV), 32)  # 4096 pairs x 32 rows
     assert len(moe_align._DIRECT_LAYOUTS) == 1 and big.num_tokens_post_padded.item() == 4096 * 32
+
+
+# ---------------------------------------------------------------------------------------------
+# One pass: both GEMMs in one launch, split over the intermediate dimension
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,use_map,direct", [(1, False, True), (1, True, True), (6, True, False), (0, False, False)])
+def test_one_pass_matches_reference(dtype, m, use_map, direct):
+    # H (200: two output steps of 128, the second partial, and K steps of 64 with a partial last)
+    # and I (40: two intermediate tiles of 32) not multiples of the tiles, remote experts skipped
+    # (all-remote token 1 stays zero), both alignments.
+    h = 200
+    e_global, e_local = (E, 20) if use_map else (E, E)
+    emap = random_expert_map(e_global, e_local, DEV) if use_map else None
+    w13, w2 = _weights(e_local, dtype, h=h)
+    x = _x(m, dtype, h=h)
+    tw, ti = _routing(m, e_global, K)
+    if use_map and m > 1:
+        ti[1] = torch.nonzero(emap.cpu() < 0).reshape(-1)[:K].to(DEV, torch.int32)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    with poisoned_outputs():
+        out = fused_moe(x, w13, w2, tw, ti, emap, e_global, CFG, direct=direct, one_pass=True)
+    assert out.shape == (m, h) and out.dtype == dtype
+    if m:
+        assert rel_err(out, ref) < TOL[dtype]
+        two = fused_moe(x, w13, w2, tw, ti, emap, e_global, CFG, direct=direct, one_pass=False)
+        assert torch.allclose(out.float(), two.float(), rtol=1e-2, atol=1e-3)  # same rounding of the intermediate
+    if use_map and m > 1:
+        assert (out[1] == 0).all()
+
+
+def test_one_pass_refuses_fp8_weights():
+    from moebench.quant import QuantScheme, quantize_weights
+
+    w13, w2 = _weights(4, torch.bfloat16)
+    q13, q2 = quantize_weights(w13, w2, QuantScheme("fp8_w8a8", "tensor"), act_dtype=torch.bfloat16)
+    tw, ti = _routing(1, 4, 2)
+    with pytest.raises(moebench.errors.MoebenchError, match="one-pass"):
+        launch_one_pass(_x(1, torch.bfloat16), q13, q2, tw, direct_align(ti, 16), 2, CFG)
