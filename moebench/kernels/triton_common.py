@@ -32,6 +32,23 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
+def block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M: tl.constexpr):
+    """The local expert of sorted block pid_m (int64), or -1 when the block has nothing to do:
+    past the used length (padding of the worst-case grid) or a remote expert (direct_align)."""
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    return tl.where(pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr), -1, expert)
+
+
+@triton.jit
+def block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr):
+    """Rows of sorted block pid_m: (offs_m, pair, row_ok, token), each (BLOCK_SIZE_M,); pair is the
+    flat (token, k) index, token = pair // K (int64); sentinel rows have row_ok False."""
+    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    return offs_m, pair, pair < num_pairs, (pair // TOPK).to(tl.int64)
+
+
+@triton.jit
 def block_scaled_mma(a, b, acc, a_s, b_s, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
     """acc + (a @ b) * a_s[:, None] * b_s[None, :]: one K step of a block-scaled fp8 GEMM (the dot
     of this step alone, then its row and column dequantisation scales). UPCAST as in `mma` (the

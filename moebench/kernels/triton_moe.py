@@ -72,6 +72,8 @@ from moebench.kernels.moe_align import (
 )
 from moebench.kernels.registry import register_experts
 from moebench.kernels.triton_common import (
+    block_expert,
+    block_rows,
     cast_rne,
     dequant,
     gate_up_mainloop,
@@ -177,17 +179,12 @@ def _silu_mul_gemm1_kernel(
 
     # Blocks past the used length (padding of the worst-case grid) and blocks of a remote expert
     # (direct_align) have nothing to do.
-    if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M)
     if expert < 0:
         return
 
     # Rows: the pairs of this block; token = pair // K; sentinel rows load zeros.
-    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = pair < num_pairs
-    token = (pair // TOPK).to(tl.int64)
+    offs_m, pair, row_ok, token = block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     col_ok = offs_n < N_INTER
     offs_k = tl.arange(0, BLOCK_SIZE_K)
@@ -264,15 +261,11 @@ def _gemm2_weighted_sum_kernel(
     num_pid_n = tl.cdiv(H, BLOCK_SIZE_N)
     pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
 
-    if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if expert < 0:  # remote expert (direct_align)
+    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M)
+    if expert < 0:  # unused padding block, or a remote expert (direct_align)
         return
 
-    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = pair < num_pairs
+    offs_m, pair, row_ok, token = block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     col_ok = offs_n < H
     # This program's slice of the K dimension: [k_lo, k_lo + k_per_split) within I.
@@ -319,7 +312,6 @@ def _gemm2_weighted_sum_kernel(
     w = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
     if ATOMIC:
-        token = (pair // TOPK).to(tl.int64)
         o_ptrs = ws_ptr + token[:, None] * stride_wsm + offs_n[None, :] * stride_wsn
         tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
     else:
@@ -370,16 +362,11 @@ def _one_pass_kernel(
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
     pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
-    if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M)
     if expert < 0:
         return
 
-    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = pair < num_pairs
-    token = (pair // TOPK).to(tl.int64)
+    offs_m, pair, row_ok, token = block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     col_ok = offs_n < N_INTER
     offs_k = tl.arange(0, BLOCK_SIZE_K)
