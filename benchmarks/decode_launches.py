@@ -10,7 +10,9 @@ the memset go, GEMM work unchanged: Qwen3-30B-A3B M=1 40.0 -> 33.5 us.
 --fp8: per-tensor fp8_w8a8 weights, adding GEMM1's fused quantisation of the intermediate
 (DEFAULT_FUSE_FP8_INTER). bf16 also times `one_pass` (DEFAULT_ONE_PASS: both GEMMs in one launch,
 no intermediate in memory; predicted -2 to -4 us at 1-4 tokens, a loss at 16+ tokens of Mixtral
-where many rows per block make its atomic adds large). Writes decode_launches[_fp8].csv / .md under $OUT (default
+where many rows per block make its atomic adds large); `align1` adds the one-launch alignment
+(moe_align.DEFAULT_ONE_LAUNCH, up to 1024 pairs; predicted -1.5 to -2.5 us where the alignment
+runs, i.e. from 2 tokens on). Writes decode_launches[_fp8].csv / .md under $OUT (default
 ./bench-out). --smoke: tiny shapes on CPU
 under the Triton interpreter (checks the script; its times mean nothing).
 """
@@ -28,7 +30,7 @@ import triton
 
 import moebench
 from moebench.bench.timing import time_cpu, time_cuda
-from moebench.kernels import triton_moe
+from moebench.kernels import moe_align, triton_moe
 from moebench.kernels.triton_moe import fused_topk_softmax
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
@@ -40,11 +42,13 @@ SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768
 SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
 # The switches of moebench.kernels.triton_moe each variant sets; "baseline" is the path before any
 # of them (two alignment kernels, a memset, GEMM1, GEMM2, [quantisation launch]).
-SWITCHES = ("DEFAULT_DIRECT_ALIGN", "DEFAULT_ZERO_IN_GEMM1", "DEFAULT_FUSE_FP8_INTER", "DEFAULT_ONE_PASS")
-VARIANTS = {"baseline": (False, False, False, False), "direct": ("auto", False, False, False),
-            "zero": (False, True, False, False), "both": ("auto", True, False, False)}
-BF16_VARIANTS = {"one_pass": ("auto", False, False, True)}
-FP8_VARIANTS = {"fuse": (False, False, True, False), "all": ("auto", True, True, False)}
+SWITCHES = ((triton_moe, "DEFAULT_DIRECT_ALIGN"), (triton_moe, "DEFAULT_ZERO_IN_GEMM1"),
+            (triton_moe, "DEFAULT_FUSE_FP8_INTER"), (triton_moe, "DEFAULT_ONE_PASS"), (moe_align, "DEFAULT_ONE_LAUNCH"))
+VARIANTS = {"baseline": (False, False, False, False, False), "direct": ("auto", False, False, False, False),
+            "zero": (False, True, False, False, False), "both": ("auto", True, False, False, False),
+            "align1": ("auto", True, False, False, True)}
+BF16_VARIANTS = {"one_pass": ("auto", False, False, True, False)}
+FP8_VARIANTS = {"fuse": (False, False, True, False, False), "all": ("auto", True, True, False, False)}
 
 
 def main() -> int:
@@ -55,7 +59,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     variants = dict(VARIANTS, **(FP8_VARIANTS if args.fp8 else BF16_VARIANTS))
-    saved = tuple(getattr(triton_moe, n) for n in SWITCHES)
+    saved = tuple(getattr(mod, n) for mod, n in SWITCHES)
     stem = "decode_launches_fp8" if args.fp8 else "decode_launches"
     if args.smoke:
         SHAPES.update(SMOKE)
@@ -92,8 +96,8 @@ def main() -> int:
             row = dict(shape=shape, tokens=m, direct_rule=triton_moe.use_direct_align(m, k, e))
             ref = None
             for name, values in variants.items():
-                for n, v in zip(SWITCHES, values):
-                    setattr(triton_moe, n, v)
+                for (mod, n), v in zip(SWITCHES, values):
+                    setattr(mod, n, v)
                 try:
                     out = layer()
                     if ref is None:
@@ -104,12 +108,14 @@ def main() -> int:
                     row[f"{name}_us"] = round(t.median_us, 1)
                     row[f"{name}_err"] = f"{err:.1e}"
                 finally:
-                    for n, v in zip(SWITCHES, saved):
-                        setattr(triton_moe, n, v)
+                    for (mod, n), v in zip(SWITCHES, saved):
+                        setattr(mod, n, v)
             for name in variants:
                 if name != "baseline":
                     row[f"{name}/baseline"] = round(row[f"{name}_us"] / row["baseline_us"], 3)
-            if "one_pass" in variants:  # against the path it would replace (direct + zeroing in GEMM1)
+            # against the path each would replace (direct alignment + zeroing in GEMM1)
+            row["align1/both"] = round(row["align1_us"] / row["both_us"], 3)
+            if "one_pass" in variants:
                 row["one_pass/both"] = round(row["one_pass_us"] / row["both_us"], 3)
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call (issues 3 and 5): moebench's triton GEMM part against the vLLM-style kernel with
 # vLLM's H200 configs on the same routings (vllm_style.py), the gate/up read-pattern probe
-# (read_pattern.py), the decode launch-trimming A/B (decode_launches.py), then the GPU test suite
-# (cut at TESTS_S seconds). SKIP_VS / SKIP_READ / SKIP_DECODE / SKIP_TESTS=1 leave a step out.
+# (read_pattern.py), the decode launch-trimming A/B (decode_launches.py), the layer / alignment /
+# routing / floor table of PERF section 3 (bench_triton.py), then the GPU test suite (cut at
+# TESTS_S seconds). SKIP_VS / SKIP_READ / SKIP_DECODE / SKIP_BENCH / SKIP_TESTS=1 leave a step out.
 # Results under $OUT.
 #   PYTHONPATH=. bash benchmarks/device_reference.sh
 source "$(dirname "$0")/device_env.sh"
@@ -19,6 +20,10 @@ if [ -z "${SKIP_DECODE:-}" ]; then
   step "decode_launches.py"
   python3 benchmarks/decode_launches.py 2>&1 | tee -a "$log" | tail -n 20
   python3 benchmarks/decode_launches.py --fp8 --tokens 1,16 2>&1 | tee -a "$log" | tail -n 12
+fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+  step "bench_triton.py"
+  python3 benchmarks/bench_triton.py ${BENCH_ARGS:-} 2>&1 | tee -a "$log" | tail -n 30
 fi
 if [ -z "${SKIP_TESTS:-}" ]; then
   step "pytest -m gpu tests/gpu"

@@ -1,4 +1,4 @@
-"""Compile moebench's Triton GEMM and routing kernels for Hopper (sm_90) without a GPU.
+"""Compile moebench's Triton GEMM, alignment and routing kernels for Hopper (sm_90) without a GPU.
 
 Lowers every kernel (the unquantised GEMMs, their fp8 variants and the fp8 activation
 quantisation) through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the
@@ -23,6 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from moebench.kernels import batched_triton as B  # noqa: E402
 from moebench.kernels import fp8_quant as Q  # noqa: E402
+from moebench.kernels import moe_align as A  # noqa: E402
 from moebench.kernels import triton_moe as T  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -107,6 +108,10 @@ def main() -> int:
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, BLOCK_SIZE_H=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
              UPCAST=False, IEEE_DOT=False)
     print(compile_kernel(T._one_pass_kernel, c, {k: v for k, v in std_ptrs.items() if k != "inter_ptr"}))
+    # Alignment in one launch (few pairs: Qwen3 64 tokens x top-8 over 128 experts, with an expert map)
+    ac = dict(HAS_MAP=True, BLOCK_SIZE_M=16, CHUNK=512, E_POW2=128)
+    print(compile_kernel(A._align_one_launch_kernel, ac, {"topk_ids_ptr": "*i32", "expert_map_ptr": "*i32",
+                                                          "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "ntpp_ptr": "*i32"}))
     # Softmax top-k routing: Qwen3-Next's (512 experts, top-10) and DeepSeek's (256, top-8) shapes
     for block_e, topk, rows in ((512, 10, 4), (256, 8, 8)):
         rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows)

@@ -66,7 +66,8 @@ def _run(experts: str, pf: str, x, w13, w2, tw, ti, expert_map=None, num_experts
 # Alignment
 
 
-@pytest.mark.parametrize("m,k,e,bm,use_map", [(1, 4, 60, 16, False), (37, 4, 60, 16, True), (9, 2, 5, 32, False)])
+@pytest.mark.parametrize("m,k,e,bm,use_map", [(1, 4, 60, 16, False), (37, 4, 60, 16, True), (9, 2, 5, 32, False),
+                                              (64, 8, 128, 16, True)])
 def test_align_matches_torch(m, k, e, bm, use_map):
     e_global = 2 * e if use_map else e
     g = torch.Generator().manual_seed(m)
@@ -76,6 +77,9 @@ def test_align_matches_torch(m, k, e, bm, use_map):
     b = moe_align_block_size_torch(ids, bm, e, emap)
     d = moe_align_block_size(ids, bm, e, emap)
     assert torch.equal(a.sorted_token_ids, d.sorted_token_ids) and torch.equal(a.expert_ids, d.expert_ids)
+    o = moe_align_block_size(ids, bm, e, emap, one_launch=True)  # one launch, every program counts all pairs
+    assert torch.equal(a.sorted_token_ids, o.sorted_token_ids) and torch.equal(a.expert_ids, o.expert_ids)
+    assert torch.equal(a.num_tokens_post_padded, o.num_tokens_post_padded)
     assert torch.equal(a.sorted_token_ids, b.sorted_token_ids)
     assert torch.equal(a.expert_ids, b.expert_ids)
     assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)

@@ -84,6 +84,12 @@ class AlignResult:
         return self.expert_ids.numel()
 
 
+#: Few pairs (decode): one alignment launch instead of two (`_align_one_launch_kernel`); off until
+#: timed on a GPU (PERF.md section 3).
+DEFAULT_ONE_LAUNCH = False
+ONE_LAUNCH_MAX_PAIRS = 1024
+
+
 def max_padded_size(num_pairs: int, num_local_experts: int, block_size_m: int) -> int:
     """Worst-case length of sorted_token_ids (a multiple of block_size_m)."""
     worst = num_pairs + min(num_local_experts, num_pairs) * (block_size_m - 1)
@@ -159,24 +165,68 @@ def _place_pairs_kernel(
     tl.store(sorted_ptr + pos, offs, mask=hit > 0)
 
     if c == 0:
-        if e == 0:
-            tl.store(ntpp_ptr, total)
-        # Padding of this expert's last block: sentinel.
-        pad = start + my_count + tl.arange(0, BLOCK_SIZE_M)
-        tl.store(sorted_ptr + pad, num_pairs + tl.zeros((BLOCK_SIZE_M,), tl.int32), mask=pad < start + my_padded)
-        # Block ids of this expert's blocks.
-        first_block = start // BLOCK_SIZE_M
-        n_blocks = my_padded // BLOCK_SIZE_M
-        for b in range(0, n_blocks, CHUNK):
-            bo = b + tl.arange(0, CHUNK)
-            tl.store(expert_ids_ptr + first_block + bo, e + tl.zeros((CHUNK,), tl.int32), mask=bo < n_blocks)
-        # Tail past the total, shared round-robin by the experts: sentinel slots and -1 blocks.
-        for s in range(total + e * CHUNK, max_padded, num_local * CHUNK):
-            so = s + tl.arange(0, CHUNK)
-            tl.store(sorted_ptr + so, num_pairs + tl.zeros((CHUNK,), tl.int32), mask=so < max_padded)
-        for b in range(total // BLOCK_SIZE_M + e * CHUNK, max_blocks, num_local * CHUNK):
-            bo = b + tl.arange(0, CHUNK)
-            tl.store(expert_ids_ptr + bo, tl.full((CHUNK,), -1, tl.int32), mask=bo < max_blocks)
+        _finish_expert(e, start, total, my_count, my_padded, sorted_ptr, expert_ids_ptr, ntpp_ptr, num_pairs,
+                       num_local, max_padded, max_blocks, BLOCK_SIZE_M, CHUNK)
+
+
+@triton.jit
+def _align_one_launch_kernel(
+    topk_ids_ptr,
+    expert_map_ptr,
+    sorted_ptr,  # (max_padded,) int32 out
+    expert_ids_ptr,  # (max_blocks,) int32 out
+    ntpp_ptr,  # (1,) int32 out
+    num_pairs,
+    num_local,
+    max_padded,
+    max_blocks,
+    HAS_MAP: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    CHUNK: tl.constexpr,  # >= num_pairs: all pairs in one tile
+    E_POW2: tl.constexpr,
+):
+    # Few pairs: program e reads all of them and counts every expert itself (a histogram), so
+    # the count table of the two-kernel path, and its launch, are not needed.
+    e = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    in_range = offs < num_pairs
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    if HAS_MAP:
+        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+    counts = tl.histogram(ids, E_POW2, mask=ids >= 0)
+    eo = tl.arange(0, E_POW2)
+    padded = tl.cdiv(counts, BLOCK_SIZE_M) * BLOCK_SIZE_M
+    start = tl.sum(tl.where(eo < e, padded, 0), axis=0)
+    total = tl.sum(padded, axis=0)
+    my_count = tl.sum(tl.where(eo == e, counts, 0), axis=0)
+    my_padded = tl.sum(tl.where(eo == e, padded, 0), axis=0)
+    hit = (ids == e).to(tl.int32)
+    tl.store(sorted_ptr + start + tl.cumsum(hit, axis=0) - 1, offs, mask=hit > 0)
+    _finish_expert(e, start, total, my_count, my_padded, sorted_ptr, expert_ids_ptr, ntpp_ptr, num_pairs,
+                   num_local, max_padded, max_blocks, BLOCK_SIZE_M, CHUNK)
+
+
+@triton.jit
+def _finish_expert(e, start, total, my_count, my_padded, sorted_ptr, expert_ids_ptr, ntpp_ptr, num_pairs,
+                   num_local, max_padded, max_blocks, BLOCK_SIZE_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Everything of expert e's run except its pairs: the used length (e = 0), the sentinels that
+    pad its last block, its block ids, and its round-robin share of the tail past the total
+    (sentinel slots and -1 blocks)."""
+    if e == 0:
+        tl.store(ntpp_ptr, total)
+    pad = start + my_count + tl.arange(0, BLOCK_SIZE_M)
+    tl.store(sorted_ptr + pad, num_pairs + tl.zeros((BLOCK_SIZE_M,), tl.int32), mask=pad < start + my_padded)
+    first_block = start // BLOCK_SIZE_M
+    n_blocks = my_padded // BLOCK_SIZE_M
+    for b in range(0, n_blocks, CHUNK):
+        bo = b + tl.arange(0, CHUNK)
+        tl.store(expert_ids_ptr + first_block + bo, e + tl.zeros((CHUNK,), tl.int32), mask=bo < n_blocks)
+    for s in range(total + e * CHUNK, max_padded, num_local * CHUNK):
+        so = s + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + so, num_pairs + tl.zeros((CHUNK,), tl.int32), mask=so < max_padded)
+    for b in range(total // BLOCK_SIZE_M + e * CHUNK, max_blocks, num_local * CHUNK):
+        bo = b + tl.arange(0, CHUNK)
+        tl.store(expert_ids_ptr + bo, tl.full((CHUNK,), -1, tl.int32), mask=bo < max_blocks)
 
 
 def moe_align_block_size(
@@ -185,13 +235,16 @@ def moe_align_block_size(
     num_local_experts: int,
     expert_map: torch.Tensor | None = None,
     chunk: int | None = None,
+    one_launch: bool | None = None,
 ) -> AlignResult:
     """topk_ids (M, K) int32/int64 -> AlignResult for blocks of `block_size_m` pairs.
 
     Without expert_map, topk_ids are local ids (-1 = remote). With expert_map (E,) int32, they are
     global ids mapped on the fly (map value -1 = remote). M may be 0 (empty buffers, no launch).
     Two kernel launches over (local expert, chunk of pairs), no host synchronisation. `chunk`
-    (pairs per program, a power of two) is for tests; by default up to 2048.
+    (pairs per program, a power of two) is for tests; by default up to 2048. one_launch (None:
+    DEFAULT_ONE_LAUNCH): up to ONE_LAUNCH_MAX_PAIRS pairs, one launch over the local experts, each
+    program counting all pairs itself (same result).
     """
     assert topk_ids.dim() == 2
     dev = topk_ids.device
@@ -210,6 +263,13 @@ def moe_align_block_size(
     has_map = expert_map is not None
     emap = expert_map.to(device=dev, dtype=torch.int32).contiguous() if has_map else ids
     e_pow2 = max(16, triton.next_power_of_2(num_local_experts))
+    if (DEFAULT_ONE_LAUNCH if one_launch is None else one_launch) and num_pairs <= ONE_LAUNCH_MAX_PAIRS:
+        _align_one_launch_kernel[(num_local_experts,)](
+            ids, emap, sorted_ids, expert_ids, ntpp, num_pairs, num_local_experts, max_padded, max_blocks,
+            HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=max(16, triton.next_power_of_2(num_pairs)),
+            E_POW2=e_pow2, num_warps=4,
+        )
+        return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
     # Chunks of pairs: each program scans one chunk; the (experts x chunks) count table that every
     # place program reads is kept <= 16K entries by growing the chunk for huge inputs.
     chunk = chunk or min(2048, max(16, triton.next_power_of_2(num_pairs)))

@@ -57,15 +57,16 @@ def test_qwen3_other_dtypes(dtype, tol):
     assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < tol
 
 
-@pytest.mark.parametrize("m", [1, 333, 4096])
+@pytest.mark.parametrize("m", [1, 16, 128, 333, 4096])
 def test_align_gpu_matches_torch(m):
     x, w13, w2, tw, ti, emap, e = _setup("dsv3-ep8", m)
     for bm in (16, 64):
-        a = moe_align_block_size(ti, bm, 32, emap)
         b = moe_align_block_size_torch(ti, bm, 32, emap)
-        assert torch.equal(a.sorted_token_ids, b.sorted_token_ids)
-        assert torch.equal(a.expert_ids, b.expert_ids)
-        assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)
+        for one_launch in (False, True):  # the one-launch kernel takes up to 1024 pairs (m <= 128 here)
+            a = moe_align_block_size(ti, bm, 32, emap, one_launch=one_launch)
+            assert torch.equal(a.sorted_token_ids, b.sorted_token_ids)
+            assert torch.equal(a.expert_ids, b.expert_ids)
+            assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)
 
 
 @pytest.mark.parametrize("shape,m", [("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 1024), ("dsv3-ep8", 256)])
