@@ -108,10 +108,14 @@ def main() -> int:
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, BLOCK_SIZE_H=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
              UPCAST=False, IEEE_DOT=False)
     print(compile_kernel(T._one_pass_kernel, c, {k: v for k, v in std_ptrs.items() if k != "inter_ptr"}))
-    # Alignment in one launch (few pairs: Qwen3 64 tokens x top-8 over 128 experts, with an expert map)
-    ac = dict(HAS_MAP=True, BLOCK_SIZE_M=16, CHUNK=512, E_POW2=128)
-    print(compile_kernel(A._align_one_launch_kernel, ac, {"topk_ids_ptr": "*i32", "expert_map_ptr": "*i32",
-                                                          "sorted_ptr": "*i32", "expert_ids_ptr": "*i32", "ntpp_ptr": "*i32"}))
+    # Alignment: the two-kernel path (2048-pair chunks) and the one launch for few pairs (Qwen3 64
+    # tokens x top-8 over 128 local experts), with an expert map
+    aptrs = {p: "*i32" for p in ("topk_ids_ptr", "expert_map_ptr", "counts_ptr", "sorted_ptr", "expert_ids_ptr",
+                                 "ntpp_ptr")}
+    print(compile_kernel(A._count_pairs_kernel, dict(HAS_MAP=True, CHUNK=2048, NUM_CHUNKS=4), aptrs))
+    print(compile_kernel(A._place_pairs_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=64, CHUNK=2048, NUM_CHUNKS=4, NC_POW2=4,
+                                                     E_POW2=128), aptrs))
+    print(compile_kernel(A._align_one_launch_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=16, CHUNK=512, E_POW2=128), aptrs))
     # Softmax top-k routing: Qwen3-Next's (512 experts, top-10) and DeepSeek's (256, top-8) shapes
     for block_e, topk, rows in ((512, 10, 4), (256, 8, 8)):
         rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows)

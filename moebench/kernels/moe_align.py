@@ -97,6 +97,29 @@ def max_padded_size(num_pairs: int, num_local_experts: int, block_size_m: int) -
 
 
 @triton.jit
+def _local_ids(topk_ids_ptr, expert_map_ptr, offs, num_pairs, HAS_MAP: tl.constexpr):
+    """Local expert id of pairs `offs` (-1: remote or past num_pairs), through the map if any."""
+    in_range = offs < num_pairs
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    if HAS_MAP:
+        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+    return ids
+
+
+@triton.jit
+def _expert_run(counts, e, BLOCK_SIZE_M: tl.constexpr, E_POW2: tl.constexpr):
+    """From the pair count of every local expert (E_POW2,): expert e's padded start (exclusive
+    prefix sum of the padded run lengths), the used total, and e's count and padded length."""
+    eo = tl.arange(0, E_POW2)
+    padded = tl.cdiv(counts, BLOCK_SIZE_M) * BLOCK_SIZE_M
+    start = tl.sum(tl.where(eo < e, padded, 0), axis=0)
+    total = tl.sum(padded, axis=0)
+    my_count = tl.sum(tl.where(eo == e, counts, 0), axis=0)
+    my_padded = tl.sum(tl.where(eo == e, padded, 0), axis=0)
+    return start, total, my_count, my_padded
+
+
+@triton.jit
 def _count_pairs_kernel(
     topk_ids_ptr,  # (P,) global or local expert id of each pair
     expert_map_ptr,  # (E,) global -> local, -1 remote (unused without HAS_MAP)
@@ -110,10 +133,7 @@ def _count_pairs_kernel(
     e = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    in_range = offs < num_pairs
-    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    if HAS_MAP:
-        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+    ids = _local_ids(topk_ids_ptr, expert_map_ptr, offs, num_pairs, HAS_MAP)
     tl.store(counts_ptr + e * NUM_CHUNKS + c, tl.sum((ids == e).to(tl.int32), axis=0))
 
 
@@ -146,20 +166,12 @@ def _place_pairs_kernel(
         counts_ptr + eo[:, None] * NUM_CHUNKS + co[None, :],
         mask=(eo < num_local)[:, None] & (co < NUM_CHUNKS)[None, :], other=0,
     )
-    counts = tl.sum(cnt, axis=1)
-    padded = tl.cdiv(counts, BLOCK_SIZE_M) * BLOCK_SIZE_M
-    start = tl.sum(tl.where(eo < e, padded, 0), axis=0)
-    total = tl.sum(padded, axis=0)
-    my_count = tl.sum(tl.where(eo == e, counts, 0), axis=0)
-    my_padded = tl.sum(tl.where(eo == e, padded, 0), axis=0)
+    start, total, my_count, my_padded = _expert_run(tl.sum(cnt, axis=1), e, BLOCK_SIZE_M, E_POW2)
     before = tl.sum(tl.sum(tl.where((eo == e)[:, None] & (co < c)[None, :], cnt, 0), axis=1), axis=0)
 
     # This expert's pairs of chunk c, in flat order: position = start + earlier chunks + cumsum - 1.
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    in_range = offs < num_pairs
-    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    if HAS_MAP:
-        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+    ids = _local_ids(topk_ids_ptr, expert_map_ptr, offs, num_pairs, HAS_MAP)
     hit = (ids == e).to(tl.int32)
     pos = start + before + tl.cumsum(hit, axis=0) - 1
     tl.store(sorted_ptr + pos, offs, mask=hit > 0)
@@ -189,17 +201,9 @@ def _align_one_launch_kernel(
     # the count table of the two-kernel path, and its launch, are not needed.
     e = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
-    in_range = offs < num_pairs
-    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    if HAS_MAP:
-        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+    ids = _local_ids(topk_ids_ptr, expert_map_ptr, offs, num_pairs, HAS_MAP)
     counts = tl.histogram(ids, E_POW2, mask=ids >= 0)
-    eo = tl.arange(0, E_POW2)
-    padded = tl.cdiv(counts, BLOCK_SIZE_M) * BLOCK_SIZE_M
-    start = tl.sum(tl.where(eo < e, padded, 0), axis=0)
-    total = tl.sum(padded, axis=0)
-    my_count = tl.sum(tl.where(eo == e, counts, 0), axis=0)
-    my_padded = tl.sum(tl.where(eo == e, padded, 0), axis=0)
+    start, total, my_count, my_padded = _expert_run(counts, e, BLOCK_SIZE_M, E_POW2)
     hit = (ids == e).to(tl.int32)
     tl.store(sorted_ptr + start + tl.cumsum(hit, axis=0) - 1, offs, mask=hit > 0)
     _finish_expert(e, start, total, my_count, my_padded, sorted_ptr, expert_ids_ptr, ntpp_ptr, num_pairs,
