@@ -223,7 +223,7 @@ def main() -> int:
             inter0 = launch_gemm1(x, w13, align, k, cfg, tma0)
             t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0), reps=20, graph_calls=5)
             t_g2 = time_cuda(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma0), reps=20, graph_calls=5)
-            del inter0
+            inter0 = None
             t_align = time_cuda(lambda: moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], e_local, emap), reps=30, graph_calls=10)
             t_route = time_cuda(lambda: routing(logits, k), reps=30, graph_calls=10)
             t_troute = time_cuda(lambda: torch_routing(logits, k), reps=30, graph_calls=10)
@@ -315,8 +315,8 @@ def main() -> int:
                 flush=True,
             )
             _write_csv(csv_path, rows)
-            del out, x, logits
-        del w13, w2
+            out = x = logits = None  # free before the next token count
+        w13 = w2 = None  # free this shape's weights before the next shape's
         torch.cuda.empty_cache()
     md = _markdown(rows, gpu, rbw, rhow, mm)
     with open(os.path.join(out_dir, "bench_triton.md"), "w") as f:

@@ -122,7 +122,7 @@ def main() -> int:
             df = pd.DataFrame(rows)
             atomic_write_text(out_dir / f"{stem}.csv", df.to_csv(index=False))
             atomic_write_text(out_dir / f"{stem}.md", head + "\n\n" + _markdown(df))
-        del w13, w2
+        w13 = w2 = None  # free this shape's weights before the next shape's
     print((out_dir / f"{stem}.md").read_text())
     return 0
 

@@ -262,7 +262,7 @@ def main() -> int:
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
             _write(out_dir, head, rows)
-        del w13, w2
+        w13 = w2 = None  # free this shape's weights before the next shape's
         if ON_GPU:
             torch.cuda.empty_cache()
     print(open(os.path.join(out_dir, "vllm_style.md")).read())

@@ -374,7 +374,7 @@ def _calibrate_cuda(dev: torch.device) -> Ceilings:
         dst = torch.empty_like(src)
         copy_us = _median_cuda_us(lambda: dst.copy_(src), reps=20)
         copy_gbps = 2 * copy_bytes / (copy_us * 1e-6) / 1e9
-        del src, dst
+        src = dst = None  # free the buffers
         notes.append(f"copy {copy_bytes / 2**30:.1f} GiB: {copy_gbps:.0f} GB/s (read+write)")
 
         # (b) read ceiling: best of the read-only kernels and the copy rate.
@@ -393,7 +393,7 @@ def _calibrate_cuda(dev: torch.device) -> Ceilings:
             with _tf32_off():
                 us = _median_cuda_us(lambda: torch.mm(a, b), reps=10 if key == "fp32" else 20)
             tflops[key] = 2 * n**3 / (us * 1e-6) / 1e12
-            del a, b
+            a = b = None  # free the operands
         notes.append(f"matmul {n}^3 median of CUDA events")
 
         # (d) fp8 e4m3 x e4m3 -> bf16 with per-tensor fp32 scales (torch._scaled_mm).
@@ -568,7 +568,7 @@ def read_gbps_candidates(dev: torch.device, nbytes: int) -> tuple[dict[str, floa
                 cands[best[0]] = best[1]
     except Exception as e:  # triton missing or a compile failure: the other figures stand
         notes.append(f"triton read kernels unavailable ({e.__class__.__name__}: {str(e)[:80]})")
-    del x
+    x = None  # free the buffer
     return cands, notes
 
 
@@ -593,7 +593,7 @@ def calibrate_cpu(budget_s: float = 1.5) -> Ceilings:
     dst = torch.empty_like(src)
     copy_gbps = 2 * nbytes / best_s(lambda: dst.copy_(src), 5) / 1e9
     read_gbps = nbytes / best_s(lambda: src.sum(), 5) / 1e9
-    del src, dst
+    src = dst = None  # free the buffers
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
     mm_s = best_s(lambda: torch.mm(a, b), 5)
