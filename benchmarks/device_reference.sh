@@ -2,8 +2,9 @@
 # One device call (issues 3 and 5): moebench's triton GEMM part against the vLLM-style kernel with
 # vLLM's H200 configs on the same routings (vllm_style.py), the gate/up read-pattern probe
 # (read_pattern.py), the decode launch-trimming A/B (decode_launches.py), the layer / alignment /
-# routing / floor table of PERF section 3 (bench_triton.py), then the GPU test suite (cut at
-# TESTS_S seconds). SKIP_VS / SKIP_READ / SKIP_DECODE / SKIP_BENCH / SKIP_TESTS=1 leave a step out.
+# routing / floor table of PERF section 3 (bench_triton.py), the same tune with and without
+# compile workers (issue 5: where a tune's time goes), then the GPU test suite (cut at TESTS_S
+# seconds). SKIP_VS / SKIP_READ / SKIP_DECODE / SKIP_BENCH / SKIP_TUNE / SKIP_TESTS=1 leave a step out.
 # Results under $OUT.
 #   PYTHONPATH=. bash benchmarks/device_reference.sh
 source "$(dirname "$0")/device_env.sh"
@@ -24,6 +25,13 @@ fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   step "bench_triton.py"
   python3 benchmarks/bench_triton.py ${BENCH_ARGS:-} 2>&1 | tee -a "$log" | tail -n 30
+fi
+if [ -z "${SKIP_TUNE:-}" ]; then
+  for cw in 0 ${COMPILE_WORKERS:-12}; do
+    step "tune qwen3-30b-a3b --compile-workers $cw"
+    TAIL=14 mb tune --model qwen3-30b-a3b --tokens 1,256,4096 --compile-workers "$cw" --out "$OUT/tune-cw$cw" \
+      --results-dir "$R/tune-cw$cw"
+  done
 fi
 if [ -z "${SKIP_TESTS:-}" ]; then
   step "pytest -m gpu tests/gpu"

@@ -231,6 +231,28 @@ def test_resume_after_kill_repeats_nothing(tmp_path):
         _tune(tmp_path, resume=run_dir, strategy="grid")
 
 
+def test_compile_workers_compile_every_candidate_once_before_it_is_timed(tmp_path):
+    # Two spawned compile workers (on a CPU they only run the layer; on a GPU that fills Triton's
+    # shared on-disk cache). Every distinct config of a token count goes through them once.
+    out = _tune(tmp_path, compile_workers=2)
+    assert_vllm_loadable(out.config_path, TOKENS)
+    lines = _journal_lines(out.run_dir)
+    for r in out.results:
+        distinct = {SP.key_str(d["config"]) for d in lines if d["tokens"] == r.tokens}
+        assert r.precompiled == len(distinct) > 0 and r.precompile_s > 0
+        assert r.search_s >= r.precompile_s and r.failed == r.wrong == 0
+
+
+def test_precompiler_reports_what_fails(tmp_path):
+    from moebench.tuning.precompile import Precompiler
+
+    spec = T.TuneSpec(shape=SHAPE, layout=ParallelLayout(), tokens=[2], dtype=torch.float32, device="cpu")
+    good = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+    with Precompiler(spec, "cpu", 1) as pre:
+        ok, bad = pre.compile(2, [good, dict(good, BLOCK_SIZE_M=24)])  # 24: not a power of two
+    assert ok == "ok" and bad != "ok" and len(bad.splitlines()) == 1
+
+
 def test_failed_and_wrong_configs_are_skipped(tmp_path, monkeypatch):
     orig_kernel, orig_call = S.LayerBench._kernel, S.LayerBench._call
 
@@ -374,6 +396,12 @@ def test_tune_command_dry_run_and_tiny_run(tmp_path, monkeypatch):
     assert res.exit_code == 2  # click's own usage error
     res = r.invoke(g, ["tune", *sizes, "--budget", "0"])
     assert isinstance(res.exception, MoebenchError)
+    res = r.invoke(g, ["tune", *sizes, "--compile-workers", "-1"])
+    assert isinstance(res.exception, MoebenchError) and "--compile-workers" in str(res.exception)
+    res = r.invoke(g, ["tune", *sizes, "--tokens", "4", "--budget", "2", "--reps", "1", "--final-reps", "1",
+                       "--compile-workers", "1"])
+    assert res.exit_code == 0, res.output
+    assert_vllm_loadable(path, [1, 4])  # entries for other token counts are kept
     res = r.invoke(g, ["tune", "--resume", str(tmp_path / "nowhere")])
     assert isinstance(res.exception, MoebenchError) and "tune.json" in str(res.exception)
 

@@ -1,7 +1,7 @@
 """Click commands `tune` and `configs` (list, show, diff, commit); the main group attaches them.
 
     moebench tune --model NAME [--tp N] [--ep N] [--tokens ...] [--search grid|random|halving]
-                  [--budget N] [--gpus all|0,1] [--resume RUN_DIR] [--out DIR] [--device]
+                  [--budget N] [--gpus all|0,1] [--compile-workers N] [--resume RUN_DIR] [--out DIR] [--device]
                   [--dtype bf16|fp16|fp32|fp8_w8a8] [--block-shape BN,BK] [--scales tensor|token|block]
     moebench configs list | show FILE|E,N | diff A B | commit FILE...
                   (show / diff of E,N: --dtype fp8_w8a8 [--block-shape BN,BK] pick the fp8 file)
@@ -75,6 +75,9 @@ def parse_config_name(name: str) -> dict[str, str | int | None] | None:
                    "seeded by the neighbouring token count's winners.")
 @click.option("--budget", type=int, default=None, help="Configs per token count for random / halving [auto: 5% of the pruned space, 6-48].")
 @click.option("--gpus", default="all", show_default=True, help="GPUs to spread token counts over: all, or 0,1,...")
+@click.option("--compile-workers", "compile_workers", type=int, default=0, show_default=True,
+              help="Processes per GPU that compile each batch of candidate configs before it is timed "
+                   "(Triton's compile is most of a candidate's cost); 0 = compile while timing.")
 @click.option("--resume", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Continue an interrupted run folder (its settings are read from it).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/configs"), show_default=True,
@@ -85,7 +88,7 @@ def parse_config_name(name: str) -> dict[str, str | int | None] | None:
 @click.option("--final-reps", "final_reps", type=int, default=None, help="Repetitions of the final stage [cuda 50, cpu 3].")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Only show the search space after pruning, per token count.")
 def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, block_shape, scales, routing,
-         seed, strategy, budget, gpus, resume, out, results_dir, reps, final_reps, dry_run):
+         seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps, final_reps, dry_run):
     """Find the fastest Triton tile config per token count; write the vLLM-format file."""
     from moebench.cli import parse_tokens, resolve_device, resolve_shape
     from moebench.inputs import dtype_name
@@ -97,6 +100,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
     for name, v in (("--budget", budget), ("--reps", reps), ("--final-reps", final_reps)):
         if v is not None and v < 1:
             raise MoebenchError(f"{name} must be >= 1, got {v}")
+    if compile_workers < 0:
+        raise MoebenchError(f"--compile-workers must be >= 0, got {compile_workers}")
     sizes_given = model is not None or any(v is not None for v in (num_experts, topk, hidden, intermediate))
     if resume is not None:
         spec = T.load_run_spec(resume)
@@ -170,7 +175,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                 spec.shape, spec.layout, spec.tokens, spec.dtype, spec.device, spec.strategy, spec.budget, out,
                 resume, gpus, run_dir=run_dir, results_dir=results_dir, seed=spec.seed, routing=spec.routing,
                 reps=spec.reps, final_reps=spec.final_reps, space=spec.space, on_measure=on_measure,
-                on_tokens=on_tokens, quant=spec.quant,
+                on_tokens=on_tokens, quant=spec.quant, compile_workers=compile_workers,
             )
     except KeyboardInterrupt:
         err_console.print(f"interrupted: finished measurements are kept in {run_dir} "

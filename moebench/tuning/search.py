@@ -53,6 +53,11 @@ from moebench.tuning.space import config_key, key_str, neighbours
 Timer = Callable[[Callable[[], object], int], Timing]
 #: (config, stage, reps) -> Measurement; the strategies' only way to measure.
 MeasureFn = Callable[[TileConfig, str, int], "Measurement"]
+#: Called with each batch of configs before they are measured (e.g. to compile them in parallel).
+PrepareFn = Callable[[Sequence[TileConfig]], None]
+#: Configs handed to a PrepareFn at once (bounded, so what it compiles is used before Triton's
+#: on-disk cache can be pruned).
+PREPARE_CHUNK = 64
 
 STRATEGIES = ("grid", "random", "halving")
 GRAPH_CALLS = 8  # calls (and routings) per CUDA graph replay
@@ -274,15 +279,29 @@ class SearchResult:
         return self.final[1] if len(self.final) > 1 else None
 
 
-def search_grid(space: Sequence[TileConfig], measure: MeasureFn, reps: int) -> list[Measurement]:
+def measure_batch(cfgs: Sequence[TileConfig], measure: MeasureFn, stage: str, reps: int,
+                  prepare: PrepareFn | None = None) -> list[Measurement]:
+    """`measure` each config in order; `prepare` sees them first, PREPARE_CHUNK at a time."""
+    out: list[Measurement] = []
+    for i in range(0, len(cfgs), PREPARE_CHUNK):
+        chunk = list(cfgs[i : i + PREPARE_CHUNK])
+        if prepare is not None:
+            prepare(chunk)
+        out += [measure(c, stage, reps) for c in chunk]
+    return out
+
+
+def search_grid(space: Sequence[TileConfig], measure: MeasureFn, reps: int,
+                prepare: PrepareFn | None = None) -> list[Measurement]:
     """Every config of `space`, `reps` repetitions each."""
-    return [measure(c, "grid", reps) for c in space]
+    return measure_batch(space, measure, "grid", reps, prepare)
 
 
-def search_random(space: Sequence[TileConfig], measure: MeasureFn, budget: int, reps: int, rng: random.Random) -> list[Measurement]:
+def search_random(space: Sequence[TileConfig], measure: MeasureFn, budget: int, reps: int, rng: random.Random,
+                  prepare: PrepareFn | None = None) -> list[Measurement]:
     """`budget` configs of `space`, drawn without replacement (deterministic for rng's seed)."""
     pick = rng.sample(list(space), min(budget, len(space)))
-    return [measure(c, "random", reps) for c in pick]
+    return measure_batch(pick, measure, "random", reps, prepare)
 
 
 def halving_pool(space: Sequence[TileConfig], seeds: Sequence[Mapping[str, int]], budget: int, rng: random.Random) -> list[TileConfig]:
@@ -313,6 +332,7 @@ def search_halving(
     reps0: int = 3,
     eta: int = 2,
     reps_max: int = 40,
+    prepare: PrepareFn | None = None,
 ) -> list[Measurement]:
     """Successive halving, then one refinement step.
 
@@ -328,7 +348,7 @@ def search_halving(
     last: list[Measurement] = []
     r, reps = 0, reps0
     while alive:
-        last = [measure(c, f"halving-r{r}", reps) for c in alive]
+        last = measure_batch(alive, measure, f"halving-r{r}", reps, prepare)
         out += last
         ok = ranked(last)
         if len(ok) <= 2:
@@ -341,7 +361,7 @@ def search_halving(
         tried = {config_key(m.config) for m in out}
         nb = [n for n in neighbours(top[0].config) if config_key(n) in in_space and config_key(n) not in tried]
         rng.shuffle(nb)
-        out += [measure(c, "halving-refine", reps) for c in nb[:refine]]
+        out += measure_batch(nb[:refine], measure, "halving-refine", reps, prepare)
     return out
 
 
@@ -357,10 +377,12 @@ def run_search(
     reps: int = 10,
     final_reps: int = 20,
     final_top: int = 3,
+    prepare: PrepareFn | None = None,
 ) -> SearchResult:
     """Run `strategy` over `space`, then the final stage: the `final_top` best configs and the
     default heuristic's config, each timed with `final_reps`. Returns every measurement and the
-    final ranking (the default competes: a search never returns something slower than it)."""
+    final ranking (the default competes: a search never returns something slower than it).
+    prepare: see PrepareFn (called before each batch of measurements)."""
     if strategy not in STRATEGIES:
         raise MoebenchError(f"unknown search strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
     rng = rng or random.Random(0)
@@ -368,12 +390,12 @@ def run_search(
     if budget < 1:
         raise MoebenchError(f"--budget must be >= 1, got {budget}")
     if strategy == "grid":
-        ms = search_grid(space, measure, reps)
+        ms = search_grid(space, measure, reps, prepare)
     elif strategy == "random":
-        ms = search_random(space, measure, budget, reps, rng)
+        ms = search_random(space, measure, budget, reps, rng, prepare)
     else:
         ms = search_halving(space, measure, budget, list(seeds) + [default], rng, reps0=max(1, reps // 4),
-                            reps_max=max(reps, 1))
+                            reps_max=max(reps, 1), prepare=prepare)
     best: dict[tuple, Measurement] = {}
     for m in ms:  # the last (most repeated) stage of each config counts
         if m.ok:
@@ -381,5 +403,5 @@ def run_search(
         else:
             best.pop(config_key(m.config), None)
     top = [TileConfig(**m.config) for m in ranked(best.values())[:final_top]]  # type: ignore[typeddict-item]
-    final = [measure(c, "final", final_reps) for c in _dedup(top + [TileConfig(**dict(default))])]  # type: ignore[typeddict-item]
+    final = measure_batch(_dedup(top + [TileConfig(**dict(default))]), measure, "final", final_reps, prepare)  # type: ignore[typeddict-item]
     return SearchResult(measurements=ms + final, final=ranked(final))

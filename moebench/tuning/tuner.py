@@ -52,6 +52,7 @@ from moebench.models import MoEShape
 from moebench.quant import QuantScheme, precision_text
 from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.tuning import configs as C
+from moebench.tuning.precompile import Precompiler
 from moebench.tuning.search import (
     STRATEGIES,
     LayerBench,
@@ -299,7 +300,9 @@ class TokenResult:
     reused: int = 0  # measurements answered from the journal
     failed: int = 0
     wrong: int = 0
-    search_s: float = 0.0  # device time of all measurements (journal included)
+    search_s: float = 0.0  # device time of all measurements (journal included) + precompile_s
+    precompiled: int = 0  # configs compiled by the --compile-workers processes before timing
+    precompile_s: float = 0.0  # wall time spent waiting for them
     space_total: int = 0
     space_kept: int = 0
     pruned: dict[str, int] = field(default_factory=dict)
@@ -343,15 +346,20 @@ def run_worker(
     cache_limit_mb: float = 256.0,
     on_measure: Callable[[Measurement], None] | None = None,
     on_tokens: Callable[[TokenResult], None] | None = None,
+    compile_workers: int = 0,
 ) -> list[TokenResult]:
     """Tune `tokens` (ascending) in this process on `device` (default spec.device); every
-    measurement goes to the run's journal first. Returns one TokenResult per token count."""
+    measurement goes to the run's journal first. Returns one TokenResult per token count.
+    compile_workers > 0: each batch of configs is first compiled by that many processes
+    (moebench.tuning.precompile), then timed here."""
     device = device or spec.device
     if torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))
     run_dir = Path(run_dir)
     journal = Journal(run_dir, worker)
     guard = TritonCacheGuard(run_dir / "triton-cache" / f"w{worker}", cache_limit_mb)
+    # started after the guard has set TRITON_CACHE_DIR, which the spawned workers inherit
+    pre = Precompiler(spec, device, compile_workers) if compile_workers > 0 else None
     reps, final_reps = spec.screen_reps()
     weights: list[LayerWeights] = []
     results: list[TokenResult] = []
@@ -364,9 +372,21 @@ def run_worker(
             res = TokenResult(tokens=m_tokens, default=dict(default), space_total=rep.total,
                               space_kept=len(rep.kept), pruned=rep.pruned, worker=worker)
             bench: list[LayerBench] = []
+            compiled: set[str] = set()  # configs compiled at this token count (here or by `pre`)
 
-            def measure(cfg, stage, n_reps, m_tokens=m_tokens, res=res, bench=bench):
+            def prepare(cfgs, m_tokens=m_tokens, res=res, compiled=compiled):
+                todo = [c for c in cfgs if key_str(c) not in compiled and journal.verdict(m_tokens, c) is None]
+                if todo:
+                    guard.check()  # prune before, never between compiling a batch and timing it
+                    t0 = time.perf_counter()
+                    pre.compile(m_tokens, todo)
+                    res.precompile_s += time.perf_counter() - t0
+                    res.precompiled += len(todo)
+                    compiled.update(key_str(c) for c in todo)
+
+            def measure(cfg, stage, n_reps, m_tokens=m_tokens, res=res, bench=bench, compiled=compiled):
                 nonlocal since_check
+                compiled.add(key_str(cfg))
                 key = (m_tokens, key_str(cfg), stage)
                 old = journal.get(key)
                 if old is not None:
@@ -386,7 +406,7 @@ def run_worker(
                 journal.append(meas)
                 res.measured += 1
                 since_check += 1
-                if since_check >= 16:
+                if since_check >= 16 and pre is None:  # with `pre`, `prepare` checks between batches
                     guard.check()
                     since_check = 0
                 if on_measure is not None:
@@ -395,12 +415,12 @@ def run_worker(
 
             rng = random.Random(spec.seed * 1_000_003 + m_tokens)
             sr = run_search(spec.strategy, rep.kept, measure, default=default, seeds=prev_top, budget=spec.budget,
-                            rng=rng, reps=reps, final_reps=final_reps)
+                            rng=rng, reps=reps, final_reps=final_reps, prepare=prepare if pre is not None else None)
             ms = sr.measurements
             res.candidates = len({key_str(m.config) for m in ms})
             res.failed = len({key_str(m.config) for m in ms if m.status == "failed"})
             res.wrong = len({key_str(m.config) for m in ms if m.status == "wrong"})
-            res.search_s = sum(m.elapsed_s for m in ms)
+            res.search_s = sum(m.elapsed_s for m in ms) + res.precompile_s
             if sr.winner is not None:
                 res.winner, res.winner_us = dict(sr.winner.config), sr.winner.latency_us
                 prev_top = [dict(m.config) for m in sr.final[:3]]
@@ -420,16 +440,19 @@ def run_worker(
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
     finally:
+        if pre is not None:
+            pre.close()
         journal.close()
         guard.close()
     return results
 
 
 def _worker_process(spec_json: dict[str, Any], tokens: list[int], run_dir: str, worker: int, device: str,
-                    cache_limit_mb: float) -> list[dict[str, Any]]:
+                    cache_limit_mb: float, compile_workers: int = 0) -> list[dict[str, Any]]:
     """Entry point of a spawned worker (module level, picklable arguments)."""
     spec = TuneSpec.from_json(spec_json)
-    return [r.as_dict() for r in run_worker(spec, tokens, run_dir, worker, device, cache_limit_mb=cache_limit_mb)]
+    return [r.as_dict() for r in run_worker(spec, tokens, run_dir, worker, device, cache_limit_mb=cache_limit_mb,
+                                            compile_workers=compile_workers)]
 
 
 def split_tokens(tokens: Sequence[int], n: int) -> list[list[int]]:
@@ -533,6 +556,7 @@ def tune(
     on_measure: Callable[[Measurement], None] | None = None,
     on_tokens: Callable[[TokenResult], None] | None = None,
     quant: QuantScheme | None = None,
+    compile_workers: int = 0,
 ) -> TuneOutcome:
     """Tune the tile config of the `triton` experts for `shape` on rank 0 of `layout` (N = I/tp,
     E = local experts under EP) at each token count; write the vLLM file and the report.
@@ -542,8 +566,9 @@ def tune(
     indices; several -> one spawned worker per GPU. timer / on_measure / on_tokens only reach an
     in-process worker. quant: an fp8 scheme (moebench.quant.QuantScheme; `dtype` is then the
     activation dtype, bf16): quantised weights, the `...,dtype=fp8_w8a8[,block_shape=[..]].json`
-    file. Returns the run folder, the config file (None on ranks other than 0) and one TokenResult
-    per token count.
+    file. compile_workers: processes per tuning worker that compile each batch of configs before
+    it is timed (moebench.tuning.precompile; 0 = compile while timing). Returns the run folder,
+    the config file (None on ranks other than 0) and one TokenResult per token count.
     """
     spec = TuneSpec(shape=shape, layout=layout, tokens=sorted(set(int(t) for t in tokens)), dtype=dtype,
                     device=device, strategy=strategy, budget=budget, seed=seed, routing=routing, reps=reps,
@@ -582,7 +607,7 @@ def tune(
             atomic_write_text(run_dir / SETTINGS, json.dumps(meta, indent=2, default=str))
 
     if ctx is not None and ctx.world_size > 1:
-        results = _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens)
+        results = _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens, compile_workers)
         if not main:
             leave_torchrun(ctx)  # waits for rank 0's files, so no rank exits holding the group
             return TuneOutcome(run_dir, None, results, spec, is_main=False)
@@ -591,9 +616,10 @@ def tune(
         chunks = split_tokens(spec.tokens, len(slots))
         if len(chunks) == 1:
             dev = f"cuda:{slots[0]}" if torch.device(device).type == "cuda" else device
-            results = run_worker(spec, chunks[0], run_dir, 0, dev, timer, cache_limit_mb, on_measure, on_tokens)
+            results = run_worker(spec, chunks[0], run_dir, 0, dev, timer, cache_limit_mb, on_measure, on_tokens,
+                                 compile_workers)
         else:
-            results = _run_pool(spec, run_dir, slots, chunks, device, cache_limit_mb, on_tokens)
+            results = _run_pool(spec, run_dir, slots, chunks, device, cache_limit_mb, on_tokens, compile_workers)
     results.sort(key=lambda r: r.tokens)
     config_path = write_results(spec, results, out_dir)
     files = write_report(run_dir, spec, results, config_path)
@@ -603,7 +629,8 @@ def tune(
 
 
 def _run_pool(spec: TuneSpec, run_dir: Path, slots: list[int], chunks: list[list[int]], device: str,
-              cache_limit_mb: float, on_tokens: Callable[[TokenResult], None] | None) -> list[TokenResult]:
+              cache_limit_mb: float, on_tokens: Callable[[TokenResult], None] | None,
+              compile_workers: int = 0) -> list[TokenResult]:
     """One spawned process per chunk (chunk i on GPU slots[i]); results gathered here."""
     import multiprocessing as mp
 
@@ -612,7 +639,7 @@ def _run_pool(spec: TuneSpec, run_dir: Path, slots: list[int], chunks: list[list
     with ProcessPoolExecutor(max_workers=len(chunks), mp_context=mp.get_context("spawn")) as pool:
         futs = {
             pool.submit(_worker_process, spec.to_json(), chunk, str(run_dir), w,
-                        f"cuda:{slots[w]}" if cuda else device, cache_limit_mb): w
+                        f"cuda:{slots[w]}" if cuda else device, cache_limit_mb, compile_workers): w
             for w, chunk in enumerate(chunks)
         }
         try:
@@ -636,7 +663,8 @@ def _run_pool(spec: TuneSpec, run_dir: Path, slots: list[int], chunks: list[list
     return results
 
 
-def _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens) -> list[TokenResult]:
+def _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens,
+                  compile_workers: int = 0) -> list[TokenResult]:
     """This rank's chunk of token counts, then every rank's results gathered on rank 0."""
     import torch.distributed as dist
 
@@ -644,7 +672,7 @@ def _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_toke
     mine = chunks[ctx.rank] if ctx.rank < len(chunks) else []
     ensure_writable_dir(run_dir)
     rows = [r.as_dict() for r in run_worker(spec, mine, run_dir, ctx.rank, str(ctx.device), timer, cache_limit_mb,
-                                            on_measure, on_tokens)]
+                                            on_measure, on_tokens, compile_workers)]
     gathered: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(rows, gathered, dst=0, group=ctx.group)
     if ctx.rank != 0:

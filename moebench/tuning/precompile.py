@@ -1,0 +1,81 @@
+"""Compile a batch of candidate tile configs in parallel before they are timed
+(`moebench tune --compile-workers N`).
+
+Most of a candidate's cost in a tune is compiling GEMM1 and GEMM2 for its config (PERF.md
+section 6), and the timing process compiles one config after another. A `Precompiler` keeps N
+spawned processes on the same device; for each config of a batch one of them runs the layer once,
+on inputs of the same shapes and dtypes as the timing process's, which makes Triton compile the
+kernels into its on-disk cache (TRITON_CACHE_DIR, which the tuner points at the run folder before
+the workers start, so they share it). The timing process then loads them from that cache instead
+of compiling. The workers time nothing and run only between measurements: the tuner hands them a
+batch and waits for it before timing any of it. A config that fails in a worker is measured, and
+recorded as failed, by the timing process as usual. On a CPU (Triton's interpreter compiles
+nothing) the workers only repeat work; the option is for GPUs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Mapping, Sequence
+
+import torch
+
+_STATE: dict[str, Any] = {}
+
+
+def _init(spec_json: dict[str, Any], device: str) -> None:
+    """Worker start: the tuning settings and device; weights are built on first use."""
+    from moebench.tuning.tuner import TuneSpec
+
+    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))
+    _STATE.update(spec=TuneSpec.from_json(spec_json), device=device, weights=None, bench=None)
+
+
+def _compile_one(task: tuple[int, dict[str, int]]) -> str:
+    """Run the layer once with config `cfg` at `tokens`: 'ok', or the one-line error."""
+    from moebench.tuning.search import LayerBench, LayerWeights, _one_line
+
+    tokens, cfg = task
+    spec, device = _STATE["spec"], _STATE["device"]
+    try:
+        if _STATE["weights"] is None:
+            _STATE["weights"] = LayerWeights.build(spec.shape, spec.layout, spec.dtype, device, spec.seed,
+                                                   quant=spec.quant)
+        bench = _STATE["bench"]
+        if bench is None or bench.tokens != tokens:
+            _STATE["bench"] = bench = LayerBench(spec.shape, _STATE["weights"], tokens, spec.dtype, device, spec.seed,
+                                                 spec.routing, timer=lambda fn, reps: None, n_routings=1,
+                                                 quant=spec.quant)
+        bench._call(bench._kernel(cfg), 0)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - the timing process measures and records the failure
+        return _one_line(e)
+
+
+class Precompiler:
+    """`workers` spawned processes on `device` that compile configs for the run `spec`
+    (a tuner.TuneSpec). Use as a context manager, or call `close`."""
+
+    def __init__(self, spec, device: str, workers: int):
+        if workers < 1:
+            raise ValueError("Precompiler needs at least one worker")
+        self.workers = workers
+        self._pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init,
+                                         initargs=(spec.to_json(), device))
+
+    def compile(self, tokens: int, cfgs: Sequence[Mapping[str, int]]) -> list[str]:
+        """Compile every config at `tokens`; returns 'ok' or the error per config, in order."""
+        return list(self._pool.map(_compile_one, [(int(tokens), dict(c)) for c in cfgs]))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Precompiler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
