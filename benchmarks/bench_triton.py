@@ -7,7 +7,8 @@ For each shape of design.md ("Performance reference points") and token count, in
   layer_us   routing (softmax top-k, renormalised) + moebench `triton` experts via the modular
              kernel (alignment included), CUDA-graph replay (moebench.bench.timing.time_cuda)
   gemm_us    the GEMM part alone (GEMM1+SiLU-mul, GEMM2+weight+top-k sum, cast), alignment outside
-  align_us   moe_align_block_size alone
+  align_us   the alignment the layer uses, alone: moe_align_block_size, or direct_align where
+             moebench's default picks it (one token: no kernel, only the expert-map gather under EP)
   torch_us   routing + `torch` experts + no-dpep finalize (its host syncs forbid graph capture:
              CUDA events around eager calls)
   floor_us   max(bytes / read ceiling, flops / matmul ceiling); bytes = weights of the local experts
@@ -36,7 +37,8 @@ import moebench
 from moebench.bench.hardware import read_gbps_candidates
 from moebench.bench.timing import time_cpu
 from moebench.bench.timing import time_cuda as _time_cuda
-from moebench.kernels.moe_align import moe_align_block_size
+from moebench.kernels import triton_moe as TM
+from moebench.kernels.moe_align import direct_align, moe_align_block_size, use_direct_align
 from moebench.kernels.triton_moe import (
     _num_sms,
     choose_split_k,
@@ -200,7 +202,13 @@ def main() -> int:
             local = ids.long() if emap is None else emap.long()[ids.long()]
             hit = torch.unique(local[local >= 0]).numel()
             pairs = int((local >= 0).sum())
-            align = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], e_local, emap)
+            bm = cfg["BLOCK_SIZE_M"]
+            direct = TM.DEFAULT_DIRECT_ALIGN is True or (TM.DEFAULT_DIRECT_ALIGN == "auto" and use_direct_align(m, k, e))
+
+            def aligned(bm=bm, direct=direct, ids=ids):  # the alignment the layer uses
+                return direct_align(ids, bm, emap) if direct else moe_align_block_size(ids, bm, e_local, emap)
+
+            align = aligned()
             est_pairs = triton.cdiv(m * k * e_local, e)
             est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, cfg["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
             split = choose_split_k(est_blocks, h, inter, cfg, _num_sms(dev))
@@ -224,7 +232,7 @@ def main() -> int:
             t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0), reps=20, graph_calls=5)
             t_g2 = time_cuda(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma0), reps=20, graph_calls=5)
             inter0 = None
-            t_align = time_cuda(lambda: moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], e_local, emap), reps=30, graph_calls=10)
+            t_align = time_cuda(aligned, reps=30, graph_calls=10)
             t_route = time_cuda(lambda: routing(logits, k), reps=30, graph_calls=10)
             t_troute = time_cuda(lambda: torch_routing(logits, k), reps=30, graph_calls=10)
             try:
@@ -243,7 +251,7 @@ def main() -> int:
                 max_rel_err=f"{err:.2e}", layer_us=round(t_layer.median_us, 1), layer_method=t_layer.method,
                 layer_p10=round(t_layer.p10_us, 1), layer_p90=round(t_layer.p90_us, 1),
                 gemm_us=round(t_gemm.median_us, 1), gemm_method=t_gemm.method, gemm1_us=round(t_g1.median_us, 1),
-                gemm2_us=round(t_g2.median_us, 1), align_us=round(t_align.median_us, 1),
+                gemm2_us=round(t_g2.median_us, 1), align_us=round(t_align.median_us, 1), align_kind="direct" if direct else "kernels",
                 routing_us=round(t_route.median_us, 1), torch_routing_us=round(t_troute.median_us, 1), torch_us=round(t_torch, 1), torch_err=torch_err,
                 experts_hit=hit, local_pairs=pairs, mem_floor_us=round(mem_floor, 1), compute_floor_us=round(cmp_floor, 1),
                 floor_us=round(floor, 1), layer_over_floor=round(t_layer.median_us / floor, 3),
@@ -349,7 +357,7 @@ def _markdown(rows, gpu, rbw, rhow, mm) -> str:
         sweep = f"{r['sweep_best_us']} {r['sweep_best_config']}" if "sweep_best_us" in r else "-"
         known = f"{r['best_known_us']} {r['best_known_config']}" if "best_known_us" in r else "-"
         lines.append(
-            f"| {r['shape']} | {r['tokens']} | {r['layer_us']} | {r['gemm_us']} ({r['gemm1_us']} + {r['gemm2_us']}) | {r['align_us']} | {r['routing_us']} ({r['torch_routing_us']}) | "
+            f"| {r['shape']} | {r['tokens']} | {r['layer_us']} | {r['gemm_us']} ({r['gemm1_us']} + {r['gemm2_us']}) | {r['align_us']}{' (direct)' if r['align_kind'] == 'direct' else ''} | {r['routing_us']} ({r['torch_routing_us']}) | "
             f"{r['torch_us']} | {r['floor_us']} | {r['layer_over_floor']} | {r['gemm_over_ref']} | {r['layer_over_ref']} | "
             f"{r['config']} sk{r['split_k']}{' tma' if r['tma'] else ''} | {sweep} | {known} | {r['max_rel_err']} |"
         )
