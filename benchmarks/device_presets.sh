@@ -5,7 +5,8 @@
 # calls): a layout whose report exists is skipped, an unfinished run is resumed, so the same command
 # run again continues where a call was cut off. Config files and reports come back in
 # $OUT/presets.tgz (file names with '=' do not come back as plain files).
-#   PYTHONPATH=. [SHARDS="mixtral-8x22b:--tp 8;qwen3-235b-a22b:--ep 8"] [GPUS=all] bash benchmarks/device_presets.sh
+# CW=N passes --compile-workers N (compile each batch of candidates in N processes first).
+#   PYTHONPATH=. [SHARDS="mixtral-8x22b:--tp 8;qwen3-235b-a22b:--ep 8"] [GPUS=all] [CW=12] bash benchmarks/device_presets.sh
 TAIL="${TAIL:-12}"
 source "$(dirname "$0")/device_env.sh"
 P="${PRESETS_DIR:-.gpu-out/presets}"
@@ -23,11 +24,12 @@ for item in "${LIST[@]}"; do
   fi
   if [ -n "$run" ] && [ -f "$run/tune.json" ]; then
     step "resume $model $lay ($run)"
-    mb tune --resume "$run" --gpus "${GPUS:-all}" --out "$P/configs"
+    mb tune --resume "$run" --gpus "${GPUS:-all}" --compile-workers "${CW:-0}" --out "$P/configs"
   else
     step "tune $model $lay"
     mkdir -p "$dir"
-    mb tune --model "$model" $lay --tokens "$TOKS" --gpus "${GPUS:-all}" --out "$P/configs" --results-dir "$dir"
+    mb tune --model "$model" $lay --tokens "$TOKS" --gpus "${GPUS:-all}" --compile-workers "${CW:-0}" --out "$P/configs" \
+      --results-dir "$dir"
   fi
   (cd "$P" && tar czf "$OUT/presets.tgz" configs $(find runs -name 'report.*') 2>/dev/null)
 done
