@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One device call (issues 3 and 5): moebench's triton GEMM part against the vLLM-style kernel with
+# One device call (issues 3 and 5): the GPU test suite first (cut at TESTS_S seconds), then
+# moebench's triton GEMM part against the vLLM-style kernel with
 # vLLM's H200 configs on the same routings (vllm_style.py), the gate/up read-pattern probe
 # (read_pattern.py), the decode launch-trimming A/B (decode_launches.py), the layer / alignment /
 # routing / floor table of PERF section 3 (bench_triton.py), the same tune with and without
-# compile workers (issue 5: where a tune's time goes), then the GPU test suite (cut at TESTS_S
-# seconds). SKIP_VS / SKIP_READ / SKIP_DECODE / SKIP_BENCH / SKIP_TUNE / SKIP_TESTS=1 leave a step out.
+# compile workers (issue 5: where a tune's time goes). SKIP_TESTS / SKIP_VS / SKIP_READ /
+# SKIP_DECODE / SKIP_BENCH / SKIP_TUNE=1 leave a step out.
 # Results under $OUT.
 #   PYTHONPATH=. bash benchmarks/device_reference.sh
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee -a "$log"
+if [ -z "${SKIP_TESTS:-}" ]; then
+  step "pytest -m gpu tests/gpu"
+  timeout "${TESTS_S:-240}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -n 15 | tee -a "$log"
+fi
 if [ -z "${SKIP_VS:-}" ]; then
   step "vllm_style.py"
   python3 benchmarks/vllm_style.py ${VS_ARGS:-} 2>&1 | tee -a "$log" | tail -n 20
@@ -32,9 +37,5 @@ if [ -z "${SKIP_TUNE:-}" ]; then
     TAIL=14 mb tune --model qwen3-30b-a3b --tokens 1,256,4096 --compile-workers "$cw" --out "$OUT/tune-cw$cw" \
       --results-dir "$R/tune-cw$cw"
   done
-fi
-if [ -z "${SKIP_TESTS:-}" ]; then
-  step "pytest -m gpu tests/gpu"
-  timeout "${TESTS_S:-240}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -n 15 | tee -a "$log"
 fi
 step done
