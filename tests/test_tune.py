@@ -311,11 +311,15 @@ def test_cache_guard_prunes_over_limit(tmp_path):
     assert os.environ.get("TRITON_CACHE_DIR") == saved
 
 
-def test_two_worker_processes_gather_one_file(tmp_path):
+@pytest.mark.parametrize("compile_workers", [0, 1])
+def test_two_worker_processes_gather_one_file(tmp_path, compile_workers):
+    # With compile workers, each spawned tuning worker starts its own (processes spawn processes).
     space = dict(TINY_SPACE, BLOCK_SIZE_M=[16], GROUP_SIZE_M=[1])
     out = T.tune(SHAPE, ParallelLayout(), TOKENS, torch.float32, "cpu", "grid", None, tmp_path / "cfg",
-                 gpus="0,1", results_dir=tmp_path / "res", space=space, reps=1, final_reps=1)
+                 gpus="0,1", results_dir=tmp_path / "res", space=space, reps=1, final_reps=1,
+                 compile_workers=compile_workers)
     assert sorted(r.worker for r in out.results) == [0, 1]
+    assert all((r.precompiled > 0) == bool(compile_workers) for r in out.results)
     assert (out.run_dir / "measurements.jsonl").exists() and (out.run_dir / "measurements.w1.jsonl").exists()
     assert_vllm_loadable(out.config_path, TOKENS)
 
