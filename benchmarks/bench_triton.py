@@ -37,10 +37,10 @@ import moebench
 from moebench.bench.hardware import read_gbps_candidates
 from moebench.bench.timing import time_cpu
 from moebench.bench.timing import time_cuda as _time_cuda
-from moebench.kernels import triton_moe as TM
-from moebench.kernels.moe_align import direct_align, moe_align_block_size, use_direct_align
+from moebench.kernels.moe_align import moe_align_block_size
 from moebench.kernels.triton_moe import (
     _num_sms,
+    align_pairs,
     choose_split_k,
     fused_moe_gemms,
     fused_topk_softmax,
@@ -202,11 +202,8 @@ def main() -> int:
             local = ids.long() if emap is None else emap.long()[ids.long()]
             hit = torch.unique(local[local >= 0]).numel()
             pairs = int((local >= 0).sum())
-            bm = cfg["BLOCK_SIZE_M"]
-            direct = TM.DEFAULT_DIRECT_ALIGN is True or (TM.DEFAULT_DIRECT_ALIGN == "auto" and use_direct_align(m, k, e))
-
-            def aligned(bm=bm, direct=direct, ids=ids):  # the alignment the layer uses
-                return direct_align(ids, bm, emap) if direct else moe_align_block_size(ids, bm, e_local, emap)
+            def aligned(bm=cfg["BLOCK_SIZE_M"], ids=ids):  # the alignment the layer uses
+                return align_pairs(ids, bm, e_local, emap, e)
 
             align = aligned()
             est_pairs = triton.cdiv(m * k * e_local, e)
@@ -251,7 +248,7 @@ def main() -> int:
                 max_rel_err=f"{err:.2e}", layer_us=round(t_layer.median_us, 1), layer_method=t_layer.method,
                 layer_p10=round(t_layer.p10_us, 1), layer_p90=round(t_layer.p90_us, 1),
                 gemm_us=round(t_gemm.median_us, 1), gemm_method=t_gemm.method, gemm1_us=round(t_g1.median_us, 1),
-                gemm2_us=round(t_g2.median_us, 1), align_us=round(t_align.median_us, 1), align_kind="direct" if direct else "kernels",
+                gemm2_us=round(t_g2.median_us, 1), align_us=round(t_align.median_us, 1), align_kind="direct" if align.direct else "kernels",
                 routing_us=round(t_route.median_us, 1), torch_routing_us=round(t_troute.median_us, 1), torch_us=round(t_torch, 1), torch_err=torch_err,
                 experts_hit=hit, local_pairs=pairs, mem_floor_us=round(mem_floor, 1), compute_floor_us=round(cmp_floor, 1),
                 floor_us=round(floor, 1), layer_over_floor=round(t_layer.median_us / floor, 3),

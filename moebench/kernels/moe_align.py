@@ -78,6 +78,7 @@ class AlignResult:
     num_tokens_post_padded: torch.Tensor  # (1,) int32
     block_size_m: int
     num_pairs: int  # M * K = the sentinel
+    direct: bool = False  # made by `direct_align` (one block per pair)
 
     @property
     def max_blocks(self) -> int:
@@ -332,7 +333,7 @@ def direct_align(
         small = num_pairs * block_size_m <= 1 << 16  # what `use_direct_align` picks; forced big ones are not kept
         if small and (dev.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
             _DIRECT_LAYOUTS[key] = layout
-    return AlignResult(layout[0], ids, layout[1], block_size_m, num_pairs)
+    return AlignResult(layout[0], ids, layout[1], block_size_m, num_pairs, direct=True)
 
 
 def moe_align_block_size_torch(

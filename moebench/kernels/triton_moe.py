@@ -514,6 +514,14 @@ def _scale_args(scale: torch.Tensor | None, w) -> tuple:
     return (scale, w.scale, scale.stride(0), scale.stride(1), *w.scale_strides())
 
 
+def _flat_weights(topk_weights: torch.Tensor) -> torch.Tensor:
+    """(M, K) router weights -> (M*K,) contiguous fp32, one per flat pair (the kernels' layout)."""
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()
+    return weights
+
+
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -615,9 +623,7 @@ def launch_gemm2(
         split_k = 1
     k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
     split_k = triton.cdiv(n_inter, k_per_split)
-    weights = topk_weights.reshape(-1)
-    if weights.dtype != torch.float32 or not weights.is_contiguous():
-        weights = weights.to(torch.float32).contiguous()
+    weights = _flat_weights(topk_weights)
     wq = w2.q if quant["QUANT"] else w2
     desc = wq
     if use_tma:
@@ -665,9 +671,7 @@ def launch_one_pass(
     upcast = interp and x.dtype != torch.float32
     if ws is None:
         ws = torch.zeros((m, h), dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1)
-    if weights.dtype != torch.float32 or not weights.is_contiguous():
-        weights = weights.to(torch.float32).contiguous()
+    weights = _flat_weights(topk_weights)
     bn1 = max(16, bn // 2)
     num_blocks = align.max_blocks
     _one_pass_kernel[(num_blocks * triton.cdiv(n_inter, bn1),)](
@@ -680,6 +684,13 @@ def launch_one_pass(
         IEEE_DOT=x.dtype == torch.float32 or upcast, num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return ws
+
+
+def _fuses_fp8_inter(scheme, fuse_fp8_inter: bool | None = None) -> bool:
+    """Whether GEMM1 stores the intermediate as fp8 itself: per-tensor fp8 with the switch on
+    (None: DEFAULT_FUSE_FP8_INTER)."""
+    on = DEFAULT_FUSE_FP8_INTER if fuse_fp8_inter is None else fuse_fp8_inter
+    return scheme is not None and scheme.scales == "tensor" and bool(on)
 
 
 def fused_moe_gemms(
@@ -747,8 +758,7 @@ def fused_moe_gemms(
     if atomic:
         acc = torch.empty((m, h), dtype=torch.float32, device=x.device) if zero_in_gemm1 else torch.zeros(
             (m, h), dtype=torch.float32, device=x.device)
-    fuse = scheme is not None and scheme.scales == "tensor" and (DEFAULT_FUSE_FP8_INTER if fuse_fp8_inter is None
-                                                                  else fuse_fp8_inter)
+    fuse = _fuses_fp8_inter(scheme, fuse_fp8_inter)
     inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
                          wide=wide, out_scale=w2.input_scale if fuse else None)
     inter_scale = None
@@ -787,6 +797,29 @@ def select_config(
         e_local, n_inter, max(m, 1), dtype, hidden=h, topk=topk, num_experts_global=num_experts,
         device_name=None if w2.device.type == "cuda" else "cpu", quant=scheme_of(w2),
     )
+
+
+def align_pairs(
+    topk_ids: torch.Tensor,
+    block_size_m: int,
+    num_local_experts: int,
+    expert_map: torch.Tensor | None,
+    num_experts: int,
+    scheme=None,
+    direct: bool | str | None = None,
+) -> AlignResult:
+    """The block alignment `fused_moe` uses for topk_ids (M, K): `direct_align` or the alignment
+    kernels. direct: True / False / "auto" (None: DEFAULT_DIRECT_ALIGN); "auto" takes direct_align
+    where `use_direct_align` says so, for 16-bit weights (scheme None) and the fused per-tensor fp8
+    path: fp8 with a separate quantisation launch measured slower with it once (DeepSeek-V3 EP8
+    M=1: 23 -> 33 us)."""
+    direct = DEFAULT_DIRECT_ALIGN if direct is None else direct
+    if direct == "auto":
+        m, k = topk_ids.shape
+        direct = (scheme is None or _fuses_fp8_inter(scheme)) and use_direct_align(m, k, num_experts)
+    if direct:
+        return direct_align(topk_ids, block_size_m, expert_map)
+    return moe_align_block_size(topk_ids, block_size_m, num_local_experts, expert_map)
 
 
 def fused_moe(
@@ -841,16 +874,7 @@ def fused_moe(
         config, _ = select_config(m, k, w13, w2, num_experts, out_dtype)
     if m == 0:
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
-    direct = DEFAULT_DIRECT_ALIGN if direct is None else direct
-    if direct == "auto":
-        # fp8 with a separate quantisation launch measured slower with it once (DeepSeek-V3 EP8
-        # M=1: 23 -> 33 us), so "auto" keeps it to 16-bit and the fused per-tensor fp8 path.
-        fused_fp8 = scheme is not None and scheme.scales == "tensor" and DEFAULT_FUSE_FP8_INTER
-        direct = (scheme is None or fused_fp8) and use_direct_align(m, k, num_experts)
-    if direct:
-        align = direct_align(topk_ids, config["BLOCK_SIZE_M"], expert_map)
-    else:
-        align = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map)
+    align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, direct)
     if split_k is None:
         est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
         est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, config["BLOCK_SIZE_M"]) + min(e_local, est_pairs))

@@ -46,9 +46,8 @@ def _compile_one(task: tuple[int, dict[str, int]]) -> str:
         bench = _STATE["bench"]
         if bench is None or bench.tokens != tokens:
             _STATE["bench"] = bench = LayerBench(spec.shape, _STATE["weights"], tokens, spec.dtype, device, spec.seed,
-                                                 spec.routing, timer=lambda fn, reps: None, n_routings=1,
-                                                 quant=spec.quant)
-        bench._call(bench._kernel(cfg), 0)
+                                                 spec.routing, n_routings=1, quant=spec.quant)
+        bench.run_once(cfg)
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
         return "ok"

@@ -196,6 +196,11 @@ class LayerBench:
         tw, ids = self.routings[i % len(self.routings)]
         return kernel.apply(self.x, self.w.w13, self.w.w2, tw, ids, self.w.expert_map, self.shape.num_experts)
 
+    def run_once(self, cfg: Mapping[str, int]) -> torch.Tensor:
+        """One layer call with `cfg` on the first routing (unchecked, untimed): what compiles its
+        kernels."""
+        return self._call(self._kernel(cfg), 0)
+
     def reference(self) -> torch.Tensor:
         """(M, H) float64 reference on the first routing."""
         if self._ref is None:
