@@ -104,10 +104,6 @@ def main() -> int:
     for one_chunk, block_m, block_k, limit in ((True, 32, 128, 1), (False, 4, 1024, 2)):
         qc = dict(STATIC=False, LIMIT=limit, ONE_CHUNK=one_chunk, BLOCK_M=block_m, BLOCK_K=block_k, EXACT_ROUND=False)
         print(compile_kernel(Q._quant_rows_kernel, qc, qptrs))
-    # Both GEMMs in one launch (decode tile)
-    c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, BLOCK_SIZE_H=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
-             UPCAST=False, IEEE_DOT=False)
-    print(compile_kernel(T._one_pass_kernel, c, {k: v for k, v in std_ptrs.items() if k != "inter_ptr"}))
     # Alignment: the two-kernel path (2048-pair chunks) and the one launch for few pairs (Qwen3 64
     # tokens x top-8 over 128 local experts), with an expert map
     aptrs = {p: "*i32" for p in ("topk_ids_ptr", "expert_map_ptr", "counts_ptr", "sorted_ptr", "expert_ids_ptr",
@@ -117,7 +113,7 @@ def main() -> int:
                                                      E_POW2=128), aptrs))
     print(compile_kernel(A._align_one_launch_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=16, CHUNK=512, E_POW2=128), aptrs))
     # Softmax top-k routing: Qwen3-Next's (512 experts, top-10) and DeepSeek's (256, top-8) shapes
-    for block_e, topk, rows in ((512, 10, 4), (256, 8, 8)):
+    for block_e, topk, rows in ((512, 10, 4), (256, 8, 8), (128, 8, 1)):
         rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows)
         print(compile_kernel(T._topk_softmax_kernel, rc, {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}))
     return 0

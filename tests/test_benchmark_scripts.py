@@ -1,6 +1,6 @@
 """Benchmark scripts that PERF.md quotes: benchmarks/vllm_style.py (the same-run reference of
 section 3; its vLLM-style GEMM part is checked against the float64 reference) and
-benchmarks/decode_launches.py and benchmarks/bench_triton.py; each script's smoke mode runs end to end on CPU."""
+benchmarks/decode_launches.py, benchmarks/bench_triton.py and benchmarks/routing_configs.py; each script's smoke mode runs end to end on CPU."""
 
 import csv
 import os
@@ -77,3 +77,21 @@ def test_decode_launches_fp8_smoke(tmp_path):
     # per-tensor fp8 weights: the fused intermediate quantisation variants too, all correct
     rows = _smoke("decode_launches.py", tmp_path, "--tokens", "1", "--fp8", csv_name="decode_launches_fp8.csv")
     assert len(rows) == 2 and all(float(r[f"{v}_err"]) < 3e-2 for r in rows for v in ("baseline", "fuse", "all"))
+
+
+def test_routing_configs_smoke(tmp_path):
+    # every launch shape gives the rule's result (the script raises otherwise); the rule is timed
+    rows = _smoke("routing_configs.py", tmp_path)
+    assert [(r["shape"], r["tokens"]) for r in rows] == [("tiny", "1"), ("tiny", "5"), ("tiny-wide", "1"), ("tiny-wide", "5")]
+    assert all(float(r["rule_us"]) > 0 and r["best"] for r in rows)
+
+
+def test_routing_launch_shape_keeps_the_result():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 40, generator=g)
+    ref = fused_topk_softmax(logits, 6)
+    for rows, warps in ((1, 1), (2, 4), (16, 8)):
+        got = fused_topk_softmax(logits, 6, rows=rows, num_warps=warps)
+        assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
+    with pytest.raises(ValueError, match="powers of two"):
+        fused_topk_softmax(logits, 6, rows=3)

@@ -205,3 +205,23 @@ def test_triton_read_candidates_check_and_name_every_variant(monkeypatch):
                             "triton walk BLOCK_R=16 BLOCK_C=64 warps=4 stages=3",
                             "triton walk BLOCK_R=8 BLOCK_C=32 warps=4 stages=2"]
     assert runs["triton stream BLOCK_SIZE=1024 ITERS=2 warps=4"] == pytest.approx(1024 * 2 * 3 * 4 / 1e-6 / 1e9)
+
+
+def test_triton_read_variant_that_fails_is_named_and_the_others_stand(monkeypatch):
+    """A variant that cannot launch (here 3 warps, which a GPU compile rejects) is reported in
+    failures; the remaining variants are still measured (one bad config once hid them all)."""
+    monkeypatch.setattr(hardware, "READ_STREAM_CONFIGS", ((1024, 2, 4),))
+    monkeypatch.setattr(hardware, "READ_WALK_COLS", 64)
+    monkeypatch.setattr(hardware, "READ_WALK_CONFIGS", ((8, 32, 3, 2), (16, 64, 4, 3)))
+    failures: list[str] = []
+    runs = hardware._triton_read_gbps(torch.ones(1024 * 2 * 3), time_us=lambda fn: 1.0, failures=failures)
+    assert sorted(runs) == ["triton stream BLOCK_SIZE=1024 ITERS=2 warps=4",
+                            "triton walk BLOCK_R=16 BLOCK_C=64 warps=4 stages=3"]
+    assert len(failures) == 1 and "BLOCK_R=8 BLOCK_C=32 warps=3" in failures[0] and "power of two" in failures[0]
+
+
+def test_shipped_read_variants_are_launchable():
+    for _, _, warps in hardware.READ_STREAM_CONFIGS:
+        assert warps & (warps - 1) == 0
+    for _, _, warps, stages in hardware.READ_WALK_CONFIGS:
+        assert warps & (warps - 1) == 0 and stages >= 1

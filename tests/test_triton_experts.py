@@ -28,7 +28,6 @@ from moebench.kernels.triton_moe import (
     fused_moe_gemms,
     fused_topk_softmax,
     launch_gemm1,
-    launch_one_pass,
 )
 
 H, I, E, K = 72, 40, 60, 4
@@ -73,9 +72,9 @@ def test_align_matches_torch(m, k, e, bm, use_map):
     g = torch.Generator().manual_seed(m)
     ids = torch.randint(0, e_global, (m, k), generator=g).to(DEV)
     emap = random_expert_map(e_global, e, DEV) if use_map else None
-    a = moe_align_block_size(ids, bm, e, emap, chunk=32)  # several chunks per expert
+    a = moe_align_block_size(ids, bm, e, emap, chunk=32, one_launch=False)  # two launches, several chunks per expert
     b = moe_align_block_size_torch(ids, bm, e, emap)
-    d = moe_align_block_size(ids, bm, e, emap)
+    d = moe_align_block_size(ids, bm, e, emap, one_launch=False)
     assert torch.equal(a.sorted_token_ids, d.sorted_token_ids) and torch.equal(a.expert_ids, d.expert_ids)
     o = moe_align_block_size(ids, bm, e, emap, one_launch=True)  # one launch, every program counts all pairs
     assert torch.equal(a.sorted_token_ids, o.sorted_token_ids) and torch.equal(a.expert_ids, o.expert_ids)
@@ -424,43 +423,3 @@ def test_direct_align_caches_only_small_layouts():
     assert direct_align(torch.ones((1, 8), dtype=torch.int32, device=DEV), 16).sorted_token_ids is a.sorted_token_ids
     big = direct_align(torch.zeros((512, 8), dtype=torch.int32, device=DEV), 32)  # 4096 pairs x 32 rows
     assert len(moe_align._DIRECT_LAYOUTS) == 1 and big.num_tokens_post_padded.item() == 4096 * 32
-
-
-# ---------------------------------------------------------------------------------------------
-# One pass: both GEMMs in one launch, split over the intermediate dimension
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m,use_map,direct", [(1, False, True), (1, True, True), (6, True, False), (0, False, False)])
-def test_one_pass_matches_reference(dtype, m, use_map, direct):
-    # H (200: two output steps of 128, the second partial, and K steps of 64 with a partial last)
-    # and I (40: two intermediate tiles of 32) not multiples of the tiles, remote experts skipped
-    # (all-remote token 1 stays zero), both alignments.
-    h = 200
-    e_global, e_local = (E, 20) if use_map else (E, E)
-    emap = random_expert_map(e_global, e_local, DEV) if use_map else None
-    w13, w2 = _weights(e_local, dtype, h=h)
-    x = _x(m, dtype, h=h)
-    tw, ti = _routing(m, e_global, K)
-    if use_map and m > 1:
-        ti[1] = torch.nonzero(emap.cpu() < 0).reshape(-1)[:K].to(DEV, torch.int32)
-    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
-    with poisoned_outputs():
-        out = fused_moe(x, w13, w2, tw, ti, emap, e_global, CFG, direct=direct, one_pass=True)
-    assert out.shape == (m, h) and out.dtype == dtype
-    if m:
-        assert rel_err(out, ref) < TOL[dtype]
-        two = fused_moe(x, w13, w2, tw, ti, emap, e_global, CFG, direct=direct, one_pass=False)
-        assert torch.allclose(out.float(), two.float(), rtol=1e-2, atol=1e-3)  # same rounding of the intermediate
-    if use_map and m > 1:
-        assert (out[1] == 0).all()
-
-
-def test_one_pass_refuses_fp8_weights():
-    from moebench.quant import QuantScheme, quantize_weights
-
-    w13, w2 = _weights(4, torch.bfloat16)
-    q13, q2 = quantize_weights(w13, w2, QuantScheme("fp8_w8a8", "tensor"), act_dtype=torch.bfloat16)
-    tw, ti = _routing(1, 4, 2)
-    with pytest.raises(moebench.errors.MoebenchError, match="one-pass"):
-        launch_one_pass(_x(1, torch.bfloat16), q13, q2, tw, direct_align(ti, 16), 2, CFG)

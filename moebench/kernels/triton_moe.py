@@ -78,7 +78,6 @@ from moebench.kernels.triton_common import (
     dequant,
     gate_up_mainloop,
     grouped_tile,
-    mma,
     scale_ptrs,
     scaled_mma,
 )
@@ -111,10 +110,6 @@ DEFAULT_TMA_GEMM2_A = False
 #: (bit for bit the two-step result) instead of a bf16 store and a quantisation launch: -4 to -39%
 #: of the layer at 1 and 16 tokens.
 DEFAULT_FUSE_FP8_INTER = True
-#: Both GEMMs in one launch, split over the intermediate dimension (`launch_one_pass`: no
-#: intermediate in memory, one launch fewer, an atomic add of (BLOCK_SIZE_M, H) per program); for
-#: decode; off until timed.
-DEFAULT_ONE_PASS = False
 
 
 @triton.jit
@@ -321,81 +316,6 @@ def _gemm2_weighted_sum_kernel(
 
 
 @triton.jit
-def _one_pass_kernel(
-    x_ptr,  # (M, H) activations
-    w13_ptr,  # (E_local, 2I, H)
-    w2_ptr,  # (E_local, H, I)
-    ws_ptr,  # (M, H) fp32, zeroed: the output, summed over top-k by atomic adds
-    topk_weights_ptr,  # (M*K,) router weights of the flat pairs
-    sorted_ids_ptr,
-    expert_ids_ptr,
-    ntpp_ptr,
-    num_pairs,
-    N_INTER,  # I
-    H,
-    num_blocks_m,
-    stride_xm,
-    stride_xk,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_2e,
-    stride_2h,
-    stride_2i,
-    stride_om,
-    stride_oh,
-    TOPK: tl.constexpr,
-    BLOCK_SIZE_M: tl.constexpr,
-    BLOCK_SIZE_N: tl.constexpr,  # intermediate columns per program (gate and up each)
-    BLOCK_SIZE_K: tl.constexpr,
-    BLOCK_SIZE_H: tl.constexpr,  # output columns per step of the second GEMM
-    GROUP_SIZE_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-):
-    # Both GEMMs in one program, split over the intermediate dimension: the program computes its
-    # (BM, BN) tile of SiLU(x w_gate) * (x w_up) as GEMM1 does, then multiplies it straight away
-    # by the matching BN columns of w2 (a K slice of GEMM2) and adds the weighted partial rows
-    # into the output. No intermediate in memory, no second launch; the price is one atomic add
-    # of (BM, H) per program, small while few tokens share a block (decode).
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
-    pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
-    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M)
-    if expert < 0:
-        return
-
-    offs_m, pair, row_ok, token = block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
-    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    col_ok = offs_n < N_INTER
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-
-    # GEMM1 (+ SiLU-and-mul), rounded to the activation dtype as the two-launch path stores it.
-    # No TMA descriptor and no fp8 scales here: those arguments are placeholders (never read).
-    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    acc_g, acc_u = gate_up_mainloop(
-        a_ptrs, stride_xk, row_ok, w13_ptr, w13_ptr, expert, stride_we, stride_wn, stride_wk, pid_n * BLOCK_SIZE_N,
-        N_INTER, H, token, 0, w13_ptr, 0, 0, 0,
-        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, False, False, 0, 1, 1)
-    inter = (acc_g * tl.sigmoid(acc_g) * acc_u).to(x_ptr.dtype.element_ty)  # columns past I are 0
-
-    # GEMM2's slice: inter (BM, BN) @ w2[e, h0:h0+BH, n0:n0+BN]^T (BN, BH), times the router
-    # weight, added into the pair's token row.
-    w = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    offs_h = tl.arange(0, BLOCK_SIZE_H)
-    b_ptrs = w2_ptr + expert * stride_2e + offs_h[None, :] * stride_2h + offs_n[:, None] * stride_2i
-    o_ptrs = ws_ptr + token[:, None] * stride_om + offs_h[None, :] * stride_oh
-    for h0 in range(0, H, BLOCK_SIZE_H):
-        h_ok = offs_h < H - h0
-        b = tl.load(b_ptrs, mask=col_ok[:, None] & h_ok[None, :], other=0.0)
-        part = mma(inter, b, tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_H), dtype=tl.float32), UPCAST, IEEE_DOT)
-        tl.atomic_add(o_ptrs, part * w[:, None], mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
-        b_ptrs += BLOCK_SIZE_H * stride_2h
-        o_ptrs += BLOCK_SIZE_H * stride_oh
-
-
-@triton.jit
 def _topk_softmax_kernel(
     logits_ptr,  # (M, E) router logits
     weights_ptr,  # (M, K) float32 out
@@ -445,10 +365,19 @@ def _topk_softmax_kernel(
     tl.store(ids_ptr + out, ids, mask=mask)
 
 
-def fused_topk_softmax(logits: torch.Tensor, topk: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_softmax_launch(m: int, e: int) -> tuple[int, int]:
+    """(tokens per program, num_warps) of the routing kernel for m tokens over e experts."""
+    block_e = max(16, triton.next_power_of_2(e))
+    return max(1, min(16, 2048 // block_e)), 4
+
+
+def fused_topk_softmax(
+    logits: torch.Tensor, topk: int, renormalize: bool = True, *, rows: int | None = None, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing in one launch: logits (M, E) -> weights (M, K) float32, ids (M, K)
     int32, winners in descending order (ties: lower expert id). Same result as
-    `softmax(logits).topk(k)` (+ division by the winners' sum when renormalize)."""
+    `softmax(logits).topk(k)` (+ division by the winners' sum when renormalize).
+    rows (tokens per program) and num_warps: powers of two; None = `topk_softmax_launch`."""
     m, e = logits.shape
     weights = torch.empty((m, topk), dtype=torch.float32, device=logits.device)
     ids = torch.empty((m, topk), dtype=torch.int32, device=logits.device)
@@ -458,12 +387,14 @@ def fused_topk_softmax(logits: torch.Tensor, topk: int, renormalize: bool = True
         interpreter_compat()
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block_e = max(16, triton.next_power_of_2(e))
-    rows = max(1, min(16, 2048 // block_e))
+    default_rows, default_warps = topk_softmax_launch(m, e)
+    rows, num_warps = rows or default_rows, num_warps or default_warps
+    if rows & (rows - 1) or num_warps & (num_warps - 1):
+        raise ValueError(f"rows and num_warps must be powers of two, got {rows} and {num_warps}")
     _topk_softmax_kernel[(triton.cdiv(m, rows),)](
         logits, weights, ids, m, e, logits.stride(0),
-        TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=renormalize, BLOCK_E=block_e, ROWS=rows,
-        num_warps=4,
+        TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=renormalize,
+        BLOCK_E=max(16, triton.next_power_of_2(e)), ROWS=rows, num_warps=num_warps,
     )
     return weights, ids
 
@@ -645,47 +576,6 @@ def launch_gemm2(
     return ws
 
 
-def launch_one_pass(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    align: AlignResult,
-    topk: int,
-    config: Mapping[str, int],
-    ws: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Both GEMMs in one launch (`_one_pass_kernel`), 16-bit or fp32 weights: x (M, H), w13
-    (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K) -> ws (M, H) fp32, weighted and
-    summed over top-k (`ws` given = already zeroed). Tiles: the config's BLOCK_SIZE_M/N/K for the
-    first GEMM (BLOCK_SIZE_N = gate + up, as in launch_gemm1), 128 output columns per step."""
-    m, h = x.shape
-    n_inter = w13.shape[1] // 2
-    bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
-    assert align.block_size_m == bm, "alignment block size differs from BLOCK_SIZE_M"
-    if isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight):
-        raise MoebenchError("the one-pass kernel takes 16-bit or fp32 weights, not fp8")
-    interp = interpreting()
-    if interp:
-        interpreter_compat()
-    upcast = interp and x.dtype != torch.float32
-    if ws is None:
-        ws = torch.zeros((m, h), dtype=torch.float32, device=x.device)
-    weights = _flat_weights(topk_weights)
-    bn1 = max(16, bn // 2)
-    num_blocks = align.max_blocks
-    _one_pass_kernel[(num_blocks * triton.cdiv(n_inter, bn1),)](
-        x, w13, w2, ws, weights, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
-        align.num_pairs, n_inter, h, num_blocks,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        w2.stride(0), w2.stride(1), w2.stride(2), ws.stride(0), ws.stride(1),
-        TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, BLOCK_SIZE_H=128,
-        GROUP_SIZE_M=config["GROUP_SIZE_M"], EVEN_K=h % bk == 0, UPCAST=upcast,
-        IEEE_DOT=x.dtype == torch.float32 or upcast, num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
-    return ws
-
-
 def _fuses_fp8_inter(scheme, fuse_fp8_inter: bool | None = None) -> bool:
     """Whether GEMM1 stores the intermediate as fp8 itself: per-tensor fp8 with the switch on
     (None: DEFAULT_FUSE_FP8_INTER)."""
@@ -711,7 +601,6 @@ def fused_moe_gemms(
     wide: bool | str | None = None,
     tma_a: bool | None = None,
     fuse_fp8_inter: bool | None = None,
-    one_pass: bool | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
@@ -723,8 +612,6 @@ def fused_moe_gemms(
     DEFAULT_WIDE_GEMM1): GEMM1 with one (BK, BLOCK_SIZE_N) weight tile and one dot per K step.
     tma_a (None: DEFAULT_TMA_GEMM2_A): with use_tma, GEMM2's inter tiles through TMA too.
     fuse_fp8_inter (None: DEFAULT_FUSE_FP8_INTER): per-tensor fp8 intermediate quantised in GEMM1.
-    one_pass (None: DEFAULT_ONE_PASS): both GEMMs in one launch (`launch_one_pass`; 16-bit or
-    fp32 weights with atomic; ignored for fp8 and for atomic=False).
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
@@ -748,9 +635,6 @@ def fused_moe_gemms(
     if out is None:
         out = alloc_output((m, h), out_dtype, x.device)
     if m == 0:
-        return out
-    if (DEFAULT_ONE_PASS if one_pass is None else one_pass) and scheme is None and atomic:
-        out.copy_(launch_one_pass(x, w13, w2, topk_weights, align, topk, config))
         return out
     use_tma = bool(use_tma) and _tma_ok(w13) and _tma_ok(w2)
     # GEMM2's fp32 accumulator (atomic path), zeroed by GEMM1 or by a memset
@@ -839,13 +723,12 @@ def fused_moe(
     direct: bool | str | None = None,
     zero_in_gemm1: bool | None = None,
     wide: bool | str | None = None,
-    one_pass: bool | None = None,
 ) -> torch.Tensor:
     """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
     use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC). direct:
     True / False / "auto" (None: DEFAULT_DIRECT_ALIGN), see moebench.kernels.moe_align.direct_align;
-    zero_in_gemm1, wide, one_pass: see `fused_moe_gemms`.
+    zero_in_gemm1, wide: see `fused_moe_gemms`.
 
     fp8: w13 and w2 moebench.quant.QuantWeight of one scheme, and either
       - x float8_e4m3fn with a_scale (M, G) fp32 (as prepare makes them); the output is in
@@ -883,7 +766,7 @@ def fused_moe(
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
-        a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide, one_pass=one_pass,
+        a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide,
     )
 
 
