@@ -1,7 +1,7 @@
 """Launch shape of the routing kernel (issue 3), A/B in one run: `fused_topk_softmax` (softmax
 top-k + renormalise in one Triton launch) with ROWS tokens per program and num_warps, against the
 current rule (`triton_moe.topk_softmax_launch`), per (experts, topk, tokens), CUDA-graph replay of
-10 back-to-back calls. Every variant is checked to give the rule's weights and ids first.
+10 back-to-back calls. Every variant is checked to give the rule's ids (and its weights to rounding) first.
 
     PYTHONPATH=. python benchmarks/routing_configs.py [--tokens 1,16,256,4096] [--smoke]
 
@@ -63,7 +63,8 @@ def main() -> int:
             for r, w in VARIANTS:
                 fn = lambda r=r, w=w: fused_topk_softmax(logits, k, rows=r, num_warps=w)  # noqa: E731
                 got_w, got_i = fn()
-                if not (torch.equal(got_i, ref_i) and torch.equal(got_w, ref_w)):
+                # same winners; weights to rounding (the sums' reduction order follows the layout)
+                if not (torch.equal(got_i, ref_i) and torch.allclose(got_w, ref_w, rtol=1e-5, atol=1e-7)):
                     raise RuntimeError(f"{shape} M={m} rows={r} warps={w}: result differs from the rule's")
                 t = time_cuda(fn, reps=30, graph_calls=10) if ON_GPU else time_cpu(fn, warmup=0, reps=1)
                 row[f"{r}/{w}"] = round(t.median_us, 2)

@@ -92,6 +92,6 @@ def test_routing_launch_shape_keeps_the_result():
     ref = fused_topk_softmax(logits, 6)
     for rows, warps in ((1, 1), (2, 4), (16, 8)):
         got = fused_topk_softmax(logits, 6, rows=rows, num_warps=warps)
-        assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
+        assert torch.equal(got[1], ref[1]) and torch.allclose(got[0], ref[0], rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="powers of two"):
         fused_topk_softmax(logits, 6, rows=3)
