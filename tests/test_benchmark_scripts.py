@@ -95,3 +95,13 @@ def test_routing_launch_shape_keeps_the_result():
         assert torch.equal(got[1], ref[1]) and torch.allclose(got[0], ref[0], rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="powers of two"):
         fused_topk_softmax(logits, 6, rows=3)
+
+
+@pytest.mark.parametrize("e", [8, 32, 60, 128, 256, 512])
+def test_routing_launch_rule_shapes(e):
+    from moebench.kernels.triton_moe import topk_softmax_launch
+
+    for m in (1, 3, 16, 256, 1024, 4096):
+        rows, warps = topk_softmax_launch(m, e)
+        assert rows & (rows - 1) == 0 and warps & (warps - 1) == 0 and warps <= rows <= 16
+        assert rows <= max(1, 2 * m - 1)  # never more tokens per program than the next power of two of m
