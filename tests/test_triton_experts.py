@@ -97,6 +97,79 @@ def test_align_matches_torch(m, k, e, bm, use_map):
     assert (a.sorted_token_ids[total:] == m * k).all() and (a.expert_ids[total // bm :] == -1).all()
 
 
+def _layout_rows(a):
+    """{pair: local expert} of an AlignResult's used blocks; checks each block's sentinels trail."""
+    bm, total = a.block_size_m, int(a.num_tokens_post_padded.item())
+    s = a.sorted_token_ids[:total].long().cpu().view(-1, bm)
+    blk = a.expert_ids[: total // bm].long().cpu()
+    rows = {}
+    for b in range(s.shape[0]):
+        real = s[b][s[b] < a.num_pairs]
+        assert torch.equal(s[b][: real.numel()], real)  # pairs first, then sentinels
+        rows.update({int(p): int(blk[b]) for p in real})
+    assert (a.sorted_token_ids[total:] == a.num_pairs).all() and (a.expert_ids[total // bm:] == -1).all()
+    return rows, s.shape[0]
+
+
+@pytest.mark.parametrize("m,k,e,bm,use_map", [(37, 4, 6, 32, False), (150, 2, 8, 64, True), (5, 4, 60, 32, True),
+                                              (300, 8, 16, 32, False)])
+def test_align_tail_layout(m, k, e, bm, use_map):
+    """tail=True: whole blocks for each expert's runs, its remainder of <= bm/2 pairs in one half
+    block of the tail layout; every local pair exactly once over both; both kernel paths equal
+    the torch reference."""
+    e_global = 2 * e if use_map else e
+    g = torch.Generator().manual_seed(m)
+    ids = torch.randint(0, e_global, (m, k), generator=g).to(DEV)
+    emap = random_expert_map(e_global, e, DEV) if use_map else None
+    ref = moe_align_block_size_torch(ids, bm, e, emap, tail=True)
+    for kw in (dict(one_launch=False, chunk=64), dict(one_launch=True)):
+        if kw["one_launch"] and m * k > 1024:
+            continue
+        a = moe_align_block_size(ids, bm, e, emap, tail=True, **kw)
+        for got, want in ((a, ref), (a.tail, ref.tail)):
+            assert torch.equal(got.sorted_token_ids, want.sorted_token_ids)
+            assert torch.equal(got.expert_ids, want.expert_ids)
+            assert torch.equal(got.num_tokens_post_padded, want.num_tokens_post_padded)
+    assert a.tail.block_size_m == bm // 2
+    local = (emap.long()[ids.long()] if use_map else ids.long()).reshape(-1).cpu()
+    main, _ = _layout_rows(a)
+    tail, n_tail = _layout_rows(a.tail)
+    assert not set(main) & set(tail)
+    want = {p: int(local[p]) for p in range(m * k) if local[p] >= 0}
+    assert {**main, **tail} == want
+    counts = torch.bincount(local[local >= 0], minlength=e)
+    rem = counts % bm
+    assert n_tail == int(((rem > 0) & (rem <= bm // 2)).sum()) > 0  # one half block per such expert
+    assert int(a.num_tokens_post_padded.item()) == int((counts // bm * bm + torch.where(rem > bm // 2, bm, 0)).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_map,atomic,zero", [(False, True, True), (True, True, False), (False, False, False)])
+def test_tail_blocks_match_reference(dtype, use_map, atomic, zero):
+    # GEMM1 and GEMM2 once per layout (32-row blocks, 16-row tail blocks), one output
+    m, e = 100, 6
+    e_global = 2 * e if use_map else e
+    emap = random_expert_map(e_global, e, DEV) if use_map else None
+    w13, w2 = _weights(e, dtype)
+    x = _x(m, dtype)
+    tw, ti = _routing(m, e_global, 2)
+    cfg = dict(CFG, BLOCK_SIZE_M=32)
+    a = moe_align_block_size(ti, 32, e, emap, tail=True)
+    assert a.tail.num_tokens_post_padded.item() > 0 and a.num_tokens_post_padded.item() > 0  # both layouts used
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    with poisoned_outputs():
+        out = fused_moe(x, w13, w2, tw, ti, emap, e_global, cfg, direct=False, tail=True, atomic=atomic,
+                        zero_in_gemm1=zero)
+    assert rel_err(out, ref) < TOL[dtype]
+    base = fused_moe(x, w13, w2, tw, ti, emap, e_global, cfg, direct=False, tail=False, atomic=atomic)
+    assert torch.allclose(out.float(), base.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_tail_needs_blocks_of_32_rows():
+    with pytest.raises(ValueError, match="block_size_m >= 32"):
+        moe_align_block_size(torch.zeros((2, 2), dtype=torch.int32, device=DEV), 16, 4, tail=True)
+
+
 def test_align_all_remote_and_empty():
     ids = torch.zeros((3, 2), dtype=torch.int32, device=DEV)
     emap = torch.full((4,), -1, dtype=torch.int32, device=DEV)
