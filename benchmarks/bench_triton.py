@@ -1,7 +1,7 @@
 """Triton experts on one GPU: whole layer, GEMM part, alignment, torch baseline, floors, reference.
 
     PYTHONPATH=. python benchmarks/bench_triton.py [--tokens 1,16,...] [--shapes a,b] [--sweep]
-        [--check-best] [--tail-blocks default|off|auto|on] [--smoke]
+        [--check-best] [--smoke]
 
 For each shape of design.md ("Performance reference points") and token count, in one run:
   layer_us   routing (softmax top-k, renormalised) + moebench `triton` experts via the modular
@@ -37,7 +37,6 @@ import moebench
 from moebench.bench.hardware import read_gbps_candidates
 from moebench.bench.timing import time_cpu
 from moebench.bench.timing import time_cuda as _time_cuda
-from moebench.kernels import triton_moe
 from moebench.kernels.moe_align import moe_align_block_size
 from moebench.kernels.triton_moe import (
     _num_sms,
@@ -50,7 +49,7 @@ from moebench.kernels.triton_moe import (
     resolve_use_tma,
     select_config,
 )
-from moebench.kernels.triton_moe import _layouts, _tma_ok
+from moebench.kernels.triton_moe import _tma_ok
 from moebench.tuning.configs import default_config
 
 # name: (E global, topk, H, I, E local, use expert_map)
@@ -167,15 +166,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--tail-blocks", choices=("default", "off", "auto", "on"), default="default",
-                    help="triton_moe.DEFAULT_TAIL_BLOCKS for this run (half blocks for short remainders)")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs (GEMM part)")
     ap.add_argument("--check-best", action="store_true", help="also time PREV_BEST configs (GEMM part)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
     ap.add_argument("--budget-s", type=float, default=330, help="skip sweeps once this many seconds passed")
     args = ap.parse_args()
-    if args.tail_blocks != "default":
-        triton_moe.DEFAULT_TAIL_BLOCKS = {"off": False, "auto": "auto", "on": True}[args.tail_blocks]
     t_start = time.time()
     out_dir = os.environ.get("OUT", "bench-out")
     os.makedirs(out_dir, exist_ok=True)
@@ -243,12 +238,10 @@ def main() -> int:
 
             t_layer = time_cuda(layer, reps=30, graph_calls=5)
             t_gemm = time_cuda(gemm, reps=30, graph_calls=5)
-            parts = _layouts(align, cfg)  # with tail blocks: GEMM1 / GEMM2 once per layout
-            inters = [launch_gemm1(x, w13, a, k, c, tma0) for a, c in parts]
-            t_g1 = time_cuda(lambda: [launch_gemm1(x, w13, a, k, c, tma0) for a, c in parts], reps=20, graph_calls=5)
-            t_g2 = time_cuda(lambda: [launch_gemm2(i, w2, tw, a, k, c, split, tma0) for i, (a, c) in zip(inters, parts)],
-                             reps=20, graph_calls=5)
-            inters = None
+            inter0 = launch_gemm1(x, w13, align, k, cfg, tma0)
+            t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0), reps=20, graph_calls=5)
+            t_g2 = time_cuda(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma0), reps=20, graph_calls=5)
+            inter0 = None
             t_align = time_cuda(aligned, reps=30, graph_calls=10)
             t_route = time_cuda(lambda: routing(logits, k), reps=30, graph_calls=10)
             t_troute = time_cuda(lambda: torch_routing(logits, k), reps=30, graph_calls=10)

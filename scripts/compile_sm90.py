@@ -109,9 +109,8 @@ def main() -> int:
     aptrs = {p: "*i32" for p in ("topk_ids_ptr", "expert_map_ptr", "counts_ptr", "sorted_ptr", "expert_ids_ptr",
                                  "ntpp_ptr")}
     print(compile_kernel(A._count_pairs_kernel, dict(HAS_MAP=True, CHUNK=2048, NUM_CHUNKS=4), aptrs))
-    for tail in (False, True):  # tail: the experts' short remainders in half blocks of a second layout
-        print(compile_kernel(A._place_pairs_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=64, CHUNK=2048, NUM_CHUNKS=4,
-                                                         NC_POW2=4, E_POW2=128, TAIL=tail), aptrs))
+    print(compile_kernel(A._place_pairs_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=64, CHUNK=2048, NUM_CHUNKS=4, NC_POW2=4,
+                                                     E_POW2=128), aptrs))
     print(compile_kernel(A._align_one_launch_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=16, CHUNK=512, E_POW2=128), aptrs))
     # Softmax top-k routing: Qwen3-Next's (512 experts, top-10) and DeepSeek's (256, top-8) shapes
     for block_e, topk, rows in ((512, 10, 4), (256, 8, 8), (128, 8, 1)):

@@ -79,9 +79,6 @@ class AlignResult:
     block_size_m: int
     num_pairs: int  # M * K = the sentinel
     direct: bool = False  # made by `direct_align` (one block per pair)
-    #: `moe_align_block_size(tail=True)`: the experts' remainders of at most half a block, one
-    #: block of block_size_m // 2 rows each (same format); this result then holds whole blocks only.
-    tail: AlignResult | None = None
 
     @property
     def max_blocks(self) -> int:
@@ -111,42 +108,16 @@ def _local_ids(topk_ids_ptr, expert_map_ptr, offs, num_pairs, HAS_MAP: tl.conste
 
 
 @triton.jit
-def _expert_run(counts, e, BLOCK_SIZE_M: tl.constexpr, E_POW2: tl.constexpr, TAIL: tl.constexpr):
+def _expert_run(counts, e, BLOCK_SIZE_M: tl.constexpr, E_POW2: tl.constexpr):
     """From the pair count of every local expert (E_POW2,): expert e's padded start (exclusive
-    prefix sum of the padded run lengths), the used total, and e's count and padded length.
-    TAIL: a remainder of at most half a block is not padded to a whole block but goes to the
-    tail region in one half block; then also e's tail start, the tail total and e's tail length
-    (half a block or 0). Without TAIL those three are 0."""
+    prefix sum of the padded run lengths), the used total, and e's count and padded length."""
     eo = tl.arange(0, E_POW2)
-    if TAIL:
-        full = counts // BLOCK_SIZE_M * BLOCK_SIZE_M
-        rem = counts - full
-        padded = tl.where(rem > BLOCK_SIZE_M // 2, full + BLOCK_SIZE_M, full)
-        tail = tl.where((rem > 0) & (rem <= BLOCK_SIZE_M // 2), BLOCK_SIZE_M // 2, 0)
-        tail_start = tl.sum(tl.where(eo < e, tail, 0), axis=0)
-        tail_total = tl.sum(tail, axis=0)
-        my_tail = tl.sum(tl.where(eo == e, tail, 0), axis=0)
-    else:
-        padded = tl.cdiv(counts, BLOCK_SIZE_M) * BLOCK_SIZE_M
-        tail_start = 0
-        tail_total = 0
-        my_tail = 0
+    padded = tl.cdiv(counts, BLOCK_SIZE_M) * BLOCK_SIZE_M
     start = tl.sum(tl.where(eo < e, padded, 0), axis=0)
     total = tl.sum(padded, axis=0)
     my_count = tl.sum(tl.where(eo == e, counts, 0), axis=0)
     my_padded = tl.sum(tl.where(eo == e, padded, 0), axis=0)
-    return start, total, my_count, my_padded, tail_start, tail_total, my_tail
-
-
-@triton.jit
-def _pair_slot(start, rank, my_padded, tail_off, tail_start, TAIL: tl.constexpr):
-    """Slot in sorted_ids of the pair of rank `rank` among its expert's pairs: its run in the
-    main region, or with TAIL past the run's whole blocks, the expert's half block in the tail
-    region (which starts at tail_off)."""
-    if TAIL:
-        return tl.where(rank < my_padded, start + rank, tail_off + tail_start + rank - my_padded)
-    else:
-        return start + rank
+    return start, total, my_count, my_padded
 
 
 @triton.jit
@@ -179,14 +150,12 @@ def _place_pairs_kernel(
     num_local,
     max_padded,
     max_blocks,
-    max_tail,  # TAIL: slots of the tail region (it starts at max_padded), its blocks at max_blocks
     HAS_MAP: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     CHUNK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     NC_POW2: tl.constexpr,
     E_POW2: tl.constexpr,
-    TAIL: tl.constexpr = False,
 ):
     e = tl.program_id(0)
     c = tl.program_id(1)
@@ -198,24 +167,19 @@ def _place_pairs_kernel(
         counts_ptr + eo[:, None] * NUM_CHUNKS + co[None, :],
         mask=(eo < num_local)[:, None] & (co < NUM_CHUNKS)[None, :], other=0,
     )
-    start, total, my_count, my_padded, tail_start, tail_total, my_tail = _expert_run(
-        tl.sum(cnt, axis=1), e, BLOCK_SIZE_M, E_POW2, TAIL)
+    start, total, my_count, my_padded = _expert_run(tl.sum(cnt, axis=1), e, BLOCK_SIZE_M, E_POW2)
     before = tl.sum(tl.sum(tl.where((eo == e)[:, None] & (co < c)[None, :], cnt, 0), axis=1), axis=0)
 
-    # This expert's pairs of chunk c, in flat order: rank = earlier chunks + cumsum - 1.
+    # This expert's pairs of chunk c, in flat order: position = start + earlier chunks + cumsum - 1.
     offs = c * CHUNK + tl.arange(0, CHUNK)
     ids = _local_ids(topk_ids_ptr, expert_map_ptr, offs, num_pairs, HAS_MAP)
     hit = (ids == e).to(tl.int32)
-    pos = _pair_slot(start, before + tl.cumsum(hit, axis=0) - 1, my_padded, max_padded, tail_start, TAIL)
+    pos = start + before + tl.cumsum(hit, axis=0) - 1
     tl.store(sorted_ptr + pos, offs, mask=hit > 0)
 
     if c == 0:
         _finish_expert(e, start, total, my_count, my_padded, sorted_ptr, expert_ids_ptr, ntpp_ptr, num_pairs,
                        num_local, max_padded, max_blocks, BLOCK_SIZE_M, CHUNK)
-        if TAIL:
-            _finish_tail(e, tail_start, tail_total, my_count - my_padded, my_tail, sorted_ptr + max_padded,
-                         expert_ids_ptr + max_blocks, ntpp_ptr + 1, num_pairs, num_local, max_tail,
-                         BLOCK_SIZE_M // 2, CHUNK)
 
 
 @triton.jit
@@ -229,12 +193,10 @@ def _align_one_launch_kernel(
     num_local,
     max_padded,
     max_blocks,
-    max_tail,  # TAIL: as in _place_pairs_kernel
     HAS_MAP: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     CHUNK: tl.constexpr,  # >= num_pairs: all pairs in one tile
     E_POW2: tl.constexpr,
-    TAIL: tl.constexpr = False,
 ):
     # Few pairs: program e reads all of them and counts every expert itself (a histogram), so
     # the count table of the two-kernel path, and its launch, are not needed.
@@ -242,17 +204,11 @@ def _align_one_launch_kernel(
     offs = tl.arange(0, CHUNK)
     ids = _local_ids(topk_ids_ptr, expert_map_ptr, offs, num_pairs, HAS_MAP)
     counts = tl.histogram(ids, E_POW2, mask=ids >= 0)
-    start, total, my_count, my_padded, tail_start, tail_total, my_tail = _expert_run(
-        counts, e, BLOCK_SIZE_M, E_POW2, TAIL)
+    start, total, my_count, my_padded = _expert_run(counts, e, BLOCK_SIZE_M, E_POW2)
     hit = (ids == e).to(tl.int32)
-    pos = _pair_slot(start, tl.cumsum(hit, axis=0) - 1, my_padded, max_padded, tail_start, TAIL)
-    tl.store(sorted_ptr + pos, offs, mask=hit > 0)
+    tl.store(sorted_ptr + start + tl.cumsum(hit, axis=0) - 1, offs, mask=hit > 0)
     _finish_expert(e, start, total, my_count, my_padded, sorted_ptr, expert_ids_ptr, ntpp_ptr, num_pairs,
                    num_local, max_padded, max_blocks, BLOCK_SIZE_M, CHUNK)
-    if TAIL:
-        _finish_tail(e, tail_start, tail_total, my_count - my_padded, my_tail, sorted_ptr + max_padded,
-                     expert_ids_ptr + max_blocks, ntpp_ptr + 1, num_pairs, num_local, max_tail,
-                     BLOCK_SIZE_M // 2, CHUNK)
 
 
 @triton.jit
@@ -278,26 +234,6 @@ def _finish_expert(e, start, total, my_count, my_padded, sorted_ptr, expert_ids_
         tl.store(expert_ids_ptr + bo, tl.full((CHUNK,), -1, tl.int32), mask=bo < max_blocks)
 
 
-@triton.jit
-def _finish_tail(e, tail_start, tail_total, tail_count, my_tail, sorted_ptr, expert_ids_ptr, ntpp_ptr, num_pairs,
-                 num_local, max_tail, HALF: tl.constexpr, CHUNK: tl.constexpr):
-    """The tail region's share of expert e (pointers already at the region): its used length
-    (e = 0), the sentinels after e's tail_count pairs in its half block, the block's expert id,
-    and e's round-robin share of the unused rest."""
-    if e == 0:
-        tl.store(ntpp_ptr, tail_total)
-    pad = tail_start + tl.maximum(tail_count, 0) + tl.arange(0, HALF)
-    tl.store(sorted_ptr + pad, num_pairs + tl.zeros((HALF,), tl.int32), mask=pad < tail_start + my_tail)
-    if my_tail > 0:
-        tl.store(expert_ids_ptr + tail_start // HALF, e)
-    for s in range(tail_total + e * CHUNK, max_tail, num_local * CHUNK):
-        so = s + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + so, num_pairs + tl.zeros((CHUNK,), tl.int32), mask=so < max_tail)
-    for b in range(tail_total // HALF + e * CHUNK, max_tail // HALF, num_local * CHUNK):
-        bo = b + tl.arange(0, CHUNK)
-        tl.store(expert_ids_ptr + bo, tl.full((CHUNK,), -1, tl.int32), mask=bo < max_tail // HALF)
-
-
 def moe_align_block_size(
     topk_ids: torch.Tensor,
     block_size_m: int,
@@ -305,7 +241,6 @@ def moe_align_block_size(
     expert_map: torch.Tensor | None = None,
     chunk: int | None = None,
     one_launch: bool | None = None,
-    tail: bool = False,
 ) -> AlignResult:
     """topk_ids (M, K) int32/int64 -> AlignResult for blocks of `block_size_m` pairs.
 
@@ -315,34 +250,17 @@ def moe_align_block_size(
     (pairs per program, a power of two) is for tests; by default up to 2048. one_launch (None:
     DEFAULT_ONE_LAUNCH): up to ONE_LAUNCH_MAX_PAIRS pairs, one launch over the local experts, each
     program counting all pairs itself (same result).
-
-    tail: an expert whose pairs leave a remainder of at most block_size_m // 2 past its whole
-    blocks gets a half block for it in a second layout (`AlignResult.tail`) instead of a whole
-    padded block, so that the GEMMs, launched once per layout, multiply fewer padding rows (at
-    256 pairs per expert and 128-row blocks about half the experts pad ~120 rows). block_size_m
-    must be >= 32.
     """
     assert topk_ids.dim() == 2
-    if tail and block_size_m < 32:
-        raise ValueError(f"tail blocks need block_size_m >= 32, got {block_size_m}")
     dev = topk_ids.device
     num_pairs = topk_ids.numel()
     max_padded = max_padded_size(num_pairs, num_local_experts, block_size_m)
     max_blocks = max_padded // block_size_m
-    half = block_size_m // 2
-    max_tail = min(num_local_experts, num_pairs) * half if tail else 0
-    sorted_buf = torch.empty((max_padded + max_tail,), dtype=torch.int32, device=dev)
-    blocks_buf = torch.empty((max_blocks + max_tail // max(half, 1),), dtype=torch.int32, device=dev)
-    ntpp_buf = torch.zeros((2 if tail else 1,), dtype=torch.int32, device=dev)
-
-    def result() -> AlignResult:
-        out = AlignResult(sorted_buf[:max_padded], blocks_buf[:max_blocks], ntpp_buf[:1], block_size_m, num_pairs)
-        if tail:
-            out.tail = AlignResult(sorted_buf[max_padded:], blocks_buf[max_blocks:], ntpp_buf[1:], half, num_pairs)
-        return out
-
+    sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=dev)
+    expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=dev)
+    ntpp = torch.zeros((1,), dtype=torch.int32, device=dev)
     if num_pairs == 0:
-        return result()
+        return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, 0)
     interpreter_compat()
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
@@ -352,11 +270,11 @@ def moe_align_block_size(
     e_pow2 = max(16, triton.next_power_of_2(num_local_experts))
     if (DEFAULT_ONE_LAUNCH if one_launch is None else one_launch) and num_pairs <= ONE_LAUNCH_MAX_PAIRS:
         _align_one_launch_kernel[(num_local_experts,)](
-            ids, emap, sorted_buf, blocks_buf, ntpp_buf, num_pairs, num_local_experts, max_padded, max_blocks,
-            max_tail, HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=max(16, triton.next_power_of_2(num_pairs)),
-            E_POW2=e_pow2, TAIL=tail, num_warps=4,
+            ids, emap, sorted_ids, expert_ids, ntpp, num_pairs, num_local_experts, max_padded, max_blocks,
+            HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=max(16, triton.next_power_of_2(num_pairs)),
+            E_POW2=e_pow2, num_warps=4,
         )
-        return result()
+        return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
     # Chunks of pairs: each program scans one chunk; the (experts x chunks) count table that every
     # place program reads is kept <= 16K entries by growing the chunk for huge inputs.
     chunk = chunk or min(2048, max(16, triton.next_power_of_2(num_pairs)))
@@ -368,12 +286,12 @@ def moe_align_block_size(
     grid = (num_local_experts, num_chunks)
     _count_pairs_kernel[grid](ids, emap, counts, num_pairs, HAS_MAP=has_map, CHUNK=chunk, NUM_CHUNKS=num_chunks, num_warps=warps)
     _place_pairs_kernel[grid](
-        ids, emap, counts, sorted_buf, blocks_buf, ntpp_buf,
-        num_pairs, num_local_experts, max_padded, max_blocks, max_tail,
+        ids, emap, counts, sorted_ids, expert_ids, ntpp,
+        num_pairs, num_local_experts, max_padded, max_blocks,
         HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=chunk, NUM_CHUNKS=num_chunks,
-        NC_POW2=triton.next_power_of_2(num_chunks), E_POW2=e_pow2, TAIL=tail, num_warps=warps,
+        NC_POW2=triton.next_power_of_2(num_chunks), E_POW2=e_pow2, num_warps=warps,
     )
-    return result()
+    return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
 
 
 def use_direct_align(num_tokens: int, topk: int, num_experts: int) -> bool:
@@ -419,16 +337,13 @@ def direct_align(
 
 
 def moe_align_block_size_torch(
-    topk_ids: torch.Tensor, block_size_m: int, num_local_experts: int, expert_map: torch.Tensor | None = None,
-    tail: bool = False,
+    topk_ids: torch.Tensor, block_size_m: int, num_local_experts: int, expert_map: torch.Tensor | None = None
 ) -> AlignResult:
     """Same result from plain torch ops (the reference for tests; also no host sync)."""
     dev = topk_ids.device
     num_pairs = topk_ids.numel()
     max_padded = max_padded_size(num_pairs, num_local_experts, block_size_m)
     max_blocks = max_padded // block_size_m
-    half = block_size_m // 2
-    max_tail = min(num_local_experts, num_pairs) * half if tail else 0
     ids = topk_ids.reshape(-1).long()
     if expert_map is not None and num_pairs:
         ids = expert_map.to(dev).long()[ids.clamp(min=0)].where(ids >= 0, torch.full_like(ids, -1))
@@ -437,38 +352,21 @@ def moe_align_block_size_torch(
     counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
     counts = counts[:num_local_experts]
     padded = (counts + block_size_m - 1) // block_size_m * block_size_m
-    tails = torch.zeros_like(counts)
-    if tail:
-        full = counts // block_size_m * block_size_m
-        rem = counts - full
-        padded = torch.where(rem > half, full + block_size_m, full)
-        tails = torch.where((rem > 0) & (rem <= half), torch.full_like(rem, half), torch.zeros_like(rem))
     pstart = torch.cumsum(padded, 0) - padded
-    tstart = torch.cumsum(tails, 0) - tails
     cstart = torch.cumsum(counts, 0) - counts
-    size = max_padded + max_tail
+    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
     local = order[: num_pairs]
     e_sorted = key[local]
     keep = e_sorted < num_local_experts
     e_cl = e_sorted.clamp(max=max(num_local_experts - 1, 0))
     rank = torch.arange(num_pairs, device=dev) - cstart[e_cl] if num_local_experts else e_cl
-    if num_local_experts:
-        slot = torch.where(rank < padded[e_cl], pstart[e_cl] + rank, max_padded + tstart[e_cl] + rank - padded[e_cl])
-    else:
-        slot = rank
-    dest = torch.where(keep, slot, torch.full_like(rank, size))
-    buf = torch.full((size + 1,), num_pairs, dtype=torch.int32, device=dev)
-    buf.index_copy_(0, dest, torch.where(keep, local, torch.full_like(local, num_pairs)).to(torch.int32))
-
-    def blocks(lengths: torch.Tensor, bm: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        total = lengths.sum()
-        blk = torch.arange(n, device=dev) * bm
-        ids = torch.searchsorted(torch.cumsum(lengths, 0), blk, right=True).to(torch.int32)
-        return torch.where(blk < total, ids, torch.full_like(ids, -1)), total.reshape(1).to(torch.int32)
-
-    expert_ids, total = blocks(padded, block_size_m, max_blocks)
-    out = AlignResult(buf[:max_padded].clone(), expert_ids, total, block_size_m, num_pairs)
-    if tail:
-        t_ids, t_total = blocks(tails, half, max_tail // half)
-        out.tail = AlignResult(buf[max_padded:size].clone(), t_ids, t_total, half, num_pairs)
-    return out
+    dest = torch.where(keep, pstart[e_cl] + rank, torch.full_like(rank, max_padded))
+    buf = torch.cat([sorted_ids, sorted_ids.new_zeros(1)])
+    buf.index_copy_(0, dest, torch.where(keep, local, torch.zeros_like(local)).to(torch.int32))
+    sorted_ids = buf[:max_padded].clone()
+    total = padded.sum()
+    blk = torch.arange(max_blocks, device=dev) * block_size_m
+    ends = torch.cumsum(padded, 0)
+    expert_ids = torch.searchsorted(ends, blk, right=True).to(torch.int32)
+    expert_ids = torch.where(blk < total, expert_ids, torch.full_like(expert_ids, -1))
+    return AlignResult(sorted_ids, expert_ids, total.reshape(1).to(torch.int32), block_size_m, num_pairs)

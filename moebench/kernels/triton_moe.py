@@ -110,11 +110,6 @@ DEFAULT_TMA_GEMM2_A = False
 #: (bit for bit the two-step result) instead of a bf16 store and a quantisation launch: -4 to -39%
 #: of the layer at 1 and 16 tokens.
 DEFAULT_FUSE_FP8_INTER = True
-#: An expert's remainder of at most half a block gets a half-height block in a second layout
-#: (`moe_align_block_size(tail=True)`), and GEMM1 / GEMM2 run once per layout: fewer padding rows
-#: multiplied at prefill (128-row tiles), two launches more. False / True / "auto" (16-bit,
-#: BLOCK_SIZE_M >= 64); off until timed.
-DEFAULT_TAIL_BLOCKS: bool | str = False
 
 
 @triton.jit
@@ -547,10 +542,9 @@ def launch_gemm2(
 ) -> torch.Tensor:
     """GEMM2 + router weight on aligned pairs. tma_a (with use_tma): inter's tiles load through
     TMA as well as w2's (DEFAULT_TMA_GEMM2_A). atomic: returns ws (M, H) fp32 with the sum over
-    top-k done by atomic adds (split_k allowed; `ws` given = already zeroed, e.g. by GEMM1, or
-    holding another layout's sums); else (M*K, H) weighted rows per pair in inter's dtype
-    (out_dtype for fp8; rows of remote pairs zero; `ws` given = another layout's rows are in it),
-    to be summed over K by the caller.
+    top-k done by atomic adds (split_k allowed; `ws` given = already zeroed, e.g. by GEMM1);
+    else (M*K, H) weighted rows per pair in inter's dtype (out_dtype for fp8; rows of remote pairs
+    zero), to be summed over K by the caller.
 
     fp8: w2 a QuantWeight, inter (max_padded, I) float8_e4m3fn with a_scale (max_padded, G)."""
     m, k = topk_weights.shape
@@ -565,9 +559,8 @@ def launch_gemm2(
             ws = torch.zeros((m, h), dtype=torch.float32, device=inter.device)
         split_k = max(1, min(int(split_k), triton.cdiv(n_inter, bk)))
     else:
-        if ws is None:  # given: the rows of another layout's pairs are already in it
-            ws_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else inter.dtype
-            ws = torch.zeros((m * k, h), dtype=ws_dtype, device=inter.device)
+        ws_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else inter.dtype
+        ws = torch.zeros((m * k, h), dtype=ws_dtype, device=inter.device)
         split_k = 1
     k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
     split_k = triton.cdiv(n_inter, k_per_split)
@@ -591,15 +584,6 @@ def launch_gemm2(
         num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
     )
     return ws
-
-
-def _layouts(align: AlignResult, config: Mapping[str, int]) -> list[tuple[AlignResult, dict[str, int]]]:
-    """(layout, tile config) pairs the GEMMs run over: the alignment itself, and its tail layout
-    with half the BLOCK_SIZE_M when it has one."""
-    parts = [(align, dict(config))]
-    if align.tail is not None:
-        parts.append((align.tail, dict(config, BLOCK_SIZE_M=align.tail.block_size_m)))
-    return parts
 
 
 def _fuses_fp8_inter(scheme, fuse_fp8_inter: bool | None = None) -> bool:
@@ -669,21 +653,16 @@ def fused_moe_gemms(
         acc = torch.empty((m, h), dtype=torch.float32, device=x.device) if zero_in_gemm1 else torch.zeros(
             (m, h), dtype=torch.float32, device=x.device)
     fuse = _fuses_fp8_inter(scheme, fuse_fp8_inter)
-    # One pass per layout: the whole blocks, then (moe_align tail) the half blocks with a config of
-    # half the rows. GEMM1 writes each layout's own intermediate; GEMM2 adds into the same output.
-    ws = acc
-    for i, (part, cfg) in enumerate(_layouts(align, config)):
-        inter = launch_gemm1(x, w13, part, topk, cfg, use_tma, a_scale, out_dtype,
-                             zero=acc if zero_in_gemm1 and i == 0 else None, wide=wide,
-                             out_scale=w2.input_scale if fuse else None)
-        inter_scale = None
-        if fuse:
-            inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
-        elif scheme is not None:
-            # Only rows < num_tokens_post_padded are in use (read on the device).
-            inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=part.num_tokens_post_padded)
-        ws = launch_gemm2(inter, w2, topk_weights, part, topk, cfg, split_k, use_tma, atomic, inter_scale, out_dtype,
-                          ws=ws, tma_a=DEFAULT_TMA_GEMM2_A if tma_a is None else tma_a)
+    inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
+                         wide=wide, out_scale=w2.input_scale if fuse else None)
+    inter_scale = None
+    if fuse:
+        inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
+    elif scheme is not None:
+        # Only rows < num_tokens_post_padded are in use (read on the device).
+        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
+    ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic, inter_scale, out_dtype,
+                      ws=acc, tma_a=DEFAULT_TMA_GEMM2_A if tma_a is None else tma_a)
     if atomic:
         out.copy_(ws)
     else:
@@ -722,27 +701,19 @@ def align_pairs(
     num_experts: int,
     scheme=None,
     direct: bool | str | None = None,
-    tail: bool | str | None = None,
 ) -> AlignResult:
     """The block alignment `fused_moe` uses for topk_ids (M, K): `direct_align` or the alignment
     kernels. direct: True / False / "auto" (None: DEFAULT_DIRECT_ALIGN); "auto" takes direct_align
     where `use_direct_align` says so, for 16-bit weights (scheme None) and the fused per-tensor fp8
     path: fp8 with a separate quantisation launch measured slower with it once (DeepSeek-V3 EP8
-    M=1: 23 -> 33 us). tail: half blocks for the experts' remainders (`moe_align_block_size`'s
-    tail; the GEMMs then run once per layout): True / False / "auto" (None: DEFAULT_TAIL_BLOCKS);
-    True = wherever blocks have >= 32 rows, "auto" = 16-bit weights with block_size_m >= 64; never
-    with direct_align."""
+    M=1: 23 -> 33 us)."""
     direct = DEFAULT_DIRECT_ALIGN if direct is None else direct
     if direct == "auto":
         m, k = topk_ids.shape
         direct = (scheme is None or _fuses_fp8_inter(scheme)) and use_direct_align(m, k, num_experts)
     if direct:
         return direct_align(topk_ids, block_size_m, expert_map)
-    tail = DEFAULT_TAIL_BLOCKS if tail is None else tail
-    if tail == "auto":
-        tail = scheme is None and block_size_m >= 64
-    tail = bool(tail) and block_size_m >= 32
-    return moe_align_block_size(topk_ids, block_size_m, num_local_experts, expert_map, tail=tail)
+    return moe_align_block_size(topk_ids, block_size_m, num_local_experts, expert_map)
 
 
 def fused_moe(
@@ -762,13 +733,11 @@ def fused_moe(
     direct: bool | str | None = None,
     zero_in_gemm1: bool | None = None,
     wide: bool | str | None = None,
-    tail: bool | str | None = None,
 ) -> torch.Tensor:
     """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
     use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC). direct:
     True / False / "auto" (None: DEFAULT_DIRECT_ALIGN), see moebench.kernels.moe_align.direct_align;
-    tail: half blocks for the experts' remainders, see `align_pairs` (None: DEFAULT_TAIL_BLOCKS);
     zero_in_gemm1, wide: see `fused_moe_gemms`.
 
     fp8: w13 and w2 moebench.quant.QuantWeight of one scheme, and either
@@ -798,7 +767,7 @@ def fused_moe(
         config, _ = select_config(m, k, w13, w2, num_experts, out_dtype)
     if m == 0:
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
-    align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, direct, tail)
+    align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, direct)
     if split_k is None:
         est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
         est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, config["BLOCK_SIZE_M"]) + min(e_local, est_pairs))

@@ -49,25 +49,6 @@ def test_real_shapes_bf16(shape, m, experts, pf):
     assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < 2e-2
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("m", [256, 1024])
-def test_tail_blocks_real_shapes(shape, m):
-    # 128-row (and 64-row) tiles with the experts' short remainders in half blocks; both layouts
-    # in use; alignment equal to the torch reference
-    from moebench.kernels import triton_moe
-
-    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
-    cfg = dict(BLOCK_SIZE_M=128 if m == 1024 else 64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8,
-               num_warps=8, num_stages=3)
-    a = moe_align_block_size(ti, cfg["BLOCK_SIZE_M"], w13.shape[0], emap, tail=True)
-    r = moe_align_block_size_torch(ti, cfg["BLOCK_SIZE_M"], w13.shape[0], emap, tail=True)
-    assert torch.equal(a.sorted_token_ids, r.sorted_token_ids) and torch.equal(a.tail.sorted_token_ids, r.tail.sorted_token_ids)
-    assert torch.equal(a.tail.expert_ids, r.tail.expert_ids)
-    with poisoned_outputs():
-        out = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, cfg, tail=True)
-    assert _rel(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < 2e-2
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
 def test_qwen3_other_dtypes(dtype, tol):
     x, w13, w2, tw, ti, emap, e = _setup("qwen3-30b-a3b", 256, dtype)
