@@ -10,7 +10,10 @@ the memset go, GEMM work unchanged: Qwen3-30B-A3B M=1 40.0 -> 33.5 us.
 --fp8: per-tensor fp8_w8a8 weights, adding GEMM1's fused quantisation of the intermediate
 (DEFAULT_FUSE_FP8_INTER). `align1` adds the one-launch alignment (moe_align.DEFAULT_ONE_LAUNCH,
 up to 1024 pairs; measured 0.96-1.005 of the layer from 2 tokens on, where the alignment runs;
-default since the fifth session). Writes decode_launches[_fp8].csv / .md under $OUT (default
+default since the fifth session). `sk2` / `sk4`: the current defaults with GEMM2 split 2 / 4
+ways over K (columns `sk2/current`, `sk4/current`; not timed yet: predicted -1 to -2 us at 1-4
+tokens of Qwen3-30B, where GEMM2's 256 programs of 6 K steps each run at 1.45x their share of
+the memory floor). Writes decode_launches[_fp8].csv / .md under $OUT (default
 ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
 times mean nothing).
 """
@@ -46,6 +49,9 @@ VARIANTS = {"baseline": (False, False, False, False), "direct": ("auto", False, 
             "zero": (False, True, False, False), "both": ("auto", True, False, False),
             "align1": ("auto", True, False, True)}
 FP8_VARIANTS = {"fuse": (False, False, True, False), "all": ("auto", True, True, True)}
+# GEMM2 split over K at the current defaults (choose_split_k keeps >= 4 K steps per split, so it
+# never splits Qwen3's I = 768 at BLOCK_SIZE_K 128); against `current` (the defaults, rule's split).
+SPLIT_VARIANTS = {"current": None, "sk2": 2, "sk4": 4}
 
 
 def main() -> int:
@@ -86,22 +92,29 @@ def main() -> int:
             x = torch.randn(m, h, dtype=dt, device=dev, generator=g)
             logits = torch.randn(m, e, device=dev, generator=g)
 
-            def layer():
+            def layer(kern=kernel):
                 tw, ids = fused_topk_softmax(logits, k, renormalize=True)
-                return kernel.apply(x, w13, w2, tw, ids, expert_map=emap, num_experts=e)
+                return kern.apply(x, w13, w2, tw, ids, expert_map=emap, num_experts=e)
 
             row = dict(shape=shape, tokens=m, direct_rule=triton_moe.use_direct_align(m, k, e))
             ref = None
-            for name, values in variants.items():
+            for name, values in {**variants, **SPLIT_VARIANTS}.items():
+                if name in SPLIT_VARIANTS:  # the defaults as they are, GEMM2's split given
+                    values = saved
+                    split = SPLIT_VARIANTS[name]
+                    kern = moebench.make_kernel("triton", "no-dpep", experts_kwargs=dict(split_k=split)) if split else kernel
+                    run = lambda kern=kern: layer(kern)  # noqa: E731
+                else:
+                    run = layer
                 for (mod, n), v in zip(SWITCHES, values):
                     setattr(mod, n, v)
                 try:
-                    out = layer()
+                    out = run()
                     if ref is None:
                         tw, ids = fused_topk_softmax(logits, k, renormalize=True)
                         ref = moebench.reference_moe(x, w13, w2, tw, ids, emap)
                     err = ((out.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-                    t = time_cuda(layer, reps=30, graph_calls=5) if ON_GPU else time_cpu(layer, warmup=1, reps=1)
+                    t = time_cuda(run, reps=30, graph_calls=5) if ON_GPU else time_cpu(run, warmup=1, reps=1)
                     row[f"{name}_us"] = round(t.median_us, 1)
                     row[f"{name}_err"] = f"{err:.1e}"
                 finally:
@@ -112,6 +125,8 @@ def main() -> int:
                     row[f"{name}/baseline"] = round(row[f"{name}_us"] / row["baseline_us"], 3)
             # against the path each would replace (direct alignment + zeroing in GEMM1)
             row["align1/both"] = round(row["align1_us"] / row["both_us"], 3)
+            for name in ("sk2", "sk4"):
+                row[f"{name}/current"] = round(row[f"{name}_us"] / row["current_us"], 3)
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
             df = pd.DataFrame(rows)

@@ -63,7 +63,8 @@ def test_decode_launches_smoke(tmp_path):
     # every variant correct against the reference, table written
     rows = _smoke("decode_launches.py", tmp_path, "--tokens", "1,3")
     assert len(rows) == 4 and [r["direct_rule"] for r in rows[:2]] == ["True", "False"]
-    assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows for v in ("baseline", "direct", "zero", "both"))
+    assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows for v in ("baseline", "direct", "zero", "both", "sk2", "sk4"))
+    assert all(float(r["sk4/current"]) > 0 for r in rows)
 
 
 def test_bench_triton_smoke(tmp_path):
