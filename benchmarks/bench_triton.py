@@ -203,9 +203,10 @@ def main() -> int:
             x = torch.randn(m, h, dtype=dtype, device=dev, generator=g)
             logits = torch.randn(m, e, device=dev, generator=g)
             tw, ids = routing(logits, k)
-            cfg, src = select_config(m, k, w13, w2, e, dtype)
             if shape in HEURISTIC_ONLY:
                 cfg, src = default_config(m, e, inter, h, k, dtype), HEURISTIC_ONLY[shape]
+            else:
+                cfg, src = select_config(m, k, w13, w2, e, dtype)
             kernel = moebench.make_kernel("triton", "no-dpep", experts_kwargs=dict(config=cfg))
             # correctness first
             out = kernel.apply(x, w13, w2, tw, ids, expert_map=emap, num_experts=e)
