@@ -1,0 +1,191 @@
+"""Per-GEMM tile configs: how far is each GEMM of the `triton` layer from its own best config?
+
+    PYTHONPATH=. python benchmarks/gemm_configs.py [--points qwen3-30b-a3b:4096,...] [--gemms 1,2]
+        [--budget-s 420] [--smoke]
+
+The layer runs GEMM1 (w13, SiLU-mul) and GEMM2 (w2, router weight, top-k sum) with one tile
+config, as vLLM's file format has it. Both GEMMs must share BLOCK_SIZE_M (the alignment's block
+size), but nothing else: SGLang already loads a separate config for the down projection
+(`..._down.json`). At each point this script takes the config the layer uses now (shipped tuned
+file or default heuristic), aligns the pairs with its BLOCK_SIZE_M, and times each GEMM alone
+(CUDA-graph replay) under that config and under candidates that keep BLOCK_SIZE_M and vary the
+rest (BLOCK_SIZE_N/K, warps, stages; for GEMM2 also its K split and TMA on inter). Every
+candidate's output is checked against the current config's before it counts.
+
+Writes gemm_configs.csv (one row per candidate) and gemm_configs.md (per point and GEMM: current,
+best, best/current) under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the
+Triton interpreter (checks the script; its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import triton
+
+from moebench.bench.timing import time_cpu, time_cuda
+from moebench.kernels.triton_moe import (
+    _num_sms,
+    _tma_ok,
+    align_pairs,
+    choose_split_k,
+    fused_topk_softmax,
+    launch_gemm1,
+    launch_gemm2,
+    resolve_use_tma,
+    select_config,
+)
+from moebench.report import _markdown
+from moebench.results import atomic_write_text
+from moebench.tuning.configs import default_config
+
+ON_GPU = torch.cuda.is_available()
+# name: (E global, topk, H, I, E local); routing over the E global experts, the first E local kept
+SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768, 128),
+          "dsv3-ep8-local": (32, 8, 7168, 2048, 32), "dsv3-ep8": (256, 8, 7168, 2048, 32)}
+HEURISTIC_ONLY = {"dsv3-ep8-local"}  # as in bench_triton.py: the E=32 file is tuned for EP8 routing
+# Largest layer/floor gaps of the fifth session's final run first (PERF.md section 3).
+POINTS = ("qwen3-30b-a3b:4096,qwen3-30b-a3b:1024,dsv3-ep8-local:1024,mixtral:1024,dsv3-ep8-local:4096,"
+          "mixtral:4096,qwen3-30b-a3b:1,dsv3-ep8-local:256,mixtral:256,qwen3-30b-a3b:256,dsv3-ep8:16,"
+          "qwen3-30b-a3b:16,mixtral:16")
+SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
+KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+SMEM = 220 * 1024  # bytes of shared memory a config's pipeline may use (H200: 227 KB per block)
+
+
+def candidates(base: dict, gemm: int, smoke: bool) -> list[tuple[dict, int, bool]]:
+    """(config, GEMM2 split, GEMM2 TMA on inter) candidates with base's BLOCK_SIZE_M and GROUP."""
+    bm = base["BLOCK_SIZE_M"]
+    if smoke:
+        shapes = [(32, 32, 4, 2), (64, 32, 4, 2)]
+        splits, tma_as = (1, 2) if gemm == 2 else (1,), (False,)
+    elif bm >= 64:  # compute-bound tiles: (BLOCK_N, warps) pairs x BLOCK_K x stages
+        shapes = [(bn, bk, w, s) for (bn, w), bk, s in itertools.product(((128, 4), (128, 8), (256, 8)), (32, 64, 128), (3, 4, 5))]
+        splits, tma_as = (1,), ((False, True) if gemm == 2 else (False,))
+    else:  # memory-bound decode tiles: narrow N, long K, and GEMM2's K split
+        shapes = [(bn, bk, 4, s) for bn, bk, s in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5))]
+        splits, tma_as = ((1, 2, 4) if gemm == 2 else (1,)), (False,)
+    out = []
+    for (bn, bk, w, s), split, tma_a in itertools.product(shapes, splits, tma_as):
+        if (bm * bk + bk * bn) * 2 * s > SMEM:
+            continue
+        cfg = dict(base, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, num_warps=w, num_stages=s)
+        out.append((cfg, split, tma_a))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", default=POINTS, help="shape:tokens,... (shapes: %s)" % ",".join(SHAPES))
+    ap.add_argument("--gemms", default="2,1")
+    ap.add_argument("--budget-s", type=float, default=420, help="stop starting new points after this many seconds")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    if args.smoke:
+        SHAPES.update(SMOKE)
+        args.points = "tiny:4,tiny-map:16"
+    out_dir = Path(os.environ.get("OUT", "bench-out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda" if ON_GPU else "cpu")
+    head = (f"{torch.cuda.get_device_name() if ON_GPU else 'cpu (smoke: times mean nothing)'}, torch "
+            f"{torch.__version__}, triton {triton.__version__}, bf16; each GEMM alone, us")
+    print("# " + head, flush=True)
+    rows, summary = [], []
+    weights: dict[str, tuple] = {}
+    for point in args.points.split(","):
+        if time.time() - t0 > args.budget_s:
+            print(f"# budget reached, skipped {point} and after", flush=True)
+            break
+        shape, m = point.split(":")[0], int(point.split(":")[1])
+        e, k, h, inter, e_local = SHAPES[shape]
+        dt = torch.bfloat16
+        if shape not in weights:
+            weights.clear()
+            if ON_GPU:
+                torch.cuda.empty_cache()
+            w13 = torch.randn(e_local, 2 * inter, h, dtype=dt, device=dev).mul_(h**-0.5)
+            w2 = torch.randn(e_local, h, inter, dtype=dt, device=dev).mul_(inter**-0.5)
+            weights[shape] = (w13, w2)
+        w13, w2 = weights[shape]
+        emap = None
+        if e_local < e:
+            emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
+            emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
+        g = torch.Generator(device=dev).manual_seed(m)
+        x = torch.randn(m, h, dtype=dt, device=dev, generator=g)
+        logits = torch.randn(m, e, device=dev, generator=g)
+        tw, ids = fused_topk_softmax(logits, k, renormalize=True)
+        if shape in HEURISTIC_ONLY:
+            base = dict(default_config(m, e, inter, h, k, dt))
+        else:
+            base = dict(select_config(m, k, w13, w2, e, dt)[0])
+        align = align_pairs(ids, base["BLOCK_SIZE_M"], e_local, emap, e)
+        tma = resolve_use_tma(None, base, dt) and _tma_ok(w13) and _tma_ok(w2)
+        wide = base["BLOCK_SIZE_M"] >= 64
+        est_pairs = triton.cdiv(m * k * e_local, e)
+        est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, base["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
+        split0 = choose_split_k(est_blocks, h, inter, base, _num_sms(dev))
+        inter0 = launch_gemm1(x, w13, align, k, base, tma, wide=wide)
+        # GEMM1's rows that hold a pair (padding rows and unused blocks are left unwritten)
+        sorted_ids = align.sorted_token_ids[: inter0.shape[0]].long()
+        used = (sorted_ids < align.num_pairs) & (torch.arange(inter0.shape[0], device=dev) < align.num_tokens_post_padded)
+
+        def run(gemm: int, cfg: dict, split: int, tma_a: bool):
+            if gemm == 1:
+                return lambda: launch_gemm1(x, w13, align, k, cfg, tma, wide=wide)
+            return lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma, tma_a=tma_a)
+
+        def timed(fn):
+            if ON_GPU:
+                return time_cuda(fn, reps=15, graph_calls=3).median_us
+            return time_cpu(fn, warmup=1, reps=1).median_us
+
+        for gemm in [int(s) for s in args.gemms.split(",")]:
+            def result(fn):
+                out = fn()
+                return out[used].float() if gemm == 1 else out.float()
+
+            want = result(run(gemm, base, split0, False))
+            cur = timed(run(gemm, base, split0, False))
+            best = (cur, "current", base, split0, False)
+            n_ok = n_fail = 0
+            for cfg, split, tma_a in candidates(base, gemm, args.smoke):
+                if cfg == base and split == split0 and not tma_a:
+                    continue
+                label = "/".join(str(cfg[c]) for c in KEYS) + f" sk{split}" + (" tma_a" if tma_a else "")
+                try:
+                    got = result(run(gemm, cfg, split, tma_a))
+                    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                        raise RuntimeError("output differs from the current config's")
+                    t = timed(run(gemm, cfg, split, tma_a))
+                    n_ok += 1
+                except Exception as ex:  # noqa: BLE001 - out of resources etc.: recorded, not fatal
+                    n_fail += 1
+                    rows.append(dict(shape=shape, tokens=m, gemm=gemm, config=label, us=float("nan"),
+                                     note=f"{type(ex).__name__}: {str(ex).splitlines()[0][:100]}"))
+                    continue
+                rows.append(dict(shape=shape, tokens=m, gemm=gemm, config=label, us=round(t, 2), note=""))
+                if t < best[0]:
+                    best = (t, label, cfg, split, tma_a)
+            cur_label = "/".join(str(base[c]) for c in KEYS) + f" sk{split0}"
+            summary.append(dict(shape=shape, tokens=m, gemm=gemm, current=cur_label, current_us=round(cur, 2),
+                                best=best[1], best_us=round(best[0], 2), best_over_current=round(best[0] / cur, 3),
+                                candidates=n_ok, failed=n_fail, elapsed_s=round(time.time() - t0)))
+            print(" ".join(f"{a}={b}" for a, b in summary[-1].items()), flush=True)
+            atomic_write_text(out_dir / "gemm_configs.csv", pd.DataFrame(rows).to_csv(index=False))
+            atomic_write_text(out_dir / "gemm_configs.md", head + "\n\n" + _markdown(pd.DataFrame(summary)))
+        inter0 = x = logits = None
+    print((out_dir / "gemm_configs.md").read_text() if summary else "# nothing timed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
