@@ -11,10 +11,10 @@ the memset go, GEMM work unchanged: Qwen3-30B-A3B M=1 40.0 -> 33.5 us.
 (DEFAULT_FUSE_FP8_INTER). `align1` adds the one-launch alignment (moe_align.DEFAULT_ONE_LAUNCH,
 up to 1024 pairs; measured 0.96-1.005 of the layer from 2 tokens on, where the alignment runs;
 default since the fifth session). `sk2` / `sk4`: the current defaults with GEMM2 split 2 / 4
-ways over K (columns `sk2/current`, `sk4/current`; not timed yet: predicted -1 to -2 us at 1-4
-tokens of Qwen3-30B, where GEMM2's 256 programs of 6 K steps each run at 1.45x their share of
-the memory floor). Writes decode_launches[_fp8].csv / .md under $OUT (default
-./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
+ways over K (columns `sk2/current`, `sk4/current`; measured a loss: 1.05 at Qwen3-30B M=1, up
+to 1.5 at DeepSeek-V3 EP8). `nopdl`: the current defaults without programmatic dependent launch
+(triton_moe.DEFAULT_PDL; column `current/nopdl`). --variants picks which run (default: all).
+Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
 times mean nothing).
 """
 
@@ -51,7 +51,7 @@ VARIANTS = {"baseline": (False, False, False, False), "direct": ("auto", False, 
 FP8_VARIANTS = {"fuse": (False, False, True, False), "all": ("auto", True, True, True)}
 # GEMM2 split over K at the current defaults (choose_split_k keeps >= 4 K steps per split, so it
 # never splits Qwen3's I = 768 at BLOCK_SIZE_K 128); against `current` (the defaults, rule's split).
-SPLIT_VARIANTS = {"current": None, "sk2": 2, "sk4": 4}
+SPLIT_VARIANTS = {"current": None, "sk2": 2, "sk4": 4, "nopdl": None}
 
 
 def main() -> int:
@@ -60,9 +60,16 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--fp8", action="store_true", help="fp8_w8a8 per-tensor weights (adds the fused-quantisation variants)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
     variants = dict(VARIANTS, **(FP8_VARIANTS if args.fp8 else {}))
+    splits = dict(SPLIT_VARIANTS)
+    if args.variants:
+        keep = set(args.variants.split(",")) | {"current"}
+        variants = {n: v for n, v in variants.items() if n in keep}
+        splits = {n: v for n, v in splits.items() if n in keep}
     saved = tuple(getattr(mod, n) for mod, n in SWITCHES)
+    pdl0 = triton_moe.DEFAULT_PDL
     stem = "decode_launches_fp8" if args.fp8 else "decode_launches"
     if args.smoke:
         SHAPES.update(SMOKE)
@@ -98,16 +105,17 @@ def main() -> int:
 
             row = dict(shape=shape, tokens=m, direct_rule=triton_moe.use_direct_align(m, k, e))
             ref = None
-            for name, values in {**variants, **SPLIT_VARIANTS}.items():
-                if name in SPLIT_VARIANTS:  # the defaults as they are, GEMM2's split given
+            for name, values in {**variants, **splits}.items():
+                if name in splits:  # the defaults as they are, GEMM2's split given
                     values = saved
-                    split = SPLIT_VARIANTS[name]
+                    split = splits[name]
                     kern = moebench.make_kernel("triton", "no-dpep", experts_kwargs=dict(split_k=split)) if split else kernel
                     run = lambda kern=kern: layer(kern)  # noqa: E731
                 else:
                     run = layer
                 for (mod, n), v in zip(SWITCHES, values):
                     setattr(mod, n, v)
+                triton_moe.DEFAULT_PDL = False if name == "nopdl" else pdl0
                 try:
                     out = run()
                     if ref is None:
@@ -120,13 +128,19 @@ def main() -> int:
                 finally:
                     for (mod, n), v in zip(SWITCHES, saved):
                         setattr(mod, n, v)
+                    triton_moe.DEFAULT_PDL = pdl0
+
+            def ratio(a, b):
+                if f"{a}_us" in row and f"{b}_us" in row:
+                    row[f"{a}/{b}"] = round(row[f"{a}_us"] / row[f"{b}_us"], 3)
+
             for name in variants:
                 if name != "baseline":
-                    row[f"{name}/baseline"] = round(row[f"{name}_us"] / row["baseline_us"], 3)
-            # against the path each would replace (direct alignment + zeroing in GEMM1)
-            row["align1/both"] = round(row["align1_us"] / row["both_us"], 3)
-            for name in ("sk2", "sk4"):
-                row[f"{name}/current"] = round(row[f"{name}_us"] / row["current_us"], 3)
+                    ratio(name, "baseline")
+            ratio("align1", "both")  # against the path it would replace (direct alignment + zeroing in GEMM1)
+            ratio("sk2", "current")
+            ratio("sk4", "current")
+            ratio("current", "nopdl")
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
             df = pd.DataFrame(rows)

@@ -2,6 +2,7 @@
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -32,11 +33,43 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
-def block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M: tl.constexpr):
+def block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M: tl.constexpr, FROM_L2: tl.constexpr):
     """The local expert of sorted block pid_m (int64), or -1 when the block has nothing to do:
-    past the used length (padding of the worst-case grid) or a remote expert (direct_align)."""
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    return tl.where(pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr), -1, expert)
+    past the used length (padding of the worst-case grid) or a remote expert (direct_align).
+    FROM_L2: load with the ".cg" modifier (for reads before `pdl_wait`)."""
+    if FROM_L2:
+        expert = tl.load(expert_ids_ptr + pid_m, cache_modifier=".cg").to(tl.int64)
+        used = tl.load(ntpp_ptr, cache_modifier=".cg")
+    else:
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        used = tl.load(ntpp_ptr)
+    return tl.where(pid_m * BLOCK_SIZE_M >= used, -1, expert)
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Programmatic dependent launch (Hopper+; the kernel launched with launch_pdl=True): wait
+    until the previous kernel has finished and its writes are visible, then let the next kernel
+    launch early. Before this point a program may only compute indices, read what no kernel of
+    the step writes (weights) or what the kernel two back wrote (its predecessor waited for it
+    before releasing this one), and prefetch; it must not write anything."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows_l2(base, rows, n_rows, stride_row, stride_col, col0, n_cols,
+                     ELEM_BYTES: tl.constexpr, LINES: tl.constexpr):
+    """Hint: bring LINES 128-byte lines of each of `rows` (from column col0, at most to column
+    n_cols - 1) into L2 with evict-last priority. Out-of-range rows and lines are clamped to the
+    last valid one (a repeated prefetch costs nothing). Nothing is written; GPU only (PTX)."""
+    per_line: tl.constexpr = 128 // ELEM_BYTES
+    cols = tl.minimum(col0 + tl.arange(0, LINES) * per_line, n_cols - 1)
+    r = tl.minimum(rows, n_rows - 1).to(tl.int64)
+    addr = (base + r[:, None] * stride_row + cols[None, :] * stride_col).to(tl.int64)
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // $0 unused", "=r,l", [addr],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -78,6 +78,8 @@ from moebench.kernels.triton_common import (
     dequant,
     gate_up_mainloop,
     grouped_tile,
+    pdl_wait,
+    prefetch_rows_l2,
     scale_ptrs,
     scaled_mma,
 )
@@ -110,6 +112,14 @@ DEFAULT_TMA_GEMM2_A = False
 #: (bit for bit the two-step result) instead of a bf16 store and a quantisation launch: -4 to -39%
 #: of the layer at 1 and 16 tokens.
 DEFAULT_FUSE_FP8_INTER = True
+#: Programmatic dependent launch (Hopper+): GEMM1 and GEMM2 are launched with launch_pdl, so each
+#: starts while the kernel before it finishes; GEMM2's programs prefetch their w2 rows into L2
+#: before waiting for GEMM1. True / False / "auto" = on CUDA devices of compute capability >= 9.
+DEFAULT_PDL: bool | str = "auto"
+#: GEMM2 under PDL prefetches each program's whole w2 slab when the w2 rows of all experts the
+#: step can hit fit in this many bytes (the H200 has 50 MB of L2), else only the first
+#: num_stages * BLOCK_SIZE_K columns (the pipeline's first loads).
+PDL_PREFETCH_L2_BYTES = 32 << 20
 
 
 @triton.jit
@@ -159,11 +169,15 @@ def _silu_mul_gemm1_kernel(
     WIDE: tl.constexpr = False,  # gate and up tiles loaded as one (BK, 2 BN) tile, one dot (no TMA)
     QUANT_OUT: tl.constexpr = False,  # store the intermediate as per-tensor fp8 (inter_ptr is fp8)
     ACT_DTYPE: tl.constexpr = tl.bfloat16,  # QUANT_OUT: the activation dtype it is rounded to first
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
     pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
+    # Everything here reads the routing or alignment just before: wait for it (PDL), and let
+    # GEMM2 launch and prefetch its weights while this kernel runs.
+    pdl_wait(PDL)
 
     # GEMM2's accumulator is zeroed here, 1024 elements per program in a grid-stride loop, instead
     # of by a memset launch of its own; before the early exit, so that every program takes part.
@@ -174,7 +188,7 @@ def _silu_mul_gemm1_kernel(
 
     # Blocks past the used length (padding of the worst-case grid) and blocks of a remote expert
     # (direct_align) have nothing to do.
-    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M)
+    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M, False)
     if expert < 0:
         return
 
@@ -249,6 +263,8 @@ def _gemm2_weighted_sum_kernel(
     GROUP_N: tl.constexpr = 1,
     GROUP_K: tl.constexpr = 1,
     A_TMA: tl.constexpr = False,  # with USE_TMA: inter's tiles through TMA too (k_per_split % BLOCK_SIZE_K == 0)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
+    PREFETCH_LINES: tl.constexpr = 0,  # PDL: 128-byte lines of each w2 row to prefetch into L2 before waiting
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -256,9 +272,17 @@ def _gemm2_weighted_sum_kernel(
     num_pid_n = tl.cdiv(H, BLOCK_SIZE_N)
     pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
 
-    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M)
+    # With PDL this runs while GEMM1 finishes. The alignment (two kernels back) is complete, since
+    # GEMM1 waited for it before letting this kernel launch: read the block's expert from L2.
+    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M, PDL)
     if expert < 0:  # unused padding block, or a remote expert (direct_align)
         return
+    if PREFETCH_LINES > 0:
+        # w2 does not depend on GEMM1: start this program's weight rows towards L2 now.
+        rows = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+        prefetch_rows_l2(w2_ptr + expert * stride_we, rows, H, stride_wn, stride_wk, pid_k * k_per_split, N_INTER,
+                         w2_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH_LINES)
+    pdl_wait(PDL)
 
     offs_m, pair, row_ok, token = block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
@@ -455,6 +479,32 @@ def _scale_args(scale: torch.Tensor | None, w) -> tuple:
     return (scale, w.scale, scale.stride(0), scale.stride(1), *w.scale_strides())
 
 
+def resolve_pdl(pdl: bool | str | None, device: torch.device) -> bool:
+    """None -> DEFAULT_PDL; True / "auto" -> on for CUDA devices of compute capability >= 9 (the
+    instruction exists from Hopper on; ignored elsewhere and under the interpreter)."""
+    pdl = DEFAULT_PDL if pdl is None else pdl
+    if not pdl or device.type != "cuda" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _pdl_args(pdl: bool) -> dict:
+    """Kernel keyword arguments for a PDL launch (none without: the interpreter knows no launch_pdl)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
+def prefetch_lines(experts: int, hidden: int, inter: int, k_per_split: int, elem_bytes: int,
+                   cfg: Mapping[str, int]) -> int:
+    """128-byte lines per w2 row that a GEMM2 program prefetches under PDL (a power of two, the
+    kernel clamps past the row's end): its whole K slice when w2 of `experts` experts (hidden x
+    inter each) fits in PDL_PREFETCH_L2_BYTES, else the pipeline's first num_stages * BLOCK_SIZE_K
+    columns."""
+    cols = k_per_split
+    if experts * hidden * inter * elem_bytes > PDL_PREFETCH_L2_BYTES:
+        cols = min(cols, cfg["num_stages"] * cfg["BLOCK_SIZE_K"])
+    return triton.next_power_of_2(triton.cdiv(cols * elem_bytes, 128))
+
+
 def _flat_weights(topk_weights: torch.Tensor) -> torch.Tensor:
     """(M, K) router weights -> (M*K,) contiguous fp32, one per flat pair (the kernels' layout)."""
     weights = topk_weights.reshape(-1)
@@ -478,9 +528,11 @@ def launch_gemm1(
     zero: torch.Tensor | None = None,
     wide: bool = False,
     out_scale: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
     wide: gate and up tiles as one tile and one dot (DEFAULT_WIDE_GEMM1; no TMA then).
+    pdl: launch with programmatic dependent launch (`resolve_pdl`; CUDA, Hopper+).
     out_scale: (1,) fp32 static scale: inter comes back as float8_e4m3fn, bit for bit what
     `quantize_rows(inter, per-tensor scheme, out_scale)` makes of the out_dtype intermediate.
 
@@ -520,7 +572,7 @@ def launch_gemm1(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **_pdl_args(pdl),
     )
     return inter
 
@@ -539,9 +591,11 @@ def launch_gemm2(
     out_dtype: torch.dtype | None = None,
     ws: torch.Tensor | None = None,
     tma_a: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """GEMM2 + router weight on aligned pairs. tma_a (with use_tma): inter's tiles load through
-    TMA as well as w2's (DEFAULT_TMA_GEMM2_A). atomic: returns ws (M, H) fp32 with the sum over
+    TMA as well as w2's (DEFAULT_TMA_GEMM2_A). pdl: launch with programmatic dependent launch
+    and prefetch w2 rows into L2 before waiting for GEMM1 (`prefetch_lines`). atomic: returns ws (M, H) fp32 with the sum over
     top-k done by atomic adds (split_k allowed; `ws` given = already zeroed, e.g. by GEMM1);
     else (M*K, H) weighted rows per pair in inter's dtype (out_dtype for fp8; rows of remote pairs
     zero), to be summed over K by the caller.
@@ -581,7 +635,9 @@ def launch_gemm2(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic, A_TMA=a_tma,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **_pdl_args(pdl),
+        **({"PREFETCH_LINES": prefetch_lines(min(e_local, align.num_pairs), h, n_inter, k_per_split, wq.element_size(), config)}
+           if pdl else {}),
     )
     return ws
 
@@ -611,6 +667,7 @@ def fused_moe_gemms(
     wide: bool | str | None = None,
     tma_a: bool | None = None,
     fuse_fp8_inter: bool | None = None,
+    pdl: bool | str | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
@@ -622,6 +679,7 @@ def fused_moe_gemms(
     DEFAULT_WIDE_GEMM1): GEMM1 with one (BK, BLOCK_SIZE_N) weight tile and one dot per K step.
     tma_a (None: DEFAULT_TMA_GEMM2_A): with use_tma, GEMM2's inter tiles through TMA too.
     fuse_fp8_inter (None: DEFAULT_FUSE_FP8_INTER): per-tensor fp8 intermediate quantised in GEMM1.
+    pdl (None: DEFAULT_PDL): GEMM1 and GEMM2 with programmatic dependent launch (`resolve_pdl`).
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
@@ -653,8 +711,9 @@ def fused_moe_gemms(
         acc = torch.empty((m, h), dtype=torch.float32, device=x.device) if zero_in_gemm1 else torch.zeros(
             (m, h), dtype=torch.float32, device=x.device)
     fuse = _fuses_fp8_inter(scheme, fuse_fp8_inter)
+    pdl = resolve_pdl(pdl, x.device)
     inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
-                         wide=wide, out_scale=w2.input_scale if fuse else None)
+                         wide=wide, out_scale=w2.input_scale if fuse else None, pdl=pdl)
     inter_scale = None
     if fuse:
         inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
@@ -662,7 +721,7 @@ def fused_moe_gemms(
         # Only rows < num_tokens_post_padded are in use (read on the device).
         inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
     ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic, inter_scale, out_dtype,
-                      ws=acc, tma_a=DEFAULT_TMA_GEMM2_A if tma_a is None else tma_a)
+                      ws=acc, tma_a=DEFAULT_TMA_GEMM2_A if tma_a is None else tma_a, pdl=pdl)
     if atomic:
         out.copy_(ws)
     else:
@@ -733,12 +792,13 @@ def fused_moe(
     direct: bool | str | None = None,
     zero_in_gemm1: bool | None = None,
     wide: bool | str | None = None,
+    pdl: bool | str | None = None,
 ) -> torch.Tensor:
     """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
     use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC). direct:
     True / False / "auto" (None: DEFAULT_DIRECT_ALIGN), see moebench.kernels.moe_align.direct_align;
-    zero_in_gemm1, wide: see `fused_moe_gemms`.
+    zero_in_gemm1, wide, pdl: see `fused_moe_gemms`.
 
     fp8: w13 and w2 moebench.quant.QuantWeight of one scheme, and either
       - x float8_e4m3fn with a_scale (M, G) fp32 (as prepare makes them); the output is in
@@ -776,7 +836,7 @@ def fused_moe(
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
-        a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide,
+        a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide, pdl=pdl,
     )
 
 

@@ -128,3 +128,42 @@ def test_launch_trimming_in_a_cuda_graph(shape):
         ref = moebench.reference_moe(x, w13, w2, w, ids, emap)
         assert _rel(out, ref) < 2e-2
         assert _rel(layer(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("shape,m", [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 64), ("mixtral", 16),
+                                     ("dsv3-ep8", 256), ("qwen3-30b-a3b", 1024)])
+def test_pdl_chain_in_a_cuda_graph(shape, m):
+    # GEMM1 and GEMM2 with programmatic dependent launch: three layers chained in one graph (each
+    # layer's input is the previous one's output), replayed several times on new inputs. A GEMM2
+    # that read `inter` or added into its accumulator before GEMM1 finished would leave stale or
+    # doubled rows that the reference catches; so would a GEMM1 that started before the routing.
+    from moebench.kernels import triton_moe
+
+    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
+    k = ti.shape[1]
+    logits = torch.randn(m, e, device="cuda")
+
+    def layer(inp, pdl=True):
+        w, ids = fused_topk_softmax(logits, k, renormalize=True)
+        return triton_moe.fused_moe(inp, w13, w2, w, ids, emap, e, pdl=pdl)
+
+    def chain(pdl=True):
+        y = x
+        for _ in range(3):
+            y = layer(y, pdl) * 8.0  # keep the magnitude up through the layers
+        return y
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for seed in (5, 6, 7):
+        replay_on_new_inputs(graph, x, seed, logits)
+        torch.cuda.synchronize()
+        y = x.clone()
+        w, ids = fused_topk_softmax(logits, k, renormalize=True)
+        for _ in range(3):
+            y = (moebench.reference_moe(y, w13, w2, w, ids, emap) * 8.0).to(x.dtype)
+        assert _rel(out, y) < 3e-2
+        assert _rel(chain(), chain(pdl=False)) < 2e-2  # eager, with and without PDL
