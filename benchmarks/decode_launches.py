@@ -13,7 +13,8 @@ up to 1024 pairs; measured 0.96-1.005 of the layer from 2 tokens on, where the a
 default since the fifth session). `sk2` / `sk4`: the current defaults with GEMM2 split 2 / 4
 ways over K (columns `sk2/current`, `sk4/current`; measured a loss: 1.05 at Qwen3-30B M=1, up
 to 1.5 at DeepSeek-V3 EP8). `nopdl`: the current defaults without programmatic dependent launch
-(triton_moe.DEFAULT_PDL; column `current/nopdl`). --variants picks which run (default: all).
+(triton_moe.DEFAULT_PDL; column `current/nopdl`); `pdl_nopf` / `pdl_late` / `pdl_late_nopf`:
+PDL without GEMM2's L2 prefetch, with GEMM1 releasing GEMM2 after its epilogue, and both. --variants picks which run (default: all).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
 times mean nothing).
 """
@@ -51,7 +52,11 @@ VARIANTS = {"baseline": (False, False, False, False), "direct": ("auto", False, 
 FP8_VARIANTS = {"fuse": (False, False, True, False), "all": ("auto", True, True, True)}
 # GEMM2 split over K at the current defaults (choose_split_k keeps >= 4 K steps per split, so it
 # never splits Qwen3's I = 768 at BLOCK_SIZE_K 128); against `current` (the defaults, rule's split).
-SPLIT_VARIANTS = {"current": None, "sk2": 2, "sk4": 4, "nopdl": None}
+# The current defaults with GEMM2's split given and/or triton_moe attributes overridden:
+# name: (split_k or None, {attribute: value}).
+SPLIT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopdl": (None, {"DEFAULT_PDL": False}),
+                  "pdl_nopf": (None, {"PDL_PREFETCH": False}), "pdl_late": (None, {"PDL_EARLY": False}),
+                  "pdl_late_nopf": (None, {"PDL_EARLY": False, "PDL_PREFETCH": False})}
 
 
 def main() -> int:
@@ -69,7 +74,6 @@ def main() -> int:
         variants = {n: v for n, v in variants.items() if n in keep}
         splits = {n: v for n, v in splits.items() if n in keep}
     saved = tuple(getattr(mod, n) for mod, n in SWITCHES)
-    pdl0 = triton_moe.DEFAULT_PDL
     stem = "decode_launches_fp8" if args.fp8 else "decode_launches"
     if args.smoke:
         SHAPES.update(SMOKE)
@@ -106,16 +110,19 @@ def main() -> int:
             row = dict(shape=shape, tokens=m, direct_rule=triton_moe.use_direct_align(m, k, e))
             ref = None
             for name, values in {**variants, **splits}.items():
+                overrides = {}
                 if name in splits:  # the defaults as they are, GEMM2's split given
                     values = saved
-                    split = splits[name]
+                    split, overrides = splits[name]
                     kern = moebench.make_kernel("triton", "no-dpep", experts_kwargs=dict(split_k=split)) if split else kernel
                     run = lambda kern=kern: layer(kern)  # noqa: E731
                 else:
                     run = layer
                 for (mod, n), v in zip(SWITCHES, values):
                     setattr(mod, n, v)
-                triton_moe.DEFAULT_PDL = False if name == "nopdl" else pdl0
+                kept = {a: getattr(triton_moe, a) for a in overrides}
+                for a, v in overrides.items():
+                    setattr(triton_moe, a, v)
                 try:
                     out = run()
                     if ref is None:
@@ -128,7 +135,8 @@ def main() -> int:
                 finally:
                     for (mod, n), v in zip(SWITCHES, saved):
                         setattr(mod, n, v)
-                    triton_moe.DEFAULT_PDL = pdl0
+                    for a, v in kept.items():
+                        setattr(triton_moe, a, v)
 
             def ratio(a, b):
                 if f"{a}_us" in row and f"{b}_us" in row:
@@ -140,7 +148,8 @@ def main() -> int:
             ratio("align1", "both")  # against the path it would replace (direct alignment + zeroing in GEMM1)
             ratio("sk2", "current")
             ratio("sk4", "current")
-            ratio("current", "nopdl")
+            for name in ("current", "pdl_nopf", "pdl_late", "pdl_late_nopf"):
+                ratio(name, "nopdl")
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
             df = pd.DataFrame(rows)

@@ -48,13 +48,20 @@ def block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M: tl.constexpr, FR
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
-    """Programmatic dependent launch (Hopper+; the kernel launched with launch_pdl=True): wait
-    until the previous kernel has finished and its writes are visible, then let the next kernel
-    launch early. Before this point a program may only compute indices, read what no kernel of
-    the step writes (weights) or what the kernel two back wrote (its predecessor waited for it
-    before releasing this one), and prefetch; it must not write anything."""
+    """Programmatic dependent launch (a kernel launched with launch_pdl=True, Hopper+): wait until
+    the previous kernel has finished and its writes are visible. Before this point a program may
+    only compute indices, read what no kernel of the step writes (weights) or what the kernel two
+    back wrote (its predecessor waited for it before releasing this one), and prefetch; it must
+    not write anything."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel (launched with launch_pdl=True) start once every program of this one
+    has called this or exited; call it after `pdl_wait`."""
+    if PDL:
         gdc_launch_dependents()
 
 

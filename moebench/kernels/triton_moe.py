@@ -78,6 +78,7 @@ from moebench.kernels.triton_common import (
     dequant,
     gate_up_mainloop,
     grouped_tile,
+    pdl_release,
     pdl_wait,
     prefetch_rows_l2,
     scale_ptrs,
@@ -120,6 +121,10 @@ DEFAULT_PDL: bool | str = "auto"
 #: step can hit fit in this many bytes (the H200 has 50 MB of L2), else only the first
 #: num_stages * BLOCK_SIZE_K columns (the pipeline's first loads).
 PDL_PREFETCH_L2_BYTES = 32 << 20
+#: Under PDL: GEMM2 prefetches w2 rows before waiting (PDL_PREFETCH); GEMM1 releases GEMM2 at its
+#: start (PDL_EARLY) or after its epilogue.
+PDL_PREFETCH = True
+PDL_EARLY = True
 
 
 @triton.jit
@@ -170,14 +175,17 @@ def _silu_mul_gemm1_kernel(
     QUANT_OUT: tl.constexpr = False,  # store the intermediate as per-tensor fp8 (inter_ptr is fp8)
     ACT_DTYPE: tl.constexpr = tl.bfloat16,  # QUANT_OUT: the activation dtype it is rounded to first
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
+    PDL_EARLY: tl.constexpr = True,  # PDL: release GEMM2 at the start (else after the epilogue)
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
     pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
     # Everything here reads the routing or alignment just before: wait for it (PDL), and let
-    # GEMM2 launch and prefetch its weights while this kernel runs.
+    # GEMM2 launch and prefetch its weights while this kernel runs (PDL_EARLY).
     pdl_wait(PDL)
+    if PDL_EARLY:
+        pdl_release(PDL)
 
     # GEMM2's accumulator is zeroed here, 1024 elements per program in a grid-stride loop, instead
     # of by a memset launch of its own; before the early exit, so that every program takes part.
@@ -217,6 +225,8 @@ def _silu_mul_gemm1_kernel(
         quant_group(h, s, i_ptrs, (offs_m >= 0)[:, None] & col_ok[None, :], UPCAST)
     else:
         tl.store(i_ptrs, cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST), mask=col_ok[None, :])
+    if not PDL_EARLY:
+        pdl_release(PDL)
 
 
 @triton.jit
@@ -283,6 +293,7 @@ def _gemm2_weighted_sum_kernel(
         prefetch_rows_l2(w2_ptr + expert * stride_we, rows, H, stride_wn, stride_wk, pid_k * k_per_split, N_INTER,
                          w2_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH_LINES)
     pdl_wait(PDL)
+    pdl_release(PDL)
 
     offs_m, pair, row_ok, token = block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
@@ -573,6 +584,7 @@ def launch_gemm1(
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
         num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **_pdl_args(pdl),
+        **({"PDL_EARLY": PDL_EARLY} if pdl else {}),
     )
     return inter
 
@@ -637,7 +649,7 @@ def launch_gemm2(
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic, A_TMA=a_tma,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **_pdl_args(pdl),
         **({"PREFETCH_LINES": prefetch_lines(min(e_local, align.num_pairs), h, n_inter, k_per_split, wq.element_size(), config)}
-           if pdl else {}),
+           if pdl and PDL_PREFETCH else {}),
     )
     return ws
 
