@@ -13,8 +13,10 @@ up to 1024 pairs; measured 0.96-1.005 of the layer from 2 tokens on, where the a
 default since the fifth session). `sk2` / `sk4`: the current defaults with GEMM2 split 2 / 4
 ways over K (columns `sk2/current`, `sk4/current`; measured a loss: 1.05 at Qwen3-30B M=1, up
 to 1.5 at DeepSeek-V3 EP8). `nopdl`: the current defaults without programmatic dependent launch
-(triton_moe.DEFAULT_PDL; column `current/nopdl`); `pdl_nopf` / `pdl_late` / `pdl_late_nopf`:
-PDL without GEMM2's L2 prefetch, with GEMM1 releasing GEMM2 after its epilogue, and both. --variants picks which run (default: all).
+(triton_moe.DEFAULT_PDL; column `current/nopdl`); `pdl`: PDL forced on, also where "auto" leaves
+it off (`pdl/nopdl`). (Two PDL variants measured in the sixth session are gone from the kernels:
+GEMM2 prefetching its w2 rows into L2 before waiting, and GEMM1 releasing GEMM2 only after its
+epilogue; PERF.md section 3.) --variants picks which run (default: all).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
 times mean nothing).
 """
@@ -55,8 +57,7 @@ FP8_VARIANTS = {"fuse": (False, False, True, False), "all": ("auto", True, True,
 # The current defaults with GEMM2's split given and/or triton_moe attributes overridden:
 # name: (split_k or None, {attribute: value}).
 SPLIT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopdl": (None, {"DEFAULT_PDL": False}),
-                  "pdl_nopf": (None, {"PDL_PREFETCH": False}), "pdl_late": (None, {"PDL_EARLY": False}),
-                  "pdl_late_nopf": (None, {"PDL_EARLY": False, "PDL_PREFETCH": False})}
+                  "pdl": (None, {"DEFAULT_PDL": True})}
 
 
 def main() -> int:
@@ -148,7 +149,7 @@ def main() -> int:
             ratio("align1", "both")  # against the path it would replace (direct alignment + zeroing in GEMM1)
             ratio("sk2", "current")
             ratio("sk4", "current")
-            for name in ("current", "pdl_nopf", "pdl_late", "pdl_late_nopf"):
+            for name in ("current", "pdl"):
                 ratio(name, "nopdl")
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)

@@ -425,19 +425,12 @@ def test_direct_align_caches_only_small_layouts():
     assert len(moe_align._DIRECT_LAYOUTS) == 1 and big.num_tokens_post_padded.item() == 4096 * 32
 
 
-def test_pdl_is_off_without_hopper_and_prefetch_lines():
+
+def test_pdl_is_off_without_hopper():
     from moebench.kernels import triton_moe
 
     # The interpreter / a CPU tensor: never PDL, whatever is asked (launch_pdl is a CUDA launch).
-    assert not triton_moe.resolve_pdl(True, torch.device("cpu"))
-    assert not triton_moe.resolve_pdl("auto", torch.device("cpu"))
+    for pdl in (True, "auto", None):
+        assert not triton_moe.resolve_pdl(pdl, torch.device("cpu"), 768)
     assert triton_moe._pdl_args(False) == {}
     assert triton_moe._pdl_args(True) == {"PDL": True, "launch_pdl": True}
-    cfg = {"BLOCK_SIZE_K": 64, "num_stages": 4}
-    # Qwen3-30B at one token: w2 of 8 experts (2048 x 768 bf16, 24 MiB) fits the 32 MiB budget:
-    # the whole 768-column row (12 lines of 128 bytes -> 16, clamped in the kernel).
-    assert triton_moe.prefetch_lines(8, 2048, 768, 768, 2, cfg) == 16
-    # A K split: a program's own slice only.
-    assert triton_moe.prefetch_lines(8, 2048, 768, 384, 2, cfg) == 8
-    # Mixtral (2 experts of 4096 x 14336, 224 MiB): the pipeline's first 4 * 64 columns (4 lines).
-    assert triton_moe.prefetch_lines(2, 4096, 14336, 14336, 2, cfg) == 4

@@ -50,9 +50,9 @@ def block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M: tl.constexpr, FR
 def pdl_wait(PDL: tl.constexpr):
     """Programmatic dependent launch (a kernel launched with launch_pdl=True, Hopper+): wait until
     the previous kernel has finished and its writes are visible. Before this point a program may
-    only compute indices, read what no kernel of the step writes (weights) or what the kernel two
-    back wrote (its predecessor waited for it before releasing this one), and prefetch; it must
-    not write anything."""
+    only compute indices and read what no kernel of the step writes (weights) or what the kernel
+    two back wrote (its predecessor waited for it before releasing this one); it must not write
+    anything."""
     if PDL:
         gdc_wait()
 
@@ -63,20 +63,6 @@ def pdl_release(PDL: tl.constexpr):
     has called this or exited; call it after `pdl_wait`."""
     if PDL:
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_rows_l2(base, rows, n_rows, stride_row, stride_col, col0, n_cols,
-                     ELEM_BYTES: tl.constexpr, LINES: tl.constexpr):
-    """Hint: bring LINES 128-byte lines of each of `rows` (from column col0, at most to column
-    n_cols - 1) into L2 with evict-last priority. Out-of-range rows and lines are clamped to the
-    last valid one (a repeated prefetch costs nothing). Nothing is written; GPU only (PTX)."""
-    per_line: tl.constexpr = 128 // ELEM_BYTES
-    cols = tl.minimum(col0 + tl.arange(0, LINES) * per_line, n_cols - 1)
-    r = tl.minimum(rows, n_rows - 1).to(tl.int64)
-    addr = (base + r[:, None] * stride_row + cols[None, :] * stride_col).to(tl.int64)
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // $0 unused", "=r,l", [addr],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -80,7 +80,6 @@ from moebench.kernels.triton_common import (
     grouped_tile,
     pdl_release,
     pdl_wait,
-    prefetch_rows_l2,
     scale_ptrs,
     scaled_mma,
 )
@@ -113,18 +112,16 @@ DEFAULT_TMA_GEMM2_A = False
 #: (bit for bit the two-step result) instead of a bf16 store and a quantisation launch: -4 to -39%
 #: of the layer at 1 and 16 tokens.
 DEFAULT_FUSE_FP8_INTER = True
-#: Programmatic dependent launch (Hopper+): GEMM1 and GEMM2 are launched with launch_pdl, so each
-#: starts while the kernel before it finishes; GEMM2's programs prefetch their w2 rows into L2
-#: before waiting for GEMM1. True / False / "auto" = on CUDA devices of compute capability >= 9.
+#: Programmatic dependent launch (Hopper+): GEMM1 and GEMM2 are launched with launch_pdl and GEMM1
+#: releases GEMM2 as soon as all its programs have started, so GEMM2's launch and first index work
+#: overlap GEMM1's last wave. True / False / "auto" = on CUDA devices of compute capability >= 9
+#: for layers with intermediate size I <= PDL_MAX_INTER. Same-run A/B on an H200 (PERF.md section
+#: 3): 0.94-0.998 of the layer at 1-256 tokens of Qwen3-30B-A3B (I = 768) and Qwen3-Next (512),
+#: a loss at 1-4 tokens of Mixtral (14336: 1.03-1.12) and DeepSeek-V3 EP8 (2048, 1-2 tokens:
+#: 1.03-1.07). Prefetching GEMM2's weights into L2 before the wait, and releasing GEMM2 only after
+#: GEMM1's epilogue, both measured slower (not kept).
 DEFAULT_PDL: bool | str = "auto"
-#: GEMM2 under PDL prefetches each program's whole w2 slab when the w2 rows of all experts the
-#: step can hit fit in this many bytes (the H200 has 50 MB of L2), else only the first
-#: num_stages * BLOCK_SIZE_K columns (the pipeline's first loads).
-PDL_PREFETCH_L2_BYTES = 32 << 20
-#: Under PDL: GEMM2 prefetches w2 rows before waiting (PDL_PREFETCH); GEMM1 releases GEMM2 at its
-#: start (PDL_EARLY) or after its epilogue.
-PDL_PREFETCH = True
-PDL_EARLY = True
+PDL_MAX_INTER = 1024
 
 
 @triton.jit
@@ -175,17 +172,15 @@ def _silu_mul_gemm1_kernel(
     QUANT_OUT: tl.constexpr = False,  # store the intermediate as per-tensor fp8 (inter_ptr is fp8)
     ACT_DTYPE: tl.constexpr = tl.bfloat16,  # QUANT_OUT: the activation dtype it is rounded to first
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
-    PDL_EARLY: tl.constexpr = True,  # PDL: release GEMM2 at the start (else after the epilogue)
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
     pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
-    # Everything here reads the routing or alignment just before: wait for it (PDL), and let
-    # GEMM2 launch and prefetch its weights while this kernel runs (PDL_EARLY).
+    # Everything here reads the routing or alignment just before: wait for it (PDL), then let
+    # GEMM2 launch while this kernel runs.
     pdl_wait(PDL)
-    if PDL_EARLY:
-        pdl_release(PDL)
+    pdl_release(PDL)
 
     # GEMM2's accumulator is zeroed here, 1024 elements per program in a grid-stride loop, instead
     # of by a memset launch of its own; before the early exit, so that every program takes part.
@@ -225,8 +220,6 @@ def _silu_mul_gemm1_kernel(
         quant_group(h, s, i_ptrs, (offs_m >= 0)[:, None] & col_ok[None, :], UPCAST)
     else:
         tl.store(i_ptrs, cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST), mask=col_ok[None, :])
-    if not PDL_EARLY:
-        pdl_release(PDL)
 
 
 @triton.jit
@@ -274,7 +267,6 @@ def _gemm2_weighted_sum_kernel(
     GROUP_K: tl.constexpr = 1,
     A_TMA: tl.constexpr = False,  # with USE_TMA: inter's tiles through TMA too (k_per_split % BLOCK_SIZE_K == 0)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
-    PREFETCH_LINES: tl.constexpr = 0,  # PDL: 128-byte lines of each w2 row to prefetch into L2 before waiting
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -284,14 +276,10 @@ def _gemm2_weighted_sum_kernel(
 
     # With PDL this runs while GEMM1 finishes. The alignment (two kernels back) is complete, since
     # GEMM1 waited for it before letting this kernel launch: read the block's expert from L2.
+    # Nothing GEMM1 writes is touched before pdl_wait.
     expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M, PDL)
     if expert < 0:  # unused padding block, or a remote expert (direct_align)
         return
-    if PREFETCH_LINES > 0:
-        # w2 does not depend on GEMM1: start this program's weight rows towards L2 now.
-        rows = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-        prefetch_rows_l2(w2_ptr + expert * stride_we, rows, H, stride_wn, stride_wk, pid_k * k_per_split, N_INTER,
-                         w2_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH_LINES)
     pdl_wait(PDL)
     pdl_release(PDL)
 
@@ -490,10 +478,13 @@ def _scale_args(scale: torch.Tensor | None, w) -> tuple:
     return (scale, w.scale, scale.stride(0), scale.stride(1), *w.scale_strides())
 
 
-def resolve_pdl(pdl: bool | str | None, device: torch.device) -> bool:
-    """None -> DEFAULT_PDL; True / "auto" -> on for CUDA devices of compute capability >= 9 (the
-    instruction exists from Hopper on; ignored elsewhere and under the interpreter)."""
+def resolve_pdl(pdl: bool | str | None, device: torch.device, inter: int) -> bool:
+    """None -> DEFAULT_PDL; "auto" -> True for intermediate size inter <= PDL_MAX_INTER; True is
+    on for CUDA devices of compute capability >= 9 (the instruction exists from Hopper on; ignored
+    elsewhere and under the interpreter)."""
     pdl = DEFAULT_PDL if pdl is None else pdl
+    if pdl == "auto":
+        pdl = inter <= PDL_MAX_INTER
     if not pdl or device.type != "cuda" or interpreting():
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -502,18 +493,6 @@ def resolve_pdl(pdl: bool | str | None, device: torch.device) -> bool:
 def _pdl_args(pdl: bool) -> dict:
     """Kernel keyword arguments for a PDL launch (none without: the interpreter knows no launch_pdl)."""
     return {"PDL": True, "launch_pdl": True} if pdl else {}
-
-
-def prefetch_lines(experts: int, hidden: int, inter: int, k_per_split: int, elem_bytes: int,
-                   cfg: Mapping[str, int]) -> int:
-    """128-byte lines per w2 row that a GEMM2 program prefetches under PDL (a power of two, the
-    kernel clamps past the row's end): its whole K slice when w2 of `experts` experts (hidden x
-    inter each) fits in PDL_PREFETCH_L2_BYTES, else the pipeline's first num_stages * BLOCK_SIZE_K
-    columns."""
-    cols = k_per_split
-    if experts * hidden * inter * elem_bytes > PDL_PREFETCH_L2_BYTES:
-        cols = min(cols, cfg["num_stages"] * cfg["BLOCK_SIZE_K"])
-    return triton.next_power_of_2(triton.cdiv(cols * elem_bytes, 128))
 
 
 def _flat_weights(topk_weights: torch.Tensor) -> torch.Tensor:
@@ -584,7 +563,6 @@ def launch_gemm1(
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
         num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **_pdl_args(pdl),
-        **({"PDL_EARLY": PDL_EARLY} if pdl else {}),
     )
     return inter
 
@@ -607,7 +585,7 @@ def launch_gemm2(
 ) -> torch.Tensor:
     """GEMM2 + router weight on aligned pairs. tma_a (with use_tma): inter's tiles load through
     TMA as well as w2's (DEFAULT_TMA_GEMM2_A). pdl: launch with programmatic dependent launch
-    and prefetch w2 rows into L2 before waiting for GEMM1 (`prefetch_lines`). atomic: returns ws (M, H) fp32 with the sum over
+    (after a launch_gemm1 with pdl; `resolve_pdl`). atomic: returns ws (M, H) fp32 with the sum over
     top-k done by atomic adds (split_k allowed; `ws` given = already zeroed, e.g. by GEMM1);
     else (M*K, H) weighted rows per pair in inter's dtype (out_dtype for fp8; rows of remote pairs
     zero), to be summed over K by the caller.
@@ -648,8 +626,6 @@ def launch_gemm2(
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic, A_TMA=a_tma,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **_pdl_args(pdl),
-        **({"PREFETCH_LINES": prefetch_lines(min(e_local, align.num_pairs), h, n_inter, k_per_split, wq.element_size(), config)}
-           if pdl and PDL_PREFETCH else {}),
     )
     return ws
 
@@ -723,7 +699,7 @@ def fused_moe_gemms(
         acc = torch.empty((m, h), dtype=torch.float32, device=x.device) if zero_in_gemm1 else torch.zeros(
             (m, h), dtype=torch.float32, device=x.device)
     fuse = _fuses_fp8_inter(scheme, fuse_fp8_inter)
-    pdl = resolve_pdl(pdl, x.device)
+    pdl = resolve_pdl(pdl, x.device, w2.shape[2])
     inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
                          wide=wide, out_scale=w2.input_scale if fuse else None, pdl=pdl)
     inter_scale = None
