@@ -1,6 +1,7 @@
 """Benchmark scripts that PERF.md quotes: benchmarks/vllm_style.py (the same-run reference of
 section 3; its vLLM-style GEMM part is checked against the float64 reference) and
-benchmarks/decode_launches.py, benchmarks/bench_triton.py and benchmarks/routing_configs.py; each script's smoke mode runs end to end on CPU."""
+benchmarks/decode_launches.py, benchmarks/bench_triton.py, benchmarks/routing_configs.py,
+benchmarks/gemm_configs.py and benchmarks/topk_ties.py; each script's smoke mode runs end to end on CPU."""
 
 import csv
 import os
@@ -63,8 +64,9 @@ def test_decode_launches_smoke(tmp_path):
     # every variant correct against the reference, table written
     rows = _smoke("decode_launches.py", tmp_path, "--tokens", "1,3")
     assert len(rows) == 4 and [r["direct_rule"] for r in rows[:2]] == ["True", "False"]
-    assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows for v in ("baseline", "direct", "zero", "both", "sk2", "sk4"))
-    assert all(float(r["sk4/current"]) > 0 for r in rows)
+    assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows
+               for v in ("baseline", "direct", "zero", "both", "sk2", "sk4", "nopdl", "pdl"))
+    assert all(float(r["sk4/current"]) > 0 and float(r["current/nopdl"]) > 0 for r in rows)
 
 
 def test_bench_triton_smoke(tmp_path):
@@ -85,6 +87,23 @@ def test_routing_configs_smoke(tmp_path):
     rows = _smoke("routing_configs.py", tmp_path)
     assert [(r["shape"], r["tokens"]) for r in rows] == [("tiny", "1"), ("tiny", "5"), ("tiny-wide", "1"), ("tiny-wide", "5")]
     assert all(float(r["rule_us"]) > 0 and r["best"] for r in rows)
+
+
+def test_gemm_configs_smoke(tmp_path):
+    # per-GEMM candidates at the layer's BLOCK_SIZE_M: each checked against the current config's
+    # output before it is timed (a wrong one would be recorded with a note, not a time)
+    rows = _smoke("gemm_configs.py", tmp_path)
+    assert {(r["shape"], r["gemm"]) for r in rows} == {("tiny", "1"), ("tiny", "2"), ("tiny-map", "1"), ("tiny-map", "2")}
+    assert all(r["us"] and not r["note"] for r in rows)
+    assert "best_over_current" in (tmp_path / "gemm_configs.md").read_text()
+
+
+def test_topk_ties_smoke():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "topk_ties.py"), "--m", "40", "--e", "16", "--k", "4",
+                        "--seeds", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "rows differing: 0 of 80" in r.stdout
 
 
 def test_routing_launch_shape_keeps_the_result():

@@ -92,10 +92,14 @@ def test_cuda_graph_capture_and_replay(shape, m):
 
 @pytest.mark.parametrize("m,e,k", [(1, 8, 2), (4096, 128, 8), (777, 256, 8)])
 def test_fused_topk_gpu(m, e, k):
-    logits = torch.randn(m, e, device="cuda")
+    logits = torch.randn(m, e, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m))
     w, ids = fused_topk_softmax(logits, k)
-    rw, rids = torch.softmax(logits, -1).topk(k, -1)
-    assert torch.equal(ids.long(), rids)
+    p = torch.softmax(logits, -1)
+    rw, rids = p.topk(k, -1)
+    # Rank by rank the kernel's expert has torch's probability; the ids themselves may differ
+    # only where two probabilities are equal to within rounding (benchmarks/topk_ties.py).
+    assert torch.allclose(p.gather(-1, ids.long()), rw, rtol=1e-6, atol=0)
+    assert (ids.long() == rids).all(-1).float().mean() >= 0.999
     assert torch.allclose(w, rw / rw.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
 
 
