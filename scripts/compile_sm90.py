@@ -77,6 +77,12 @@ def main() -> int:
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant)
     print(compile_kernel(T._silu_mul_gemm1_kernel, c, dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",)))
+    # Programmatic dependent launch (griddepcontrol): GEMM1 waiting and releasing, GEMM2 reading
+    # its expert from L2 before waiting (decode tile, as DEFAULT_PDL uses it)
+    print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, PDL=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",)))
+    c2 = dict(c, BLOCK_SIZE_K=64, ATOMIC=True, A_TMA=False, PDL=True)
+    del c2["ZERO_OUT"], c2["WIDE"]
+    print(compile_kernel(T._gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc", "inter_desc")))
     # GEMM1 with gate and up as one tile and one dot: decode and prefill tiles (BLOCK_SIZE_N is
     # per half here, as launch_gemm1 passes it), and fp8 block scales
     for (bm, bn, bk), quant in (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),
