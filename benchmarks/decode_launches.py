@@ -24,13 +24,10 @@ times mean nothing).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
 import pandas as pd
 import torch
-import triton
 
 import moebench
 from moebench.bench.timing import time_cpu, time_cuda
@@ -38,6 +35,8 @@ from moebench.kernels import moe_align, triton_moe
 from moebench.kernels.triton_moe import fused_topk_softmax
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
+
+from bench_common import script_setup
 
 ON_GPU = torch.cuda.is_available()
 # name: (E global, topk, H, I, E local)
@@ -79,12 +78,8 @@ def main() -> int:
     if args.smoke:
         SHAPES.update(SMOKE)
         args.shapes = ",".join(SMOKE)
-    out_dir = Path(os.environ.get("OUT", "bench-out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda" if ON_GPU else "cpu")
-    head = (f"{torch.cuda.get_device_name() if ON_GPU else 'cpu (smoke: times mean nothing)'}, torch "
-            f"{torch.__version__}, triton {triton.__version__}, {'fp8_w8a8 per-tensor' if args.fp8 else 'bf16'}; "
-            "layer = routing + triton experts (us)")
+    out_dir, dev, head = script_setup(("fp8_w8a8 per-tensor" if args.fp8 else "bf16")
+                                      + "; layer = routing + triton experts (us)")
     print("# " + head, flush=True)
     rows = []
     for shape in args.shapes.split(","):

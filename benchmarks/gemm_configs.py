@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 import torch
@@ -45,6 +43,8 @@ from moebench.kernels.triton_moe import (
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
 from moebench.tuning.configs import default_config
+
+from bench_common import script_setup
 
 ON_GPU = torch.cuda.is_available()
 # name: (E global, topk, H, I, E local); routing over the E global experts, the first E local kept
@@ -92,11 +92,7 @@ def main() -> int:
     if args.smoke:
         SHAPES.update(SMOKE)
         args.points = "tiny:4,tiny-map:16"
-    out_dir = Path(os.environ.get("OUT", "bench-out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda" if ON_GPU else "cpu")
-    head = (f"{torch.cuda.get_device_name() if ON_GPU else 'cpu (smoke: times mean nothing)'}, torch "
-            f"{torch.__version__}, triton {triton.__version__}, bf16; each GEMM alone, us")
+    out_dir, dev, head = script_setup("bf16; each GEMM alone, us")
     print("# " + head, flush=True)
     rows, summary = [], []
     weights: dict[str, tuple] = {}

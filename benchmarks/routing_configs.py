@@ -14,18 +14,17 @@ Qwen3 M=1 layer (33.4 us). Writes routing_configs.csv / .md under $OUT (default 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
 import pandas as pd
 import torch
-import triton
 
 from moebench.bench.timing import time_cpu, time_cuda
 from moebench.kernels.triton_moe import fused_topk_softmax, topk_softmax_launch
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
+
+from bench_common import script_setup
 
 ON_GPU = torch.cuda.is_available()
 # name: (experts routed over, topk)
@@ -45,11 +44,7 @@ def main() -> int:
         SHAPES.update(SMOKE)
         args.shapes = ",".join(SMOKE)
         args.tokens = "1,5"
-    out_dir = Path(os.environ.get("OUT", "bench-out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda" if ON_GPU else "cpu")
-    head = (f"{torch.cuda.get_device_name() if ON_GPU else 'cpu (smoke: times mean nothing)'}, torch "
-            f"{torch.__version__}, triton {triton.__version__}; fused_topk_softmax us per call (ROWS/warps)")
+    out_dir, dev, head = script_setup("fused_topk_softmax us per call (ROWS/warps)")
     print("# " + head, flush=True)
     rows = []
     for shape in args.shapes.split(","):
