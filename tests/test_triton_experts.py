@@ -434,3 +434,34 @@ def test_pdl_is_off_without_hopper():
         assert not triton_moe.resolve_pdl(pdl, torch.device("cpu"), 768)
     assert triton_moe._pdl_args(False) == {}
     assert triton_moe._pdl_args(True) == {"PDL": True, "launch_pdl": True}
+
+
+def test_gemm2_with_its_own_config_matches_reference(tmp_path, monkeypatch):
+    # GEMM2 with other N/K/warps/stages than GEMM1 (same BLOCK_SIZE_M), explicit and from a
+    # `_down.json` file next to GEMM1's; USE_TMA in the entry switches GEMM2's TMA loads.
+    from moebench.errors import MoebenchError
+    from moebench.tuning import configs as C
+
+    m, dtype = 9, torch.bfloat16
+    w13, w2 = _weights(E, dtype)
+    tw, ti = _routing(m, E, K)
+    x = _x(m, dtype)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti)
+    down = dict(CFG, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, num_stages=3)
+    for d in (down, dict(down, USE_TMA=True), dict(down, USE_TMA=False)):
+        out = fused_moe(x, w13, w2, tw, ti, num_experts=E, config=CFG, down_config=d)
+        assert rel_err(out, ref) < TOL[dtype]
+    with pytest.raises(MoebenchError, match="share one alignment"):
+        fused_moe(x, w13, w2, tw, ti, num_experts=E, config=CFG, down_config=dict(down, BLOCK_SIZE_M=32))
+    with pytest.raises(MoebenchError, match="BLOCK_SIZE_M must equal"):
+        TritonExperts(config=CFG, down_config=dict(down, BLOCK_SIZE_M=32))
+    # the lookup: GEMM1's file and GEMM2's `_down` file in $MOEBENCH_CONFIG_DIR (device name "cpu")
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    C.write_config_file(tmp_path / C.config_file_name(E, I, "cpu"), {1: CFG})
+    C.write_config_file(tmp_path / C.config_file_name(E, I, "cpu", down=True), {1: dict(down, USE_TMA=False)})
+    kernel = moebench.make_kernel("triton", "no-dpep")
+    out = kernel.apply(x, w13, w2, tw, ti, num_experts=E)
+    assert rel_err(out, ref) < TOL[dtype]
+    src = kernel.experts.last_config_source
+    assert src.startswith(str(tmp_path)) and "; GEMM2: " in src and src.endswith("_down.json[1]")

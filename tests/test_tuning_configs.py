@@ -124,3 +124,34 @@ def test_default_heuristic_sanity():
     assert C.default_config(1, 8, 14336, 4096, 2, torch.float32)["BLOCK_SIZE_K"] < mix[0]["BLOCK_SIZE_K"]
     tiny = C.default_config(5000, 8, 40, 72, 2)
     assert tiny["BLOCK_SIZE_N"] <= 64 and tiny["BLOCK_SIZE_K"] <= 128
+
+
+def test_down_files_sglang_name_and_use_tma(tmp_path):
+    # GEMM2's file: SGLang's `_down` name; its entries may carry USE_TMA (a bool), GEMM1's may not.
+    assert C.config_file_name(128, 768, "NVIDIA H200", down=True) == "E=128,N=768,device_name=NVIDIA_H200_down.json"
+    assert (C.config_file_name(32, 2048, "NVIDIA_H200", "fp8_w8a8", [128, 128], down=True)
+            == "E=32,N=2048,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128]_down.json")
+    down = tmp_path / "E=4,N=8,device_name=cpu_down.json"
+    down.write_text(json.dumps({"1": dict(GOOD, USE_TMA=True), "64": BIG}))
+    table = C.load_config_file(down)
+    assert table[1]["USE_TMA"] is True and "USE_TMA" not in table[64]
+    up = tmp_path / "E=4,N=8,device_name=cpu.json"
+    up.write_text(json.dumps({"1": dict(GOOD, USE_TMA=True)}))
+    with pytest.raises(MoebenchError, match="unknown key.*USE_TMA"):
+        C.load_config_file(up)
+    down.write_text(json.dumps({"1": dict(GOOD, USE_TMA=1)}))
+    with pytest.raises(MoebenchError, match="USE_TMA must be true or false"):
+        C.load_config_file(down)
+
+
+def test_lookup_down_config(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert C.lookup_down_config(4, 8, 16, GOOD, torch.bfloat16, device_name="cpu") == (None, "GEMM1's config")
+    down2 = dict(GOOD, BLOCK_SIZE_K=64, num_stages=5)
+    C.write_config_file(tmp_path / C.config_file_name(4, 8, "cpu", down=True), {1: down2, 64: BIG})
+    cfg, src = C.lookup_down_config(4, 8, 16, GOOD, torch.bfloat16, device_name="cpu")
+    assert cfg == down2 and src.endswith("_down.json[1]")
+    # the entry nearest to 60 tokens has BLOCK_SIZE_M 64, GEMM1's 16: one alignment cannot serve both
+    with pytest.raises(MoebenchError, match="BLOCK_SIZE_M 64 but GEMM1's config for 60 tokens has 16"):
+        C.lookup_down_config(4, 8, 60, GOOD, torch.bfloat16, device_name="cpu")

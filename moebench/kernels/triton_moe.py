@@ -84,7 +84,7 @@ from moebench.kernels.triton_common import (
     scaled_mma,
 )
 from moebench.quant import FP8_DTYPE, SCALES, QuantWeight, scheme_of
-from moebench.tuning.configs import TileConfig, lookup_config, validate_tile_config
+from moebench.tuning.configs import TileConfig, lookup_config, lookup_down_config, validate_tile_config
 
 #: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms): True,
 #: False, or "auto" = for 16-bit inputs with BLOCK_SIZE_M >= 32 (on an H200, same-config A/B:
@@ -656,6 +656,7 @@ def fused_moe_gemms(
     tma_a: bool | None = None,
     fuse_fp8_inter: bool | None = None,
     pdl: bool | str | None = None,
+    down_config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
@@ -668,6 +669,9 @@ def fused_moe_gemms(
     tma_a (None: DEFAULT_TMA_GEMM2_A): with use_tma, GEMM2's inter tiles through TMA too.
     fuse_fp8_inter (None: DEFAULT_FUSE_FP8_INTER): per-tensor fp8 intermediate quantised in GEMM1.
     pdl (None: DEFAULT_PDL): GEMM1 and GEMM2 with programmatic dependent launch (`resolve_pdl`).
+    down_config: GEMM2's own tile config (same BLOCK_SIZE_M as `config`; split_k is GEMM2's for
+    it); its optional USE_TMA decides GEMM2's TMA loads (weights and inter) instead of use_tma /
+    tma_a. None: GEMM2 runs with `config`.
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
@@ -708,8 +712,17 @@ def fused_moe_gemms(
     elif scheme is not None:
         # Only rows < num_tokens_post_padded are in use (read on the device).
         inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
-    ws = launch_gemm2(inter, w2, topk_weights, align, topk, config, split_k, use_tma, atomic, inter_scale, out_dtype,
-                      ws=acc, tma_a=DEFAULT_TMA_GEMM2_A if tma_a is None else tma_a, pdl=pdl)
+    cfg2, tma2 = config, use_tma
+    tma_a = DEFAULT_TMA_GEMM2_A if tma_a is None else tma_a
+    if down_config is not None:
+        if down_config["BLOCK_SIZE_M"] != config["BLOCK_SIZE_M"]:
+            raise MoebenchError(f"GEMM2's config has BLOCK_SIZE_M {down_config['BLOCK_SIZE_M']}, GEMM1's "
+                                f"{config['BLOCK_SIZE_M']}: both GEMMs share one alignment")
+        cfg2 = down_config
+        if "USE_TMA" in down_config:
+            tma2 = tma_a = bool(down_config["USE_TMA"]) and scheme is None and _tma_ok(w2)
+    ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, atomic, inter_scale, out_dtype,
+                      ws=acc, tma_a=tma_a, pdl=pdl)
     if atomic:
         out.copy_(ws)
     else:
@@ -738,6 +751,16 @@ def select_config(
         e_local, n_inter, max(m, 1), dtype, hidden=h, topk=topk, num_experts_global=num_experts,
         device_name=None if w2.device.type == "cuda" else "cpu", quant=scheme_of(w2),
     )
+
+
+def select_down_config(
+    m: int, w2, gemm1: Mapping[str, int], dtype: torch.dtype
+) -> tuple[TileConfig | None, str]:
+    """GEMM2's own config from a `_down.json` file (moebench.tuning.configs.lookup_down_config), or
+    (None, "GEMM1's config") without one."""
+    e_local, _, n_inter = w2.shape
+    return lookup_down_config(e_local, n_inter, max(m, 1), gemm1, dtype,
+                              device_name=None if w2.device.type == "cuda" else "cpu", quant=scheme_of(w2))
 
 
 def align_pairs(
@@ -781,12 +804,15 @@ def fused_moe(
     zero_in_gemm1: bool | None = None,
     wide: bool | str | None = None,
     pdl: bool | str | None = None,
+    down_config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
     use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC). direct:
     True / False / "auto" (None: DEFAULT_DIRECT_ALIGN), see moebench.kernels.moe_align.direct_align;
-    zero_in_gemm1, wide, pdl: see `fused_moe_gemms`.
+    zero_in_gemm1, wide, pdl, down_config: see `fused_moe_gemms`. Without `config`, both configs
+    come from the lookup (`select_config`, `select_down_config`); an explicit `config` is used for
+    both GEMMs unless `down_config` is given too.
 
     fp8: w13 and w2 moebench.quant.QuantWeight of one scheme, and either
       - x float8_e4m3fn with a_scale (M, G) fp32 (as prepare makes them); the output is in
@@ -813,18 +839,21 @@ def fused_moe(
         num_experts = expert_map.shape[0] if expert_map is not None else e_local
     if config is None:
         config, _ = select_config(m, k, w13, w2, num_experts, out_dtype)
+        if down_config is None:
+            down_config, _ = select_down_config(m, w2, config, out_dtype)
     if m == 0:
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
     align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, direct)
     if split_k is None:
         est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
         est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, config["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
-        split_k = choose_split_k(est_blocks, x.shape[1], w2.shape[2], config, _num_sms(x.device))
+        split_k = choose_split_k(est_blocks, x.shape[1], w2.shape[2], down_config or config, _num_sms(x.device))
     use_tma = resolve_use_tma(use_tma, config, x.dtype)
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
         a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide, pdl=pdl,
+        down_config=down_config,
     )
 
 
@@ -832,8 +861,9 @@ def fused_moe(
 class TritonExperts(Experts):
     """Sorted-token fused MoE (Standard). Returns (M, H), weighted and summed over top-k.
 
-    config: a TileConfig (vLLM keys) used for every call instead of the lookup; split_k: GEMM2 K
-    splits (None = from the SM count). fp8_w8a8 weights (all scales of moebench.quant) take the
+    config: a TileConfig (vLLM keys) used for every call instead of the lookup; down_config:
+    GEMM2's own (with config, same BLOCK_SIZE_M; without config the lookup also reads a `_down.json`
+    file); split_k: GEMM2 K splits (None = from the SM count). fp8_w8a8 weights (all scales of moebench.quant) take the
     activations prepare quantised (prep.a fp8 + prep.a_scale); the output is in prep.out_dtype.
     """
 
@@ -848,8 +878,14 @@ class TritonExperts(Experts):
         split_k: int | None = None,
         use_tma: bool | None = None,
         atomic: bool | None = None,
+        down_config: Mapping[str, Any] | None = None,
     ):
         self.config = validate_tile_config(dict(config), "TritonExperts config") if config is not None else None
+        self.down_config = (validate_tile_config(dict(down_config), "TritonExperts down_config", down=True)
+                            if down_config is not None else None)
+        if self.config is not None and self.down_config is not None and \
+                self.config["BLOCK_SIZE_M"] != self.down_config["BLOCK_SIZE_M"]:
+            raise MoebenchError("TritonExperts: down_config's BLOCK_SIZE_M must equal config's (one alignment)")
         self.split_k = split_k
         self.use_tma = use_tma
         self.atomic = atomic
@@ -862,12 +898,16 @@ class TritonExperts(Experts):
     def weight_and_reduce(self):
         return TopKWeightAndReduceNoOp()
 
-    def config_for(self, m: int, topk: int, w13, w2, num_experts: int, dtype) -> dict[str, Any]:
+    def config_for(self, m: int, topk: int, w13, w2, num_experts: int, dtype) -> tuple[dict[str, Any], dict | None]:
+        """(GEMM1's config, GEMM2's own or None); last_config_source says where they came from."""
         if self.config is not None:
-            self.last_config_source = "explicit"
-            return dict(self.config)
-        cfg, self.last_config_source = select_config(m, topk, w13, w2, num_experts, dtype)
-        return dict(cfg)
+            self.last_config_source = "explicit" + ("; GEMM2: explicit" if self.down_config is not None else "")
+            return dict(self.config), (dict(self.down_config) if self.down_config is not None else None)
+        cfg, src = select_config(m, topk, w13, w2, num_experts, dtype)
+        down, down_src = (dict(self.down_config), "explicit") if self.down_config is not None else \
+            select_down_config(m, w2, cfg, dtype)
+        self.last_config_source = src + (f"; GEMM2: {down_src}" if down is not None else "")
+        return dict(cfg), (dict(down) if down is not None else None)
 
     def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
         x = prep.a
@@ -877,8 +917,8 @@ class TritonExperts(Experts):
         if scheme_of(w13) is not None:
             out_dtype = prep.out_dtype or (torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype)
             dtype = out_dtype
-        cfg = self.config_for(m, k, w13, w2, prep.num_experts, dtype)
+        cfg, down = self.config_for(m, k, w13, w2, prep.num_experts, dtype)
         return fused_moe(
             x, w13, w2, prep.topk_weights, prep.topk_ids, prep.expert_map, prep.num_experts, cfg, self.split_k,
-            self.use_tma, self.atomic, a_scale=prep.a_scale, out_dtype=out_dtype,
+            self.use_tma, self.atomic, a_scale=prep.a_scale, out_dtype=out_dtype, down_config=down,
         )

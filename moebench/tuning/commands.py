@@ -30,7 +30,7 @@ err_console = Console(stderr=True)
 
 _NAME_RE = re.compile(
     r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<device>[^,]+?)"
-    r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=\[(?P<block>[\d,]*)\])?\.json$"
+    r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=\[(?P<block>[\d,]*)\])?(?P<down>_down)?\.json$"
 )
 
 TUNE_TOKENS_CPU = [1, 4]
@@ -38,12 +38,13 @@ TUNE_TOKENS_CUDA = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 153
 
 
 def parse_config_name(name: str) -> dict[str, str | int | None] | None:
-    """'E=8,N=14336,device_name=NVIDIA_H200[,dtype=..][,block_shape=[..]].json' -> its parts, or
-    None when the name is not a tuned-config file name."""
+    """'E=8,N=14336,device_name=NVIDIA_H200[,dtype=..][,block_shape=[..]][_down].json' -> its parts
+    ("down": GEMM2's file, SGLang's name), or None when the name is not a tuned-config file name."""
     m = _NAME_RE.match(Path(name).name)
     if not m:
         return None
-    return {"E": int(m["E"]), "N": int(m["N"]), "device": m["device"], "dtype": m["dtype"], "block_shape": m["block"]}
+    return {"E": int(m["E"]), "N": int(m["N"]), "device": m["device"], "dtype": m["dtype"], "block_shape": m["block"],
+            "down": m["down"] is not None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,11 +279,12 @@ def configs_list(dirs, as_json):
         console.print("no tuned-config files in " + ", ".join(str(d) for d in C.config_search_dirs()))
         return
     t = Table(title="tuned configs (first folder wins at lookup)")
-    for c in ("folder", "E", "N", "device", "dtype", "block_shape", "token counts", "status"):
+    for c in ("folder", "E", "N", "device", "dtype", "block_shape", "GEMM", "token counts", "status"):
         t.add_column(c)
     for r in rows:
         t.add_row(r["dir"], str(r["E"]), str(r["N"]), str(r["device"]), r["dtype"] or "-",
-                  f"[{r['block_shape']}]" if r["block_shape"] else "-", ",".join(map(str, r["tokens"])), r["status"])
+                  f"[{r['block_shape']}]" if r["block_shape"] else "-", "2 (down)" if r["down"] else "both",
+                  ",".join(map(str, r["tokens"])), r["status"])
     console.print(t)
 
 
@@ -301,10 +303,11 @@ def configs_show(target, device, dtype, block_shape, as_json):
         return
     t = Table(title=str(path))
     t.add_column("tokens", justify="right")
-    for k in C.TILE_KEYS:
+    keys = C.TILE_KEYS + tuple(k for k in C.DOWN_KEYS if any(k in cfg for cfg in table.values()))
+    for k in keys:
         t.add_column(k, justify="right")
     for m, cfg in table.items():
-        t.add_row(str(m), *(str(cfg[k]) for k in C.TILE_KEYS))
+        t.add_row(str(m), *(str(cfg.get(k, "-")) for k in keys))
     console.print(t)
 
 
@@ -404,7 +407,7 @@ def configs_commit(files):
             raise MoebenchError(f"config file {f} does not exist")
         if parse_config_name(f.name) is None:
             raise MoebenchError(f"{f.name} is not a vLLM config file name "
-                                f"(E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]].json)")
+                                f"(E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]][_down].json)")
         C.load_config_file(f)  # raises with the file and entry named
         checked.append(f)
     dest_dir.mkdir(parents=True, exist_ok=True)

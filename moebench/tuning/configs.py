@@ -12,6 +12,13 @@ Content: {"<tokens>": {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SI
 "num_stages"}, ..., "triton_version": "3.6.0"}. A folder of such files can be handed to vLLM as
 VLLM_TUNED_CONFIG_FOLDER.
 
+GEMM2 (down projection) configs, as SGLang reads them: the same name with `_down` before `.json`
+(`E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]]_down.json`), the same token keys and
+entries, each with the BLOCK_SIZE_M of the GEMM1 file's entry at that token count (both GEMMs run
+on one alignment), optionally "USE_TMA" (bool: GEMM2 loads its tiles through TMA or not; without
+it moebench's own rule decides). Without a `_down` file GEMM2 runs with GEMM1's config, as vLLM
+does. `moebench tune --down` writes them.
+
 Lookup order at run time: $MOEBENCH_CONFIG_DIR, then results/configs/ (relative to the current
 directory), then the package's moebench/configs/. The first folder holding the file wins; inside it
 the entry with the nearest token count wins (ties go to the smaller count). Without a file,
@@ -36,10 +43,13 @@ TILE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "nu
 _POW2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps")
 PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ENV_CONFIG_DIR = "MOEBENCH_CONFIG_DIR"
+#: Keys a GEMM2 (`_down`) entry may add to TILE_KEYS (SGLang's).
+DOWN_KEYS = ("USE_TMA",)
 
 
 class TileConfig(TypedDict):
-    """One launch config of the fused MoE kernel (vLLM's keys)."""
+    """One launch config of the fused MoE kernel (vLLM's keys; a GEMM2 entry may also hold
+    USE_TMA, see DOWN_KEYS)."""
 
     BLOCK_SIZE_M: int
     BLOCK_SIZE_N: int
@@ -82,8 +92,10 @@ def config_file_name(
     device_name: str,
     dtype: torch.dtype | str | None = None,
     block_shape: list[int] | tuple[int, int] | None = None,
+    down: bool = False,
 ) -> str:
-    """`E={E},N={N},device_name={device_name}[,dtype=..][,block_shape=[..]].json`."""
+    """`E={E},N={N},device_name={device_name}[,dtype=..][,block_shape=[..]][_down].json` (down:
+    GEMM2's file, SGLang's name)."""
     name = device_name.replace(" ", "_")
     tag = dtype_tag(dtype)
     parts = f"E={E},N={N},device_name={name}"
@@ -91,24 +103,26 @@ def config_file_name(
         parts += f",dtype={tag}"
     if block_shape:
         parts += ",block_shape=[" + ",".join(str(int(b)) for b in block_shape) + "]"
-    return parts + ".json"
+    return parts + ("_down" if down else "") + ".json"
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading and writing
 
 
-def validate_tile_config(cfg: Any, where: str = "config") -> TileConfig:
+def validate_tile_config(cfg: Any, where: str = "config", down: bool = False) -> TileConfig:
     """Check one entry: a dict with the six keys, positive ints, block sizes and warps powers of two.
-    Extra keys are rejected (vLLM passes the entry to its kernel as keyword arguments)."""
+    Extra keys are rejected (vLLM passes the entry to its kernel as keyword arguments), except
+    "USE_TMA" (a bool) in a GEMM2 (`down`) entry, which is kept."""
     if not isinstance(cfg, Mapping):
         raise MoebenchError(f"{where}: expected an object with {', '.join(TILE_KEYS)}, got {type(cfg).__name__}")
     missing = [k for k in TILE_KEYS if k not in cfg]
     if missing:
         raise MoebenchError(f"{where}: missing {', '.join(missing)}")
-    extra = [k for k in cfg if k not in TILE_KEYS]
+    allowed = TILE_KEYS + (DOWN_KEYS if down else ())
+    extra = [k for k in cfg if k not in allowed]
     if extra:
-        raise MoebenchError(f"{where}: unknown key(s) {', '.join(map(str, extra))}; allowed: {', '.join(TILE_KEYS)}")
+        raise MoebenchError(f"{where}: unknown key(s) {', '.join(map(str, extra))}; allowed: {', '.join(allowed)}")
     out = {}
     for k in TILE_KEYS:
         v = cfg[k]
@@ -117,11 +131,21 @@ def validate_tile_config(cfg: Any, where: str = "config") -> TileConfig:
         if k in _POW2_KEYS and v & (v - 1):
             raise MoebenchError(f"{where}: {k} must be a power of two, got {v}")
         out[k] = v
+    if "USE_TMA" in cfg:
+        if not isinstance(cfg["USE_TMA"], bool):
+            raise MoebenchError(f"{where}: USE_TMA must be true or false, got {cfg['USE_TMA']!r}")
+        out["USE_TMA"] = cfg["USE_TMA"]
     return TileConfig(**out)  # type: ignore[typeddict-item]
 
 
+def is_down_file(path: str | os.PathLike) -> bool:
+    """Whether `path` names a GEMM2 config file (`..._down.json`)."""
+    return Path(path).name.endswith("_down.json")
+
+
 def load_config_file(path: str | os.PathLike) -> dict[int, TileConfig]:
-    """Read and validate a tuned-config file -> {tokens: TileConfig}. "triton_version" is skipped.
+    """Read and validate a tuned-config file -> {tokens: TileConfig}. "triton_version" is skipped;
+    entries of a `_down.json` file may hold USE_TMA.
 
     Raises MoebenchError (naming the file and the entry) when the file is unreadable, not JSON,
     has a non-integer token key, a bad entry, or no entries at all.
@@ -145,7 +169,7 @@ def load_config_file(path: str | os.PathLike) -> dict[int, TileConfig]:
             raise MoebenchError(f"config file {p}: key {key!r} is not a token count") from None
         if tokens < 1:
             raise MoebenchError(f"config file {p}: token count {tokens} must be positive")
-        table[tokens] = validate_tile_config(val, f"config file {p}, entry {key!r}")
+        table[tokens] = validate_tile_config(val, f"config file {p}, entry {key!r}", down=is_down_file(p))
     if not table:
         raise MoebenchError(f"config file {p} has no token-count entries")
     return dict(sorted(table.items()))
@@ -157,7 +181,8 @@ def write_config_file(
     """Write {tokens: config} as vLLM's JSON (keys sorted by token count, plus "triton_version"),
     atomically: a temporary file in the same folder, then a rename."""
     p = Path(path)
-    entries = {int(k): validate_tile_config(v, f"entry {k!r}") for k, v in table.items() if k != "triton_version"}
+    entries = {int(k): validate_tile_config(v, f"entry {k!r}", down=is_down_file(p))
+               for k, v in table.items() if k != "triton_version"}
     if triton_version is None:
         try:
             import triton
@@ -208,10 +233,11 @@ def config_search_dirs() -> list[Path]:
 
 
 def find_config_file(
-    E: int, N: int, device_name: str, dtype: torch.dtype | str | None = None, block_shape: list[int] | None = None
+    E: int, N: int, device_name: str, dtype: torch.dtype | str | None = None, block_shape: list[int] | None = None,
+    down: bool = False,
 ) -> Path | None:
-    """The first existing file for (E, N, device, dtype[, block_shape]) along `config_search_dirs()`."""
-    name = config_file_name(E, N, device_name, dtype, block_shape)
+    """The first existing file for (E, N, device, dtype[, block_shape][, down]) along `config_search_dirs()`."""
+    name = config_file_name(E, N, device_name, dtype, block_shape, down)
     for d in config_search_dirs():
         p = d / name
         if p.is_file():
@@ -260,6 +286,35 @@ def lookup_config(
     if quant is not None:
         cfg = quant_default(cfg, quant)
     return cfg, "default heuristic"
+
+
+def lookup_down_config(
+    E: int,
+    N: int,
+    M: int,
+    gemm1: Mapping[str, int],
+    dtype: torch.dtype | str | None = None,
+    device_name: str | None = None,
+    *,
+    quant: "QuantScheme | None" = None,
+) -> tuple[TileConfig | None, str]:
+    """GEMM2's config for M tokens from the `_down.json` file next to GEMM1's (same E, N, device,
+    dtype), nearest token key; (None, "GEMM1's config") without such a file. Raises MoebenchError
+    when the entry's BLOCK_SIZE_M differs from GEMM1's `gemm1` (both GEMMs share one alignment)."""
+    dev = device_name if device_name is not None else current_device_name()
+    if quant is not None:
+        path = find_config_file(E, N, dev, quant.name, quant.file_block_shape, down=True)
+    else:
+        path = find_config_file(E, N, dev, dtype, down=True)
+    if path is None:
+        return None, "GEMM1's config"
+    key, cfg = nearest_entry(_load_cached(path), M)
+    if cfg["BLOCK_SIZE_M"] != gemm1["BLOCK_SIZE_M"]:
+        raise MoebenchError(
+            f"{path}[{key}] has BLOCK_SIZE_M {cfg['BLOCK_SIZE_M']} but GEMM1's config for {M} tokens has "
+            f"{gemm1['BLOCK_SIZE_M']}: both GEMMs share one alignment; tune the down file against this GEMM1 "
+            f"file (moebench tune --down) or remove it")
+    return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
 
 
 def quant_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
