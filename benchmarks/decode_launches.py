@@ -16,7 +16,8 @@ to 1.5 at DeepSeek-V3 EP8). `nopdl`: the current defaults without programmatic d
 (triton_moe.DEFAULT_PDL; column `current/nopdl`); `pdl`: PDL forced on, also where "auto" leaves
 it off (`pdl/nopdl`). (Two PDL variants measured in the sixth session are gone from the kernels:
 GEMM2 prefetching its w2 rows into L2 before waiting, and GEMM1 releasing GEMM2 only after its
-epilogue; PERF.md section 3.) --variants picks which run (default: all).
+epilogue; PERF.md section 3.) `nodown`: GEMM2 with GEMM1's config even where a `_down.json` file
+is found (triton_moe.DEFAULT_DOWN_FILES; `current/nodown`; point $MOEBENCH_CONFIG_DIR at the files). --variants picks which run (default: all).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
 times mean nothing).
 """
@@ -56,7 +57,7 @@ FP8_VARIANTS = {"fuse": (False, False, True, False), "all": ("auto", True, True,
 # The current defaults with GEMM2's split given and/or triton_moe attributes overridden:
 # name: (split_k or None, {attribute: value}).
 SPLIT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopdl": (None, {"DEFAULT_PDL": False}),
-                  "pdl": (None, {"DEFAULT_PDL": True})}
+                  "pdl": (None, {"DEFAULT_PDL": True}), "nodown": (None, {"DEFAULT_DOWN_FILES": False})}
 
 
 def main() -> int:
@@ -146,6 +147,7 @@ def main() -> int:
             ratio("sk4", "current")
             for name in ("current", "pdl"):
                 ratio(name, "nopdl")
+            ratio("current", "nodown")
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
             df = pd.DataFrame(rows)

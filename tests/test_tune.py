@@ -477,3 +477,67 @@ def test_deploy_layout_names():
     assert deploy_layout("ep8")[0].enable_ep and deploy_layout("tp4")[0].moe_tp_size == 4
     with pytest.raises(MoebenchError, match="tpN or epN"):
         deploy_layout("pp2")
+
+
+def test_down_tune_writes_sglang_down_file_against_gemm1s_config(tmp_path, monkeypatch):
+    # GEMM1's file first (found by the lookup through $MOEBENCH_CONFIG_DIR), then `--down`: GEMM2's
+    # configs searched at GEMM1's BLOCK_SIZE_M with GEMM1's config fixed, written as `_down.json`.
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path / "cfg"))
+    monkeypatch.chdir(tmp_path)
+    up = _tune(tmp_path)
+    gemm1 = C.load_config_file(up.config_path)
+    space = dict(TINY_SPACE, BLOCK_SIZE_N=[32, 64], BLOCK_SIZE_K=[32, 64])
+    out = _tune(tmp_path, down=True, space=space)
+    assert out.config_path == tmp_path / "cfg" / "E=4,N=32,device_name=cpu_down.json"
+    down = C.load_config_file(out.config_path)
+    assert parse_config_name(out.config_path.name)["down"]
+    for r in out.results:
+        assert r.default == dict(gemm1[r.tokens])  # the baseline: GEMM2 with GEMM1's config
+        assert down[r.tokens]["BLOCK_SIZE_M"] == gemm1[r.tokens]["BLOCK_SIZE_M"]
+        assert 0 < r.space_kept <= 8 and r.gemm1_source.endswith(f"[{r.tokens}]")  # 2 N x 2 K x 2 GROUP
+        assert r.failed == r.wrong == 0 and r.winner_us > 0
+    md = (out.run_dir / "report.md").read_text()
+    assert "GEMM2's own configs (`--down`)" in md and str(up.config_path) in md
+    assert json.loads((out.run_dir / "tune.json").read_text())["spec"]["down"] is True
+    # what the layer then uses: both files
+    cfg2, src = C.lookup_down_config(4, 32, 1, gemm1[1], torch.float32, device_name="cpu")
+    assert cfg2 == down[1] and src.endswith("_down.json[1]")
+    # a --down resume of a run that was not one is refused (the settings differ)
+    with pytest.raises(MoebenchError, match="down"):
+        _tune(tmp_path, down=True, resume=up.run_dir)
+
+
+def test_tune_command_down_flag(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
+    g, r = _group(), CliRunner()
+    sizes = ["--num-experts", "4", "--topk", "2", "--hidden", "64", "--intermediate", "32", "--device", "cpu"]
+    res = r.invoke(g, ["tune", *sizes, "--tokens", "1", "--down", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())  # rich wraps lines
+    assert "cpu_down.json" in text and "GEMM2 against GEMM1's config" in text
+    assert "/ 384" in text  # the 1920-config grid at one BLOCK_SIZE_M
+    res = r.invoke(g, ["tune", *sizes, "--tokens", "1", "--down", "--budget", "2", "--reps", "1", "--final-reps", "1"])
+    assert res.exit_code == 0, res.output
+    path = tmp_path / "results" / "configs" / "E=4,N=32,device_name=cpu_down.json"
+    # no GEMM1 file: GEMM1 runs the default heuristic, and the down entry has its BLOCK_SIZE_M
+    heur = C.default_config(1, 4, 32, 64, 2, torch.float32)
+    assert C.load_config_file(path)[1]["BLOCK_SIZE_M"] == heur["BLOCK_SIZE_M"]
+    res = r.invoke(g, ["configs", "list", "--json"])
+    assert [x["down"] for x in json.loads(res.output) if x["E"] == 4 and x["N"] == 32] == [True]
+
+
+def test_configs_show_down(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    entry = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1, "num_warps": 4,
+             "num_stages": 5, "USE_TMA": False}
+    C.write_config_file(tmp_path / "E=4,N=32,device_name=cpu_down.json", {1: entry})
+    g, r = _group(), CliRunner()
+    res = r.invoke(g, ["configs", "show", "4,32", "--device", "cpu", "--down", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output) == {"1": entry}
+    res = r.invoke(g, ["configs", "show", "4,32", "--device", "cpu", "--down"])
+    assert "USE_TMA" in res.output and "False" in res.output
+    res = r.invoke(g, ["configs", "show", "4,32", "--device", "cpu"])  # GEMM1's file: not there
+    assert isinstance(res.exception, MoebenchError) and "E=4,N=32,device_name=cpu.json" in str(res.exception)

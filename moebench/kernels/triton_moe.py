@@ -122,6 +122,9 @@ DEFAULT_FUSE_FP8_INTER = True
 #: GEMM1's epilogue, both measured slower (not kept).
 DEFAULT_PDL: bool | str = "auto"
 PDL_MAX_INTER = 1024
+#: The lookup reads GEMM2's own config from a `_down.json` file when there is one (False: GEMM2
+#: always runs with GEMM1's config, as vLLM does).
+DEFAULT_DOWN_FILES = True
 
 
 @triton.jit
@@ -757,7 +760,9 @@ def select_down_config(
     m: int, w2, gemm1: Mapping[str, int], dtype: torch.dtype
 ) -> tuple[TileConfig | None, str]:
     """GEMM2's own config from a `_down.json` file (moebench.tuning.configs.lookup_down_config), or
-    (None, "GEMM1's config") without one."""
+    (None, "GEMM1's config") without one (or with DEFAULT_DOWN_FILES off)."""
+    if not DEFAULT_DOWN_FILES:
+        return None, "GEMM1's config"
     e_local, _, n_inter = w2.shape
     return lookup_down_config(e_local, n_inter, max(m, 1), gemm1, dtype,
                               device_name=None if w2.device.type == "cuda" else "cpu", quant=scheme_of(w2))

@@ -89,8 +89,11 @@ def parse_config_name(name: str) -> dict[str, str | int | None] | None:
 @click.option("--reps", type=int, default=None, help="Timer repetitions while screening [cuda 20, cpu 2].")
 @click.option("--final-reps", "final_reps", type=int, default=None, help="Repetitions of the final stage [cuda 50, cpu 3].")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Only show the search space after pruning, per token count.")
+@click.option("--down", is_flag=True,
+              help="Tune GEMM2's own config against the GEMM1 config the layer looks up (tuned file or default "
+                   "heuristic; same BLOCK_SIZE_M) and write SGLang's ..._down.json file next to it.")
 def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, block_shape, scales, routing,
-         seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps, final_reps, dry_run):
+         seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps, final_reps, dry_run, down):
     """Find the fastest Triton tile config per token count; write the vLLM-format file."""
     from moebench.cli import parse_tokens, resolve_device, resolve_shape
     from moebench.inputs import dtype_name
@@ -122,6 +125,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                 spec.dtype, spec.quant = _precision(dtype or saved, block_shape, scales, dtype_name(spec.dtype))
         if tokens is not None:
             spec.tokens = parse_tokens(tokens)
+        if down:
+            spec.down = True  # the saved run must have been a --down run (checked against it)
         for attr, v in (("routing", routing), ("seed", seed), ("strategy", strategy), ("budget", budget),
                         ("reps", reps), ("final_reps", final_reps)):
             if v is not None:
@@ -136,7 +141,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             tokens=parse_tokens(tokens) if tokens is not None else (TUNE_TOKENS_CUDA if dev == "cuda" else TUNE_TOKENS_CPU),
             dtype=act_dtype, device=dev,
             strategy=strategy or "halving", budget=budget, seed=seed or 0, routing=routing or "uniform",
-            reps=reps, final_reps=final_reps, quant=quant,
+            reps=reps, final_reps=final_reps, quant=quant, down=down,
         )
         run_dir = Path(results_dir) / new_run_id("tune", spec.shape.name)
     parse_routing(spec.routing)
@@ -145,7 +150,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
     s = spec.shape
     console.print(f"[bold]moebench tune[/] {s.name} (E={s.num_experts}, topk={s.topk}, H={s.hidden}, I={s.intermediate}) "
                   f"{spec.layout.describe()}, {spec.precision} -> {T.config_path_for(spec, out).name} on {spec.device}, "
-                  f"search {spec.strategy}")
+                  f"search {spec.strategy}" + (" (GEMM2 against GEMM1's config)" if spec.down else ""))
     counts = T.prune_counts(spec)
     pt = Table(title="search space after pruning")
     pt.add_column("tokens", justify="right")
@@ -177,7 +182,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                 spec.shape, spec.layout, spec.tokens, spec.dtype, spec.device, spec.strategy, spec.budget, out,
                 resume, gpus, run_dir=run_dir, results_dir=results_dir, seed=spec.seed, routing=spec.routing,
                 reps=spec.reps, final_reps=spec.final_reps, space=spec.space, on_measure=on_measure,
-                on_tokens=on_tokens, quant=spec.quant, compile_workers=compile_workers,
+                on_tokens=on_tokens, quant=spec.quant, compile_workers=compile_workers, down=spec.down,
             )
     except KeyboardInterrupt:
         err_console.print(f"interrupted: finished measurements are kept in {run_dir} "
@@ -222,9 +227,11 @@ def configs():
     """Tuned-config files: list, show, diff, commit into the package."""
 
 
-def _resolve_file(arg: str, device: str | None, dtype: str | None, block_shape: str | None = None) -> Path:
+def _resolve_file(arg: str, device: str | None, dtype: str | None, block_shape: str | None = None,
+                  down: bool = False) -> Path:
     """A path, or 'E,N' looked up along the lookup order for `device` (default: this machine),
-    `dtype` (the file name's dtype tag, e.g. fp8_w8a8) and `block_shape` ('128,128')."""
+    `dtype` (the file name's dtype tag, e.g. fp8_w8a8), `block_shape` ('128,128') and `down`
+    (GEMM2's `_down.json` file)."""
     from moebench.quant import parse_block_shape
 
     bs = parse_block_shape(block_shape)
@@ -240,9 +247,9 @@ def _resolve_file(arg: str, device: str | None, dtype: str | None, block_shape: 
         raise MoebenchError(f"{arg!r} is neither a config file nor 'E,N' (e.g. 8,14336)")
     e, n = int(m[1]), int(m[2])
     dev = device or C.current_device_name()
-    found = C.find_config_file(e, n, dev, dtype, list(bs) if bs else None)
+    found = C.find_config_file(e, n, dev, dtype, list(bs) if bs else None, down=down)
     if found is None:
-        name = C.config_file_name(e, n, dev, dtype, list(bs) if bs else None)
+        name = C.config_file_name(e, n, dev, dtype, list(bs) if bs else None, down=down)
         raise MoebenchError(f"no {name} in {', '.join(str(d) for d in C.config_search_dirs())}")
     return found
 
@@ -293,10 +300,11 @@ def configs_list(dirs, as_json):
 @click.option("--device", "device", default=None, help="Device name for an E,N target (default: this machine's).")
 @click.option("--dtype", default=None, help="dtype tag of the file name (quantised kernels only, e.g. fp8_w8a8).")
 @click.option("--block-shape", "block_shape", default=None, help="block_shape of the file name (fp8 block scales, e.g. 128,128).")
+@click.option("--down", is_flag=True, help="For an E,N target: GEMM2's `_down.json` file.")
 @click.option("--json", "as_json", is_flag=True)
-def configs_show(target, device, dtype, block_shape, as_json):
+def configs_show(target, device, dtype, block_shape, down, as_json):
     """One file's entries: TARGET is a path or E,N (looked up for this device)."""
-    path = _resolve_file(target, device, dtype, block_shape)
+    path = _resolve_file(target, device, dtype, block_shape, down)
     table = C.load_config_file(path)
     if as_json:
         click.echo(json.dumps({str(k): dict(v) for k, v in table.items()}, indent=2))

@@ -35,7 +35,8 @@ def _init(spec_json: dict[str, Any], device: str) -> None:
 
 def _compile_one(task: tuple[int, dict[str, int]]) -> str:
     """Run the layer once with config `cfg` at `tokens`: 'ok', or the one-line error."""
-    from moebench.tuning.search import LayerBench, LayerWeights, _one_line
+    from moebench.tuning.search import LayerWeights, _one_line
+    from moebench.tuning.tuner import layer_bench
 
     tokens, cfg = task
     spec, device = _STATE["spec"], _STATE["device"]
@@ -45,8 +46,7 @@ def _compile_one(task: tuple[int, dict[str, int]]) -> str:
                                                    quant=spec.quant)
         bench = _STATE["bench"]
         if bench is None or bench.tokens != tokens:
-            _STATE["bench"] = bench = LayerBench(spec.shape, _STATE["weights"], tokens, spec.dtype, device, spec.seed,
-                                                 spec.routing, n_routings=1, quant=spec.quant)
+            _STATE["bench"] = bench = layer_bench(spec, _STATE["weights"], tokens, device, n_routings=1)
         bench.run_once(cfg)
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()

@@ -160,6 +160,7 @@ class LayerBench:
     x (M, H); `n_routings` routings (topk_weights (M, K) float32, topk_ids (M, K) int32) drawn
     from `routing`; the float64 reference of the first routing, computed on first use.
     quant: the fp8 scheme of the weights (None = unquantised); it picks the check's tolerance.
+    gemm1: GEMM1's config, fixed: the measured config is then GEMM2's own (a `--down` tune).
     """
 
     def __init__(
@@ -175,6 +176,7 @@ class LayerBench:
         n_routings: int = GRAPH_CALLS,
         worker: int = 0,
         quant: QuantScheme | None = None,
+        gemm1: Mapping[str, int] | None = None,
     ):
         if tokens < 1:
             raise MoebenchError(f"token count {tokens} cannot be tuned; give counts >= 1")
@@ -182,6 +184,7 @@ class LayerBench:
         self.timer = timer or default_timer(device, n_routings)
         self.worker = worker
         self.quant = quant
+        self.gemm1 = dict(gemm1) if gemm1 is not None else None
         self.x = make_tokens(tokens, shape.hidden, dtype, device, seed + tokens)
         self.routings = [
             make_routing(routing, tokens, shape.num_experts, shape.topk, seed=seed * 7919 + tokens * 31 + i, device=device)
@@ -190,7 +193,8 @@ class LayerBench:
         self._ref: torch.Tensor | None = None
 
     def _kernel(self, cfg: Mapping[str, int]):
-        return make_kernel(experts="triton", prepare_finalize="no-dpep", experts_kwargs={"config": dict(cfg)})
+        kw = {"config": dict(cfg)} if self.gemm1 is None else {"config": self.gemm1, "down_config": dict(cfg)}
+        return make_kernel(experts="triton", prepare_finalize="no-dpep", experts_kwargs=kw)
 
     def _call(self, kernel, i: int) -> torch.Tensor:
         tw, ids = self.routings[i % len(self.routings)]

@@ -121,7 +121,8 @@ class Problem:
     tokens: M on this rank; num_experts: E global (routing spreads over these); local_experts:
     experts on this rank (w13.shape[0]); hidden: H; inter: I per rank (w2.shape[2]);
     elem_bytes: bytes per GEMM operand element (1 for fp8); quant_block: (bn, bk) of
-    block-quantised fp8 weights, else None.
+    block-quantised fp8 weights, else None; block_m_fixed: BLOCK_SIZE_M is given (GEMM2's configs
+    take GEMM1's), so the BLOCK_SIZE_M rule does not apply.
     """
 
     tokens: int
@@ -133,6 +134,7 @@ class Problem:
     elem_bytes: int = 2
     smem_limit: int = DEFAULT_SMEM_BYTES
     quant_block: tuple[int, int] | None = None
+    block_m_fixed: bool = False
 
     @property
     def tokens_per_expert(self) -> float:
@@ -169,7 +171,7 @@ def prune_reason(cfg: Mapping[str, int], p: Problem) -> str | None:
         return FP8_BLOCK_REASON
     if smem_bytes(cfg, p.elem_bytes) > p.smem_limit:
         return "shared memory"
-    if bm > max(16, 2 * _next_pow2(p.tokens_per_expert)):
+    if not p.block_m_fixed and bm > max(16, 2 * _next_pow2(p.tokens_per_expert)):
         return "BLOCK_SIZE_M above tokens per expert"
     if bn > max(32, _next_pow2(p.inter), _next_pow2(p.hidden)):
         return "BLOCK_SIZE_N above output widths"

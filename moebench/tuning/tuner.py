@@ -94,6 +94,7 @@ class TuneSpec:
     final_reps: int | None = None
     space: dict[str, list[int]] | None = None
     quant: QuantScheme | None = None
+    down: bool = False  # tune GEMM2's own config (the `_down.json` file) against GEMM1's
 
     def to_json(self) -> dict[str, Any]:
         shape = {k: v for k, v in self.shape.__dict__.items() if k != "aliases"}
@@ -102,7 +103,7 @@ class TuneSpec:
             "tokens": list(self.tokens), "dtype": dtype_name(self.dtype), "device": self.device,
             "strategy": self.strategy, "budget": self.budget, "seed": self.seed, "routing": self.routing,
             "reps": self.reps, "final_reps": self.final_reps, "space": self.space,
-            "quant": quant_to_json(self.quant),
+            "quant": quant_to_json(self.quant), "down": self.down,
         }
 
     @classmethod
@@ -112,6 +113,7 @@ class TuneSpec:
             dtype=parse_dtype(d["dtype"]), device=d["device"], strategy=d["strategy"], budget=d.get("budget"),
             seed=int(d.get("seed", 0)), routing=d.get("routing", "uniform"), reps=d.get("reps"),
             final_reps=d.get("final_reps"), space=d.get("space"), quant=quant_from_json(d.get("quant")),
+            down=bool(d.get("down", False)),
         )
 
     @property
@@ -307,28 +309,54 @@ class TokenResult:
     space_kept: int = 0
     pruned: dict[str, int] = field(default_factory=dict)
     worker: int = 0
+    gemm1_source: str = ""  # --down runs: where GEMM1's config (= `default`) came from
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def gemm1_config(spec: TuneSpec, tokens: int) -> tuple[dict[str, int], str]:
+    """GEMM1's config at `tokens` as the layer looks it up on spec.device (tuned file along the
+    lookup order, else the default heuristic), and where it came from: what a `--down` run tunes
+    GEMM2 against."""
+    cfg, src = C.lookup_config(
+        spec.local_experts, spec.inter_per_rank, tokens, spec.dtype, device_name=C.device_name(spec.device),
+        hidden=spec.shape.hidden, topk=spec.shape.topk, num_experts_global=spec.shape.num_experts, quant=spec.quant)
+    return dict(cfg), src
+
+
 def _space_for(spec: TuneSpec, tokens: int) -> PruneReport:
+    space = dict(spec.space or SPACE)
+    if spec.down:  # GEMM2 runs on GEMM1's alignment: its BLOCK_SIZE_M is GEMM1's
+        space["BLOCK_SIZE_M"] = [gemm1_config(spec, tokens)[0]["BLOCK_SIZE_M"]]
     problem = Problem(
         tokens=tokens, num_experts=spec.shape.num_experts, local_experts=spec.local_experts, topk=spec.shape.topk,
         hidden=spec.shape.hidden, inter=spec.inter_per_rank, elem_bytes=spec.elem_bytes,
         smem_limit=smem_limit(spec.device), quant_block=spec.quant.block_shape if spec.quant else None,
+        block_m_fixed=spec.down,
     )
-    return prune(full_space(spec.space or SPACE), problem)
+    return prune(full_space(space), problem)
 
 
 def default_for(spec: TuneSpec, tokens: int) -> dict[str, int]:
-    """The default heuristic's config for `tokens` (what a run without a tuned file uses): fitted
-    to the fp8 scale block for block-quantised weights."""
+    """The config a run without the tuned file uses at `tokens`: the default heuristic's (fitted
+    to the fp8 scale block for block-quantised weights); for a `--down` run GEMM1's config, which
+    GEMM2 runs with when there is no `_down.json` file."""
+    if spec.down:
+        return gemm1_config(spec, tokens)[0]
     cfg = C.default_config(tokens, spec.shape.num_experts, spec.inter_per_rank, spec.shape.hidden, spec.shape.topk,
                            spec.dtype)
     if spec.quant is not None:
         cfg = C.quant_default(cfg, spec.quant)
     return dict(cfg)
+
+
+def layer_bench(spec: TuneSpec, weights: LayerWeights, tokens: int, device: str, timer: Timer | None = None,
+                worker: int = 0, n_routings: int | None = None) -> LayerBench:
+    """The LayerBench of `spec` at `tokens` (with GEMM1's config fixed for a `--down` run)."""
+    kw = {} if n_routings is None else {"n_routings": n_routings}
+    return LayerBench(spec.shape, weights, tokens, spec.dtype, device, spec.seed, spec.routing, timer, worker=worker,
+                      quant=spec.quant, gemm1=gemm1_config(spec, tokens)[0] if spec.down else None, **kw)
 
 
 def prune_counts(spec: TuneSpec) -> dict[int, PruneReport]:
@@ -371,6 +399,8 @@ def run_worker(
             default = default_for(spec, m_tokens)
             res = TokenResult(tokens=m_tokens, default=dict(default), space_total=rep.total,
                               space_kept=len(rep.kept), pruned=rep.pruned, worker=worker)
+            if spec.down:
+                res.gemm1_source = gemm1_config(spec, m_tokens)[1]
             bench: list[LayerBench] = []
             compiled: set[str] = set()  # configs compiled at this token count (here or by `pre`)
 
@@ -400,8 +430,7 @@ def run_worker(
                     if not weights:
                         weights.append(LayerWeights.build(spec.shape, spec.layout, spec.dtype, device, spec.seed,
                                                           quant=spec.quant))
-                    bench.append(LayerBench(spec.shape, weights[0], m_tokens, spec.dtype, device, spec.seed,
-                                            spec.routing, timer, worker=worker, quant=spec.quant))
+                    bench.append(layer_bench(spec, weights[0], m_tokens, device, timer, worker))
                 meas = bench[0].measure(cfg, stage, n_reps, check=not journal.checked(m_tokens, cfg))
                 journal.append(meas)
                 res.measured += 1
@@ -557,6 +586,7 @@ def tune(
     on_tokens: Callable[[TokenResult], None] | None = None,
     quant: QuantScheme | None = None,
     compile_workers: int = 0,
+    down: bool = False,
 ) -> TuneOutcome:
     """Tune the tile config of the `triton` experts for `shape` on rank 0 of `layout` (N = I/tp,
     E = local experts under EP) at each token count; write the vLLM file and the report.
@@ -567,13 +597,15 @@ def tune(
     in-process worker. quant: an fp8 scheme (moebench.quant.QuantScheme; `dtype` is then the
     activation dtype, bf16): quantised weights, the `...,dtype=fp8_w8a8[,block_shape=[..]].json`
     file. compile_workers: processes per tuning worker that compile each batch of configs before
-    it is timed (moebench.tuning.precompile; 0 = compile while timing). Returns the run folder,
+    it is timed (moebench.tuning.precompile; 0 = compile while timing). down: tune GEMM2's own
+    config against the GEMM1 config the layer looks up, and write the `..._down.json` file
+    (SGLang's name) instead of the vLLM file. Returns the run folder,
     the config file (None on ranks other than 0) and one TokenResult per token count.
     """
     spec = TuneSpec(shape=shape, layout=layout, tokens=sorted(set(int(t) for t in tokens)), dtype=dtype,
                     device=device, strategy=strategy, budget=budget, seed=seed, routing=routing, reps=reps,
                     final_reps=final_reps, space={k: list(v) for k, v in space.items()} if space else None,
-                    quant=quant)
+                    quant=quant, down=down)
     _validate(spec)
     if resume is not None:
         run_dir = Path(resume)
@@ -704,13 +736,14 @@ def deploy_layout(name: str) -> tuple[ParallelLayout, str]:
 
 def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None) -> Path:
     """Where the vLLM file goes: out_dir (default results/configs) / E=..,N=..,device_name=..
-    [,dtype=fp8_w8a8[,block_shape=[bn,bk]]].json."""
+    [,dtype=fp8_w8a8[,block_shape=[bn,bk]]][_down].json (`_down`: a --down run, SGLang's name)."""
     folder = Path(out_dir) if out_dir is not None else Path("results") / "configs"
     if spec.quant is not None:
         name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device),
-                                  spec.quant.name, spec.quant.file_block_shape)
+                                  spec.quant.name, spec.quant.file_block_shape, down=spec.down)
     else:
-        name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device), spec.dtype)
+        name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device), spec.dtype,
+                                  down=spec.down)
     return folder / name
 
 
@@ -782,6 +815,10 @@ def write_report(run_dir: Path, spec: TuneSpec, results: Sequence[TokenResult], 
         f"- file: `{config_path}`" if config_path else "- file: none (no token count found a working config)",
         f"- E={spec.local_experts} local experts, N={spec.inter_per_rank}, dtype {spec.precision}, "
         f"device {C.device_name(spec.device)}, search `{spec.strategy}`, budget {spec.budget or 'auto (5% of the pruned space, 6-48 configs)'}",
+        *(["- GEMM2's own configs (`--down`): each token count's search keeps GEMM1's config fixed (column "
+            "`default`, which GEMM2 also runs with when there is no `_down.json` file; from: "
+            + "; ".join(sorted({r.gemm1_source for r in results if r.gemm1_source})) + ") and varies GEMM2's, "
+            "at GEMM1's BLOCK_SIZE_M"] if spec.down else []),
         "- latencies: median us of one layer call (routing alignment + both GEMMs), final stage" + cpu_note,
         "| " + " | ".join(REPORT_COLUMNS[:10]) + " | search_s |",
         "|" + "---|" * 11,

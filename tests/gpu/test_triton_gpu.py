@@ -171,3 +171,18 @@ def test_pdl_chain_in_a_cuda_graph(shape, m):
             y = (moebench.reference_moe(y, w13, w2, w, ids, emap) * 8.0).to(x.dtype)
         assert _rel(out, y) < 3e-2
         assert _rel(chain(), chain(pdl=False)) < 2e-2  # eager, with and without PDL
+
+
+@pytest.mark.parametrize("m", [1, 16, 1024])
+def test_gemm2_own_config_gpu(m):
+    # GEMM2 with its own tile config (a `_down.json` entry), with and without USE_TMA, at Qwen3's shape
+    from moebench.kernels import triton_moe
+    from moebench.kernels.triton_moe import select_config
+
+    x, w13, w2, tw, ti, emap, e = _setup("qwen3-30b-a3b", m)
+    cfg, _ = select_config(m, ti.shape[1], w13, w2, e, x.dtype)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    for down in (dict(cfg, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, num_stages=5),
+                 dict(cfg, BLOCK_SIZE_K=64, USE_TMA=True), dict(cfg, num_warps=8, USE_TMA=False)):
+        out = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, config=cfg, down_config=down)
+        assert _rel(out, ref) < 2e-2
