@@ -4,7 +4,7 @@
 # shipped file), then the layer with and without the new file in one process
 # (decode_launches.py `current/nodown`). The file and the tune report come back in
 # $OUT/down.tgz (file names with '=' do not come back as plain files).
-#   PYTHONPATH=. [MODEL=qwen3-30b-a3b] [TOKS=1,2,4,8,16] [CW=12] bash benchmarks/device_down.sh
+#   PYTHONPATH=. [MODEL=qwen3-30b-a3b] [TOKS=1,2,4,8,16] [BUDGET=N] [CW=12] bash benchmarks/device_down.sh
 TAIL="${TAIL:-12}"
 source "$(dirname "$0")/device_env.sh"
 MODEL="${MODEL:-qwen3-30b-a3b}"
@@ -12,9 +12,9 @@ TOKS="${TOKS:-1,2,4,8,16}"
 D=".gpu-out/down"
 rm -rf "$D" && mkdir -p "$D"
 step "gpu tests (down config)"
-python3 -m pytest -q -m gpu tests/gpu -k "gemm2_own" -p no:cacheprovider 2>&1 | tail -n 3
+python3 -m pytest -q -m gpu tests/gpu -k "gemm2_own" -p no:cacheprovider 2>&1 | tail -n 3 | tee -a "$log"
 step "tune --down $MODEL $TOKS"
-mb tune --model "$MODEL" --tokens "$TOKS" --down --compile-workers "${CW:-12}" --out "$D/configs" --results-dir "$D/runs"
+mb tune --model "$MODEL" --tokens "$TOKS" --down ${BUDGET:+--budget "$BUDGET"} --compile-workers "${CW:-12}" --out "$D/configs" --results-dir "$D/runs"
 (cd "$D" && tar czf "$OUT/down.tgz" configs $(find runs -name 'report.*') 2>/dev/null)
 step "layer with / without the down file"
 MOEBENCH_CONFIG_DIR="$D/configs" OUT="$OUT" python3 benchmarks/decode_launches.py --shapes "$MODEL" --tokens "$TOKS" \
