@@ -10,7 +10,7 @@ source "$(dirname "$0")/device_env.sh"
 MODEL="${MODEL:-qwen3-30b-a3b}"
 TOKS="${TOKS:-1,2,4,8,16}"
 D=".gpu-out/down"
-rm -rf "$D" && mkdir -p "$D"
+rm -rf "$D/runs" && mkdir -p "$D"  # configs stay: a later call adds token counts to the file
 step "gpu tests (down config)"
 python3 -m pytest -q -m gpu tests/gpu -k "gemm2_own" -p no:cacheprovider 2>&1 | tail -n 3 | tee -a "$log"
 step "tune --down $MODEL $TOKS"
