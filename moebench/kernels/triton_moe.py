@@ -911,7 +911,7 @@ class TritonExperts(Experts):
         cfg, src = select_config(m, topk, w13, w2, num_experts, dtype)
         down, down_src = (dict(self.down_config), "explicit") if self.down_config is not None else \
             select_down_config(m, w2, cfg, dtype)
-        self.last_config_source = src + (f"; GEMM2: {down_src}" if down is not None else "")
+        self.last_config_source = src + (f"; GEMM2: {down_src}" if down_src != "GEMM1's config" else "")
         return dict(cfg), (dict(down) if down is not None else None)
 
     def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:

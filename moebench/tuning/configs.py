@@ -16,8 +16,9 @@ GEMM2 (down projection) configs, as SGLang reads them: the same name with `_down
 (`E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]]_down.json`), the same token keys and
 entries, each with the BLOCK_SIZE_M of the GEMM1 file's entry at that token count (both GEMMs run
 on one alignment), optionally "USE_TMA" (bool: GEMM2 loads its tiles through TMA or not; without
-it moebench's own rule decides). Without a `_down` file GEMM2 runs with GEMM1's config, as vLLM
-does. `moebench tune --down` writes them.
+it moebench's own rule decides). Without a `_down` file, or where its nearest entry has another
+BLOCK_SIZE_M than GEMM1's config, GEMM2 runs with GEMM1's config, as vLLM does (the experts'
+config source says which). `moebench tune --down` writes them.
 
 Lookup order at run time: $MOEBENCH_CONFIG_DIR, then results/configs/ (relative to the current
 directory), then the package's moebench/configs/. The first folder holding the file wins; inside it
@@ -299,8 +300,9 @@ def lookup_down_config(
     quant: "QuantScheme | None" = None,
 ) -> tuple[TileConfig | None, str]:
     """GEMM2's config for M tokens from the `_down.json` file next to GEMM1's (same E, N, device,
-    dtype), nearest token key; (None, "GEMM1's config") without such a file. Raises MoebenchError
-    when the entry's BLOCK_SIZE_M differs from GEMM1's `gemm1` (both GEMMs share one alignment)."""
+    dtype), nearest token key. (None, why) when GEMM2 runs with GEMM1's config instead: there is
+    no such file, or its entry has another BLOCK_SIZE_M than GEMM1's `gemm1` (both GEMMs run on
+    one alignment; the reason names the entry, and shows in the experts' config source)."""
     dev = device_name if device_name is not None else current_device_name()
     if quant is not None:
         path = find_config_file(E, N, dev, quant.name, quant.file_block_shape, down=True)
@@ -310,10 +312,8 @@ def lookup_down_config(
         return None, "GEMM1's config"
     key, cfg = nearest_entry(_load_cached(path), M)
     if cfg["BLOCK_SIZE_M"] != gemm1["BLOCK_SIZE_M"]:
-        raise MoebenchError(
-            f"{path}[{key}] has BLOCK_SIZE_M {cfg['BLOCK_SIZE_M']} but GEMM1's config for {M} tokens has "
-            f"{gemm1['BLOCK_SIZE_M']}: both GEMMs share one alignment; tune the down file against this GEMM1 "
-            f"file (moebench tune --down) or remove it")
+        return None, (f"GEMM1's config ({path}[{key}] has BLOCK_SIZE_M {cfg['BLOCK_SIZE_M']}, GEMM1's config "
+                      f"{gemm1['BLOCK_SIZE_M']} at {M} tokens)")
     return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
 
 
