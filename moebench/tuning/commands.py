@@ -290,7 +290,7 @@ def configs_list(dirs, as_json):
         t.add_column(c)
     for r in rows:
         t.add_row(r["dir"], str(r["E"]), str(r["N"]), str(r["device"]), r["dtype"] or "-",
-                  f"[{r['block_shape']}]" if r["block_shape"] else "-", "2 (down)" if r["down"] else "both",
+                  f"[{r['block_shape']}]" if r["block_shape"] else "-", "2 (down)" if r["down"] else "1 (2 too without _down)",
                   ",".join(map(str, r["tokens"])), r["status"])
     console.print(t)
 
