@@ -1,7 +1,8 @@
 """The Triton GEMM kernels build for sm_90 (the H200) on a CPU machine: TTIR -> cubin with
 Triton's own ptxas, in a subprocess without the interpreter (which conftest turns on). Covers the
 unquantised GEMMs (2 tiles x 4 kernels), their fp8 variants (per-token and block[128,128] scales,
-4 kernels each), GEMM1 zeroing GEMM2's accumulator, GEMM1's wide variant (3 tiles), the TMA
+4 kernels each), GEMM1 zeroing GEMM2's accumulator, both GEMMs under programmatic dependent
+launch (griddepcontrol), GEMM1's wide variant (3 tiles), the TMA
 variants of both GEMMs, GEMM1 storing a per-tensor fp8 intermediate, and the fp8 activation quantisation kernel (2 variants)."""
 
 import os
@@ -20,5 +21,5 @@ def test_kernels_compile_for_hopper(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 31 and all("cubin" in line for line in lines), res.stdout
+    assert len(lines) == 33 and all("cubin" in line for line in lines), res.stdout
     assert sum("_quant_rows_kernel" in line for line in lines) == 2, res.stdout
