@@ -1,7 +1,8 @@
 """Benchmark scripts that PERF.md quotes: benchmarks/vllm_style.py (the same-run reference of
 section 3; its vLLM-style GEMM part is checked against the float64 reference) and
 benchmarks/decode_launches.py, benchmarks/bench_triton.py, benchmarks/routing_configs.py,
-benchmarks/gemm_configs.py and benchmarks/topk_ties.py; each script's smoke mode runs end to end on CPU."""
+benchmarks/gemm_configs.py, benchmarks/persistent_gemm2.py and benchmarks/topk_ties.py; each script's
+smoke mode runs end to end on CPU."""
 
 import csv
 import os
@@ -96,6 +97,12 @@ def test_gemm_configs_smoke(tmp_path):
     assert {(r["shape"], r["gemm"]) for r in rows} == {("tiny", "1"), ("tiny", "2"), ("tiny-map", "1"), ("tiny-map", "2")}
     assert all(r["us"] and not r["note"] for r in rows)
     assert "best_over_current" in (tmp_path / "gemm_configs.md").read_text()
+
+
+def test_persistent_gemm2_smoke(tmp_path):
+    # every persistent variant gives the shipped GEMM2's sums (the script checks before timing)
+    rows = _smoke("persistent_gemm2.py", tmp_path)
+    assert len(rows) == 1 and all(float(rows[0][f"{v}/shipped"]) > 0 for v in ("p1", "p1s3", "p1f3", "p1f", "p2"))
 
 
 def test_topk_ties_smoke():
