@@ -1,13 +1,29 @@
 """Set-up shared by the device scripts in benchmarks/ (importable because Python puts a script's
-own folder on sys.path)."""
+own folder on sys.path): output folder and header, the layer shapes and their tile config, a timer."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import triton
+
+from moebench.bench.timing import time_cpu, time_cuda
+from moebench.kernels.triton_moe import select_config
+from moebench.tuning.configs import default_config
+
+ON_GPU = torch.cuda.is_available()
+#: name: (E global, topk, H, I, E local); routing over the E global experts, the first E local
+#: kept (through an expert map when fewer). dsv3-ep8-local: top-8 over DeepSeek-V3's 32 local
+#: experts (design.md's reference row); dsv3-ep8: routing over all 256 (a real EP8 shard).
+SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768, 128),
+          "dsv3-ep8-local": (32, 8, 7168, 2048, 32), "dsv3-ep8": (256, 8, 7168, 2048, 32),
+          "qwen3-next-80b-a3b": (512, 10, 2048, 512, 512)}
+#: Shapes timed with the default heuristic instead of the shipped file: the E=32,N=2048 file is
+#: tuned for EP8 routing over 256 experts (bench_triton.py's HEURISTIC_ONLY says more).
+HEURISTIC_ONLY = {"dsv3-ep8-local"}
 
 
 def script_setup(what: str) -> tuple[Path, torch.device, str]:
@@ -16,6 +32,20 @@ def script_setup(what: str) -> tuple[Path, torch.device, str]:
     nothing."""
     out_dir = Path(os.environ.get("OUT", "bench-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    on_gpu = torch.cuda.is_available()
-    gpu = torch.cuda.get_device_name() if on_gpu else "cpu (smoke: times mean nothing)"
-    return out_dir, torch.device("cuda" if on_gpu else "cpu"), f"{gpu}, torch {torch.__version__}, triton {triton.__version__}, {what}"
+    gpu = torch.cuda.get_device_name() if ON_GPU else "cpu (smoke: times mean nothing)"
+    return out_dir, torch.device("cuda" if ON_GPU else "cpu"), f"{gpu}, torch {torch.__version__}, triton {triton.__version__}, {what}"
+
+
+def layer_config(shape: str, m: int, w13, w2, num_experts: int, topk: int, dtype: torch.dtype) -> dict:
+    """The tile config the layer runs with at m tokens: the shipped tuned file's (the lookup), or
+    the default heuristic for HEURISTIC_ONLY shapes."""
+    if shape in HEURISTIC_ONLY:
+        return dict(default_config(m, num_experts, w2.shape[2], w2.shape[1], topk, dtype))
+    return dict(select_config(m, topk, w13, w2, num_experts, dtype)[0])
+
+
+def timed_us(fn: Callable[[], object], reps: int, graph_calls: int) -> float:
+    """Median us of fn: CUDA-graph replays on the GPU, one wall-clock call on a CPU (smoke)."""
+    if ON_GPU:
+        return time_cuda(fn, reps=reps, graph_calls=graph_calls).median_us
+    return time_cpu(fn, warmup=1, reps=1).median_us

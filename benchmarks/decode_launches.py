@@ -31,18 +31,14 @@ import pandas as pd
 import torch
 
 import moebench
-from moebench.bench.timing import time_cpu, time_cuda
 from moebench.kernels import moe_align, triton_moe
 from moebench.kernels.triton_moe import fused_topk_softmax
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
 
-from bench_common import script_setup
+from bench_common import SHAPES, script_setup, timed_us
 
-ON_GPU = torch.cuda.is_available()
-# name: (E global, topk, H, I, E local)
-SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768, 128),
-          "dsv3-ep8": (256, 8, 7168, 2048, 32), "qwen3-next-80b-a3b": (512, 10, 2048, 512, 512)}
+DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8,qwen3-next-80b-a3b"
 SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
 # The switches of moebench.kernels.triton_moe each variant sets; "baseline" is the path before any
 # of them (two alignment kernels, a memset, GEMM1, GEMM2, [quantisation launch]).
@@ -52,24 +48,23 @@ VARIANTS = {"baseline": (False, False, False, False), "direct": ("auto", False, 
             "zero": (False, True, False, False), "both": ("auto", True, False, False),
             "align1": ("auto", True, False, True)}
 FP8_VARIANTS = {"fuse": (False, False, True, False), "all": ("auto", True, True, True)}
-# GEMM2 split over K at the current defaults (choose_split_k keeps >= 4 K steps per split, so it
-# never splits Qwen3's I = 768 at BLOCK_SIZE_K 128); against `current` (the defaults, rule's split).
-# The current defaults with GEMM2's split given and/or triton_moe attributes overridden:
-# name: (split_k or None, {attribute: value}).
-SPLIT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopdl": (None, {"DEFAULT_PDL": False}),
+# The current defaults with GEMM2's split over K given (choose_split_k keeps >= 4 K steps per
+# split, so it never splits Qwen3's I = 768 at BLOCK_SIZE_K 128) and/or triton_moe attributes
+# overridden, against `current` (the defaults as they are): name: (split_k or None, {attribute: value}).
+CURRENT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopdl": (None, {"DEFAULT_PDL": False}),
                   "pdl": (None, {"DEFAULT_PDL": True}), "nodown": (None, {"DEFAULT_DOWN_FILES": False})}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,16,64")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--fp8", action="store_true", help="fp8_w8a8 per-tensor weights (adds the fused-quantisation variants)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
     variants = dict(VARIANTS, **(FP8_VARIANTS if args.fp8 else {}))
-    splits = dict(SPLIT_VARIANTS)
+    splits = dict(CURRENT_VARIANTS)
     if args.variants:
         keep = set(args.variants.split(",")) | {"current"}
         variants = {n: v for n, v in variants.items() if n in keep}
@@ -126,8 +121,7 @@ def main() -> int:
                         tw, ids = fused_topk_softmax(logits, k, renormalize=True)
                         ref = moebench.reference_moe(x, w13, w2, tw, ids, emap)
                     err = ((out.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-                    t = time_cuda(run, reps=30, graph_calls=5) if ON_GPU else time_cpu(run, warmup=1, reps=1)
-                    row[f"{name}_us"] = round(t.median_us, 1)
+                    row[f"{name}_us"] = round(timed_us(run, reps=30, graph_calls=5), 1)
                     row[f"{name}_err"] = f"{err:.1e}"
                 finally:
                     for (mod, n), v in zip(SWITCHES, saved):

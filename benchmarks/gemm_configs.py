@@ -28,7 +28,6 @@ import pandas as pd
 import torch
 import triton
 
-from moebench.bench.timing import time_cpu, time_cuda
 from moebench.kernels.triton_moe import (
     _num_sms,
     _tma_ok,
@@ -38,25 +37,18 @@ from moebench.kernels.triton_moe import (
     launch_gemm1,
     launch_gemm2,
     resolve_use_tma,
-    select_config,
 )
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
-from moebench.tuning.configs import default_config
+from moebench.tuning.configs import TILE_KEYS
 
-from bench_common import script_setup
+from bench_common import ON_GPU, SHAPES, layer_config, script_setup, timed_us
 
-ON_GPU = torch.cuda.is_available()
-# name: (E global, topk, H, I, E local); routing over the E global experts, the first E local kept
-SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768, 128),
-          "dsv3-ep8-local": (32, 8, 7168, 2048, 32), "dsv3-ep8": (256, 8, 7168, 2048, 32)}
-HEURISTIC_ONLY = {"dsv3-ep8-local"}  # as in bench_triton.py: the E=32 file is tuned for EP8 routing
 # Largest layer/floor gaps of the fifth session's final run first (PERF.md section 3).
 POINTS = ("qwen3-30b-a3b:4096,qwen3-30b-a3b:1024,dsv3-ep8-local:1024,mixtral:1024,dsv3-ep8-local:4096,"
           "mixtral:4096,qwen3-30b-a3b:1,dsv3-ep8-local:256,mixtral:256,qwen3-30b-a3b:256,dsv3-ep8:16,"
           "qwen3-30b-a3b:16,mixtral:16")
 SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
-KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 SMEM = 220 * 1024  # bytes of shared memory a config's pipeline may use (H200: 227 KB per block)
 
 
@@ -119,10 +111,7 @@ def main() -> int:
         x = torch.randn(m, h, dtype=dt, device=dev, generator=g)
         logits = torch.randn(m, e, device=dev, generator=g)
         tw, ids = fused_topk_softmax(logits, k, renormalize=True)
-        if shape in HEURISTIC_ONLY:
-            base = dict(default_config(m, e, inter, h, k, dt))
-        else:
-            base = dict(select_config(m, k, w13, w2, e, dt)[0])
+        base = layer_config(shape, m, w13, w2, e, k, dt)
         align = align_pairs(ids, base["BLOCK_SIZE_M"], e_local, emap, e)
         tma = resolve_use_tma(None, base, dt) and _tma_ok(w13) and _tma_ok(w2)
         wide = base["BLOCK_SIZE_M"] >= 64
@@ -140,9 +129,7 @@ def main() -> int:
             return lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma, tma_a=tma_a)
 
         def timed(fn):
-            if ON_GPU:
-                return time_cuda(fn, reps=15, graph_calls=3).median_us
-            return time_cpu(fn, warmup=1, reps=1).median_us
+            return timed_us(fn, reps=15, graph_calls=3)
 
         for gemm in [int(s) for s in args.gemms.split(",")]:
             def result(fn):
@@ -156,7 +143,7 @@ def main() -> int:
             for cfg, split, tma_a in candidates(base, gemm, args.smoke):
                 if cfg == base and split == split0 and not tma_a:
                     continue
-                label = "/".join(str(cfg[c]) for c in KEYS) + f" sk{split}" + (" tma_a" if tma_a else "")
+                label = "/".join(str(cfg[c]) for c in TILE_KEYS) + f" sk{split}" + (" tma_a" if tma_a else "")
                 try:
                     got = result(run(gemm, cfg, split, tma_a))
                     if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
@@ -171,7 +158,7 @@ def main() -> int:
                 rows.append(dict(shape=shape, tokens=m, gemm=gemm, config=label, us=round(t, 2), note=""))
                 if t < best[0]:
                     best = (t, label, cfg, split, tma_a)
-            cur_label = "/".join(str(base[c]) for c in KEYS) + f" sk{split0}"
+            cur_label = "/".join(str(base[c]) for c in TILE_KEYS) + f" sk{split0}"
             summary.append(dict(shape=shape, tokens=m, gemm=gemm, current=cur_label, current_us=round(cur, 2),
                                 best=best[1], best_us=round(best[0], 2), best_over_current=round(best[0] / cur, 3),
                                 candidates=n_ok, failed=n_fail, elapsed_s=round(time.time() - t0)))

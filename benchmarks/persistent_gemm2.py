@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moebench.bench.timing import time_cpu, time_cuda
 from moebench.kernels.moe_align import interpreting
 from moebench.kernels.triton_common import block_rows, grouped_tile, mma
 from moebench.kernels.triton_moe import (
@@ -36,19 +35,12 @@ from moebench.kernels.triton_moe import (
     launch_gemm1,
     launch_gemm2,
     resolve_use_tma,
-    select_config,
 )
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
-from moebench.tuning.configs import default_config
 
-from bench_common import script_setup
+from bench_common import ON_GPU, SHAPES, layer_config, script_setup, timed_us
 
-ON_GPU = torch.cuda.is_available()
-# name: (E global, topk, H, I, E local)
-SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768, 128),
-          "dsv3-ep8-local": (32, 8, 7168, 2048, 32)}
-HEURISTIC_ONLY = {"dsv3-ep8-local"}  # as in bench_triton.py
 POINTS = ("qwen3-30b-a3b:4096,qwen3-30b-a3b:1024,dsv3-ep8-local:4096,dsv3-ep8-local:1024,mixtral:4096,"
           "mixtral:1024,qwen3-30b-a3b:256")
 SMOKE = {"tiny": (8, 2, 64, 96, 8)}
@@ -139,10 +131,7 @@ def main() -> int:
         w2 = torch.randn(e_local, h, inter_size, dtype=dt, device=dev, generator=g).mul_(inter_size**-0.5)
         x = torch.randn(m, h, dtype=dt, device=dev, generator=g)
         tw, ids = fused_topk_softmax(torch.randn(m, e, device=dev, generator=g), k, renormalize=True)
-        if shape in HEURISTIC_ONLY or args.smoke:
-            cfg = dict(default_config(m, e, inter_size, h, k, dt))
-        else:
-            cfg = dict(select_config(m, k, w13, w2, e, dt)[0])
+        cfg = layer_config(shape, m, w13, w2, e, k, dt)
         if args.smoke:
             cfg.update(BLOCK_SIZE_N=32, BLOCK_SIZE_K=32)
         align = align_pairs(ids, cfg["BLOCK_SIZE_M"], e_local, None, e, direct=False)
@@ -150,9 +139,7 @@ def main() -> int:
         inter = launch_gemm1(x, w13, align, k, cfg, tma, wide=cfg["BLOCK_SIZE_M"] >= 64)
 
         def timed(fn):
-            if ON_GPU:
-                return time_cuda(fn, reps=20, graph_calls=3).median_us
-            return time_cpu(fn, warmup=1, reps=1).median_us
+            return timed_us(fn, reps=20, graph_calls=3)
 
         shipped = lambda: launch_gemm2(inter, w2, tw, align, k, cfg, 1, tma)  # noqa: E731
         want = shipped()

@@ -107,6 +107,14 @@ def config_file_name(
     return parts + ("_down" if down else "") + ".json"
 
 
+def name_parts(dtype: torch.dtype | str | None, quant: "QuantScheme | None") -> tuple:
+    """(dtype tag, block_shape) of a file name: the fp8 scheme's name and scale block when quant
+    is given, else (dtype, None)."""
+    if quant is not None:
+        return quant.name, quant.file_block_shape
+    return dtype, None
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading and writing
 
@@ -275,10 +283,7 @@ def lookup_config(
     default to 4096 and 1 when unknown.
     """
     dev = device_name if device_name is not None else current_device_name()
-    if quant is not None:
-        path = find_config_file(E, N, dev, quant.name, quant.file_block_shape)
-    else:
-        path = find_config_file(E, N, dev, dtype)
+    path = find_config_file(E, N, dev, *name_parts(dtype, quant))
     if path is not None:
         key, cfg = nearest_entry(_load_cached(path), M)
         return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
@@ -304,10 +309,7 @@ def lookup_down_config(
     no such file, or its entry has another BLOCK_SIZE_M than GEMM1's `gemm1` (both GEMMs run on
     one alignment; the reason names the entry, and shows in the experts' config source)."""
     dev = device_name if device_name is not None else current_device_name()
-    if quant is not None:
-        path = find_config_file(E, N, dev, quant.name, quant.file_block_shape, down=True)
-    else:
-        path = find_config_file(E, N, dev, dtype, down=True)
+    path = find_config_file(E, N, dev, *name_parts(dtype, quant), down=True)
     if path is None:
         return None, "GEMM1's config"
     key, cfg = nearest_entry(_load_cached(path), M)

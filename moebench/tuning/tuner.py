@@ -738,12 +738,8 @@ def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None) ->
     """Where the vLLM file goes: out_dir (default results/configs) / E=..,N=..,device_name=..
     [,dtype=fp8_w8a8[,block_shape=[bn,bk]]][_down].json (`_down`: a --down run, SGLang's name)."""
     folder = Path(out_dir) if out_dir is not None else Path("results") / "configs"
-    if spec.quant is not None:
-        name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device),
-                                  spec.quant.name, spec.quant.file_block_shape, down=spec.down)
-    else:
-        name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device), spec.dtype,
-                                  down=spec.down)
+    name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device),
+                              *C.name_parts(spec.dtype, spec.quant), down=spec.down)
     return folder / name
 
 
