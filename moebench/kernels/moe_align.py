@@ -89,6 +89,10 @@ class AlignResult:
 #: of the bf16 layer from 2 to 64 tokens on an H200 (PERF.md section 3), so on.
 DEFAULT_ONE_LAUNCH = True
 ONE_LAUNCH_MAX_PAIRS = 1024
+#: More pairs: two launches over chunks of CHUNK_PAIRS pairs; "sort" (chunk histograms, then each
+#: chunk sorted by expert) or "scan" (a (local expert, chunk) grid; the A/B baseline).
+LARGE_METHOD = "sort"
+CHUNK_PAIRS = 512
 
 
 def max_padded_size(num_pairs: int, num_local_experts: int, block_size_m: int) -> int:
@@ -180,6 +184,89 @@ def _place_pairs_kernel(
     if c == 0:
         _finish_expert(e, start, total, my_count, my_padded, sorted_ptr, expert_ids_ptr, ntpp_ptr, num_pairs,
                        num_local, max_padded, max_blocks, BLOCK_SIZE_M, CHUNK)
+
+
+@triton.jit
+def _chunk_counts_kernel(
+    topk_ids_ptr,  # (P,) global or local expert id of each pair
+    expert_map_ptr,  # (E,) global -> local, -1 remote (unused without HAS_MAP)
+    counts_ptr,  # (NUM_CHUNKS, E_POW2) int32 out
+    sorted_ptr,  # (max_padded,) int32 out: filled with the sentinel here, pairs placed next
+    num_pairs,
+    max_padded,
+    fill_per,  # sentinel slots per program
+    HAS_MAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    E_POW2: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    # Program c: the histogram of chunk c over all local experts (one pass over its pairs), and
+    # the sentinel fill of its share of sorted_token_ids (the place kernel overwrites the pairs).
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = _local_ids(topk_ids_ptr, expert_map_ptr, offs, num_pairs, HAS_MAP)
+    tl.store(counts_ptr + c * E_POW2 + tl.arange(0, E_POW2), tl.histogram(ids, E_POW2, mask=ids >= 0))
+    end = tl.minimum(c * fill_per + fill_per, max_padded)
+    for s in range(c * fill_per, end, TILE):
+        so = s + tl.arange(0, TILE)
+        tl.store(sorted_ptr + so, num_pairs + tl.zeros((TILE,), tl.int32), mask=so < end)
+
+
+@triton.jit
+def _chunk_place_kernel(
+    topk_ids_ptr,
+    expert_map_ptr,
+    counts_ptr,  # (NUM_CHUNKS, E_POW2) int32 from _chunk_counts_kernel
+    sorted_ptr,  # (max_padded,) int32 out
+    expert_ids_ptr,  # (max_blocks,) int32 out
+    ntpp_ptr,  # (1,) int32 out
+    num_pairs,
+    max_blocks,
+    num_chunks,
+    blocks_per,  # block ids per program
+    HAS_MAP: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NC_POW2: tl.constexpr,
+    E_POW2: tl.constexpr,
+    TILE: tl.constexpr,  # block ids per step (TILE x E_POW2 comparisons)
+):
+    c = tl.program_id(0)
+    # The count table -> per expert: padded start (exclusive prefix sum of the padded run
+    # lengths), the pairs in chunks before c, and where chunk c's own pairs of e begin once the
+    # chunk is sorted by expert.
+    co = tl.arange(0, NC_POW2)
+    eo = tl.arange(0, E_POW2)
+    cnt = tl.load(counts_ptr + co[:, None] * E_POW2 + eo[None, :], mask=(co < num_chunks)[:, None], other=0)
+    padded = tl.cdiv(tl.sum(cnt, axis=0), BLOCK_SIZE_M) * BLOCK_SIZE_M
+    pend = tl.cumsum(padded, axis=0)
+    before = tl.sum(tl.where((co < c)[:, None], cnt, 0), axis=0)
+    mine = tl.sum(tl.where((co == c)[:, None], cnt, 0), axis=0)
+    # Pair at sorted position i of expert e goes to (pend - padded)[e] + before[e] + (i - chunk start of e).
+    base = pend - padded + before - (tl.cumsum(mine, axis=0) - mine)
+
+    # Sort chunk c's pairs by (expert, flat index): the key keeps the order inside an expert, and
+    # remote / out-of-range pairs (id -1) sort last with expert E_POW2.
+    lane = tl.arange(0, CHUNK)
+    ids = _local_ids(topk_ids_ptr, expert_map_ptr, c * CHUNK + lane, num_pairs, HAS_MAP)
+    ids = tl.where(ids >= 0, ids, E_POW2)
+    key = tl.sort(ids * CHUNK + lane)
+    e_sorted = key // CHUNK
+    local = e_sorted < E_POW2
+    dest = tl.gather(base, tl.minimum(e_sorted, E_POW2 - 1), 0) + lane
+    tl.store(sorted_ptr + dest, c * CHUNK + key % CHUNK, mask=local)
+
+    # Block ids, blocks_per per program: block b belongs to the number of experts whose padded
+    # run ends at or before its first slot; -1 past the used total.
+    total = tl.sum(padded, axis=0)
+    if c == 0:
+        tl.store(ntpp_ptr, total)
+    end = tl.minimum(c * blocks_per + blocks_per, max_blocks)
+    for b in range(c * blocks_per, end, TILE):
+        bo = b + tl.arange(0, TILE)
+        first = bo * BLOCK_SIZE_M
+        owner = tl.sum((pend[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + bo, tl.where(first < total, owner, -1), mask=bo < end)
 
 
 @triton.jit
@@ -275,6 +362,9 @@ def moe_align_block_size(
             E_POW2=e_pow2, num_warps=4,
         )
         return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
+    if LARGE_METHOD == "sort":
+        return _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block_size_m,
+                                    num_local_experts, num_pairs, max_padded, max_blocks, chunk)
     # Chunks of pairs: each program scans one chunk; the (experts x chunks) count table that every
     # place program reads is kept <= 16K entries by growing the chunk for huge inputs.
     chunk = chunk or min(2048, max(16, triton.next_power_of_2(num_pairs)))
@@ -290,6 +380,31 @@ def moe_align_block_size(
         num_pairs, num_local_experts, max_padded, max_blocks,
         HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=chunk, NUM_CHUNKS=num_chunks,
         NC_POW2=triton.next_power_of_2(num_chunks), E_POW2=e_pow2, num_warps=warps,
+    )
+    return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
+
+
+def _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block_size_m, num_local, num_pairs,
+                         max_padded, max_blocks, chunk) -> AlignResult:
+    """Two launches over chunks of pairs: per-chunk histograms (and the sentinel fill), then each
+    chunk sorts its pairs by expert and scatters them to their slots."""
+    e_pow2 = max(16, triton.next_power_of_2(num_local))
+    # The (chunks x experts) count table that every place program reads stays <= 16K entries.
+    chunk = chunk or min(CHUNK_PAIRS, max(16, triton.next_power_of_2(num_pairs)))
+    while e_pow2 * triton.next_power_of_2(triton.cdiv(num_pairs, chunk)) > 16384:
+        chunk *= 2
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    warps = 8 if chunk >= 2048 else 4
+    counts = torch.empty((num_chunks, e_pow2), dtype=torch.int32, device=ids.device)
+    _chunk_counts_kernel[(num_chunks,)](
+        ids, emap, counts, sorted_ids, num_pairs, max_padded, triton.cdiv(max_padded, num_chunks),
+        HAS_MAP=has_map, CHUNK=chunk, E_POW2=e_pow2, TILE=1024, num_warps=warps,
+    )
+    _chunk_place_kernel[(num_chunks,)](
+        ids, emap, counts, sorted_ids, expert_ids, ntpp, num_pairs, max_blocks, num_chunks,
+        triton.cdiv(max_blocks, num_chunks), HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=chunk,
+        NC_POW2=triton.next_power_of_2(num_chunks), E_POW2=e_pow2, TILE=max(16, min(128, 8192 // e_pow2)),
+        num_warps=warps,
     )
     return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
 
