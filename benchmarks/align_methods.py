@@ -1,7 +1,8 @@
 """Alignment above the one-launch limit, A/B in one run (issue 3): `scan` (a (local expert, chunk)
 grid, each program scanning its chunk for its expert) against `sort` (per-chunk histograms, then
-each chunk sorted by expert and scattered), over chunk sizes, on the layer's routing and
-BLOCK_SIZE_M, CUDA-graph replay. Every result is checked against the torch alignment first.
+each chunk sorted by expert and scattered) over chunk sizes, and `auto` (the rule the layer uses,
+moe_align.DEFAULT_LARGE_METHOD), on the layer's routing and BLOCK_SIZE_M, CUDA-graph replay.
+Every result is checked against the torch alignment first.
 
     PYTHONPATH=. python benchmarks/align_methods.py [--tokens 256,1024,4096,16384] [--chunks 256,512,1024,2048] [--smoke]
 
@@ -56,14 +57,13 @@ def main() -> int:
             _, ids = fused_topk_softmax(torch.randn(m, e, device=dev, generator=g), k)
             bm = select_config(m, k, w13, w2, e, torch.bfloat16)[0]["BLOCK_SIZE_M"]
             want = moe_align.moe_align_block_size_torch(ids, bm, e_local, emap)
-            variants = [("scan", 2048)] + [("sort", c) for c in chunks]
+            variants = [("scan", None), ("auto", None)] + [("sort", c) for c in chunks]
             row = dict(shape=name, tokens=m, pairs=m * k, block_m=bm)
             for method, chunk in variants:
-                label = method if method == "scan" else f"sort{chunk}"
-                moe_align.LARGE_METHOD = method
+                label = f"sort{chunk}" if chunk else method
 
-                def run(chunk=chunk if method == "sort" else None):
-                    return moe_align.moe_align_block_size(ids, bm, e_local, emap, chunk=chunk)
+                def run(method=method, chunk=chunk):
+                    return moe_align.moe_align_block_size(ids, bm, e_local, emap, chunk=chunk, method=method)
 
                 got = run()
                 same = all(torch.equal(getattr(got, f), getattr(want, f))
@@ -72,10 +72,10 @@ def main() -> int:
                     print(f"{name} {m} {label}: MISMATCH with the torch alignment", file=sys.stderr)
                     return 1
                 row[f"{label}_us"] = round(timed_us(run, reps=30, graph_calls=10), 2)
-            moe_align.LARGE_METHOD = "sort"
             best = min((c for c in row if c.startswith("sort")), key=lambda c: row[c])
             row["best_sort"] = best[:-3]
             row["best_sort/scan"] = round(row[best] / row["scan_us"], 3)
+            row["auto/best"] = round(row["auto_us"] / min(row["scan_us"], row[best]), 3)
             rows.append(row)
             print(row, flush=True)
     df = pd.DataFrame(rows)

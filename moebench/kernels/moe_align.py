@@ -14,10 +14,14 @@ P = M*K, so the launch grids of the GEMMs are static and everything is CUDA-grap
 Pairs whose expert is remote (local id -1) are left out. Inside an expert the pairs keep their
 flat order (token-major), which is deterministic.
 
-Two small Triton kernels over a (local expert, chunk of pairs) grid: (1) count the pairs of
-expert e in chunk c; (2) from the whole count table, compute e's padded start (prefix sum) and the
-pairs of e in earlier chunks, write e's pair indices of chunk c (a cumsum), and for c = 0 also its
-padding sentinels, its block ids, and a share of the tail.
+Up to 1024 pairs, one launch over the local experts (each program counts all pairs). Above, two
+launches, by one of two methods (`moe_align_block_size`): "scan", over a (local expert, chunk of
+pairs) grid: (1) count the pairs of expert e in chunk c; (2) from the whole count table, compute
+e's padded start (prefix sum) and the pairs of e in earlier chunks, write e's pair indices of
+chunk c (a cumsum), and for c = 0 also its padding sentinels, its block ids, and a share of the
+tail. "sort", over chunks only (for many experts x pairs): (1) each chunk's histogram over all
+experts, and the sentinel fill; (2) from the count table every expert's start, then the chunk's
+pairs sorted by (expert, index) and scattered, and a share of the block ids.
 """
 
 from __future__ import annotations
@@ -89,10 +93,15 @@ class AlignResult:
 #: of the bf16 layer from 2 to 64 tokens on an H200 (PERF.md section 3), so on.
 DEFAULT_ONE_LAUNCH = True
 ONE_LAUNCH_MAX_PAIRS = 1024
-#: More pairs: two launches over chunks of CHUNK_PAIRS pairs; "sort" (chunk histograms, then each
-#: chunk sorted by expert) or "scan" (a (local expert, chunk) grid; the A/B baseline).
-LARGE_METHOD = "sort"
-CHUNK_PAIRS = 512
+#: More pairs: two launches, either "scan" (a (local expert, chunk of 2048 pairs) grid, each program
+#: counting and placing its expert's pairs of its chunk) or "sort" (per-chunk histograms of all
+#: experts, then each chunk sorted by expert and scattered). "auto": sort where local experts x
+#: pairs >= SORT_MIN_WORK, the scan's total work. On an H200 (benchmarks/align_methods.py, PERF.md
+#: section 3) the scan is faster below that (E=8: always, 4.4-6.1 us vs 5.1-6.7), the sort above:
+#: Qwen3-30B 4096 tokens (128 experts, 32K pairs) 20.1 -> 8.5 us, Qwen3-Next 1024 tokens (512
+#: experts) 35.8 -> 11.2 us. Sort chunks: 256 pairs up to 32K pairs, 512 above.
+DEFAULT_LARGE_METHOD = "auto"
+SORT_MIN_WORK = 1 << 20
 
 
 def max_padded_size(num_pairs: int, num_local_experts: int, block_size_m: int) -> int:
@@ -328,6 +337,7 @@ def moe_align_block_size(
     expert_map: torch.Tensor | None = None,
     chunk: int | None = None,
     one_launch: bool | None = None,
+    method: str | None = None,
 ) -> AlignResult:
     """topk_ids (M, K) int32/int64 -> AlignResult for blocks of `block_size_m` pairs.
 
@@ -336,7 +346,8 @@ def moe_align_block_size(
     Two kernel launches over (local expert, chunk of pairs), no host synchronisation. `chunk`
     (pairs per program, a power of two) is for tests; by default up to 2048. one_launch (None:
     DEFAULT_ONE_LAUNCH): up to ONE_LAUNCH_MAX_PAIRS pairs, one launch over the local experts, each
-    program counting all pairs itself (same result).
+    program counting all pairs itself (same result). method (None: DEFAULT_LARGE_METHOD): "scan",
+    "sort" or "auto" for the two-launch path (same result).
     """
     assert topk_ids.dim() == 2
     dev = topk_ids.device
@@ -362,7 +373,12 @@ def moe_align_block_size(
             E_POW2=e_pow2, num_warps=4,
         )
         return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
-    if LARGE_METHOD == "sort":
+    method = DEFAULT_LARGE_METHOD if method is None else method
+    if method == "auto":
+        method = "sort" if num_local_experts * num_pairs >= SORT_MIN_WORK else "scan"
+    if method not in ("scan", "sort"):
+        raise ValueError(f"alignment method must be scan, sort or auto, got {method!r}")
+    if method == "sort":
         return _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block_size_m,
                                     num_local_experts, num_pairs, max_padded, max_blocks, chunk)
     # Chunks of pairs: each program scans one chunk; the (experts x chunks) count table that every
@@ -390,7 +406,7 @@ def _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block
     chunk sorts its pairs by expert and scatters them to their slots."""
     e_pow2 = max(16, triton.next_power_of_2(num_local))
     # The (chunks x experts) count table that every place program reads stays <= 16K entries.
-    chunk = chunk or min(CHUNK_PAIRS, max(16, triton.next_power_of_2(num_pairs)))
+    chunk = chunk or min(256 if num_pairs <= 32768 else 512, max(16, triton.next_power_of_2(num_pairs)))
     while e_pow2 * triton.next_power_of_2(triton.cdiv(num_pairs, chunk)) > 16384:
         chunk *= 2
     num_chunks = triton.cdiv(num_pairs, chunk)

@@ -62,11 +62,24 @@ def test_align_gpu_matches_torch(m):
     x, w13, w2, tw, ti, emap, e = _setup("dsv3-ep8", m)
     for bm in (16, 64):
         b = moe_align_block_size_torch(ti, bm, 32, emap)
-        for one_launch in (False, True):  # the one-launch kernel takes up to 1024 pairs (m <= 128 here)
-            a = moe_align_block_size(ti, bm, 32, emap, one_launch=one_launch)
+        # the one-launch kernel takes up to 1024 pairs (m <= 128 here); both two-launch methods
+        for one_launch, method in ((True, None), (False, "scan"), (False, "sort")):
+            a = moe_align_block_size(ti, bm, 32, emap, one_launch=one_launch, method=method)
             assert torch.equal(a.sorted_token_ids, b.sorted_token_ids)
             assert torch.equal(a.expert_ids, b.expert_ids)
             assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)
+
+
+@pytest.mark.parametrize("m,e", [(4096, 128), (1024, 512), (16384, 32)])
+def test_align_sort_gpu_many_experts(m, e):
+    # The sort method where "auto" picks it (many experts x pairs), top-8, 128-row blocks.
+    g = torch.Generator(device="cuda").manual_seed(m + e)
+    ti = torch.randint(0, e, (m, 8), device="cuda", generator=g, dtype=torch.int32)
+    for bm in (16, 128):
+        a = moe_align_block_size(ti, bm, e, method="sort")
+        b = moe_align_block_size_torch(ti, bm, e)
+        assert torch.equal(a.sorted_token_ids, b.sorted_token_ids) and torch.equal(a.expert_ids, b.expert_ids)
+        assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)
 
 
 @pytest.mark.parametrize("shape,m", [("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 1024), ("dsv3-ep8", 256)])
@@ -186,3 +199,27 @@ def test_gemm2_own_config_gpu(m):
                  dict(cfg, BLOCK_SIZE_K=64, USE_TMA=True), dict(cfg, num_warps=8, USE_TMA=False)):
         out = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, config=cfg, down_config=down)
         assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("shape,m,split_k", [("qwen3-30b-a3b", 256, 1), ("qwen3-30b-a3b", 16, 2), ("mixtral", 1, 2),
+                                             ("mixtral", 4096, 1), ("dsv3-ep8", 64, 1)])
+def test_gemm2_fused_cast_gpu(shape, m, split_k):
+    # GEMM2's fused cast under real concurrency: each (token, hidden tile) is cast by whichever
+    # program adds its last part. A tile cast before all its parts landed would be off by a whole
+    # pair's contribution; against the separate cast of the same sums the difference may only be
+    # the order of the fp32 atomic adds (a bf16 rounding step or two). Repeated, as races are rare.
+    from moebench.kernels.triton_moe import align_pairs, fused_moe_gemms, select_config
+    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
+    k = ti.shape[1]
+    cfg, _ = select_config(m, k, w13, w2, e, x.dtype)
+    align = align_pairs(ti, cfg["BLOCK_SIZE_M"], w13.shape[0], emap, e)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    kw = dict(split_k=split_k, topk_ids=ti, expert_map=emap)
+    cast = fused_moe_gemms(x, w13, w2, tw, align, k, cfg, fused_out=False, **kw).float()
+    ulp = cast.abs().clamp(min=1e-30) * 2.0**-7  # two bf16 rounding steps of the value
+    for _ in range(20):
+        with poisoned_outputs():
+            fused = fused_moe_gemms(x, w13, w2, tw, align, k, cfg, fused_out=True, **kw)
+        assert torch.isfinite(fused).all()
+        assert ((fused.float() - cast).abs() <= ulp + 1e-6).all()
+    assert _rel(fused, ref) < 2e-2
