@@ -18,8 +18,8 @@ it off (`pdl/nopdl`). (Two PDL variants measured in the sixth session are gone f
 GEMM2 prefetching its w2 rows into L2 before waiting, and GEMM1 releasing GEMM2 only after its
 epilogue; PERF.md section 3.) `nodown`: GEMM2 with GEMM1's config even where a `_down.json` file
 is found (triton_moe.DEFAULT_DOWN_FILES; `current/nodown`; point $MOEBENCH_CONFIG_DIR at the files).
-`nofused`: the output cast as a launch of its own instead of in GEMM2's epilogue
-(triton_moe.DEFAULT_FUSED_OUT; `current/nofused`). `again`: the current defaults timed a second
+(A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
+its epilogue instead of a cast launch, measured a loss and is gone; PERF.md section 3.) `again`: the current defaults timed a second
 time, last (`again/current`: the point's noise). --variants picks which run (default: all).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
 times mean nothing).
@@ -56,7 +56,7 @@ FP8_VARIANTS = {"fuse": (False, False, True, False), "all": ("auto", True, True,
 # overridden, against `current` (the defaults as they are): name: (split_k or None, {attribute: value}).
 CURRENT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopdl": (None, {"DEFAULT_PDL": False}),
                   "pdl": (None, {"DEFAULT_PDL": True}), "nodown": (None, {"DEFAULT_DOWN_FILES": False}),
-                  "nofused": (None, {"DEFAULT_FUSED_OUT": False}), "again": (None, {})}
+                  "again": (None, {})}
 
 
 def main() -> int:
@@ -146,7 +146,6 @@ def main() -> int:
             for name in ("current", "pdl"):
                 ratio(name, "nopdl")
             ratio("current", "nodown")
-            ratio("current", "nofused")
             ratio("again", "current")  # the same code timed twice: this point's noise
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)

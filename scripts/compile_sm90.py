@@ -76,22 +76,13 @@ def main() -> int:
     # GEMM1 also zeroing GEMM2's fp32 accumulator (decode tile)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant)
-    print(compile_kernel(T._silu_mul_gemm1_kernel, c, dict(std_ptrs, zero_ptr="*fp32", zero2_ptr="*bf16"), ("w13_desc",)))
+    print(compile_kernel(T._silu_mul_gemm1_kernel, c, dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",)))
     # Programmatic dependent launch (griddepcontrol): GEMM1 waiting and releasing, GEMM2 reading
     # its expert from L2 before waiting (decode tile, as DEFAULT_PDL uses it)
-    # (GEMM1 also zeroing the layer's bf16 output, for GEMM2's fused cast)
-    print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, PDL=True), dict(std_ptrs, zero_ptr="*fp32", zero2_ptr="*bf16"),
-                         ("w13_desc",)))
+    print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, PDL=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",)))
     c2 = dict(c, BLOCK_SIZE_K=64, ATOMIC=True, A_TMA=False, PDL=True)
     del c2["ZERO_OUT"], c2["WIDE"]
     print(compile_kernel(T._gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc", "inter_desc")))
-    # GEMM2 casting finished (token, hidden tile)s into the bf16 output itself (counts, GPU fence,
-    # acquire-release atomics), with an expert map; decode and prefill tiles
-    fused_ptrs = dict(std_ptrs, out_ptr="*bf16", counts_ptr="*i32", topk_ids_ptr="*i32", expert_map_ptr="*i32")
-    for bm, bn, bk, warps in ((16, 64, 64, 4), (128, 256, 64, 8)):
-        c3 = dict(c2, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, PDL=False, FUSED_OUT=True, HAS_MAP=True,
-                  TOPK_P2=8, GPU_FENCE=True)
-        print(compile_kernel(T._gemm2_weighted_sum_kernel, c3, fused_ptrs, ("w2_desc", "inter_desc")))
     # GEMM1 with gate and up as one tile and one dot: decode and prefill tiles (BLOCK_SIZE_N is
     # per half here, as launch_gemm1 passes it), and fp8 block scales
     for (bm, bn, bk), quant in (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),

@@ -20,30 +20,6 @@ def mma(a, b, acc, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
-def fence_gpu(x, ON: tl.constexpr):
-    """`fence.acq_rel.gpu` in every thread that holds an element of x (use a small tensor that
-    every thread holds, e.g. (BLOCK_SIZE_M,)): the thread's earlier writes and atomics are visible
-    GPU-wide before anything it does after. ON False (the interpreter runs programs one at a time,
-    and knows no inline PTX): nothing."""
-    if ON:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def local_pair_count(topk_ids_ptr, expert_map_ptr, token, row_ok, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                     HAS_MAP: tl.constexpr):
-    """(BLOCK_SIZE_M,) int32: how many of each row's token's TOPK pairs go to a local expert (id
-    >= 0, through expert_map when HAS_MAP); 0 for rows that are not row_ok."""
-    ks = tl.arange(0, TOPK_P2)
-    ok = row_ok[:, None] & (ks < TOPK)[None, :]
-    ids = tl.load(topk_ids_ptr + token[:, None] * TOPK + ks[None, :], mask=ok, other=-1).to(tl.int32)
-    if HAS_MAP:
-        ids = tl.load(expert_map_ptr + ids, mask=ok & (ids >= 0), other=-1).to(tl.int32)
-    return tl.sum((ok & (ids >= 0)).to(tl.int32), axis=1)
-
-
-@triton.jit
 def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
     """Program id -> (row tile, column tile), walking GROUP_SIZE_M row tiles down one column tile
     before moving right, so neighbouring programs share weight tiles in L2 (Triton tutorial order)."""

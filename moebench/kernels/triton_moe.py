@@ -76,10 +76,8 @@ from moebench.kernels.triton_common import (
     block_rows,
     cast_rne,
     dequant,
-    fence_gpu,
     gate_up_mainloop,
     grouped_tile,
-    local_pair_count,
     pdl_release,
     pdl_wait,
     scale_ptrs,
@@ -124,9 +122,6 @@ DEFAULT_FUSE_FP8_INTER = True
 #: GEMM1's epilogue, both measured slower (not kept).
 DEFAULT_PDL: bool | str = "auto"
 PDL_MAX_INTER = 1024
-#: GEMM2's last contribution to each (token, hidden tile) casts it into the output (counted with
-#: atomics), so no cast launch ends the layer (`fused_moe_gemms` fused_out).
-DEFAULT_FUSED_OUT = True
 #: The lookup reads GEMM2's own config from a `_down.json` file when there is one (False: GEMM2
 #: always runs with GEMM1's config, as vLLM does).
 DEFAULT_DOWN_FILES = True
@@ -145,8 +140,6 @@ def _silu_mul_gemm1_kernel(
     w_scale_ptr,  # QUANT: scales of w13 (see stride_ws*)
     zero_ptr,  # ZERO_OUT: fp32 buffer zeroed here (GEMM2's atomic accumulator), zero_numel elements
     zero_numel,
-    zero2_ptr,  # ZERO_OUT: a second buffer zeroed here (any dtype: the layer's output), zero2_numel elements
-    zero2_numel,
     out_scale_ptr,  # QUANT_OUT: (1,) fp32 static scale of the intermediate (per-tensor fp8)
     num_pairs,
     N_INTER,  # I
@@ -198,8 +191,6 @@ def _silu_mul_gemm1_kernel(
         offs_z = tl.arange(0, 1024)
         for z in range(pid * 1024, zero_numel, tl.num_programs(0) * 1024):
             tl.store(zero_ptr + z + offs_z, tl.zeros((1024,), tl.float32), mask=z + offs_z < zero_numel)
-        for z in range(pid * 1024, zero2_numel, tl.num_programs(0) * 1024):
-            tl.store(zero2_ptr + z + offs_z, tl.zeros((1024,), zero2_ptr.dtype.element_ty), mask=z + offs_z < zero2_numel)
 
     # Blocks past the used length (padding of the worst-case grid) and blocks of a remote expert
     # (direct_align) have nothing to do.
@@ -242,10 +233,6 @@ def _gemm2_weighted_sum_kernel(
     w2_desc,  # TMA descriptor of w2 as (E_local * H, I), block (BLOCK_SIZE_N, BLOCK_SIZE_K); USE_TMA only
     ws_ptr,  # ATOMIC: (M, H) fp32, zeroed; else (M*K, H) in the input dtype, one row per pair; out
     topk_weights_ptr,  # (M*K,) router weights of the flat pairs
-    out_ptr,  # FUSED_OUT: (M, H) the layer's output, zeroed; each (token, hidden tile) cast here from ws
-    counts_ptr,  # FUSED_OUT: (M, cdiv(H, BLOCK_SIZE_N)) int32, zeroed: contributions added so far
-    topk_ids_ptr,  # FUSED_OUT: (M, K) expert ids (local, or global with HAS_MAP), -1 = remote
-    expert_map_ptr,  # FUSED_OUT with HAS_MAP: (E,) global -> local id, -1 = remote
     sorted_ids_ptr,
     expert_ids_ptr,
     ntpp_ptr,
@@ -263,7 +250,6 @@ def _gemm2_weighted_sum_kernel(
     stride_wk,
     stride_wsm,
     stride_wsn,
-    stride_om,
     stride_asm,
     stride_asg,
     stride_bse,  # w2 scales, as stride_ws* in GEMM1
@@ -284,10 +270,6 @@ def _gemm2_weighted_sum_kernel(
     GROUP_K: tl.constexpr = 1,
     A_TMA: tl.constexpr = False,  # with USE_TMA: inter's tiles through TMA too (k_per_split % BLOCK_SIZE_K == 0)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
-    FUSED_OUT: tl.constexpr = False,  # ATOMIC: the last contribution to a (token, hidden tile) casts it to out
-    HAS_MAP: tl.constexpr = False,
-    TOPK_P2: tl.constexpr = 1,  # FUSED_OUT: next power of two of TOPK
-    GPU_FENCE: tl.constexpr = True,  # FUSED_OUT: fence before counting (False only under the interpreter)
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -353,22 +335,6 @@ def _gemm2_weighted_sum_kernel(
     if ATOMIC:
         o_ptrs = ws_ptr + token[:, None] * stride_wsm + offs_n[None, :] * stride_wsn
         tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
-        if FUSED_OUT:
-            # The output cast without a launch of its own: count this program's contribution to
-            # each of its tokens' (token, hidden tile); the program that brings the count to the
-            # token's local pairs x K splits adds the last part and casts the tile into out.
-            # Every thread fences its adds GPU-wide before the count (the threadfence pattern),
-            # and the last program reads the sums from L2. Tokens of one block are distinct.
-            fence_gpu(offs_m, GPU_FENCE)
-            tl.debug_barrier()
-            done = tl.atomic_add(counts_ptr + token * num_pid_n + pid_n, 1, mask=row_ok, sem="acq_rel") + 1
-            need = local_pair_count(topk_ids_ptr, expert_map_ptr, token, row_ok, TOPK, TOPK_P2, HAS_MAP)
-            last = row_ok & (done == need * tl.num_programs(1))
-            tl.debug_barrier()
-            tile_ok = last[:, None] & col_ok[None, :]
-            total = tl.load(o_ptrs, mask=tile_ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + token[:, None] * stride_om + offs_n[None, :],
-                     cast_rne(total, out_ptr.dtype.element_ty, UPCAST), mask=tile_ok)
     else:
         o_ptrs = ws_ptr + pair[:, None].to(tl.int64) * stride_wsm + offs_n[None, :] * stride_wsn
         acc = cast_rne(acc, ws_ptr.dtype.element_ty, QUANT != 0 and UPCAST)
@@ -556,7 +522,6 @@ def launch_gemm1(
     wide: bool = False,
     out_scale: torch.Tensor | None = None,
     pdl: bool = False,
-    zero2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
     wide: gate and up tiles as one tile and one dot (DEFAULT_WIDE_GEMM1; no TMA then).
@@ -566,8 +531,7 @@ def launch_gemm1(
 
     fp8: w13 a QuantWeight, x (M, H) float8_e4m3fn with a_scale (M, G) fp32 (any row stride, 0 for
     per tensor); inter is then in out_dtype (default bf16). zero: a contiguous fp32 tensor that the
-    kernel also sets to zero (GEMM2's atomic accumulator: one launch fewer); zero2 (with zero): a
-    second contiguous tensor of any dtype it zeroes too (the output of GEMM2's fused cast)."""
+    kernel also sets to zero (GEMM2's atomic accumulator: one launch fewer)."""
     m, h = x.shape
     n_inter = w13.shape[1] // 2
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
@@ -590,12 +554,10 @@ def launch_gemm1(
     sc = _scale_args(a_scale, w13)
     if zero is not None:
         assert zero.dtype == torch.float32 and zero.is_contiguous()
-    assert zero2 is None or (zero is not None and zero2.is_contiguous())
     grid1 = (num_blocks * triton.cdiv(n_inter, bn1),)
     _silu_mul_gemm1_kernel[grid1](
         x, wq, desc, inter, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
         *sc[:2], inter if zero is None else zero, 0 if zero is None else zero.numel(),
-        inter if zero2 is None else zero2, 0 if zero2 is None else zero2.numel(),
         inter if out_scale is None else out_scale.to(device=x.device, dtype=torch.float32).reshape(1),
         align.num_pairs, n_inter, h, num_blocks,
         x.stride(0), x.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), inter.stride(0), inter.stride(1),
@@ -623,17 +585,13 @@ def launch_gemm2(
     ws: torch.Tensor | None = None,
     tma_a: bool = False,
     pdl: bool = False,
-    fused_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """GEMM2 + router weight on aligned pairs. tma_a (with use_tma): inter's tiles load through
     TMA as well as w2's (DEFAULT_TMA_GEMM2_A). pdl: launch with programmatic dependent launch
     (after a launch_gemm1 with pdl; `resolve_pdl`). atomic: returns ws (M, H) fp32 with the sum over
     top-k done by atomic adds (split_k allowed; `ws` given = already zeroed, e.g. by GEMM1);
     else (M*K, H) weighted rows per pair in inter's dtype (out_dtype for fp8; rows of remote pairs
-    zero), to be summed over K by the caller. fused_out (atomic only): (out (M, H) contiguous,
-    counts (M, cdiv(H, BLOCK_SIZE_N)) int32, topk_ids (M, K) contiguous, expert_map or None), out and
-    counts zeroed: the program that adds the last contribution to a (token, hidden tile) also casts
-    it from ws into out, so no cast launch follows (`fused_out_counts` sizes counts).
+    zero), to be summed over K by the caller.
 
     fp8: w2 a QuantWeight, inter (max_padded, I) float8_e4m3fn with a_scale (max_padded, G)."""
     m, k = topk_weights.shape
@@ -662,25 +620,15 @@ def launch_gemm2(
     a_desc = TensorDescriptor.from_tensor(inter, [bm, bk]) if a_tma else inter
     sc = _scale_args(a_scale, w2)
     grid2 = (num_blocks * triton.cdiv(h, bn), split_k)
-    fused = {}
-    if fused_out is not None:
-        assert atomic, "the fused cast reads GEMM2's atomic sums"
-        out, counts, ids, emap = fused_out
-        assert out.is_contiguous() and ids.is_contiguous() and counts.shape == (m, triton.cdiv(h, bn))
-        fused = dict(FUSED_OUT=True, HAS_MAP=emap is not None, TOPK_P2=triton.next_power_of_2(k),
-                     GPU_FENCE=not interp)
-    else:
-        out, counts, ids, emap = ws, ws, ws, None
     _gemm2_weighted_sum_kernel[grid2](
-        inter, a_desc, wq, desc, ws, weights, out, counts, ids, ids if emap is None else emap,
-        align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        inter, a_desc, wq, desc, ws, weights, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
         *sc[:2], align.num_pairs, h, n_inter, num_blocks, k_per_split,
         inter.stride(0), inter.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), ws.stride(0), ws.stride(1),
-        out.stride(0), *sc[2:],
+        *sc[2:],
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic, A_TMA=a_tma,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **_pdl_args(pdl), **fused,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **_pdl_args(pdl),
     )
     return ws
 
@@ -712,15 +660,13 @@ def fused_moe_gemms(
     fuse_fp8_inter: bool | None = None,
     pdl: bool | str | None = None,
     down_config: Mapping[str, Any] | None = None,
-    topk_ids: torch.Tensor | None = None,
-    expert_map: torch.Tensor | None = None,
-    fused_out: bool | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
 
     use_tma: weight tiles through TMA descriptors (CUDA, compute capability >= 9; ignored
-    elsewhere). atomic: sum over top-k by fp32 atomics in GEMM2's epilogue (then a cast), else
+    elsewhere). atomic: sum over top-k by fp32 atomics in GEMM2's epilogue (then a cast, except
+    for an fp32 output, which is the accumulator itself), else
     weighted rows per pair and a torch sum over K. zero_in_gemm1 (None: DEFAULT_ZERO_IN_GEMM1):
     the atomic accumulator is zeroed by GEMM1's programs, not by a memset launch. wide (None:
     DEFAULT_WIDE_GEMM1): GEMM1 with one (BK, BLOCK_SIZE_N) weight tile and one dot per K step.
@@ -730,10 +676,6 @@ def fused_moe_gemms(
     down_config: GEMM2's own tile config (same BLOCK_SIZE_M as `config`; split_k is GEMM2's for
     it); its optional USE_TMA decides GEMM2's TMA loads (weights and inter) instead of use_tma /
     tma_a. None: GEMM2 runs with `config`.
-    fused_out (None: DEFAULT_FUSED_OUT; atomic path, 16-bit output): GEMM2 casts each finished
-    (token, hidden tile) into out itself, no cast launch; needs the topk_ids (M, K) the alignment
-    was made from (and its expert_map), else the cast runs as its own launch. An fp32 output is
-    GEMM2's accumulator itself (no cast at all).
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
@@ -759,6 +701,23 @@ def fused_moe_gemms(
     if m == 0:
         return out
     use_tma = bool(use_tma) and _tma_ok(w13) and _tma_ok(w2)
+    # GEMM2's fp32 accumulator (atomic path), zeroed by GEMM1 or by a memset
+    acc = None
+    if atomic and out.dtype == torch.float32 and out.is_contiguous():
+        acc = out if zero_in_gemm1 else out.zero_()  # an fp32 output is the accumulator: no cast
+    elif atomic:
+        acc = torch.empty((m, h), dtype=torch.float32, device=x.device) if zero_in_gemm1 else torch.zeros(
+            (m, h), dtype=torch.float32, device=x.device)
+    fuse = _fuses_fp8_inter(scheme, fuse_fp8_inter)
+    pdl = resolve_pdl(pdl, x.device, w2.shape[2])
+    inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
+                         wide=wide, out_scale=w2.input_scale if fuse else None, pdl=pdl)
+    inter_scale = None
+    if fuse:
+        inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
+    elif scheme is not None:
+        # Only rows < num_tokens_post_padded are in use (read on the device).
+        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
     cfg2, tma2 = config, use_tma
     tma_a = DEFAULT_TMA_GEMM2_A if tma_a is None else tma_a
     if down_config is not None:
@@ -768,56 +727,15 @@ def fused_moe_gemms(
         cfg2 = down_config
         if "USE_TMA" in down_config:
             tma2 = tma_a = bool(down_config["USE_TMA"]) and scheme is None and _tma_ok(w2)
-    acc, zeros, fused, cast = _accumulator(out, cfg2, topk_ids, expert_map, atomic, zero_in_gemm1, fused_out)
-    fuse = _fuses_fp8_inter(scheme, fuse_fp8_inter)
-    pdl = resolve_pdl(pdl, x.device, w2.shape[2])
-    inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=zeros[0], zero2=zeros[1],
-                         wide=wide, out_scale=w2.input_scale if fuse else None, pdl=pdl)
-    inter_scale = None
-    if fuse:
-        inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
-    elif scheme is not None:
-        # Only rows < num_tokens_post_padded are in use (read on the device).
-        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
     ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, atomic, inter_scale, out_dtype,
-                      ws=acc, tma_a=tma_a, pdl=pdl, fused_out=fused)
-    if cast:
-        out.copy_(ws)
-    elif not atomic:
+                      ws=acc, tma_a=tma_a, pdl=pdl)
+    if atomic:
+        if ws is not out:
+            out.copy_(ws)
+    else:
         torch.sum(ws.view(m, topk, h), dim=1, out=out)
     return out
 
-
-def _accumulator(out: torch.Tensor, cfg2: Mapping[str, int], topk_ids: torch.Tensor | None,
-                 expert_map: torch.Tensor | None, atomic: bool, zero_in_gemm1: bool, fused_out: bool | None):
-    """GEMM2's fp32 accumulator for out (M, H) and how out gets its values: (acc or None, the two
-    tensors GEMM1 zeroes (zero, zero2; None each), launch_gemm2's fused_out or None, whether a cast
-    launch follows). Without zero_in_gemm1 they are zeroed here by memsets instead."""
-    if not atomic:
-        return None, (None, None), None, False
-    m, h = out.shape
-    fused_out = DEFAULT_FUSED_OUT if fused_out is None else fused_out
-    if out.dtype == torch.float32 and out.is_contiguous():  # the accumulator is the output
-        acc, second, fused = out, None, None
-        flat = out
-    elif not (fused_out and topk_ids is not None and out.is_contiguous()):
-        acc = flat = torch.empty((m, h), dtype=torch.float32, device=out.device)
-        second, fused = None, None
-    else:
-        # One buffer for the sums and the (token, hidden tile) counts, so one zeroing covers both;
-        # out itself is zeroed too (tokens without a local pair get no contribution).
-        tiles = triton.cdiv(h, cfg2["BLOCK_SIZE_N"])
-        flat = torch.empty((m * (h + tiles),), dtype=torch.float32, device=out.device)
-        acc = flat[: m * h].view(m, h)
-        counts = flat[m * h:].view(torch.int32).view(m, tiles)
-        emap = None if expert_map is None else expert_map.to(device=out.device, dtype=torch.int32).contiguous()
-        second, fused = out, (out, counts, topk_ids.contiguous(), emap)
-    if zero_in_gemm1:
-        return acc, (flat, second), fused, fused is None and acc is not out
-    flat.zero_()
-    if second is not None:
-        second.zero_()
-    return acc, (None, None), fused, fused is None and acc is not out
 
 def resolve_use_tma(use_tma: bool | str | None, config: Mapping[str, int], dtype: torch.dtype) -> bool:
     """None -> DEFAULT_USE_TMA; "auto" -> 16-bit inputs with BLOCK_SIZE_M >= 32. (Whether the
@@ -944,7 +862,7 @@ def fused_moe(
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
         a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide, pdl=pdl,
-        down_config=down_config, topk_ids=topk_ids, expert_map=expert_map,
+        down_config=down_config,
     )
 
 
