@@ -381,11 +381,8 @@ def moe_align_block_size(
     if method == "sort":
         return _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block_size_m,
                                     num_local_experts, num_pairs, max_padded, max_blocks, chunk)
-    # Chunks of pairs: each program scans one chunk; the (experts x chunks) count table that every
-    # place program reads is kept <= 16K entries by growing the chunk for huge inputs.
-    chunk = chunk or min(2048, max(16, triton.next_power_of_2(num_pairs)))
-    while e_pow2 * triton.next_power_of_2(triton.cdiv(num_pairs, chunk)) > 16384:
-        chunk *= 2
+    # Chunks of pairs: each program scans one chunk.
+    chunk = _chunk_size(chunk or 2048, num_pairs, e_pow2)
     num_chunks = triton.cdiv(num_pairs, chunk)
     warps = 8 if chunk >= 2048 else 4
     counts = torch.empty((num_local_experts, num_chunks), dtype=torch.int32, device=dev)
@@ -400,15 +397,22 @@ def moe_align_block_size(
     return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
 
 
+def _chunk_size(chunk: int, num_pairs: int, e_pow2: int) -> int:
+    """Pairs per program of the two-launch paths: `chunk` (a power of two), at most the pairs'
+    next power of two, grown for huge inputs so that the (experts x chunks) count table every
+    place program reads stays <= 16K entries."""
+    chunk = min(chunk, max(16, triton.next_power_of_2(num_pairs)))
+    while e_pow2 * triton.next_power_of_2(triton.cdiv(num_pairs, chunk)) > 16384:
+        chunk *= 2
+    return chunk
+
+
 def _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block_size_m, num_local, num_pairs,
                          max_padded, max_blocks, chunk) -> AlignResult:
     """Two launches over chunks of pairs: per-chunk histograms (and the sentinel fill), then each
     chunk sorts its pairs by expert and scatters them to their slots."""
     e_pow2 = max(16, triton.next_power_of_2(num_local))
-    # The (chunks x experts) count table that every place program reads stays <= 16K entries.
-    chunk = chunk or min(256 if num_pairs <= 32768 else 512, max(16, triton.next_power_of_2(num_pairs)))
-    while e_pow2 * triton.next_power_of_2(triton.cdiv(num_pairs, chunk)) > 16384:
-        chunk *= 2
+    chunk = _chunk_size(chunk or (256 if num_pairs <= 32768 else 512), num_pairs, e_pow2)
     num_chunks = triton.cdiv(num_pairs, chunk)
     warps = 8 if chunk >= 2048 else 4
     counts = torch.empty((num_chunks, e_pow2), dtype=torch.int32, device=ids.device)
