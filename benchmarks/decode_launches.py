@@ -18,7 +18,10 @@ it off (`pdl/nopdl`). (Two PDL variants measured in the sixth session are gone f
 GEMM2 prefetching its w2 rows into L2 before waiting, and GEMM1 releasing GEMM2 only after its
 epilogue; PERF.md section 3.) `nodown`: GEMM2 with GEMM1's config even where a `_down.json` file
 is found (triton_moe.DEFAULT_DOWN_FILES; `current/nodown`; point $MOEBENCH_CONFIG_DIR at the files).
-(A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
+`noearly`: routing and alignment outside the PDL chain (triton_moe.DEFAULT_PDL_EARLY;
+`current/noearly`); `memset`: also the alignment's used length zeroed by a memset launch first
+(moe_align.DEFAULT_SKIP_MEMSET; `noearly/memset`, `current/memset`: the seventh session's two
+launch changes). (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
 its epilogue instead of a cast launch, measured a loss and is gone; PERF.md section 3.) `again`: the current defaults timed a second
 time, last (`again/current`: the point's noise). --variants picks which run (default: all).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
@@ -56,6 +59,8 @@ FP8_VARIANTS = {"fuse": (False, False, True, False), "all": ("auto", True, True,
 # overridden, against `current` (the defaults as they are): name: (split_k or None, {attribute: value}).
 CURRENT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopdl": (None, {"DEFAULT_PDL": False}),
                   "pdl": (None, {"DEFAULT_PDL": True}), "nodown": (None, {"DEFAULT_DOWN_FILES": False}),
+                  "noearly": (None, {"DEFAULT_PDL_EARLY": False}),
+                  "memset": (None, {"DEFAULT_PDL_EARLY": False, "moe_align.DEFAULT_SKIP_MEMSET": False}),
                   "again": (None, {})}
 
 
@@ -116,9 +121,12 @@ def main() -> int:
                     run = layer
                 for (mod, n), v in zip(SWITCHES, values):
                     setattr(mod, n, v)
-                kept = {a: getattr(triton_moe, a) for a in overrides}
+                # an override "moe_align.NAME" is an attribute of moe_align, else of triton_moe
+                def owner(a):
+                    return (moe_align, a.split(".", 1)[1]) if a.startswith("moe_align.") else (triton_moe, a)
+                kept = {a: getattr(*owner(a)) for a in overrides}
                 for a, v in overrides.items():
-                    setattr(triton_moe, a, v)
+                    setattr(*owner(a), v)
                 try:
                     out = run()
                     if ref is None:
@@ -131,7 +139,7 @@ def main() -> int:
                     for (mod, n), v in zip(SWITCHES, saved):
                         setattr(mod, n, v)
                     for a, v in kept.items():
-                        setattr(triton_moe, a, v)
+                        setattr(*owner(a), v)
 
             def ratio(a, b):
                 if f"{a}_us" in row and f"{b}_us" in row:
@@ -146,6 +154,9 @@ def main() -> int:
             for name in ("current", "pdl"):
                 ratio(name, "nopdl")
             ratio("current", "nodown")
+            ratio("current", "noearly")
+            ratio("noearly", "memset")
+            ratio("current", "memset")
             ratio("again", "current")  # the same code timed twice: this point's noise
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)

@@ -122,9 +122,13 @@ def main() -> int:
     print(compile_kernel(A._chunk_place_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=128, CHUNK=256, NC_POW2=128, E_POW2=128,
                                                      TILE=64), aptrs))
     print(compile_kernel(A._align_one_launch_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=16, CHUNK=512, E_POW2=128), aptrs))
+    # ... launched with PDL (waits for the routing, then releases GEMM1), as DEFAULT_PDL_EARLY does
+    print(compile_kernel(A._align_one_launch_kernel, dict(HAS_MAP=False, BLOCK_SIZE_M=16, CHUNK=128, E_POW2=128,
+                                                          PDL=True), aptrs))
     # Softmax top-k routing: Qwen3-Next's (512 experts, top-10) and DeepSeek's (256, top-8) shapes
     for block_e, topk, rows in ((512, 10, 4), (256, 8, 8), (128, 8, 1)):
-        rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows)
+        rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows,
+                  RELEASE=rows == 1)  # (the decode shape releasing a PDL-launched successor early)
         print(compile_kernel(T._topk_softmax_kernel, rc, {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}))
     return 0
 

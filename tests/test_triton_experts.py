@@ -441,15 +441,15 @@ def test_direct_align_caches_only_small_layouts():
     assert len(moe_align._DIRECT_LAYOUTS) == 1 and big.num_tokens_post_padded.item() == 4096 * 32
 
 
-
 def test_pdl_is_off_without_hopper():
     from moebench.kernels import triton_moe
+    from moebench.kernels.triton_common import pdl_launch_args
 
     # The interpreter / a CPU tensor: never PDL, whatever is asked (launch_pdl is a CUDA launch).
     for pdl in (True, "auto", None):
         assert not triton_moe.resolve_pdl(pdl, torch.device("cpu"), 768)
-    assert triton_moe._pdl_args(False) == {}
-    assert triton_moe._pdl_args(True) == {"PDL": True, "launch_pdl": True}
+    assert pdl_launch_args(False) == {}
+    assert pdl_launch_args(True) == {"PDL": True, "launch_pdl": True}
 
 
 def test_gemm2_with_its_own_config_matches_reference(tmp_path, monkeypatch):

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moebench.kernels.triton_common import pdl_launch_args, pdl_release, pdl_wait
+
 
 def interpreting() -> bool:
     """True when Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -102,6 +104,9 @@ ONE_LAUNCH_MAX_PAIRS = 1024
 #: experts) 35.8 -> 11.2 us. Sort chunks: 256 pairs up to 32K pairs, 512 above.
 DEFAULT_LARGE_METHOD = "auto"
 SORT_MIN_WORK = 1 << 20
+#: The used-length buffer is written by every kernel path, so it is not zeroed by a memset launch
+#: first (False: the memset as before the seventh session, for the A/B in decode_launches.py).
+DEFAULT_SKIP_MEMSET = True
 
 
 def max_padded_size(num_pairs: int, num_local_experts: int, block_size_m: int) -> int:
@@ -293,9 +298,13 @@ def _align_one_launch_kernel(
     BLOCK_SIZE_M: tl.constexpr,
     CHUNK: tl.constexpr,  # >= num_pairs: all pairs in one tile
     E_POW2: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the routing,
+    #                             then let GEMM1 launch (it waits for this kernel in turn)
 ):
     # Few pairs: program e reads all of them and counts every expert itself (a histogram), so
     # the count table of the two-kernel path, and its launch, are not needed.
+    pdl_wait(PDL)
+    pdl_release(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     ids = _local_ids(topk_ids_ptr, expert_map_ptr, offs, num_pairs, HAS_MAP)
@@ -338,6 +347,7 @@ def moe_align_block_size(
     chunk: int | None = None,
     one_launch: bool | None = None,
     method: str | None = None,
+    pdl: bool = False,
 ) -> AlignResult:
     """topk_ids (M, K) int32/int64 -> AlignResult for blocks of `block_size_m` pairs.
 
@@ -347,7 +357,9 @@ def moe_align_block_size(
     (pairs per program, a power of two) is for tests; by default up to 2048. one_launch (None:
     DEFAULT_ONE_LAUNCH): up to ONE_LAUNCH_MAX_PAIRS pairs, one launch over the local experts, each
     program counting all pairs itself (same result). method (None: DEFAULT_LARGE_METHOD): "scan",
-    "sort" or "auto" for the two-launch path (same result).
+    "sort" or "auto" for the two-launch path (same result). pdl: launch the one-launch kernel with
+    programmatic dependent launch (CUDA, Hopper+; see triton_moe.resolve_pdl), so that the GEMM1
+    launched after it with PDL starts while it runs.
     """
     assert topk_ids.dim() == 2
     dev = topk_ids.device
@@ -356,7 +368,9 @@ def moe_align_block_size(
     max_blocks = max_padded // block_size_m
     sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=dev)
     expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=dev)
-    ntpp = torch.zeros((1,), dtype=torch.int32, device=dev)
+    # Every kernel path writes the used length itself: zeros (a memset launch) only without one.
+    nothing = num_pairs == 0 or num_local_experts == 0 or not DEFAULT_SKIP_MEMSET
+    ntpp = (torch.zeros if nothing else torch.empty)((1,), dtype=torch.int32, device=dev)
     if num_pairs == 0:
         return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, 0)
     interpreter_compat()
@@ -370,7 +384,7 @@ def moe_align_block_size(
         _align_one_launch_kernel[(num_local_experts,)](
             ids, emap, sorted_ids, expert_ids, ntpp, num_pairs, num_local_experts, max_padded, max_blocks,
             HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=max(16, triton.next_power_of_2(num_pairs)),
-            E_POW2=e_pow2, num_warps=4,
+            E_POW2=e_pow2, num_warps=4, **pdl_launch_args(pdl),
         )
         return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
     method = DEFAULT_LARGE_METHOD if method is None else method

@@ -65,6 +65,12 @@ def pdl_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+def pdl_launch_args(pdl: bool) -> dict:
+    """Kernel keyword arguments for a launch with programmatic dependent launch: the kernel's PDL
+    constexpr and Triton's launch_pdl (none without: the interpreter knows no launch_pdl)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
 @triton.jit
 def block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr):
     """Rows of sorted block pid_m: (offs_m, pair, row_ok, token), each (BLOCK_SIZE_M,); pair is the

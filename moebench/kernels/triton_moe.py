@@ -78,6 +78,7 @@ from moebench.kernels.triton_common import (
     dequant,
     gate_up_mainloop,
     grouped_tile,
+    pdl_launch_args,
     pdl_release,
     pdl_wait,
     scale_ptrs,
@@ -122,6 +123,11 @@ DEFAULT_FUSE_FP8_INTER = True
 #: GEMM1's epilogue, both measured slower (not kept).
 DEFAULT_PDL: bool | str = "auto"
 PDL_MAX_INTER = 1024
+#: Where PDL is on, the routing and the one-launch alignment join the chain: the routing kernel
+#: lets the next kernel launch as soon as it starts (GEMM1 after a direct alignment, which waits
+#: for it), and the alignment kernel is launched with PDL, waits for the routing, then lets GEMM1
+#: launch. (The alignment's used-length buffer is no longer zeroed by a memset launch either way.)
+DEFAULT_PDL_EARLY = True
 #: The lookup reads GEMM2's own config from a `_down.json` file when there is one (False: GEMM2
 #: always runs with GEMM1's config, as vLLM does).
 DEFAULT_DOWN_FILES = True
@@ -354,8 +360,10 @@ def _topk_softmax_kernel(
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     ROWS: tl.constexpr,
+    RELEASE: tl.constexpr = False,  # let a kernel launched next with PDL start at once (it must wait)
 ):
     # ROWS tokens per program: softmax over the E logits of each, then K rounds of one max each.
+    pdl_release(RELEASE)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < M
@@ -408,12 +416,15 @@ def topk_softmax_launch(m: int, e: int) -> tuple[int, int]:
 
 
 def fused_topk_softmax(
-    logits: torch.Tensor, topk: int, renormalize: bool = True, *, rows: int | None = None, num_warps: int | None = None
+    logits: torch.Tensor, topk: int, renormalize: bool = True, *, rows: int | None = None, num_warps: int | None = None,
+    release: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing in one launch: logits (M, E) -> weights (M, K) float32, ids (M, K)
     int32, winners in descending order (ties: lower expert id). Same result as
     `softmax(logits).topk(k)` (+ division by the winners' sum when renormalize).
-    rows (tokens per program) and num_warps: powers of two; None = `topk_softmax_launch`."""
+    rows (tokens per program) and num_warps: powers of two; None = `topk_softmax_launch`.
+    release (None: DEFAULT_PDL_EARLY, on Hopper+): a kernel launched next with programmatic dependent
+    launch (GEMM1, the alignment) may start while this one runs; it waits for it before reading."""
     m, e = logits.shape
     weights = torch.empty((m, topk), dtype=torch.float32, device=logits.device)
     ids = torch.empty((m, topk), dtype=torch.int32, device=logits.device)
@@ -431,6 +442,7 @@ def fused_topk_softmax(
         logits, weights, ids, m, e, logits.stride(0),
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=renormalize,
         BLOCK_E=max(16, triton.next_power_of_2(e)), ROWS=rows, num_warps=num_warps,
+        RELEASE=resolve_pdl(DEFAULT_PDL_EARLY if release is None else release, logits.device, 0),
     )
     return weights, ids
 
@@ -491,11 +503,6 @@ def resolve_pdl(pdl: bool | str | None, device: torch.device, inter: int) -> boo
     if not pdl or device.type != "cuda" or interpreting():
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _pdl_args(pdl: bool) -> dict:
-    """Kernel keyword arguments for a PDL launch (none without: the interpreter knows no launch_pdl)."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {}
 
 
 def _flat_weights(topk_weights: torch.Tensor) -> torch.Tensor:
@@ -565,7 +572,7 @@ def launch_gemm1(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **_pdl_args(pdl),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
     )
     return inter
 
@@ -628,7 +635,7 @@ def launch_gemm2(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic, A_TMA=a_tma,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **_pdl_args(pdl),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
     )
     return ws
 
@@ -780,9 +787,10 @@ def align_pairs(
     num_experts: int,
     scheme=None,
     direct: bool | str | None = None,
+    pdl: bool = False,
 ) -> AlignResult:
     """The block alignment `fused_moe` uses for topk_ids (M, K): `direct_align` or the alignment
-    kernels. direct: True / False / "auto" (None: DEFAULT_DIRECT_ALIGN); "auto" takes direct_align
+    kernels (pdl: the one-launch kernel with programmatic dependent launch). direct: True / False / "auto" (None: DEFAULT_DIRECT_ALIGN); "auto" takes direct_align
     where `use_direct_align` says so, for 16-bit weights (scheme None) and the fused per-tensor fp8
     path: fp8 with a separate quantisation launch measured slower with it once (DeepSeek-V3 EP8
     M=1: 23 -> 33 us)."""
@@ -792,7 +800,7 @@ def align_pairs(
         direct = (scheme is None or _fuses_fp8_inter(scheme)) and use_direct_align(m, k, num_experts)
     if direct:
         return direct_align(topk_ids, block_size_m, expert_map)
-    return moe_align_block_size(topk_ids, block_size_m, num_local_experts, expert_map)
+    return moe_align_block_size(topk_ids, block_size_m, num_local_experts, expert_map, pdl=pdl)
 
 
 def fused_moe(
@@ -852,7 +860,8 @@ def fused_moe(
             down_config, _ = select_down_config(m, w2, config, out_dtype)
     if m == 0:
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
-    align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, direct)
+    early = DEFAULT_PDL_EARLY and resolve_pdl(pdl, x.device, w2.shape[2])
+    align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, direct, early)
     if split_k is None:
         est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
         est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, config["BLOCK_SIZE_M"]) + min(e_local, est_pairs))

@@ -153,7 +153,9 @@ def test_pdl_chain_in_a_cuda_graph(shape, m):
     # GEMM1 and GEMM2 with programmatic dependent launch: three layers chained in one graph (each
     # layer's input is the previous one's output), replayed several times on new inputs. A GEMM2
     # that read `inter` or added into its accumulator before GEMM1 finished would leave stale or
-    # doubled rows that the reference catches; so would a GEMM1 that started before the routing.
+    # doubled rows that the reference catches; so would a GEMM1 that started before the routing
+    # (which releases it early, DEFAULT_PDL_EARLY) or an alignment launched with PDL that read the
+    # routing's ids before they were written (Qwen3 64: the one-launch alignment).
     from moebench.kernels import triton_moe
 
     x, w13, w2, tw, ti, emap, e = _setup(shape, m)
