@@ -145,11 +145,19 @@ def main() -> int:
         want = shipped()
         row = dict(shape=shape, tokens=m, config="/".join(str(cfg[c]) for c in cfg), shipped_us=round(timed(shipped), 1))
         sms = _num_sms(dev)
-        # (name, programs, flatten, num_stages): one / two programs per SM, flattened loops
-        for name, programs, flatten, stages in (("p1", sms, False, None), ("p1s3", sms, False, 3),
-                                                ("p1f3", sms, True, 3), ("p1f", sms, True, None),
-                                                ("p2", 2 * sms, False, None)):
-            fn = lambda p=programs, f=flatten, st=stages: gemm2_persistent(inter, w2, tw, align, k, cfg, p, f, st)  # noqa: E731
+        # (name, programs, flatten, num_stages, tile changes): one / two programs per SM, flattened
+        # loops. Flattening multi-buffers across tiles; compiled for sm_90 on a CPU (seventh
+        # session) at 128-row tiles it fits 227 KB with 2 stages of 128x256x64 (192 KB), 3 of
+        # 128x256x32 (176 KB) or 3-4 of 128x128x64 (112-128 KB, two programs per SM).
+        for name, programs, flatten, stages, tile in (
+                ("p1", sms, False, None, {}), ("p1s3", sms, False, 3, {}), ("p1f3", sms, True, 3, {}),
+                ("p1f", sms, True, None, {}), ("p2", 2 * sms, False, None, {}), ("p1f2", sms, True, 2, {}),
+                ("p1f3k32", sms, True, 3, {"BLOCK_SIZE_K": 32}), ("p1f4n128", sms, True, 4, {"BLOCK_SIZE_N": 128}),
+                ("p2f4n128", 2 * sms, True, 4, {"BLOCK_SIZE_N": 128})):
+            if args.smoke and tile:
+                continue  # the smoke shape's tile is set above
+            c = dict(cfg, **tile)
+            fn = lambda p=programs, f=flatten, st=stages, c=c: gemm2_persistent(inter, w2, tw, align, k, c, p, f, st)  # noqa: E731
             try:
                 got = fn()
                 err = ((got - want).norm() / want.norm()).item()
