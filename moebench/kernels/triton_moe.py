@@ -790,10 +790,10 @@ def align_pairs(
     pdl: bool = False,
 ) -> AlignResult:
     """The block alignment `fused_moe` uses for topk_ids (M, K): `direct_align` or the alignment
-    kernels (pdl: the one-launch kernel with programmatic dependent launch). direct: True / False / "auto" (None: DEFAULT_DIRECT_ALIGN); "auto" takes direct_align
-    where `use_direct_align` says so, for 16-bit weights (scheme None) and the fused per-tensor fp8
-    path: fp8 with a separate quantisation launch measured slower with it once (DeepSeek-V3 EP8
-    M=1: 23 -> 33 us)."""
+    kernels (pdl: the one-launch kernel with programmatic dependent launch). direct: True / False /
+    "auto" (None: DEFAULT_DIRECT_ALIGN); "auto" takes direct_align where `use_direct_align` says
+    so, for 16-bit weights (scheme None) and the fused per-tensor fp8 path: fp8 with a separate
+    quantisation launch measured slower with it once (DeepSeek-V3 EP8 M=1: 23 -> 33 us)."""
     direct = DEFAULT_DIRECT_ALIGN if direct is None else direct
     if direct == "auto":
         m, k = topk_ids.shape
