@@ -64,6 +64,11 @@ CURRENT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopd
                   "again": (None, {})}
 
 
+def owner(attr: str) -> tuple:
+    """(module, name) of a CURRENT_VARIANTS override: "moe_align.NAME" is moe_align's, else triton_moe's."""
+    return (moe_align, attr.split(".", 1)[1]) if attr.startswith("moe_align.") else (triton_moe, attr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,16,64")
@@ -121,9 +126,6 @@ def main() -> int:
                     run = layer
                 for (mod, n), v in zip(SWITCHES, values):
                     setattr(mod, n, v)
-                # an override "moe_align.NAME" is an attribute of moe_align, else of triton_moe
-                def owner(a):
-                    return (moe_align, a.split(".", 1)[1]) if a.startswith("moe_align.") else (triton_moe, a)
                 kept = {a: getattr(*owner(a)) for a in overrides}
                 for a, v in overrides.items():
                     setattr(*owner(a), v)

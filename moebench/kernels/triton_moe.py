@@ -860,8 +860,9 @@ def fused_moe(
             down_config, _ = select_down_config(m, w2, config, out_dtype)
     if m == 0:
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
-    early = DEFAULT_PDL_EARLY and resolve_pdl(pdl, x.device, w2.shape[2])
-    align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, direct, early)
+    pdl = resolve_pdl(pdl, x.device, w2.shape[2])  # once, for the alignment and both GEMMs
+    align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, direct,
+                        pdl and DEFAULT_PDL_EARLY)
     if split_k is None:
         est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
         est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, config["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
