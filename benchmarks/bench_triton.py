@@ -8,7 +8,7 @@ For each shape of design.md ("Performance reference points") and token count, in
              kernel (alignment included), CUDA-graph replay (moebench.bench.timing.time_cuda)
   gemm_us    the GEMM part alone (GEMM1+SiLU-mul, GEMM2+weight+top-k sum, cast), alignment outside
   align_us   the alignment the layer uses, alone: moe_align_block_size, or direct_align where
-             moebench's default picks it (one token: no kernel, only the expert-map gather under EP)
+             moebench's default picks it (one token: no kernel; under EP the GEMMs map the ids)
   torch_us   routing + `torch` experts + no-dpep finalize (its host syncs forbid graph capture:
              CUDA events around eager calls)
   floor_us   max(bytes / read ceiling, flops / matmul ceiling); bytes = weights of the local experts

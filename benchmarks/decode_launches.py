@@ -21,7 +21,9 @@ is found (triton_moe.DEFAULT_DOWN_FILES; `current/nodown`; point $MOEBENCH_CONFI
 `noearly`: routing and alignment outside the PDL chain (triton_moe.DEFAULT_PDL_EARLY;
 `current/noearly`); `memset`: also the alignment's used length zeroed by a memset launch first
 (moe_align.DEFAULT_SKIP_MEMSET; `noearly/memset`, `current/memset`: the seventh session's two
-launch changes). (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
+launch changes). `gather`: a direct alignment with an expert_map (DeepSeek-V3 EP8, one token)
+mapping its ids by a torch gather before GEMM1 instead of in the GEMMs (moe_align.DEFAULT_MAP_IN_GEMM;
+`current/gather`). (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
 its epilogue instead of a cast launch, measured a loss and is gone; PERF.md section 3.) `again`: the current defaults timed a second
 time, last (`again/current`: the point's noise). --variants picks which run (default: all).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
@@ -61,6 +63,7 @@ CURRENT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopd
                   "pdl": (None, {"DEFAULT_PDL": True}), "nodown": (None, {"DEFAULT_DOWN_FILES": False}),
                   "noearly": (None, {"DEFAULT_PDL_EARLY": False}),
                   "memset": (None, {"DEFAULT_PDL_EARLY": False, "moe_align.DEFAULT_SKIP_MEMSET": False}),
+                  "gather": (None, {"moe_align.DEFAULT_MAP_IN_GEMM": False}),
                   "again": (None, {})}
 
 
@@ -159,6 +162,7 @@ def main() -> int:
             ratio("current", "noearly")
             ratio("noearly", "memset")
             ratio("current", "memset")
+            ratio("current", "gather")
             ratio("again", "current")  # the same code timed twice: this point's noise
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)

@@ -1,8 +1,8 @@
 """Benchmark scripts that PERF.md quotes: benchmarks/vllm_style.py (the same-run reference of
 section 3; its vLLM-style GEMM part is checked against the float64 reference) and
 benchmarks/decode_launches.py, benchmarks/bench_triton.py, benchmarks/routing_configs.py,
-benchmarks/gemm_configs.py, benchmarks/persistent_gemm2.py and benchmarks/topk_ties.py; each script's
-smoke mode runs end to end on CPU."""
+benchmarks/gemm_configs.py, benchmarks/persistent_gemm2.py, benchmarks/batched_configs.py and
+benchmarks/topk_ties.py; each script's smoke mode runs end to end on CPU."""
 
 import csv
 import os
@@ -66,7 +66,7 @@ def test_decode_launches_smoke(tmp_path):
     rows = _smoke("decode_launches.py", tmp_path, "--tokens", "1,3")
     assert len(rows) == 4 and [r["direct_rule"] for r in rows[:2]] == ["True", "False"]
     assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows
-               for v in ("baseline", "direct", "zero", "both", "sk2", "sk4", "nopdl", "pdl"))
+               for v in ("baseline", "direct", "zero", "both", "sk2", "sk4", "nopdl", "pdl", "gather"))
     assert all(float(r["sk4/current"]) > 0 and float(r["current/nopdl"]) > 0 for r in rows)
 
 
@@ -103,6 +103,13 @@ def test_persistent_gemm2_smoke(tmp_path):
     # every persistent variant gives the shipped GEMM2's sums (the script checks before timing)
     rows = _smoke("persistent_gemm2.py", tmp_path)
     assert len(rows) == 1 and all(float(rows[0][f"{v}/shipped"]) > 0 for v in ("p1", "p1s3", "p1f3", "p1f", "p2"))
+
+
+def test_batched_configs_smoke(tmp_path):
+    # both configs run and agree on the written rows (the script stops if they do not)
+    rows = _smoke("batched_configs.py", tmp_path)
+    assert [int(r["rows_per_expert"]) for r in rows] == [3, 20]
+    assert all(r["lookup_source"] == "default heuristic" and float(r["max_rel_diff"]) < 2e-2 for r in rows)
 
 
 def test_topk_ties_smoke():

@@ -91,13 +91,32 @@ def test_sweep_end_to_end(tmp_path):
     ok = df[df.status == "ok"]
     assert set(ok.experts) >= {"torch", "batched-torch", "triton", "batched-triton"}  # Triton: interpreter
     assert ok.correct.all()
-    assert (ok[ok.experts == "triton"].config_source == "default heuristic").all()
+    assert (ok[ok.experts.isin(["triton", "batched-triton"])].config_source == "default heuristic").all()
     assert set(ok.tokens) == {0, 1, 5}
     skipped = df[df.status == "skipped"]
     mismatch = skipped[skipped.reason.str.contains("format mismatch")]
     assert len(mismatch) > 0  # e.g. no-dpep + batched-torch is listed, not dropped
     assert (run / "results.md").read_text().startswith("| model |")
     assert "moebench sweep" in res.stdout and "CPU times are wall clock" in res.stdout
+
+
+def test_sweep_triton_experts_read_the_tuned_file(tmp_path, monkeypatch):
+    # Both Triton experts look up the vLLM-format file of their (local experts, I, device): the
+    # sorted-token kernel at the token count, the batched one at its rows per expert; each row
+    # names the entry it ran with.
+    entry = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+    (tmp_path / "cfg").mkdir()
+    name = "E=6,N=16,device_name=cpu.json"
+    (tmp_path / "cfg" / name).write_text(json.dumps({"triton_version": "3.6.0", "3": entry, "64": entry}))
+    monkeypatch.setenv("MOEBENCH_CONFIG_DIR", str(tmp_path / "cfg"))
+    res = moebench("sweep", *SMALL, "--experts", "triton,batched-triton", "--out", str(tmp_path / "out"),
+                   "--format", "csv")
+    assert res.returncode == 0, res.stderr
+    df = pd.read_csv(next((tmp_path / "out").iterdir()) / "results.csv")
+    ok = df[df.status == "ok"]
+    assert set(ok.experts) == {"triton", "batched-triton"} and ok.correct.all()
+    assert ok.config_source.str.contains(name, regex=False).all()
+    assert ok.config_source.str.endswith("[3]").all()
 
 
 def test_sweep_resume_skips_finished_rows(tmp_path):

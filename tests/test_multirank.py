@@ -139,6 +139,13 @@ def _check_all_cases(ctx: RankContext) -> dict[str, float]:
         timed[pf] = {k: v.median_us for k, v in res.phases.items()}
     errs["__timed__"] = timed  # type: ignore[assignment]
 
+    # what the batched experts' config lookup keys on: this rank's tokens x world
+    lay = ParallelLayout(dp=ctx.world_size, enable_ep=True)
+    lo, hi = token_split(12, ctx.world_size)[ctx.rank]
+    prep = make_prepare_finalize("all2all-ll", **_pf_kwargs("all2all-ll", ctx)).prepare(
+        x[lo:hi], tw[lo:hi], ti[lo:hi], 8, 8 // ctx.world_size, lay.expert_map(ctx.rank, 8))
+    errs["__num_tokens__"] = (prep.num_tokens, (hi - lo) * ctx.world_size)  # type: ignore[assignment]
+
     # max_tokens_per_rank exceeded on every rank: a clear error, no hang
     kernel = FusedMoEKernel(make_prepare_finalize("all2all-ll", group=ctx.group, max_tokens_per_rank=2), make_experts("batched-torch"))
     try:
@@ -179,6 +186,13 @@ def test_phase_times_are_collective(rank_results):
     for r in range(1, world):
         assert results[r]["__timed__"] == t0  # max over ranks: the same on every rank
     assert all(v > 0 for d in t0.values() for v in d.values())
+
+
+def test_all2all_ll_reports_routed_tokens(rank_results):
+    _, results, _ = rank_results
+    for errs in results:
+        got, want = errs["__num_tokens__"]
+        assert got == want and want > 0
 
 
 def test_max_tokens_per_rank_exceeded(rank_results):

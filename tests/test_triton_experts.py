@@ -13,6 +13,7 @@ import triton
 import moebench
 from helpers import random_expert_map, rel_err
 from moebench.kernels.batched_triton import BatchedTritonExperts, batched_default_config
+from moebench.kernels import moe_align
 from moebench.kernels.modular import TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp, poisoned_outputs
 from moebench.kernels.moe_align import (
     direct_align,
@@ -256,6 +257,39 @@ def test_batched_default_config_caps_block_m():
     assert batched_default_config(3, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] == 16
 
 
+def test_batched_config_lookup(tmp_path, monkeypatch):
+    # The tuned file of (E_local, I) wins, at the entry nearest to the routed token count (the
+    # P/F's num_tokens: the sorted-token kernel's key for the same load), whatever the buffer's
+    # rows per expert; another shape, or no token count, falls back to the batched heuristic
+    # (BLOCK_SIZE_M capped at 64); an explicit config wins over all.
+    from moebench.tuning import configs as C
+
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    small, big = dict(CFG, num_stages=3), dict(CFG, BLOCK_SIZE_M=128, BLOCK_SIZE_N=128)
+    C.write_config_file(tmp_path / C.config_file_name(8, 768, "cpu"), {4: small, 256: big})
+    exp = BatchedTritonExperts()
+    assert exp.config_for(2048, 8, 768, 2048, torch.bfloat16, device_type="cpu", tokens=6) == small
+    assert exp.last_config_source.endswith("E=8,N=768,device_name=cpu.json[4]")
+    assert exp.config_for(64, 8, 768, 2048, torch.bfloat16, device_type="cpu", tokens=300) == big  # as is
+    heuristic = batched_default_config(4096, 768, 2048, torch.bfloat16)
+    assert exp.config_for(4096, 16, 768, 2048, torch.bfloat16, device_type="cpu", tokens=4096) == heuristic
+    assert exp.last_config_source == "default heuristic"
+    assert exp.config_for(4096, 8, 768, 2048, torch.bfloat16, device_type="cpu") == heuristic
+    assert exp.last_config_source == "default heuristic (token count unknown)"
+    explicit = BatchedTritonExperts(config=CFG)
+    assert explicit.config_for(6, 8, 768, 2048, torch.bfloat16, device_type="cpu", tokens=6) == CFG
+    assert explicit.last_config_source == "explicit"
+
+
+def test_batched_prepare_reports_the_routed_tokens():
+    # what the batched experts' lookup keys on: all tokens on one rank
+    x = _x(5, torch.float32)
+    tw, ti = _routing(5, E, K)
+    pf = moebench.make_kernel("batched-triton", "batched-local").prepare_finalize
+    assert pf.prepare(x, tw, ti, E, E, None).num_tokens == 5
+
+
 @pytest.mark.parametrize("m,e,k,renorm", [(5, 60, 4, True), (33, 8, 2, False), (3, 256, 8, True), (4, 512, 10, True),
                                           (17, 16, 1, False)])
 def test_fused_topk_softmax_matches_torch(m, e, k, renorm):
@@ -321,7 +355,7 @@ def test_use_direct_align_rule():
     assert use_direct_align(2, 10, 512) and not use_direct_align(3, 10, 512)
 
 
-def test_direct_align_layout():
+def test_direct_align_layout(monkeypatch):
     ids = torch.tensor([[5, 2], [2, 7]], dtype=torch.int32, device=DEV)
     a = direct_align(ids, 4)
     s = torch.full((4, 4), 4, dtype=torch.int32)
@@ -330,7 +364,26 @@ def test_direct_align_layout():
     assert a.expert_ids.tolist() == [5, 2, 2, 7] and a.num_tokens_post_padded.tolist() == [16]
     emap = torch.full((8,), -1, dtype=torch.int32, device=DEV)
     emap[2], emap[7] = 0, 1
-    assert direct_align(ids, 4, emap).expert_ids.tolist() == [-1, 0, 0, 1]
+    # The GEMMs map the global ids themselves (no launch here); the switch off gathers first.
+    mapped = direct_align(ids, 4, emap)
+    assert mapped.expert_ids.tolist() == [5, 2, 2, 7] and torch.equal(mapped.expert_map, emap)
+    monkeypatch.setattr(moe_align, "DEFAULT_MAP_IN_GEMM", False)
+    gathered = direct_align(ids, 4, emap)
+    assert gathered.expert_ids.tolist() == [-1, 0, 0, 1] and gathered.expert_map is None
+
+
+@pytest.mark.parametrize("map_in_gemm", [True, False])
+def test_direct_align_map_in_gemm_or_gather_same_output(map_in_gemm, monkeypatch):
+    # Both ways of mapping a direct alignment's ids give the reference's result, with 16-row blocks
+    # whose one used row holds a remote pair (skipped) or a local one, and GEMM2 split over K.
+    emap = random_expert_map(E, 20, DEV)
+    w13, w2 = _weights(20, torch.float32)
+    x = _x(3, torch.float32)
+    tw, ti = _routing(3, E, K)
+    monkeypatch.setattr(moe_align, "DEFAULT_MAP_IN_GEMM", map_in_gemm)
+    with poisoned_outputs():
+        out = fused_moe(x, w13, w2, tw, ti, emap, E, CFG, 2, direct=True, atomic=True)
+    assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

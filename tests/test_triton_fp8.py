@@ -278,7 +278,7 @@ def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch):
 
 def test_batched_fp8_default_config_fitted():
     scheme = SCHEMES["block32"]
-    cfg = BatchedTritonExperts().config_for(64, 4096, 4096, torch.bfloat16, scheme)
+    cfg = BatchedTritonExperts().config_for(64, 8, 4096, 4096, torch.bfloat16, scheme, device_type="cpu")
     assert 32 % cfg["BLOCK_SIZE_K"] == 0
     q13, q2 = _qweights(scheme, e=8, h=64, i=32)
     x = _x(6, h=64)

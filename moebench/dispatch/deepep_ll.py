@@ -157,7 +157,7 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
         return PrepareResult(
             a=recv_x, topk_ids=None, topk_weights=None, expert_num_tokens=recv_count,
             expert_map=expert_map, num_experts=num_experts, handle=DeepEPHandle(handle, ids),
-            a_scale=a_scale, quant=quant.scheme if quant else None,
+            a_scale=a_scale, quant=quant.scheme if quant else None, num_tokens=x.shape[0] * world,
         )
 
     def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:

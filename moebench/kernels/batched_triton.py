@@ -38,7 +38,7 @@ from moebench.kernels.moe_align import interpreter_compat, interpreting, triton_
 from moebench.kernels.registry import register_experts
 from moebench.kernels.triton_common import cast_rne, dequant, gate_up_mainloop, grouped_tile, scale_ptrs, scaled_mma
 from moebench.quant import FP8_DTYPE, SCALES, QuantScheme, QuantWeight, scheme_of
-from moebench.tuning.configs import TileConfig, default_config, quant_default, validate_tile_config
+from moebench.tuning.configs import TileConfig, default_config, lookup_config, quant_default, validate_tile_config
 
 
 @triton.jit
@@ -289,8 +289,8 @@ def batched_moe(
 class BatchedTritonExperts(Experts):
     """BatchedExperts: (E_local, T, H) -> (E_local, T, H) unweighted; weights applied by the P/F.
 
-    config: a TileConfig used for every call (else `batched_default_config`, fitted to the fp8
-    scale block for block-quantised weights). fp8_w8a8 weights (all scales of moebench.quant)
+    config: a TileConfig used for every call (else the tuned-config lookup, else
+    `batched_default_config`, fitted to the fp8 scale block for block-quantised weights). fp8_w8a8 weights (all scales of moebench.quant)
     take the activations prepare quantised (prep.a fp8 + prep.a_scale); the output is in
     prep.out_dtype.
     """
@@ -306,18 +306,36 @@ class BatchedTritonExperts(Experts):
 
     def __init__(self, config: Mapping[str, int] | None = None):
         self.config = validate_tile_config(dict(config), "BatchedTritonExperts config") if config is not None else None
+        self.last_config_source: str | None = None
 
     def weight_and_reduce(self):
         return TopKWeightAndReduceDelegate()
 
     def config_for(
-        self, t: int, n_inter: int, hidden: int, dtype: torch.dtype, quant: QuantScheme | None = None
+        self, t: int, e_local: int, n_inter: int, hidden: int, dtype: torch.dtype, quant: QuantScheme | None = None,
+        device_type: str = "cuda", tokens: int | None = None,
     ) -> dict[str, Any]:
+        """The config for a (e_local, t, hidden) batch of `tokens` routed tokens
+        (PrepareResult.num_tokens): the explicit one, else the tuned-config lookup (E = local
+        experts, N = I, the entry nearest to `tokens`: the config the sorted-token kernel runs
+        with for the same load), else `batched_default_config` (also when `tokens` is None).
+        last_config_source says which.
+
+        vLLM's batched experts key the lookup on the buffer's rows per expert instead; an H200
+        run (PERF.md section 3) measured that 1.3-2.8x slower than the heuristic where the rows
+        per expert are 64-256 (it picks the entries tuned for 64-256 tokens in all)."""
         if self.config is not None:
+            self.last_config_source = "explicit"
             return dict(self.config)
-        cfg = batched_default_config(t, n_inter, hidden, dtype)
+        default = batched_default_config(t, n_inter, hidden, dtype)
         if quant is not None:
-            cfg = quant_default(cfg, quant)
+            default = quant_default(default, quant)
+        if tokens is None:
+            self.last_config_source = "default heuristic (token count unknown)"
+            return dict(default)
+        cfg, self.last_config_source = lookup_config(
+            e_local, n_inter, max(tokens, 1), dtype, device_name=None if device_type == "cuda" else "cpu", quant=quant,
+            default=default)
         return dict(cfg)
 
     def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
@@ -328,5 +346,6 @@ class BatchedTritonExperts(Experts):
         if scheme is not None:
             out_dtype = prep.out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
             dtype = out_dtype
-        cfg = self.config_for(a.shape[1], w2.shape[2], a.shape[2], dtype, scheme)
+        cfg = self.config_for(a.shape[1], a.shape[0], w2.shape[2], a.shape[2], dtype, scheme, a.device.type,
+                              prep.num_tokens)
         return batched_moe(a, prep.expert_num_tokens, w13, w2, cfg, prep.a_scale, out_dtype)

@@ -84,6 +84,9 @@ class PrepareResult:
     quant:             the QuantScheme `a` was quantised with, or None
     out_dtype:         dtype of the layer's input x, which the experts' output keeps (set by
                        FusedMoEKernel; None = a's dtype)
+    num_tokens:        BATCHED: tokens routed into the layer over all ranks (one rank: exact;
+                       several: this rank's count x world), the token count the tuned-config
+                       lookup keys on, as the STANDARD path keys on M'; None = unknown
     """
 
     a: torch.Tensor
@@ -96,6 +99,7 @@ class PrepareResult:
     a_scale: torch.Tensor | None = None
     quant: QuantScheme | None = None
     out_dtype: torch.dtype | None = None
+    num_tokens: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,6 +85,9 @@ class AlignResult:
     block_size_m: int
     num_pairs: int  # M * K = the sentinel
     direct: bool = False  # made by `direct_align` (one block per pair)
+    #: direct_align with an expert_map (DEFAULT_MAP_IN_GEMM): expert_ids hold the global ids and the
+    #: GEMMs map them through this (E,) int32 map (-1 = remote), so no gather launches before them.
+    expert_map: torch.Tensor | None = None
 
     @property
     def max_blocks(self) -> int:
@@ -107,6 +110,10 @@ SORT_MIN_WORK = 1 << 20
 #: The used-length buffer is written by every kernel path, so it is not zeroed by a memset launch
 #: first (False: the memset as before the seventh session, for the A/B in decode_launches.py).
 DEFAULT_SKIP_MEMSET = True
+#: direct_align with an expert_map: the GEMMs map each block's global id themselves (True), or a
+#: torch gather does it before them (False: the path before the eighth session, two launches, for
+#: the A/B in decode_launches.py; it needs ids >= 0, as the routing makes them).
+DEFAULT_MAP_IN_GEMM = True
 
 
 def max_padded_size(num_pairs: int, num_local_experts: int, block_size_m: int) -> int:
@@ -458,8 +465,9 @@ def direct_align(
     topk_ids: torch.Tensor, block_size_m: int, expert_map: torch.Tensor | None = None
 ) -> AlignResult:
     """One block per pair, no alignment kernel: block p holds pair p (flat t*K + k) in its first
-    row and sentinels in the others; its expert is topk_ids' own entry (mapped through
-    expert_map when given: one gather), -1 = remote, a block the GEMMs skip.
+    row and sentinels in the others; its expert is topk_ids' own entry, mapped through expert_map
+    when given (by the GEMMs as they read it: no launch; DEFAULT_MAP_IN_GEMM), -1 = remote, a
+    block the GEMMs skip.
 
     The same AlignResult format as `moe_align_block_size`, so the GEMM kernels are unchanged; pairs
     sharing an expert each read its weights, so use it where `use_direct_align` says. The
@@ -470,8 +478,14 @@ def direct_align(
     dev = topk_ids.device
     num_pairs = topk_ids.numel()
     ids = topk_ids.reshape(-1)
+    mapped = None
     if expert_map is not None:
-        ids = expert_map.to(dev)[ids.long()]
+        if DEFAULT_MAP_IN_GEMM:
+            mapped = expert_map.to(device=dev, dtype=torch.int32)  # as it is when already int32 on dev
+            if not mapped.is_contiguous():
+                mapped = mapped.contiguous()
+        else:
+            ids = expert_map.to(dev)[ids.long()]
     key = (num_pairs, block_size_m, dev)
     layout = _DIRECT_LAYOUTS.get(key)
     if layout is None:
@@ -482,7 +496,7 @@ def direct_align(
         small = num_pairs * block_size_m <= 1 << 16  # what `use_direct_align` picks; forced big ones are not kept
         if small and (dev.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
             _DIRECT_LAYOUTS[key] = layout
-    return AlignResult(layout[0], ids, layout[1], block_size_m, num_pairs, direct=True)
+    return AlignResult(layout[0], ids, layout[1], block_size_m, num_pairs, direct=True, expert_map=mapped)
 
 
 def moe_align_block_size_torch(

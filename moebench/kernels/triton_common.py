@@ -33,16 +33,21 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
-def block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M: tl.constexpr, FROM_L2: tl.constexpr):
+def block_expert(pid_m, ntpp_ptr, expert_ids_ptr, expert_map_ptr, BLOCK_SIZE_M: tl.constexpr, FROM_L2: tl.constexpr,
+                 MAPPED: tl.constexpr):
     """The local expert of sorted block pid_m (int64), or -1 when the block has nothing to do:
     past the used length (padding of the worst-case grid) or a remote expert (direct_align).
-    FROM_L2: load with the ".cg" modifier (for reads before `pdl_wait`)."""
+    FROM_L2: load with the ".cg" modifier (for reads before `pdl_wait`). MAPPED: expert_ids hold
+    global ids (direct_align with an expert_map), mapped here through expert_map (global -> local,
+    -1 = remote); a negative id stays -1."""
     if FROM_L2:
         expert = tl.load(expert_ids_ptr + pid_m, cache_modifier=".cg").to(tl.int64)
         used = tl.load(ntpp_ptr, cache_modifier=".cg")
     else:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         used = tl.load(ntpp_ptr)
+    if MAPPED:  # the map is an input of the step, written by no kernel of it
+        expert = tl.load(expert_map_ptr + expert, mask=expert >= 0, other=-1).to(tl.int64)
     return tl.where(pid_m * BLOCK_SIZE_M >= used, -1, expert)
 
 

@@ -140,7 +140,8 @@ def _silu_mul_gemm1_kernel(
     w13_desc,  # TMA descriptor of w13 as (E_local * 2I, H), block (BLOCK_SIZE_N, BLOCK_SIZE_K); USE_TMA only
     inter_ptr,  # (max_padded, I) out, rows in sorted order
     sorted_ids_ptr,  # (max_padded,) flat pair ids, sentinel = num_pairs
-    expert_ids_ptr,  # (max_blocks,) local expert per block
+    expert_ids_ptr,  # (max_blocks,) local expert per block (MAPPED: global id)
+    expert_map_ptr,  # MAPPED: (E,) global -> local expert, -1 = remote
     ntpp_ptr,  # (1,) used length of sorted_ids
     a_scale_ptr,  # QUANT: (M, G) fp32 dequantisation scales of x's rows (stride 0 over rows: per tensor)
     w_scale_ptr,  # QUANT: scales of w13 (see stride_ws*)
@@ -181,6 +182,7 @@ def _silu_mul_gemm1_kernel(
     QUANT_OUT: tl.constexpr = False,  # store the intermediate as per-tensor fp8 (inter_ptr is fp8)
     ACT_DTYPE: tl.constexpr = tl.bfloat16,  # QUANT_OUT: the activation dtype it is rounded to first
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
+    MAPPED: tl.constexpr = False,  # expert_ids are global ids, mapped through expert_map (direct_align)
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -200,7 +202,7 @@ def _silu_mul_gemm1_kernel(
 
     # Blocks past the used length (padding of the worst-case grid) and blocks of a remote expert
     # (direct_align) have nothing to do.
-    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M, False)
+    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, expert_map_ptr, BLOCK_SIZE_M, False, MAPPED)
     if expert < 0:
         return
 
@@ -241,6 +243,7 @@ def _gemm2_weighted_sum_kernel(
     topk_weights_ptr,  # (M*K,) router weights of the flat pairs
     sorted_ids_ptr,
     expert_ids_ptr,
+    expert_map_ptr,  # MAPPED: as in GEMM1
     ntpp_ptr,
     a_scale_ptr,  # QUANT: (max_padded, G) fp32 scales of inter's sorted rows (stride 0 over rows: per tensor)
     w_scale_ptr,  # QUANT: scales of w2
@@ -276,6 +279,7 @@ def _gemm2_weighted_sum_kernel(
     GROUP_K: tl.constexpr = 1,
     A_TMA: tl.constexpr = False,  # with USE_TMA: inter's tiles through TMA too (k_per_split % BLOCK_SIZE_K == 0)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
+    MAPPED: tl.constexpr = False,  # as in GEMM1
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -286,7 +290,7 @@ def _gemm2_weighted_sum_kernel(
     # With PDL this runs while GEMM1 finishes. The alignment (two kernels back) is complete, since
     # GEMM1 waited for it before letting this kernel launch: read the block's expert from L2.
     # Nothing GEMM1 writes is touched before pdl_wait.
-    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, BLOCK_SIZE_M, PDL)
+    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, expert_map_ptr, BLOCK_SIZE_M, PDL, MAPPED)
     if expert < 0:  # unused padding block, or a remote expert (direct_align)
         return
     pdl_wait(PDL)
@@ -563,7 +567,7 @@ def launch_gemm1(
         assert zero.dtype == torch.float32 and zero.is_contiguous()
     grid1 = (num_blocks * triton.cdiv(n_inter, bn1),)
     _silu_mul_gemm1_kernel[grid1](
-        x, wq, desc, inter, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        x, wq, desc, inter, align.sorted_token_ids, align.expert_ids, _map_arg(align), align.num_tokens_post_padded,
         *sc[:2], inter if zero is None else zero, 0 if zero is None else zero.numel(),
         inter if out_scale is None else out_scale.to(device=x.device, dtype=torch.float32).reshape(1),
         align.num_pairs, n_inter, h, num_blocks,
@@ -572,7 +576,7 @@ def launch_gemm1(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
+        MAPPED=align.expert_map is not None, num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
     )
     return inter
 
@@ -628,16 +632,21 @@ def launch_gemm2(
     sc = _scale_args(a_scale, w2)
     grid2 = (num_blocks * triton.cdiv(h, bn), split_k)
     _gemm2_weighted_sum_kernel[grid2](
-        inter, a_desc, wq, desc, ws, weights, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
-        *sc[:2], align.num_pairs, h, n_inter, num_blocks, k_per_split,
+        inter, a_desc, wq, desc, ws, weights, align.sorted_token_ids, align.expert_ids, _map_arg(align),
+        align.num_tokens_post_padded, *sc[:2], align.num_pairs, h, n_inter, num_blocks, k_per_split,
         inter.stride(0), inter.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), ws.stride(0), ws.stride(1),
         *sc[2:],
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic, A_TMA=a_tma,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
+        MAPPED=align.expert_map is not None, num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
     )
     return ws
+
+
+def _map_arg(align: AlignResult) -> torch.Tensor:
+    """The GEMMs' expert_map pointer: the map of a mapped direct alignment, else a dummy."""
+    return align.expert_map if align.expert_map is not None else align.expert_ids
 
 
 def _fuses_fp8_inter(scheme, fuse_fp8_inter: bool | None = None) -> bool:

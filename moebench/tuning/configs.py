@@ -271,6 +271,7 @@ def lookup_config(
     topk: int | None = None,
     num_experts_global: int | None = None,
     quant: "QuantScheme | None" = None,
+    default: TileConfig | None = None,
 ) -> tuple[TileConfig, str]:
     """Tile config for M tokens of an (E local experts, N = intermediate per rank) layer.
 
@@ -280,13 +281,16 @@ def lookup_config(
     Returns (config, source) where source is "<file path>[<tokens>]" or "default heuristic".
     Without a file, `default_config(M, E_for_heuristic, N, hidden, topk, dtype)` decides, with
     E_for_heuristic = num_experts_global (tokens spread over all experts) or E; hidden and topk
-    default to 4096 and 1 when unknown.
+    default to 4096 and 1 when unknown; `default` given: that config instead (another kernel's
+    heuristic, e.g. the batched kernel's).
     """
     dev = device_name if device_name is not None else current_device_name()
     path = find_config_file(E, N, dev, *name_parts(dtype, quant))
     if path is not None:
         key, cfg = nearest_entry(_load_cached(path), M)
         return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
+    if default is not None:
+        return TileConfig(**default), "default heuristic"  # type: ignore[typeddict-item]
     cfg = default_config(M, num_experts_global or E, N, hidden or 4096, topk or 1,
                          dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
     if quant is not None:

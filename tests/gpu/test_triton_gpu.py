@@ -147,7 +147,7 @@ def test_launch_trimming_in_a_cuda_graph(shape):
         assert _rel(layer(), ref) < 2e-2
 
 
-@pytest.mark.parametrize("shape,m", [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 64), ("mixtral", 16),
+@pytest.mark.parametrize("shape,m", [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 64), ("mixtral", 16), ("dsv3-ep8", 1),
                                      ("dsv3-ep8", 256), ("qwen3-30b-a3b", 1024)])
 def test_pdl_chain_in_a_cuda_graph(shape, m):
     # GEMM1 and GEMM2 with programmatic dependent launch: three layers chained in one graph (each
@@ -155,7 +155,9 @@ def test_pdl_chain_in_a_cuda_graph(shape, m):
     # that read `inter` or added into its accumulator before GEMM1 finished would leave stale or
     # doubled rows that the reference catches; so would a GEMM1 that started before the routing
     # (which releases it early, DEFAULT_PDL_EARLY) or an alignment launched with PDL that read the
-    # routing's ids before they were written (Qwen3 64: the one-launch alignment).
+    # routing's ids before they were written (Qwen3 64: the one-launch alignment), or a GEMM2 that
+    # mapped its block's global id (DeepSeek-V3 EP8 one token: direct alignment, expert_map in the
+    # GEMMs) before the routing had written it.
     from moebench.kernels import triton_moe
 
     x, w13, w2, tw, ti, emap, e = _setup(shape, m)
