@@ -5,9 +5,10 @@ run (issue 3: every launch takes the lookup's config, else the heuristic).
 
 `BatchedTritonExperts` looks up the vLLM-format file of (E_local, I) at the entry nearest to the
 routed token count (PrepareResult.num_tokens; here the count whose pairs per local expert match
-the batch's mean rows, 3T/4 x E / topk) and falls back to `batched_default_config` (BLOCK_SIZE_M
-capped at 64). `rows_key`: the entry nearest to T itself, the key vLLM's batched Triton experts
-use (their max tokens). The files are tuned for the sorted-token kernel, so this measures whether
+the batch's mean rows, 3T/4 x E / topk) and falls back to `batched_default_config` at the mean
+rows per expert (`heuristic`). `rows_key`: the entry nearest to T itself, the key vLLM's batched
+Triton experts use (their max tokens); `heuristic_v1`: the heuristic before the eighth session
+(64-row tiles at any row count). The files are tuned for the sorted-token kernel, so this measures whether
 the batched kernel gains from them. Each point: a (E_local, T, H) bf16 batch with
 expert_num_tokens drawn from [T/2, T], the configs checked against each other on the written rows,
 then timed (CUDA-graph replay). Writes batched_configs.csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter
@@ -22,7 +23,7 @@ import sys
 import pandas as pd
 import torch
 
-from moebench.kernels.batched_triton import BatchedTritonExperts, batched_default_config, batched_moe
+from moebench.kernels.batched_triton import BATCHED_WIDE_ROWS, BatchedTritonExperts, batched_default_config, batched_moe
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
 
@@ -58,16 +59,18 @@ def main() -> int:
         for t in (int(v) for v in args.rows.split(",")):
             a = torch.randn(e_local, t, h, dtype=dt, device=dev, generator=g)
             counts = torch.randint(max(t // 2, 1), t + 1, (e_local,), device=dev, generator=g, dtype=torch.int32)
-            heur = dict(batched_default_config(t, inter_size, h, dt))
             exp = BatchedTritonExperts()
             tokens = max(1, round(0.75 * t * e / k))
-            looked = exp.config_for(t, e_local, inter_size, h, dt, device_type=dev.type, tokens=tokens)
+            heur = dict(batched_default_config(min(t, -(-tokens * k // e)), inter_size, h, dt))
+            looked = exp.config_for(t, e_local, inter_size, h, dt, device_type=dev.type, tokens=tokens, topk=k,
+                                    num_experts=e)
             row = dict(shape=shape, rows_per_expert=t, tokens=tokens, heuristic=_cfg_text(heur), lookup=_cfg_text(looked),
                        lookup_source=str(exp.last_config_source).rsplit("/", 1)[-1])
             rows_key = exp.config_for(t, e_local, inter_size, h, dt, device_type=dev.type, tokens=t)
-            row["rows_key"] = _cfg_text(rows_key)
+            v1 = dict(batched_default_config(min(t, BATCHED_WIDE_ROWS), inter_size, h, dt))
+            row.update(rows_key=_cfg_text(rows_key), heuristic_v1=_cfg_text(v1))
             outs = {}
-            for name, cfg in (("heuristic", heur), ("lookup", looked), ("rows_key", rows_key)):
+            for name, cfg in (("heuristic", heur), ("lookup", looked), ("rows_key", rows_key), ("heuristic_v1", v1)):
                 fn = lambda cfg=cfg: batched_moe(a, counts, w13, w2, cfg)  # noqa: E731
                 outs[name] = fn()
                 row[f"{name}_us"] = round(timed_us(fn, reps=20, graph_calls=3), 1)
@@ -78,6 +81,7 @@ def main() -> int:
                 raise SystemExit(f"{shape} T={t}: the configs disagree by {row['max_rel_diff']:.1e}")
             row["lookup/heuristic"] = round(row["lookup_us"] / row["heuristic_us"], 3)
             row["rows_key/heuristic"] = round(row["rows_key_us"] / row["heuristic_us"], 3)
+            row["heuristic/heuristic_v1"] = round(row["heuristic_us"] / row["heuristic_v1_us"], 3)
             rows.append(row)
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
             df = pd.DataFrame(rows)

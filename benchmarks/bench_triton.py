@@ -255,7 +255,9 @@ def main() -> int:
             flops = 2 * pairs * 3 * h * inter
             mem_floor = nbytes / rbw * 1e6
             cmp_floor = flops / mm * 1e6
-            floor = max(mem_floor, cmp_floor) or float("nan")  # nan: no local expert hit
+            # No local expert hit (an EP shard at one token): the layer reads no weights and its
+            # time is launches, not a roofline: no floor (nan), not the activations' few ns.
+            floor = max(mem_floor, cmp_floor) if hit else float("nan")
             ref_us = REF[shape][TOKENS.index(m)] if m in TOKENS else float("nan")
             row = dict(
                 shape=shape, tokens=m, E=e, E_local=e_local, topk=k, hidden=h, intermediate=inter,

@@ -252,9 +252,12 @@ def test_batched_skips_rows_past_counts():
     assert isinstance(BatchedTritonExperts().weight_and_reduce(), TopKWeightAndReduceDelegate)
 
 
-def test_batched_default_config_caps_block_m():
-    assert batched_default_config(4096, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] <= 64
+def test_batched_default_config_block_m_by_rows():
+    # 64-row tiles up to BATCHED_WIDE_ROWS rows per expert, 128-row ones above (H200: PERF.md)
     assert batched_default_config(3, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] == 16
+    assert batched_default_config(100, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] == 64
+    assert batched_default_config(128, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] == 64
+    assert batched_default_config(129, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] == 128
 
 
 def test_batched_config_lookup(tmp_path, monkeypatch):
@@ -277,6 +280,10 @@ def test_batched_config_lookup(tmp_path, monkeypatch):
     assert exp.last_config_source == "default heuristic"
     assert exp.config_for(4096, 8, 768, 2048, torch.bfloat16, device_type="cpu") == heuristic
     assert exp.last_config_source == "default heuristic (token count unknown)"
+    # with the load known, the heuristic sizes tiles for the mean routed pairs per expert (here 8),
+    # not for the buffer's rows (all2all-ll's buffer holds max_tokens_per_rank x world rows)
+    assert exp.config_for(2048, 16, 768, 2048, torch.bfloat16, device_type="cpu", tokens=64, topk=2,
+                          num_experts=16) == batched_default_config(8, 768, 2048, torch.bfloat16)
     explicit = BatchedTritonExperts(config=CFG)
     assert explicit.config_for(6, 8, 768, 2048, torch.bfloat16, device_type="cpu", tokens=6) == CFG
     assert explicit.last_config_source == "explicit"
@@ -287,7 +294,8 @@ def test_batched_prepare_reports_the_routed_tokens():
     x = _x(5, torch.float32)
     tw, ti = _routing(5, E, K)
     pf = moebench.make_kernel("batched-triton", "batched-local").prepare_finalize
-    assert pf.prepare(x, tw, ti, E, E, None).num_tokens == 5
+    prep = pf.prepare(x, tw, ti, E, E, None)
+    assert (prep.num_tokens, prep.topk) == (5, K)
 
 
 @pytest.mark.parametrize("m,e,k,renorm", [(5, 60, 4, True), (33, 8, 2, False), (3, 256, 8, True), (4, 512, 10, True),

@@ -160,7 +160,7 @@ class AllToAllLLPrepareAndFinalize(PrepareAndFinalize):
         return PrepareResult(
             a=a, topk_ids=None, topk_weights=None, expert_num_tokens=expert_num_tokens,
             expert_map=expert_map, num_experts=num_experts, handle=handle, a_scale=a_scale, quant=quant.scheme if quant else None,
-            num_tokens=m * world,
+            num_tokens=m * world, topk=k,
         )
 
     def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:

@@ -38,7 +38,7 @@ class BatchedLocalPrepareAndFinalize(PrepareAndFinalize):
         return PrepareResult(
             a=a, topk_ids=None, topk_weights=None, expert_num_tokens=counts,
             expert_map=expert_map, num_experts=num_experts, handle=slot_map, a_scale=a_scale, quant=quant.scheme if quant else None,
-            num_tokens=x.shape[0],
+            num_tokens=x.shape[0], topk=topk_ids.shape[1],
         )
 
     def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:

@@ -158,6 +158,7 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
             a=recv_x, topk_ids=None, topk_weights=None, expert_num_tokens=recv_count,
             expert_map=expert_map, num_experts=num_experts, handle=DeepEPHandle(handle, ids),
             a_scale=a_scale, quant=quant.scheme if quant else None, num_tokens=x.shape[0] * world,
+            topk=topk_ids.shape[1],
         )
 
     def finalize(self, out, prep, topk_weights, weight_and_reduce) -> torch.Tensor:

@@ -191,11 +191,20 @@ def _batched_gemm2_kernel(
     tl.store(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def batched_default_config(max_tokens: int, n_inter: int, hidden: int, dtype: torch.dtype) -> TileConfig:
-    """The Standard kernel's default heuristic with tokens per expert = max_tokens (an upper
-    bound: the real counts are only known on the device), BLOCK_SIZE_M capped at 64."""
-    cfg = default_config(max_tokens, 1, n_inter, hidden, 1, dtype)
-    if cfg["BLOCK_SIZE_M"] > 64:
+#: Rows per expert up to which the batched heuristic keeps 64-row tiles where the sorted-token
+#: heuristic would take 128-row ones.
+BATCHED_WIDE_ROWS = 128
+
+
+def batched_default_config(rows: int, n_inter: int, hidden: int, dtype: torch.dtype) -> TileConfig:
+    """The Standard kernel's default heuristic with tokens per expert = rows (the routed pairs per
+    local expert when the P/F says how many tokens it routed, else the buffer's rows: an upper
+    bound), with 64-row tiles instead of 128-row ones up to BATCHED_WIDE_ROWS rows.
+
+    On an H200 (benchmarks/batched_configs.py, PERF.md section 3), 128 x 256 tiles were 10-30%
+    faster than 64 x 128 ones at 192 and 768 mean rows per expert, and 4-9% slower at 48."""
+    cfg = default_config(rows, 1, n_inter, hidden, 1, dtype)
+    if cfg["BLOCK_SIZE_M"] > 64 and rows <= BATCHED_WIDE_ROWS:
         cfg = TileConfig(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=4)
         if dtype == torch.float32:
             cfg["BLOCK_SIZE_K"], cfg["num_stages"] = 32, 3
@@ -313,21 +322,26 @@ class BatchedTritonExperts(Experts):
 
     def config_for(
         self, t: int, e_local: int, n_inter: int, hidden: int, dtype: torch.dtype, quant: QuantScheme | None = None,
-        device_type: str = "cuda", tokens: int | None = None,
+        device_type: str = "cuda", tokens: int | None = None, topk: int | None = None,
+        num_experts: int | None = None,
     ) -> dict[str, Any]:
-        """The config for a (e_local, t, hidden) batch of `tokens` routed tokens
-        (PrepareResult.num_tokens): the explicit one, else the tuned-config lookup (E = local
-        experts, N = I, the entry nearest to `tokens`: the config the sorted-token kernel runs
-        with for the same load), else `batched_default_config` (also when `tokens` is None).
+        """The config for a (e_local, t, hidden) batch of `tokens` routed tokens with `topk`
+        experts each over `num_experts` (PrepareResult.num_tokens / topk / num_experts): the
+        explicit one, else the tuned-config lookup (E = local experts, N = I, the entry nearest to
+        `tokens`: the config the sorted-token kernel runs with for the same load), else
+        `batched_default_config` at the mean routed pairs per expert (t when the load is unknown).
         last_config_source says which.
 
         vLLM's batched experts key the lookup on the buffer's rows per expert instead; an H200
-        run (PERF.md section 3) measured that 1.3-2.8x slower than the heuristic where the rows
-        per expert are 64-256 (it picks the entries tuned for 64-256 tokens in all)."""
+        run (PERF.md section 3) measured that 1.4-3.0x slower than the heuristic at 64-256 rows
+        per expert (it picks the entries tuned for 64-256 tokens in all)."""
         if self.config is not None:
             self.last_config_source = "explicit"
             return dict(self.config)
-        default = batched_default_config(t, n_inter, hidden, dtype)
+        rows = t
+        if tokens is not None and topk and num_experts:
+            rows = max(1, min(t, -(-tokens * topk // num_experts)))
+        default = batched_default_config(rows, n_inter, hidden, dtype)
         if quant is not None:
             default = quant_default(default, quant)
         if tokens is None:
@@ -347,5 +361,5 @@ class BatchedTritonExperts(Experts):
             out_dtype = prep.out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
             dtype = out_dtype
         cfg = self.config_for(a.shape[1], a.shape[0], w2.shape[2], a.shape[2], dtype, scheme, a.device.type,
-                              prep.num_tokens)
+                              prep.num_tokens, prep.topk, prep.num_experts)
         return batched_moe(a, prep.expert_num_tokens, w13, w2, cfg, prep.a_scale, out_dtype)

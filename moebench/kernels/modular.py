@@ -87,6 +87,8 @@ class PrepareResult:
     num_tokens:        BATCHED: tokens routed into the layer over all ranks (one rank: exact;
                        several: this rank's count x world), the token count the tuned-config
                        lookup keys on, as the STANDARD path keys on M'; None = unknown
+    topk:              BATCHED: K, experts per token (with num_tokens: the mean rows per local
+                       expert the default heuristic sizes tiles for); None = unknown
     """
 
     a: torch.Tensor
@@ -100,6 +102,7 @@ class PrepareResult:
     quant: QuantScheme | None = None
     out_dtype: torch.dtype | None = None
     num_tokens: int | None = None
+    topk: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
