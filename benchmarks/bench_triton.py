@@ -15,6 +15,9 @@ For each shape of design.md ("Performance reference points") and token count, in
              hit + activations in and out; ceilings measured in this run (a tuned read-only Triton
              kernel or torch.sum, whichever is faster; a bf16 8192^3 matmul)
   ref_us     design.md's reference table (vLLM-style kernel, vLLM's H200 configs, GEMM part)
+  size_read_tbps / layer_over_size_read  (decode points) the read probe over a buffer of the
+             point's bytes, and the layer against the time that read takes: the floor's 4 GiB
+             ceiling is not reached by a plain read of a few hundred MB either
 With --sweep, 20 alternative tile configs (plus TMA / store-and-sum variants) are timed on the GEMM
 part to see how far the default heuristic is from the best of that set; --check-best times only
 the best configs of the 2026-11-29 sweep (PREV_BEST), with and without TMA. --smoke runs tiny shapes
@@ -258,6 +261,11 @@ def main() -> int:
             # No local expert hit (an EP shard at one token): the layer reads no weights and its
             # time is launches, not a roofline: no floor (nan), not the activations' few ns.
             floor = max(mem_floor, cmp_floor) if hit else float("nan")
+            # A plain read of this point's weight bytes in one launch (the read-ceiling probe over a
+            # buffer of that size): below ~1 GB it runs below the 4 GiB ceiling (PERF.md section 3).
+            size_read = float("nan")
+            if ON_GPU and hit and m <= 256:
+                size_read = max(read_gbps_candidates(dev, nbytes)[0].values()) * 1e9
             ref_us = REF[shape][TOKENS.index(m)] if m in TOKENS else float("nan")
             row = dict(
                 shape=shape, tokens=m, E=e, E_local=e_local, topk=k, hidden=h, intermediate=inter,
@@ -268,6 +276,7 @@ def main() -> int:
                 routing_us=round(t_route.median_us, 1), torch_routing_us=round(t_troute.median_us, 1), torch_us=round(t_torch, 1), torch_err=torch_err,
                 experts_hit=hit, local_pairs=pairs, mem_floor_us=round(mem_floor, 1), compute_floor_us=round(cmp_floor, 1),
                 floor_us=round(floor, 1), layer_over_floor=round(t_layer.median_us / floor, 3),
+                size_read_tbps=round(size_read / 1e12, 3), layer_over_size_read=round(t_layer.median_us / (nbytes / size_read * 1e6), 3),
                 gemm_over_floor=round(t_gemm.median_us / floor, 3), ref_us=ref_us,
                 layer_over_ref=round(t_layer.median_us / ref_us, 3), gemm_over_ref=round(t_gemm.median_us / ref_us, 3),
                 torch_over_layer=round(t_torch / t_layer.median_us, 2),
@@ -363,15 +372,16 @@ def _markdown(rows, gpu, rbw, rhow, mm) -> str:
         f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}; read ceiling "
         f"{rbw / 1e12:.2f} TB/s ({rhow}), bf16 matmul {mm / 1e12:.0f} TFLOP/s (this run).",
         "",
-        "| shape | M | layer us | gemm us (gemm1 + gemm2) | align us | routing us (torch ops) | torch us | floor us | layer/floor | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | sweep best (gemm us, config) | best known (gemm us, config) | err |",
+        "| shape | M | layer us | gemm us (gemm1 + gemm2) | align us | routing us (torch ops) | torch us | floor us | layer/floor (layer/same-size read) | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | sweep best (gemm us, config) | best known (gemm us, config) | err |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sweep = f"{r['sweep_best_us']} {r['sweep_best_config']}" if "sweep_best_us" in r else "-"
         known = f"{r['best_known_us']} {r['best_known_config']}" if "best_known_us" in r else "-"
+        size = f" ({r['layer_over_size_read']})" if r["layer_over_size_read"] == r["layer_over_size_read"] else ""
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['layer_us']} | {r['gemm_us']} ({r['gemm1_us']} + {r['gemm2_us']}) | {r['align_us']}{' (direct)' if r['align_kind'] == 'direct' else ''} | {r['routing_us']} ({r['torch_routing_us']}) | "
-            f"{r['torch_us']} | {r['floor_us']} | {r['layer_over_floor']} | {r['gemm_over_ref']} | {r['layer_over_ref']} | "
+            f"{r['torch_us']} | {r['floor_us']} | {r['layer_over_floor']}{size} | {r['gemm_over_ref']} | {r['layer_over_ref']} | "
             f"{r['config']} sk{r['split_k']}{' tma' if r['tma'] else ''} | {sweep} | {known} | {r['max_rel_err']} |"
         )
     return "\n".join(lines) + "\n"
