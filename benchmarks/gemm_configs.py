@@ -9,7 +9,8 @@ size), but nothing else: SGLang already loads a separate config for the down pro
 (`..._down.json`). At each point this script takes the config the layer uses now (shipped tuned
 file or default heuristic), aligns the pairs with its BLOCK_SIZE_M, and times each GEMM alone
 (CUDA-graph replay) under that config and under candidates that keep BLOCK_SIZE_M and vary the
-rest (BLOCK_SIZE_N/K, warps, stages; for GEMM2 also its K split and TMA on inter). Every
+rest (--bm: another BLOCK_SIZE_M for the alignment and both GEMMs, e.g. 64-row GEMM2 tiles where
+the layer's 128-row blocks are half full) (BLOCK_SIZE_N/K, warps, stages; for GEMM2 also its K split and TMA on inter). Every
 candidate's output is checked against the current config's before it counts.
 
 Writes gemm_configs.csv (one row per candidate) and gemm_configs.md (per point and GEMM: current,
@@ -78,6 +79,8 @@ def main() -> int:
     ap.add_argument("--points", default=POINTS, help="shape:tokens,... (shapes: %s)" % ",".join(SHAPES))
     ap.add_argument("--gemms", default="2,1")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting new points after this many seconds")
+    ap.add_argument("--bm", type=int, default=0,
+                    help="BLOCK_SIZE_M of the alignment and both GEMMs instead of the layer's (0: the layer's)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
@@ -112,6 +115,8 @@ def main() -> int:
         logits = torch.randn(m, e, device=dev, generator=g)
         tw, ids = fused_topk_softmax(logits, k, renormalize=True)
         base = layer_config(shape, m, w13, w2, e, k, dt)
+        if args.bm:
+            base["BLOCK_SIZE_M"] = args.bm
         align = align_pairs(ids, base["BLOCK_SIZE_M"], e_local, emap, e)
         tma = resolve_use_tma(None, base, dt) and _tma_ok(w13) and _tma_ok(w2)
         wide = base["BLOCK_SIZE_M"] >= 64
