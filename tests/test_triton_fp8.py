@@ -248,9 +248,11 @@ def test_block_k_must_divide_scale_block(experts, pf):
 # Configs and the public functions
 
 
-def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch):
-    # A tuned file under the fp8 name (dtype=fp8_w8a8,block_shape=[32,32]) is found and used;
-    # without it the default heuristic is fitted to the scale block.
+@pytest.mark.parametrize("experts_cls,pf", [(TritonExperts, "no-dpep"), (BatchedTritonExperts, "batched-local")])
+def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch, experts_cls, pf):
+    # A tuned file under the fp8 name (dtype=fp8_w8a8,block_shape=[32,32]) is found and used (the
+    # batched experts key it on the routed tokens, 5); without it the default heuristic is fitted
+    # to the scale block.
     scheme = SCHEMES["block32"]
     e, h, i = 8, 64, 32
     q13, q2 = _qweights(scheme, e=e, h=h, i=i)
@@ -260,8 +262,8 @@ def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEBENCH_CONFIG_DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)
 
-    experts = TritonExperts()
-    kernel = moebench.FusedMoEKernel(moebench.make_kernel("triton", "no-dpep").prepare_finalize, experts)
+    experts = experts_cls()
+    kernel = moebench.FusedMoEKernel(moebench.make_kernel(experts_cls.name, pf).prepare_finalize, experts)
     with poisoned_outputs():
         out = kernel.apply(x, q13, q2, tw, ti)
     assert experts.last_config_source == "default heuristic"
