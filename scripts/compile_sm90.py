@@ -46,7 +46,7 @@ def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] =
 
 def main() -> int:
     std_ptrs = {"x_ptr": "*bf16", "w13_ptr": "*bf16", "w2_ptr": "*bf16", "inter_ptr": "*bf16", "ws_ptr": "*fp32",
-                "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntpp_ptr": "*i32",
+                "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "expert_map_ptr": "*i32", "ntpp_ptr": "*i32",
                 "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
     no_quant = dict(QUANT=0, GROUP_N=1, GROUP_K=1)
     # unquantised: a decode and a mid-size tile; fp8: per-token (epilogue scales) on the decode
@@ -83,6 +83,9 @@ def main() -> int:
     c2 = dict(c, BLOCK_SIZE_K=64, ATOMIC=True, A_TMA=False, PDL=True)
     del c2["ZERO_OUT"], c2["WIDE"]
     print(compile_kernel(T._gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc", "inter_desc")))
+    # a direct alignment under EP: both GEMMs map their block's global expert id (MAPPED)
+    print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, MAPPED=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",)))
+    print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c2, MAPPED=True), std_ptrs, ("w2_desc", "inter_desc")))
     # GEMM1 with gate and up as one tile and one dot: decode and prefill tiles (BLOCK_SIZE_N is
     # per half here, as launch_gemm1 passes it), and fp8 block scales
     for (bm, bn, bk), quant in (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),
