@@ -1,8 +1,8 @@
 """Benchmark scripts that PERF.md quotes: benchmarks/vllm_style.py (the same-run reference of
 section 3; its vLLM-style GEMM part is checked against the float64 reference) and
 benchmarks/decode_launches.py, benchmarks/bench_triton.py, benchmarks/routing_configs.py,
-benchmarks/gemm_configs.py, benchmarks/persistent_gemm2.py, benchmarks/batched_configs.py and
-benchmarks/topk_ties.py; each script's smoke mode runs end to end on CPU."""
+benchmarks/gemm_configs.py, benchmarks/persistent_gemm2.py, benchmarks/batched_configs.py,
+benchmarks/gemm1_granularity.py and benchmarks/topk_ties.py; each script's smoke mode runs end to end on CPU."""
 
 import csv
 import os
@@ -110,6 +110,11 @@ def test_batched_configs_smoke(tmp_path):
     rows = _smoke("batched_configs.py", tmp_path)
     assert [int(r["rows_per_expert"]) for r in rows] == [3, 20]
     assert all(r["lookup_source"] == "default heuristic" and float(r["max_rel_diff"]) < 2e-2 for r in rows)
+
+
+def test_gemm1_granularity_smoke(tmp_path):
+    rows = _smoke("gemm1_granularity.py", tmp_path)
+    assert [int(r["experts_hit"]) for r in rows] == [1, 4] and all(float(r["n64_us"]) > 0 for r in rows)
 
 
 def test_topk_ties_smoke():
