@@ -6,7 +6,8 @@ key, as vLLM reads the files) against the neighbouring key's entry and the defau
 moebench's shipped H200 files hold 6 token counts (1, 16, 64, 256, 1024, 4096), vLLM's tuner 18.
 Between two keys the lookup takes the nearer one, whose tile may be sized for 2-4x fewer or more
 pairs per expert than the layer has. Each point: `fused_moe` (alignment + both GEMMs) with each
-candidate config, checked against the first, CUDA-graph replay. Writes between_keys.csv / .md
+candidate config, checked against the first, CUDA-graph replay, timed --rounds times in
+alternating order (median; `*_spread`: max / min of the rounds). Writes between_keys.csv / .md
 under $OUT (default ./bench-out). --smoke: a tiny shape on CPU under the Triton interpreter with a
 made-up file (checks the script; its times mean nothing).
 """
@@ -38,6 +39,7 @@ def _text(cfg: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", default=POINTS)
+    ap.add_argument("--rounds", type=int, default=4, help="timings per candidate, alternating the order")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
@@ -79,15 +81,23 @@ def main() -> int:
         tw, ids = fused_topk_softmax(torch.randn(m, e, device=dev, generator=g), k, renormalize=True)
         row = dict(shape=shape, tokens=m, pairs_per_local_expert=round(m * k / e, 1))
         want = None
+        fns = {}
         for name, cfg in cands.items():
-            fn = lambda cfg=cfg: fused_moe(x, w13, w2, tw, ids, emap, e, cfg)  # noqa: E731
-            out = fn().float()
+            fns[name] = lambda cfg=cfg: fused_moe(x, w13, w2, tw, ids, emap, e, cfg)  # noqa: E731
+            out = fns[name]().float()
             if want is None:
                 want = out
             elif not torch.allclose(out, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
                 raise SystemExit(f"{point}: {name} differs from {next(iter(cands))}")
             row[name] = _text(cfg)
-            row[f"{name}_us"] = round(timed_us(fn, reps=20, graph_calls=3), 1)
+        # candidates timed in order, then in reverse (ABBA), --rounds times; the median per candidate
+        times = {name: [] for name in cands}
+        for r in range(args.rounds):
+            for name in (list(cands) if r % 2 == 0 else list(reversed(cands))):
+                times[name].append(timed_us(fns[name], reps=20, graph_calls=3))
+        for name in cands:
+            row[f"{name}_us"] = round(float(torch.tensor(times[name]).median()), 1)
+            row[f"{name}_spread"] = round(max(times[name]) / min(times[name]), 3)
         if table:
             row["key"] = near
             row["other_key"] = other
