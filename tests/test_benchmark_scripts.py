@@ -2,7 +2,8 @@
 section 3; its vLLM-style GEMM part is checked against the float64 reference) and
 benchmarks/decode_launches.py, benchmarks/bench_triton.py, benchmarks/routing_configs.py,
 benchmarks/gemm_configs.py, benchmarks/persistent_gemm2.py, benchmarks/batched_configs.py,
-benchmarks/gemm1_granularity.py and benchmarks/topk_ties.py; each script's smoke mode runs end to end on CPU."""
+benchmarks/gemm1_granularity.py, benchmarks/between_keys.py and benchmarks/topk_ties.py; each
+script's smoke mode runs end to end on CPU."""
 
 import csv
 import os
@@ -115,6 +116,13 @@ def test_batched_configs_smoke(tmp_path):
 def test_gemm1_granularity_smoke(tmp_path):
     rows = _smoke("gemm1_granularity.py", tmp_path)
     assert [int(r["experts_hit"]) for r in rows] == [1, 4] and all(float(r["n64_us"]) > 0 for r in rows)
+
+
+def test_between_keys_smoke(tmp_path):
+    # heuristic, nearest and other-key entries of a made-up two-key file, all agreeing
+    rows = _smoke("between_keys.py", tmp_path, "--rounds", "2")
+    assert len(rows) == 1 and rows[0]["key"] == "1" and rows[0]["other_key"] == "16"
+    assert all(float(rows[0][f"{n}_us"]) > 0 for n in ("heuristic", "nearest", "other"))
 
 
 def test_topk_ties_smoke():
