@@ -468,6 +468,11 @@ def test_configs_coverage_of_the_presets_usual_layouts(tmp_path, monkeypatch):
     assert sum(s.startswith(("deepseek-v3:--tp 8", "deepseek-r1:--tp 8")) for s in shards) == 1  # one file
     res = r.invoke(g, ["configs", "coverage"])
     assert res.exit_code == 0 and "missing" in res.output and "covered" in res.output
+    assert "1 of 18" in res.output and "fewer than vLLM's 18 token counts" in res.output
+    # --fill: one tune per sparse file, its missing counts, merged into the folder it was found in
+    fill = r.invoke(g, ["configs", "coverage", "--fill"]).output.strip().splitlines()
+    assert fill == [f"moebench tune --model deepseek-v3 --ep 8 --tokens 2,4,8,16,24,32,48,64,96,128,256,512,1024,"
+                    f"1536,2048,3072,4096 --out {tmp_path / 'mine'}"]
 
 
 def test_deploy_layout_names():

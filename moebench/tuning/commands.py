@@ -369,8 +369,10 @@ def deploy_coverage(device_name: str) -> list[dict]:
             layout, flags = deploy_layout(name)
             e, n = file_shape(shape, layout)
             found = C.find_config_file(e, n, device_name)
+            counts = sorted(C.load_config_file(found)) if found else []
             rows.append({"model": shape.name, "layout": name, "tune_flags": flags, "E": e, "N": n,
-                         "file": C.config_file_name(e, n, device_name), "found": str(found.parent) if found else None})
+                         "file": C.config_file_name(e, n, device_name), "found": str(found.parent) if found else None,
+                         "token_counts": counts, "missing_counts": [t for t in TUNE_TOKENS_CUDA if t not in counts]})
     return rows
 
 
@@ -379,12 +381,23 @@ def deploy_coverage(device_name: str) -> list[dict]:
               help="Device name of the files (as in their names; spaces as underscores).")
 @click.option("--shards", "as_shards", is_flag=True,
               help="Print only the missing shards as MODEL:FLAGS;... (the SHARDS of benchmarks/device_presets.sh).")
+@click.option("--fill", "as_fill", is_flag=True,
+              help="Print the tune commands that add vLLM's missing token counts to the files found.")
 @click.option("--json", "as_json", is_flag=True)
-def configs_coverage(device, as_shards, as_json):
-    """Which preset models' usual layouts (TP1 and their TP/EP shards) have a tuned bf16 file."""
+def configs_coverage(device, as_shards, as_fill, as_json):
+    """Which preset models' usual layouts (TP1 and their TP/EP shards) have a tuned bf16 file, and
+    how many of vLLM's 18 token counts it holds (between counts the lookup takes the nearest)."""
     rows = deploy_coverage(device.replace(" ", "_"))
     if as_json:
         click.echo(json.dumps(rows, indent=2))
+        return
+    if as_fill:
+        seen: set[str] = set()  # one command per file (deepseek-v3 and -r1 share theirs)
+        for r in rows:
+            if r["found"] is not None and r["missing_counts"] and r["file"] not in seen:
+                seen.add(r["file"])
+                click.echo(f"moebench tune --model {r['model']} {r['tune_flags']} --tokens "
+                           f"{','.join(map(str, r['missing_counts']))} --out {r['found']}".replace("  ", " "))
         return
     if as_shards:
         missing: dict[str, str] = {}  # one shard per missing file (deepseek-v3 and -r1 share theirs)
@@ -394,14 +407,22 @@ def configs_coverage(device, as_shards, as_json):
         click.echo(";".join(missing.values()))
         return
     t = Table(title=f"tuned bf16 configs for the presets' usual layouts on {device}")
-    for c in ("model", "layout", "E", "N", "found in"):
+    for c in ("model", "layout", "E", "N", "token counts", "found in"):
         t.add_column(c)
+    full = len(TUNE_TOKENS_CUDA)
     for r in rows:
-        t.add_row(r["model"], r["layout"], str(r["E"]), str(r["N"]), r["found"] or "[red]missing[/]")
+        held = full - len(r["missing_counts"])
+        t.add_row(r["model"], r["layout"], str(r["E"]), str(r["N"]),
+                  "-" if r["found"] is None else f"{held} of {full}", r["found"] or "[red]missing[/]")
     console.print(t)
     n_missing = sum(r["found"] is None for r in rows)
+    n_sparse = len({r["file"] for r in rows if r["found"] is not None and r["missing_counts"]})
     console.print(f"{len(rows) - n_missing} of {len(rows)} covered; tune the rest with "
                   "`moebench tune --model MODEL [--tp N | --ep N]` (or `configs coverage --shards`).")
+    if n_sparse:
+        console.print(f"{n_sparse} file(s) hold fewer than vLLM's {full} token counts: between counts the "
+                      "nearest entry was up to 1.18x slower than the default heuristic on an H200 "
+                      "(PERF.md section 6); `configs coverage --fill` prints the tunes that add them.")
 
 
 @configs.command("commit")
