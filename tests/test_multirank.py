@@ -354,6 +354,24 @@ def test_capabilities_say_why_not():
         assert reason is None or "CUDA" in reason or "GPUs" in reason
 
 
+def test_deepep_ll_prepare_reports_routed_tokens(monkeypatch):
+    # DeepEP's buffer stood in for (deep_ep is optional): what prepare hands the batched experts,
+    # including the routed token count and top-k their config lookup keys on (one process: world 1).
+    from moebench.dispatch.deepep_ll import DeepEPLLPrepareAndFinalize
+
+    class Buffer:
+        def low_latency_dispatch(self, x, ids, max_tokens, num_experts, **kw):
+            return torch.zeros(num_experts, max_tokens, x.shape[1]), torch.zeros(num_experts, dtype=torch.int32), \
+                "handle", None, None
+
+    pf = DeepEPLLPrepareAndFinalize(max_tokens_per_rank=16)
+    monkeypatch.setattr(pf, "_get_buffer", lambda *a: Buffer())
+    x = torch.randn(5, 128).bfloat16()
+    ti = torch.randint(0, 8, (5, 2), dtype=torch.int32)
+    prep = pf.prepare(x, torch.rand(5, 2), ti, 8, 8, None)
+    assert (prep.num_tokens, prep.topk, tuple(prep.a.shape)) == (5, 2, (8, 16, 128))
+
+
 # ---------------------------------------------------------------------------------------------
 # NCCL on >= 2 GPUs (skipped elsewhere)
 
