@@ -33,6 +33,17 @@ def test_ep_world_size_4_real_ranks(tmp_path):
     assert "needs a token exchange" in reasons
 
 
+def test_ep_world_size_2_triton_rows_name_their_config(tmp_path):
+    # real ranks (gloo): both Triton experts on their exchange, each row says which config it took
+    res = moebench("sweep", *SHAPE, "--tokens", "4", "--world-size", "2", "--ep", "2",
+                   "--experts", "triton,batched-triton", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    df, _ = _rows(tmp_path)
+    ok = df[df.status == "ok"]
+    assert set(ok.experts) == {"triton", "batched-triton"} and ok.correct.all()
+    assert (ok.config_source == "default heuristic").all()
+
+
 def test_tp_world_size_2_all_reduce(tmp_path):
     res = moebench("sweep", *SHAPE, "--tokens", "5", "--world-size", "2", "--tp", "2",
                    "--experts", "torch", "--prepare-finalize", "no-dpep", "--out", str(tmp_path))
@@ -55,6 +66,17 @@ def test_simulated_ep_with_notice(tmp_path):
     assert (a2a.latency_us - (a2a.dispatch_us + a2a.experts_us + a2a.combine_us)).abs().max() < 1e-6
     assert (ok.rank_imbalance > 1.0).all()  # hot routing loads one rank more
     assert "modeled" in res.stdout
+
+
+def test_simulated_ep_triton_rows_name_their_config(tmp_path):
+    # the rank's share runs the Triton experts (interpreter here); each row says which config it took
+    res = moebench("sweep", *SHAPE, "--tokens", "4", "--ep", "4", "--experts", "triton,batched-triton",
+                   "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    df, _ = _rows(tmp_path)
+    ok = df[df.status == "ok"]
+    assert set(ok.experts) == {"triton", "batched-triton"} and ok.correct.all()
+    assert (ok.config_source == "default heuristic").all()
 
 
 def test_simulated_tp_link_override(tmp_path):
