@@ -23,7 +23,13 @@ import sys
 import pandas as pd
 import torch
 
-from moebench.kernels.batched_triton import BATCHED_WIDE_ROWS, BatchedTritonExperts, batched_default_config, batched_moe
+from moebench.kernels.batched_triton import (
+    BATCHED_WIDE_ROWS,
+    BatchedTritonExperts,
+    batched_default_config,
+    batched_moe,
+    mean_rows,
+)
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
 
@@ -61,7 +67,7 @@ def main() -> int:
             counts = torch.randint(max(t // 2, 1), t + 1, (e_local,), device=dev, generator=g, dtype=torch.int32)
             exp = BatchedTritonExperts()
             tokens = max(1, round(0.75 * t * e / k))
-            heur = dict(batched_default_config(min(t, -(-tokens * k // e)), inter_size, h, dt))
+            heur = dict(batched_default_config(mean_rows(t, tokens, k, e), inter_size, h, dt))
             looked = exp.config_for(t, e_local, inter_size, h, dt, device_type=dev.type, tokens=tokens, topk=k,
                                     num_experts=e)
             row = dict(shape=shape, rows_per_expert=t, tokens=tokens, heuristic=_cfg_text(heur), lookup=_cfg_text(looked),

@@ -225,7 +225,7 @@ def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings, variants: li
         else:
             kernel.apply(*args)
         # Backends that pick a tile config say where it came from (tuned file or default heuristic).
-        row.config_source = str(getattr(kernel.experts, "last_config_source", "") or "")
+        row.config_source = kernel.experts.last_config_source or ""
         if not kernel.experts.timed:
             row.reason = "correctness only (not timed)"
             return

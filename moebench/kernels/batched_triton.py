@@ -38,7 +38,14 @@ from moebench.kernels.moe_align import interpreter_compat, interpreting, triton_
 from moebench.kernels.registry import register_experts
 from moebench.kernels.triton_common import cast_rne, dequant, gate_up_mainloop, grouped_tile, scale_ptrs, scaled_mma
 from moebench.quant import FP8_DTYPE, SCALES, QuantScheme, QuantWeight, scheme_of
-from moebench.tuning.configs import TileConfig, default_config, lookup_config, quant_default, validate_tile_config
+from moebench.tuning.configs import (
+    TileConfig,
+    default_config,
+    device_name,
+    lookup_config,
+    quant_default,
+    validate_tile_config,
+)
 
 
 @triton.jit
@@ -211,6 +218,14 @@ def batched_default_config(rows: int, n_inter: int, hidden: int, dtype: torch.dt
     return cfg
 
 
+def mean_rows(t: int, tokens: int | None, topk: int | None, num_experts: int | None) -> int:
+    """Rows per local expert the batched heuristic sizes tiles for: the mean routed pairs per
+    expert, tokens x topk / num_experts (at most the buffer's t), or t when the load is unknown."""
+    if tokens is None or not topk or not num_experts:
+        return t
+    return max(1, min(t, -(-tokens * topk // num_experts)))
+
+
 def _scale_args(scale: torch.Tensor | None, w) -> tuple:
     """(a_scale, w_scale) pointers and (a strides (3), w strides (3)); dummies without fp8."""
     if not isinstance(w, QuantWeight):
@@ -299,9 +314,9 @@ class BatchedTritonExperts(Experts):
     """BatchedExperts: (E_local, T, H) -> (E_local, T, H) unweighted; weights applied by the P/F.
 
     config: a TileConfig used for every call (else the tuned-config lookup, else
-    `batched_default_config`, fitted to the fp8 scale block for block-quantised weights). fp8_w8a8 weights (all scales of moebench.quant)
-    take the activations prepare quantised (prep.a fp8 + prep.a_scale); the output is in
-    prep.out_dtype.
+    `batched_default_config`, fitted to the fp8 scale block for block-quantised weights). fp8_w8a8
+    weights (all scales of moebench.quant) take the activations prepare quantised (prep.a fp8 +
+    prep.a_scale); the output is in prep.out_dtype.
     """
 
     name = "batched-triton"
@@ -315,7 +330,6 @@ class BatchedTritonExperts(Experts):
 
     def __init__(self, config: Mapping[str, int] | None = None):
         self.config = validate_tile_config(dict(config), "BatchedTritonExperts config") if config is not None else None
-        self.last_config_source: str | None = None
 
     def weight_and_reduce(self):
         return TopKWeightAndReduceDelegate()
@@ -338,17 +352,14 @@ class BatchedTritonExperts(Experts):
         if self.config is not None:
             self.last_config_source = "explicit"
             return dict(self.config)
-        rows = t
-        if tokens is not None and topk and num_experts:
-            rows = max(1, min(t, -(-tokens * topk // num_experts)))
-        default = batched_default_config(rows, n_inter, hidden, dtype)
+        default = batched_default_config(mean_rows(t, tokens, topk, num_experts), n_inter, hidden, dtype)
         if quant is not None:
             default = quant_default(default, quant)
         if tokens is None:
             self.last_config_source = "default heuristic (token count unknown)"
             return dict(default)
         cfg, self.last_config_source = lookup_config(
-            e_local, n_inter, max(tokens, 1), dtype, device_name=None if device_type == "cuda" else "cpu", quant=quant,
+            e_local, n_inter, max(tokens, 1), dtype, device_name=device_name(device_type), quant=quant,
             default=default)
         return dict(cfg)
 

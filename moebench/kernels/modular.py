@@ -243,6 +243,9 @@ class Experts(ABC):
     #: With quantised weights: True = the experts want unquantised activations and quantise them
     #: themselves; False = prepare quantises (before dispatch) and hands over fp8 + scales.
     quantizes_input: ClassVar[bool] = False
+    #: Where the last call's tile config came from (a tuned file's entry, the default heuristic,
+    #: explicit), for the result rows; None for backends without tile configs.
+    last_config_source: str | None = None
 
     @classmethod
     def unavailable_reason(cls, device: str) -> str | None:

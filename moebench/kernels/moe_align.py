@@ -481,9 +481,7 @@ def direct_align(
     mapped = None
     if expert_map is not None:
         if DEFAULT_MAP_IN_GEMM:
-            mapped = expert_map.to(device=dev, dtype=torch.int32)  # as it is when already int32 on dev
-            if not mapped.is_contiguous():
-                mapped = mapped.contiguous()
+            mapped = expert_map.to(device=dev, dtype=torch.int32).contiguous()  # as it is when it already was
         else:
             ids = expert_map.to(dev)[ids.long()]
     key = (num_pairs, block_size_m, dev)

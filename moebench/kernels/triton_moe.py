@@ -85,7 +85,7 @@ from moebench.kernels.triton_common import (
     scaled_mma,
 )
 from moebench.quant import FP8_DTYPE, SCALES, QuantWeight, scheme_of
-from moebench.tuning.configs import TileConfig, lookup_config, lookup_down_config, validate_tile_config
+from moebench.tuning.configs import TileConfig, device_name, lookup_config, lookup_down_config, validate_tile_config
 
 #: Weight tiles through TMA descriptors where the hardware has them (fused_moe_gemms): True,
 #: False, or "auto" = for 16-bit inputs with BLOCK_SIZE_M >= 32 (on an H200, same-config A/B:
@@ -576,7 +576,8 @@ def launch_gemm1(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        MAPPED=align.expert_map is not None, num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
+        MAPPED=align.expert_map is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        **quant, **pdl_launch_args(pdl),
     )
     return inter
 
@@ -639,7 +640,8 @@ def launch_gemm2(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic, A_TMA=a_tma,
-        MAPPED=align.expert_map is not None, num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
+        MAPPED=align.expert_map is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        **quant, **pdl_launch_args(pdl),
     )
     return ws
 
@@ -772,7 +774,7 @@ def select_config(
     e_local, h, n_inter = w2.shape
     return lookup_config(
         e_local, n_inter, max(m, 1), dtype, hidden=h, topk=topk, num_experts_global=num_experts,
-        device_name=None if w2.device.type == "cuda" else "cpu", quant=scheme_of(w2),
+        device_name=device_name(w2.device), quant=scheme_of(w2),
     )
 
 
@@ -785,7 +787,7 @@ def select_down_config(
         return None, "GEMM1's config"
     e_local, _, n_inter = w2.shape
     return lookup_down_config(e_local, n_inter, max(m, 1), gemm1, dtype,
-                              device_name=None if w2.device.type == "cuda" else "cpu", quant=scheme_of(w2))
+                              device_name=device_name(w2.device), quant=scheme_of(w2))
 
 
 def align_pairs(
@@ -917,7 +919,6 @@ class TritonExperts(Experts):
         self.split_k = split_k
         self.use_tma = use_tma
         self.atomic = atomic
-        self.last_config_source: str | None = None
 
     @classmethod
     def unavailable_reason(cls, device: str) -> str | None:

@@ -132,7 +132,7 @@ def _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metri
     row.rank_tokens = ",".join(map(str, inp.tokens_per_rank))
     row.rank_imbalance = timed.load_imbalance
     # this rank's tile config source (every rank looks up the same token count: M' or M_r x world)
-    row.config_source = str(getattr(kernel.experts, "last_config_source", "") or "")
+    row.config_source = kernel.experts.last_config_source or ""
     row.extra["pairs_per_rank"] = ",".join(map(str, inp.pairs_per_rank))
     # Per-rank averages of the whole layer's work.
     flops = metrics.layer_flops(m_full, s.topk, s.hidden, s.intermediate) / lay.world_size

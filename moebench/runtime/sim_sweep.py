@@ -140,7 +140,7 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, expe
         t = time_fn(lambda: exo.apply(prep, w13, w2), spec.device, **spec.timing_kwargs())
     row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.name})"
     # Backends that pick a tile config say where it came from (as in a measured sweep).
-    row.config_source = str(getattr(kernel.experts, "last_config_source", "") or "")
+    row.config_source = kernel.experts.last_config_source or ""
 
     # Communication from the model.
     if not moves_tokens:

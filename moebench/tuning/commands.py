@@ -396,8 +396,9 @@ def configs_coverage(device, as_shards, as_fill, as_json):
         for r in rows:
             if r["found"] is not None and r["missing_counts"] and r["file"] not in seen:
                 seen.add(r["file"])
-                click.echo(f"moebench tune --model {r['model']} {r['tune_flags']} --tokens "
-                           f"{','.join(map(str, r['missing_counts']))} --out {r['found']}".replace("  ", " "))
+                tokens = ",".join(map(str, r["missing_counts"]))
+                click.echo(" ".join(filter(None, ("moebench tune --model", r["model"], r["tune_flags"],
+                                                  "--tokens", tokens, "--out", r["found"]))))
         return
     if as_shards:
         missing: dict[str, str] = {}  # one shard per missing file (deepseek-v3 and -r1 share theirs)
