@@ -11,7 +11,8 @@
 # and the tune merges its new counts into it (PERF.md section 6: between keys the nearest entry
 # measured up to 1.18x slower than the heuristic).
 #   PYTHONPATH=. [SHARDS="mixtral-8x22b:--tp 8;qwen3-235b-a22b:--ep 8"] [GPUS=all] [CW=12] bash benchmarks/device_presets.sh
-#   PYTHONPATH=. FILL=1 CW=12 bash benchmarks/device_presets.sh
+#   PYTHONPATH=. FILL=1 CW=12 [MODELS=qwen3-30b-a3b,olmoe-1b-7b] bash benchmarks/device_presets.sh
+# MODELS (FILL only): fill these presets' files only, in this order (default: every sparse file).
 TAIL="${TAIL:-12}"
 source "$(dirname "$0")/device_env.sh"
 P="${PRESETS_DIR:-.gpu-out/presets}"
@@ -24,9 +25,13 @@ if [ -n "${FILL:-}" ]; then
     [ -f "$P/configs/$(basename "$src")" ] || cp "$src" "$P/configs/"
     LIST+=("$model:$lay:$toks")
   done < <(python3 -m moebench.cli configs coverage --device NVIDIA_H200 --json | python3 -c '
-import json, sys
+import json, os, sys
 seen = set()
-for r in json.load(sys.stdin):
+models = [m for m in os.environ.get("MODELS", "").split(",") if m]
+rows = json.load(sys.stdin)
+if models:
+    rows = sorted((r for r in rows if r["model"] in models), key=lambda r: models.index(r["model"]))
+for r in rows:
     if r["found"] and r["missing_counts"] and r["file"] not in seen:
         seen.add(r["file"])
         print("|".join([r["model"], r["tune_flags"], ",".join(map(str, r["missing_counts"])), r["found"] + "/" + r["file"]]))')

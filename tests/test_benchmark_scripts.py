@@ -2,8 +2,8 @@
 section 3; its vLLM-style GEMM part is checked against the float64 reference) and
 benchmarks/decode_launches.py, benchmarks/bench_triton.py, benchmarks/routing_configs.py,
 benchmarks/gemm_configs.py, benchmarks/persistent_gemm2.py, benchmarks/batched_configs.py,
-benchmarks/gemm1_granularity.py, benchmarks/between_keys.py and benchmarks/topk_ties.py; each
-script's smoke mode runs end to end on CPU."""
+benchmarks/gemm1_granularity.py, benchmarks/between_keys.py, benchmarks/warp_spec.py and
+benchmarks/topk_ties.py; each script's smoke mode runs end to end on CPU."""
 
 import csv
 import os
@@ -152,3 +152,12 @@ def test_routing_launch_rule_shapes(e):
         rows, warps = topk_softmax_launch(m, e)
         assert rows & (rows - 1) == 0 and warps & (warps - 1) == 0 and warps <= rows <= 16
         assert rows <= max(1, 2 * m - 1)  # never more tokens per program than the next power of two of m
+
+
+def test_warp_spec_smoke(tmp_path):
+    # the dense probe of PERF.md's ninth-session table: every default variant checked and timed
+    # (the one that hangs on the GPU only with --only)
+    rows = _smoke("warp_spec.py", tmp_path, csv_name="warp_spec_dense.csv")
+    names = [c[:-3] for c in rows[0] if c.endswith("_us") and c != "torch_us"]
+    assert names == ["host_plain_n64_s3", "host_plain_n64_s4", "dev_plain_n64_s3", "dev_ws_n64_s3", "dev_ws_n64_s4"]
+    assert all(float(rows[0][f"{n}_us"]) > 0 for n in names)
