@@ -23,7 +23,11 @@ is found (triton_moe.DEFAULT_DOWN_FILES; `current/nodown`; point $MOEBENCH_CONFI
 (moe_align.DEFAULT_SKIP_MEMSET; `noearly/memset`, `current/memset`: the seventh session's two
 launch changes). `gather`: a direct alignment with an expert_map (DeepSeek-V3 EP8, one token)
 mapping its ids by a torch gather before GEMM1 instead of in the GEMMs (moe_align.DEFAULT_MAP_IN_GEMM;
-`current/gather`). (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
+`current/gather`). `half`: half-height tiles for blocks whose pairs fit in their first half
+(triton_moe.DEFAULT_HALF_BLOCKS, off until timed; `half/current`: at 128-row tiles, the points
+with ~64 pairs per expert and every expert's part-filled last block at prefill, so time it with
+e.g. `--tokens 256,1024,4096 --shapes mixtral,qwen3-30b-a3b,dsv3-ep8-local --variants half`).
+(A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
 its epilogue instead of a cast launch, measured a loss and is gone; PERF.md section 3.) `again`: the current defaults timed a second
 time, last (`again/current`: the point's noise). --variants picks which run (default: all).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
@@ -64,6 +68,7 @@ CURRENT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopd
                   "noearly": (None, {"DEFAULT_PDL_EARLY": False}),
                   "memset": (None, {"DEFAULT_PDL_EARLY": False, "moe_align.DEFAULT_SKIP_MEMSET": False}),
                   "gather": (None, {"moe_align.DEFAULT_MAP_IN_GEMM": False}),
+                  "half": (None, {"DEFAULT_HALF_BLOCKS": True}),
                   "again": (None, {})}
 
 
@@ -163,6 +168,7 @@ def main() -> int:
             ratio("noearly", "memset")
             ratio("current", "memset")
             ratio("current", "gather")
+            ratio("half", "current")
             ratio("again", "current")  # the same code timed twice: this point's noise
             rows.append(row)
             print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)

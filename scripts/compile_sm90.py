@@ -107,6 +107,12 @@ def main() -> int:
                          dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>")))
     print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn, ATOMIC=True, A_TMA=True),
                          dict(std_ptrs, inter_desc=f"tensordesc<bf16[{bm}, {bk}]>", w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
+    # Half-height tiles for part-filled blocks (HALF): GEMM1 wide (no TMA) and GEMM2 with w2 through
+    # TMA at the prefill tile, each kernel holding both tile heights
+    print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, USE_TMA=False, ZERO_OUT=False, WIDE=True, HALF=True),
+                         std_ptrs, ("w13_desc",)))
+    print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn, ATOMIC=True, A_TMA=False, HALF=True),
+                         dict(std_ptrs, w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>"), ("inter_desc",)))
     # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
     # (looped chunks), dynamic scales, rows limited on the device.
     qptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "limit_ptr": "*i32"}

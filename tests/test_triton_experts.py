@@ -542,3 +542,57 @@ def test_gemm2_with_its_own_config_matches_reference(tmp_path, monkeypatch):
     assert rel_err(out, ref) < TOL[dtype]
     src = kernel.experts.last_config_source
     assert src.startswith(str(tmp_path)) and "; GEMM2: " in src and src.endswith("_down.json[1]")
+
+
+def _uneven_routing(m: int, e: int, counts: dict[int, int], seed: int = 3):
+    """(topk_weights, topk_ids) (m, 2): expert j in counts gets exactly counts[j] pairs (first
+    choices); every other pair goes to the other experts: blocks of every fill level."""
+    g = torch.Generator().manual_seed(seed)
+    first = torch.cat([torch.full((c,), j) for j, c in counts.items()])
+    others = torch.tensor([j for j in range(e) if j not in counts])
+    first = torch.cat([first, others[torch.randint(len(others), (m - len(first),), generator=g)]])
+    second = others[torch.randint(len(others), (m,), generator=g)]
+    clash = second == first  # a token's two experts differ
+    second[clash] = others[(torch.searchsorted(others, second[clash]) + 1) % len(others)]
+    ids = torch.stack([first, second], 1).to(torch.int32)
+    w = torch.softmax(torch.randn(m, 2, generator=g), -1)
+    return w.to(DEV), ids.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bm,use_tma,tma_a,split_k,atomic", [
+    (32, False, False, 1, True), (32, True, True, 2, True), (64, True, False, 1, True), (32, False, False, 1, False)])
+def test_half_blocks_match_whole_tiles(dtype, bm, use_tma, tma_a, split_k, atomic, monkeypatch):
+    # Blocks holding at most BLOCK_SIZE_M / 2 pairs run half-height tiles (DEFAULT_HALF_BLOCKS):
+    # the same output. Experts get bm + bm/4 (a full block, then a quarter-filled one), bm/2 (exactly
+    # half), bm/2 + 1 (one row into the second half), 0, and the rest a few each.
+    e, m = 10, 3 * bm
+    tw, ti = _uneven_routing(m, e, {0: bm + bm // 4, 1: bm // 2, 2: bm // 2 + 1, 3: 0})
+    w13, w2 = _weights(e, dtype)
+    x = _x(m, dtype)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti)
+    cfg = dict(CFG, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32)
+    align = moe_align_block_size(ti, bm, e)
+    # The rows a half tile leaves unwritten keep what the buffer held: NaN here, masked by GEMM2.
+    real_empty = torch.empty
+
+    def nan_empty(*a, **kw):
+        t = real_empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    whole = fused_moe_gemms(x, w13, w2, tw, align, 2, cfg, split_k, use_tma=use_tma, atomic=atomic, tma_a=tma_a, half=False)
+    half = fused_moe_gemms(x, w13, w2, tw, align, 2, cfg, split_k, use_tma=use_tma, atomic=atomic, tma_a=tma_a, half=True)
+    assert rel_err(half, ref) < TOL[dtype] and rel_err(whole, ref) < TOL[dtype]
+    torch.testing.assert_close(half.float(), whole.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    # The half tiles ran: the second halves of blocks 1 (expert 0's quarter block) and of expert 1's
+    # block are NaN in GEMM1's output; expert 2's block (bm/2 + 1 pairs) was computed whole.
+    inter_half = launch_gemm1(x, w13, align, 2, cfg, use_tma, half=True)
+    inter_whole = launch_gemm1(x, w13, align, 2, cfg, use_tma)
+    used = int(align.num_tokens_post_padded)
+    nan_rows = inter_half[:used].isnan().any(1).view(-1, bm)
+    assert nan_rows[:, : bm // 2].sum() == 0 and not inter_whole[:used].isnan().any()
+    half_blocks = nan_rows[:, bm // 2:].all(1)
+    expert_of_block = align.expert_ids[: used // bm].cpu()
+    assert half_blocks[1] and half_blocks[expert_of_block.tolist().index(1)]
+    assert not half_blocks[0] and not half_blocks[expert_of_block.tolist().index(2)]

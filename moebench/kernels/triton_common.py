@@ -77,12 +77,26 @@ def pdl_launch_args(pdl: bool) -> dict:
 
 
 @triton.jit
-def block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr):
-    """Rows of sorted block pid_m: (offs_m, pair, row_ok, token), each (BLOCK_SIZE_M,); pair is the
-    flat (token, k) index, token = pair // K (int64); sentinel rows have row_ok False."""
-    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+def tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, ROWS: tl.constexpr):
+    """Sorted rows row0 .. row0 + ROWS - 1: (offs_m, pair, row_ok, token), each (ROWS,); pair is
+    the flat (token, k) index, token = pair // K (int64); sentinel rows have row_ok False."""
+    offs_m = row0 + tl.arange(0, ROWS)
     pair = tl.load(sorted_ids_ptr + offs_m)
     return offs_m, pair, pair < num_pairs, (pair // TOPK).to(tl.int64)
+
+
+@triton.jit
+def block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr):
+    """The rows of sorted block pid_m (`tile_rows` of the whole block)."""
+    return tile_rows(pid_m * BLOCK_SIZE_M, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
+
+
+@triton.jit
+def second_half_empty(pid_m, sorted_ids_ptr, num_pairs, BLOCK_SIZE_M: tl.constexpr):
+    """Whether rows BLOCK_SIZE_M/2 .. BLOCK_SIZE_M - 1 of sorted block pid_m are all sentinels, so
+    that the block's pairs fit in a half-height tile of its first rows."""
+    half = pid_m * BLOCK_SIZE_M + BLOCK_SIZE_M // 2 + tl.arange(0, BLOCK_SIZE_M // 2)
+    return tl.max((tl.load(sorted_ids_ptr + half) < num_pairs).to(tl.int32), axis=0) == 0
 
 
 @triton.jit

@@ -73,7 +73,6 @@ from moebench.kernels.moe_align import (
 from moebench.kernels.registry import register_experts
 from moebench.kernels.triton_common import (
     block_expert,
-    block_rows,
     cast_rne,
     dequant,
     gate_up_mainloop,
@@ -83,6 +82,8 @@ from moebench.kernels.triton_common import (
     pdl_wait,
     scale_ptrs,
     scaled_mma,
+    second_half_empty,
+    tile_rows,
 )
 from moebench.quant import FP8_DTYPE, SCALES, QuantWeight, scheme_of
 from moebench.tuning.configs import TileConfig, device_name, lookup_config, lookup_down_config, validate_tile_config
@@ -131,6 +132,13 @@ DEFAULT_PDL_EARLY = True
 #: The lookup reads GEMM2's own config from a `_down.json` file when there is one (False: GEMM2
 #: always runs with GEMM1's config, as vLLM does).
 DEFAULT_DOWN_FILES = True
+#: Half-height tiles for part-filled blocks (`HALF` in both GEMM kernels): a block whose pairs fit
+#: in its first BLOCK_SIZE_M / 2 rows (an expert's last block; every block where an expert gets
+#: about BLOCK_SIZE_M / 2 pairs, e.g. 128-row tiles at ~64 pairs per expert) runs a tile of half
+#: the rows: half the MMAs, the same weight tiles. The check reads the block's second half of
+#: sorted ids. 16-bit inputs with BLOCK_SIZE_M >= 32 only; GEMM2 keeps whole tiles when its A
+#: tiles come through TMA. Not timed yet, so off.
+DEFAULT_HALF_BLOCKS = False
 
 
 @triton.jit
@@ -183,6 +191,7 @@ def _silu_mul_gemm1_kernel(
     ACT_DTYPE: tl.constexpr = tl.bfloat16,  # QUANT_OUT: the activation dtype it is rounded to first
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
     MAPPED: tl.constexpr = False,  # expert_ids are global ids, mapped through expert_map (direct_align)
+    HALF: tl.constexpr = False,  # a block whose pairs fit in its first half runs a half-height tile
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -206,8 +215,48 @@ def _silu_mul_gemm1_kernel(
     if expert < 0:
         return
 
+    # HALF: the block's pairs may fill only part of it (an expert's last block); when its second
+    # half holds only sentinels, a half-height tile does the same work with half the MMAs.
+    if HALF and second_half_empty(pid_m, sorted_ids_ptr, num_pairs, BLOCK_SIZE_M):
+        _gemm1_tile(x_ptr, w13_ptr, w13_desc, inter_ptr, sorted_ids_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
+                    num_pairs, N_INTER, H, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
+                    stride_asm, stride_asg, stride_wse, stride_wsn, stride_wsk, expert, pid_m * BLOCK_SIZE_M, pid_n,
+                    TOPK, BLOCK_SIZE_M // 2, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, USE_TMA, QUANT, GROUP_N,
+                    GROUP_K, WIDE, QUANT_OUT, ACT_DTYPE)
+    else:
+        _gemm1_tile(x_ptr, w13_ptr, w13_desc, inter_ptr, sorted_ids_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
+                    num_pairs, N_INTER, H, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
+                    stride_asm, stride_asg, stride_wse, stride_wsn, stride_wsk, expert, pid_m * BLOCK_SIZE_M, pid_n,
+                    TOPK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, USE_TMA, QUANT, GROUP_N,
+                    GROUP_K, WIDE, QUANT_OUT, ACT_DTYPE)
+
+
+@triton.jit
+def _gemm1_tile(
+    x_ptr, w13_ptr, w13_desc, inter_ptr, sorted_ids_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr, num_pairs, N_INTER, H,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_im, stride_in, stride_asm, stride_asg,
+    stride_wse, stride_wsn, stride_wsk,
+    expert,  # local expert of the rows
+    row0,  # first sorted row of the tile
+    pid_n,  # intermediate tile
+    TOPK: tl.constexpr,
+    ROWS: tl.constexpr,  # rows of the tile (BLOCK_SIZE_M, or half of it)
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    WIDE: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+):
+    """GEMM1's work on ROWS sorted rows from row0 (arguments as _silu_mul_gemm1_kernel's)."""
     # Rows: the pairs of this block; token = pair // K; sentinel rows load zeros.
-    offs_m, pair, row_ok, token = block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
+    offs_m, pair, row_ok, token = tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK, ROWS)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     col_ok = offs_n < N_INTER
     offs_k = tl.arange(0, BLOCK_SIZE_K)
@@ -218,7 +267,7 @@ def _silu_mul_gemm1_kernel(
     acc_g, acc_u = gate_up_mainloop(
         a_ptrs, stride_xk, row_ok, w13_ptr, w13_desc, expert, stride_we, stride_wn, stride_wk, pid_n * BLOCK_SIZE_N,
         N_INTER, H, as_ptrs, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, USE_TMA, WIDE, QUANT, GROUP_N, GROUP_K)
+        ROWS, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, USE_TMA, WIDE, QUANT, GROUP_N, GROUP_K)
 
     # Epilogue: SiLU(gate) * up, stored at the block's sorted rows (sentinel rows hold zeros).
     h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -227,7 +276,7 @@ def _silu_mul_gemm1_kernel(
         # Per-tensor fp8 intermediate, quantised here instead of by its own launch: rounded to the
         # activation dtype first, as the two-step path stores it, then clamp(h / s) to e4m3.
         h = cast_rne(h, ACT_DTYPE, UPCAST).to(tl.float32)
-        s = tl.full((BLOCK_SIZE_M,), 1.0, tl.float32) * tl.load(out_scale_ptr)
+        s = tl.full((ROWS,), 1.0, tl.float32) * tl.load(out_scale_ptr)
         quant_group(h, s, i_ptrs, (offs_m >= 0)[:, None] & col_ok[None, :], UPCAST)
     else:
         tl.store(i_ptrs, cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST), mask=col_ok[None, :])
@@ -280,6 +329,7 @@ def _gemm2_weighted_sum_kernel(
     A_TMA: tl.constexpr = False,  # with USE_TMA: inter's tiles through TMA too (k_per_split % BLOCK_SIZE_K == 0)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
     MAPPED: tl.constexpr = False,  # as in GEMM1
+    HALF: tl.constexpr = False,  # as in GEMM1 (not with A_TMA: its descriptor's block is BLOCK_SIZE_M rows)
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -296,7 +346,45 @@ def _gemm2_weighted_sum_kernel(
     pdl_wait(PDL)
     pdl_release(PDL)
 
-    offs_m, pair, row_ok, token = block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
+    if HALF and second_half_empty(pid_m, sorted_ids_ptr, num_pairs, BLOCK_SIZE_M):
+        _gemm2_tile(inter_ptr, inter_desc, w2_ptr, w2_desc, ws_ptr, topk_weights_ptr, sorted_ids_ptr, a_scale_ptr,
+                    w_scale_ptr, num_pairs, H, N_INTER, k_per_split, stride_im, stride_ik, stride_we, stride_wn,
+                    stride_wk, stride_wsm, stride_wsn, stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsk,
+                    expert, pid_m * BLOCK_SIZE_M, pid_n, pid_k, TOPK, BLOCK_SIZE_M // 2, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K,
+                    UPCAST, IEEE_DOT, USE_TMA, ATOMIC, QUANT, GROUP_N, GROUP_K, A_TMA)
+    else:
+        _gemm2_tile(inter_ptr, inter_desc, w2_ptr, w2_desc, ws_ptr, topk_weights_ptr, sorted_ids_ptr, a_scale_ptr,
+                    w_scale_ptr, num_pairs, H, N_INTER, k_per_split, stride_im, stride_ik, stride_we, stride_wn,
+                    stride_wk, stride_wsm, stride_wsn, stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsk,
+                    expert, pid_m * BLOCK_SIZE_M, pid_n, pid_k, TOPK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K,
+                    UPCAST, IEEE_DOT, USE_TMA, ATOMIC, QUANT, GROUP_N, GROUP_K, A_TMA)
+
+
+@triton.jit
+def _gemm2_tile(
+    inter_ptr, inter_desc, w2_ptr, w2_desc, ws_ptr, topk_weights_ptr, sorted_ids_ptr, a_scale_ptr, w_scale_ptr,
+    num_pairs, H, N_INTER, k_per_split, stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_wsm,
+    stride_wsn, stride_asm, stride_asg, stride_bse, stride_bsn, stride_bsk,
+    expert,
+    row0,  # first sorted row of the tile
+    pid_n,  # hidden tile
+    pid_k,  # K split
+    TOPK: tl.constexpr,
+    ROWS: tl.constexpr,  # rows of the tile (BLOCK_SIZE_M, or half of it)
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    A_TMA: tl.constexpr,
+):
+    """GEMM2's work on ROWS sorted rows from row0 (arguments as _gemm2_weighted_sum_kernel's)."""
+    offs_m, pair, row_ok, token = tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK, ROWS)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     col_ok = offs_n < H
     # This program's slice of the K dimension: [k_lo, k_lo + k_per_split) within I.
@@ -314,12 +402,12 @@ def _gemm2_weighted_sum_kernel(
     as_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
     bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_bse, stride_bsn, offs_n, QUANT, GROUP_N)
 
-    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_SIZE_N), dtype=tl.float32)
     k_hi = min(k_lo + k_per_split, N_INTER)
     for k in range(k_lo, k_hi, BLOCK_SIZE_K):
         if USE_TMA:
             if A_TMA:  # the block's rows of inter are contiguous; past I the descriptor reads zeros
-                a = inter_desc.load([pid_m * BLOCK_SIZE_M, k])
+                a = inter_desc.load([row0, k])
             else:
                 k_ok = offs_k < k_hi - (k - k_lo)
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
@@ -533,10 +621,13 @@ def launch_gemm1(
     wide: bool = False,
     out_scale: torch.Tensor | None = None,
     pdl: bool = False,
+    half: bool = False,
 ) -> torch.Tensor:
     """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
     wide: gate and up tiles as one tile and one dot (DEFAULT_WIDE_GEMM1; no TMA then).
     pdl: launch with programmatic dependent launch (`resolve_pdl`; CUDA, Hopper+).
+    half: half-height tiles for blocks whose pairs fit in their first half (DEFAULT_HALF_BLOCKS;
+    the other rows of such a block are left unwritten: GEMM2 masks them).
     out_scale: (1,) fp32 static scale: inter comes back as float8_e4m3fn, bit for bit what
     `quantize_rows(inter, per-tensor scheme, out_scale)` makes of the out_dtype intermediate.
 
@@ -576,7 +667,7 @@ def launch_gemm1(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        MAPPED=align.expert_map is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        MAPPED=align.expert_map is not None, HALF=half, num_warps=config["num_warps"], num_stages=config["num_stages"],
         **quant, **pdl_launch_args(pdl),
     )
     return inter
@@ -597,10 +688,12 @@ def launch_gemm2(
     ws: torch.Tensor | None = None,
     tma_a: bool = False,
     pdl: bool = False,
+    half: bool = False,
 ) -> torch.Tensor:
     """GEMM2 + router weight on aligned pairs. tma_a (with use_tma): inter's tiles load through
     TMA as well as w2's (DEFAULT_TMA_GEMM2_A). pdl: launch with programmatic dependent launch
-    (after a launch_gemm1 with pdl; `resolve_pdl`). atomic: returns ws (M, H) fp32 with the sum over
+    (after a launch_gemm1 with pdl; `resolve_pdl`). half: as launch_gemm1's (ignored with TMA
+    A tiles). atomic: returns ws (M, H) fp32 with the sum over
     top-k done by atomic adds (split_k allowed; `ws` given = already zeroed, e.g. by GEMM1);
     else (M*K, H) weighted rows per pair in inter's dtype (out_dtype for fp8; rows of remote pairs
     zero), to be summed over K by the caller.
@@ -640,7 +733,8 @@ def launch_gemm2(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, ATOMIC=atomic, A_TMA=a_tma,
-        MAPPED=align.expert_map is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        MAPPED=align.expert_map is not None, HALF=half and not a_tma, num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
         **quant, **pdl_launch_args(pdl),
     )
     return ws
@@ -678,6 +772,7 @@ def fused_moe_gemms(
     fuse_fp8_inter: bool | None = None,
     pdl: bool | str | None = None,
     down_config: Mapping[str, Any] | None = None,
+    half: bool | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
@@ -693,7 +788,8 @@ def fused_moe_gemms(
     pdl (None: DEFAULT_PDL): GEMM1 and GEMM2 with programmatic dependent launch (`resolve_pdl`).
     down_config: GEMM2's own tile config (same BLOCK_SIZE_M as `config`; split_k is GEMM2's for
     it); its optional USE_TMA decides GEMM2's TMA loads (weights and inter) instead of use_tma /
-    tma_a. None: GEMM2 runs with `config`.
+    tma_a. None: GEMM2 runs with `config`. half (None: DEFAULT_HALF_BLOCKS): half-height tiles for
+    blocks whose pairs fit in their first half (16-bit inputs, BLOCK_SIZE_M >= 32).
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
@@ -728,8 +824,10 @@ def fused_moe_gemms(
             (m, h), dtype=torch.float32, device=x.device)
     fuse = _fuses_fp8_inter(scheme, fuse_fp8_inter)
     pdl = resolve_pdl(pdl, x.device, w2.shape[2])
+    half = DEFAULT_HALF_BLOCKS if half is None else half
+    half = bool(half) and scheme is None and config["BLOCK_SIZE_M"] >= 32
     inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
-                         wide=wide, out_scale=w2.input_scale if fuse else None, pdl=pdl)
+                         wide=wide, out_scale=w2.input_scale if fuse else None, pdl=pdl, half=half)
     inter_scale = None
     if fuse:
         inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
@@ -746,7 +844,7 @@ def fused_moe_gemms(
         if "USE_TMA" in down_config:
             tma2 = tma_a = bool(down_config["USE_TMA"]) and scheme is None and _tma_ok(w2)
     ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, atomic, inter_scale, out_dtype,
-                      ws=acc, tma_a=tma_a, pdl=pdl)
+                      ws=acc, tma_a=tma_a, pdl=pdl, half=half)
     if atomic:
         if ws is not out:
             out.copy_(ws)
@@ -833,12 +931,13 @@ def fused_moe(
     wide: bool | str | None = None,
     pdl: bool | str | None = None,
     down_config: Mapping[str, Any] | None = None,
+    half: bool | None = None,
 ) -> torch.Tensor:
     """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
     use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC). direct:
     True / False / "auto" (None: DEFAULT_DIRECT_ALIGN), see moebench.kernels.moe_align.direct_align;
-    zero_in_gemm1, wide, pdl, down_config: see `fused_moe_gemms`. Without `config`, both configs
+    zero_in_gemm1, wide, pdl, down_config, half: see `fused_moe_gemms`. Without `config`, both configs
     come from the lookup (`select_config`, `select_down_config`); an explicit `config` is used for
     both GEMMs unless `down_config` is given too.
 
@@ -883,7 +982,7 @@ def fused_moe(
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
         a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide, pdl=pdl,
-        down_config=down_config,
+        down_config=down_config, half=half,
     )
 
 

@@ -204,3 +204,18 @@ def test_gemm2_own_config_gpu(m):
         out = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, config=cfg, down_config=down)
         assert _rel(out, ref) < 2e-2
 
+
+
+@pytest.mark.parametrize("shape,m", [("mixtral", 256), ("qwen3-30b-a3b", 1024), ("dsv3-ep8", 4096),
+                                     ("qwen3-30b-a3b", 64)])
+def test_half_blocks_gpu(shape, m):
+    # Half-height tiles for part-filled blocks (DEFAULT_HALF_BLOCKS) with the shapes' own configs
+    # (128-row tiles at the first three points, 16 at the last, where half is off): the reference,
+    # and the whole-tile layer's output
+    from moebench.kernels import triton_moe
+
+    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    half = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, half=True)
+    whole = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, half=False)
+    assert _rel(half, ref) < 2e-2 and _rel(half, whole) < 1e-2
