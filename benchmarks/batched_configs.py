@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
 import torch
 
 from moebench.kernels.batched_triton import (
@@ -30,10 +29,8 @@ from moebench.kernels.batched_triton import (
     batched_moe,
     mean_rows,
 )
-from moebench.report import _markdown
-from moebench.results import atomic_write_text
 
-from bench_common import ON_GPU, SHAPES, script_setup, timed_us
+from bench_common import ON_GPU, SHAPES, script_setup, timed_us, write_rows
 
 DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8"
 SMOKE = {"tiny": (8, 2, 64, 32, 4)}
@@ -89,10 +86,7 @@ def main() -> int:
             row["rows_key/heuristic"] = round(row["rows_key_us"] / row["heuristic_us"], 3)
             row["heuristic/heuristic_v1"] = round(row["heuristic_us"] / row["heuristic_v1_us"], 3)
             rows.append(row)
-            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-            df = pd.DataFrame(rows)
-            atomic_write_text(out_dir / "batched_configs.csv", df.to_csv(index=False))
-            atomic_write_text(out_dir / "batched_configs.md", head + "\n\n" + _markdown(df))
+            write_rows(rows, out_dir, "batched_configs", head)
             a = outs = None
         w13 = w2 = None
         if ON_GPU:

@@ -7,11 +7,14 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import pandas as pd
 import torch
 import triton
 
 from moebench.bench.timing import time_cpu, time_cuda
 from moebench.kernels.triton_moe import select_config
+from moebench.report import _markdown
+from moebench.results import atomic_write_text
 from moebench.tuning.configs import default_config
 
 ON_GPU = torch.cuda.is_available()
@@ -49,3 +52,12 @@ def timed_us(fn: Callable[[], object], reps: int, graph_calls: int) -> float:
     if ON_GPU:
         return time_cuda(fn, reps=reps, graph_calls=graph_calls).median_us
     return time_cpu(fn, warmup=1, reps=1).median_us
+
+
+def write_rows(rows: list[dict], out_dir: Path, stem: str, head: str) -> None:
+    """Print the last row (key=value) and rewrite <stem>.csv and <stem>.md (head, then the table)
+    under out_dir, each by an atomic rename: a run cut off keeps every finished row."""
+    print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    df = pd.DataFrame(rows)
+    atomic_write_text(out_dir / f"{stem}.csv", df.to_csv(index=False))
+    atomic_write_text(out_dir / f"{stem}.md", head + "\n\n" + _markdown(df))

@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
 import torch
 
 from moebench.kernels.triton_moe import fused_moe, fused_topk_softmax
-from moebench.report import _markdown
-from moebench.results import atomic_write_text
 from moebench.tuning.configs import TILE_KEYS, _load_cached, default_config, device_name, find_config_file, nearest_entry
 
-from bench_common import ON_GPU, SHAPES, script_setup, timed_us
+from bench_common import ON_GPU, SHAPES, script_setup, timed_us, write_rows
 
 POINTS = ("dsv3-ep8:32,dsv3-ep8:128,dsv3-ep8:512,dsv3-ep8:2048,mixtral:32,mixtral:128,mixtral:512,mixtral:2048,"
           "qwen3-30b-a3b:32,qwen3-30b-a3b:128,qwen3-30b-a3b:512,qwen3-30b-a3b:2048")
@@ -105,10 +102,7 @@ def main() -> int:
         for n in cands:
             row[f"{n}/best"] = round(row[f"{n}_us"] / best, 3)
         rows.append(row)
-        print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
-        df = pd.DataFrame(rows)
-        atomic_write_text(out_dir / "between_keys.csv", df.to_csv(index=False))
-        atomic_write_text(out_dir / "between_keys.md", head + "\n\n" + _markdown(df))
+        write_rows(rows, out_dir, "between_keys", head)
     return 0
 
 

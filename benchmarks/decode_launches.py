@@ -39,16 +39,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
 import torch
 
 import moebench
 from moebench.kernels import moe_align, triton_moe
 from moebench.kernels.triton_moe import fused_topk_softmax
-from moebench.report import _markdown
-from moebench.results import atomic_write_text
 
-from bench_common import SHAPES, script_setup, timed_us
+from bench_common import SHAPES, script_setup, timed_us, write_rows
 
 DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8,qwen3-next-80b-a3b"
 SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
@@ -171,10 +168,7 @@ def main() -> int:
             ratio("half", "current")
             ratio("again", "current")  # the same code timed twice: this point's noise
             rows.append(row)
-            print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
-            df = pd.DataFrame(rows)
-            atomic_write_text(out_dir / f"{stem}.csv", df.to_csv(index=False))
-            atomic_write_text(out_dir / f"{stem}.md", head + "\n\n" + _markdown(df))
+            write_rows(rows, out_dir, f"{stem}", head)
         w13 = w2 = None  # free this shape's weights before the next shape's
     print((out_dir / f"{stem}.md").read_text())
     return 0

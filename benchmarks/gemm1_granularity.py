@@ -21,16 +21,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
 import torch
 
 from moebench.bench.hardware import read_gbps_candidates
 from moebench.kernels.moe_align import moe_align_block_size
 from moebench.kernels.triton_moe import launch_gemm1
-from moebench.report import _markdown
-from moebench.results import atomic_write_text
 
-from bench_common import ON_GPU, script_setup, timed_us
+from bench_common import ON_GPU, script_setup, timed_us, write_rows
 
 # name: (E_local, H, I, pairs per hit expert, experts hit to try)
 CASES = {"dsv3-expert": (32, 7168, 2048, 4, (4, 9, 13, 18, 26, 32)),
@@ -70,10 +67,7 @@ def main() -> int:
                 row[f"{cname}_tbps"] = round(hit * expert_bytes / us / 1e6, 3)
                 row[f"{cname}_programs"] = hit * -(-inter // (cfg["BLOCK_SIZE_N"] // 2))
             rows.append(row)
-            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-            df = pd.DataFrame(rows)
-            atomic_write_text(out_dir / "gemm1_granularity.csv", df.to_csv(index=False))
-            atomic_write_text(out_dir / "gemm1_granularity.md", head + "\n\n" + _markdown(df))
+            write_rows(rows, out_dir, "gemm1_granularity", head)
         w13 = None
         if ON_GPU:
             torch.cuda.empty_cache()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
 import torch
 import triton
 import triton.language as tl
@@ -36,10 +35,8 @@ from moebench.kernels.triton_moe import (
     launch_gemm2,
     resolve_use_tma,
 )
-from moebench.report import _markdown
-from moebench.results import atomic_write_text
 
-from bench_common import ON_GPU, SHAPES, layer_config, script_setup, timed_us
+from bench_common import ON_GPU, SHAPES, layer_config, script_setup, timed_us, write_rows
 
 POINTS = ("qwen3-30b-a3b:4096,qwen3-30b-a3b:1024,dsv3-ep8-local:4096,dsv3-ep8-local:1024,mixtral:4096,"
           "mixtral:1024,qwen3-30b-a3b:256")
@@ -168,10 +165,7 @@ def main() -> int:
             except Exception as ex:  # noqa: BLE001 - a variant that does not build or is wrong: say so
                 row[f"{name}_us"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:80]}"
         rows.append(row)
-        print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
-        df = pd.DataFrame(rows)
-        atomic_write_text(out_dir / "persistent_gemm2.csv", df.to_csv(index=False))
-        atomic_write_text(out_dir / "persistent_gemm2.md", head + "\n\n" + _markdown(df))
+        write_rows(rows, out_dir, "persistent_gemm2", head)
         w13 = w2 = x = inter = None
         if ON_GPU:
             torch.cuda.empty_cache()

@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
 import torch
 
 from moebench.bench.timing import time_cpu, time_cuda
 from moebench.kernels.triton_moe import fused_topk_softmax, topk_softmax_launch
-from moebench.report import _markdown
-from moebench.results import atomic_write_text
 
-from bench_common import script_setup
+from bench_common import script_setup, write_rows
 
 ON_GPU = torch.cuda.is_available()
 # name: (experts routed over, topk)
@@ -68,10 +65,7 @@ def main() -> int:
             row.update(best=best, best_us=row[best], rule_us=rule_us,
                        best_over_rule=round(row[best] / rule_us, 3) if rule_us else None)
             rows.append(row)
-            print(" ".join(f"{a}={b}" for a, b in row.items()), flush=True)
-            df = pd.DataFrame(rows)
-            atomic_write_text(out_dir / "routing_configs.csv", df.to_csv(index=False))
-            atomic_write_text(out_dir / "routing_configs.md", head + "\n\n" + _markdown(df))
+            write_rows(rows, out_dir, "routing_configs", head)
     print((out_dir / "routing_configs.md").read_text())
     return 0
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import pandas as pd
 import torch
 import triton
 import triton.language as tl
@@ -39,10 +38,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from moebench.kernels.moe_align import interpreting
 from moebench.kernels.triton_common import grouped_tile, mma
 from moebench.kernels.triton_moe import _num_sms
-from moebench.report import _markdown
-from moebench.results import atomic_write_text
 
-from bench_common import ON_GPU, script_setup, timed_us
+from bench_common import ON_GPU, script_setup, timed_us, write_rows
 
 #: (descriptors made on the device, warp-specialised, stages) of the default run; ("host", ws) hangs
 #: on an H200 and runs only through --only.
@@ -161,10 +158,7 @@ def main() -> int:
                 _try(row, name, lambda fn=fn, bn=bn, ws=ws, st=stages: fn(a, b, block_m, bn, 64, ws, st, sms),
                      want, row["torch_us"])
         rows.append(row)
-        print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-        df = pd.DataFrame(rows)
-        atomic_write_text(out_dir / "warp_spec_dense.csv", df.to_csv(index=False))
-        atomic_write_text(out_dir / "warp_spec_dense.md", head + "\n\n" + _markdown(df))
+        write_rows(rows, out_dir, "warp_spec_dense", head)
     return 0
 
 
