@@ -6,13 +6,23 @@ ptxas Triton ships), so a kernel change that would fail to build on the H200 fai
 machine, first. Prints one line per kernel variant; exit status 1 on the first failure.
 
     python scripts/compile_sm90.py          # not under TRITON_INTERPRET=1
+
+The last lines compile the two GEMMs at the prefill tile as the JIT specialises them at launch
+(integer arguments equal to 1 become constants, pointers and integers divisible by 16 carry that
+fact), which decides whether the pointer loads can be pipelined, and add ptxas's register and
+spill counts and the number of pipelined (asynchronous) loads: a change that makes the prefill
+kernels spill or lose their pipelining shows here too. (Without the specialisation the unit
+strides are unknown and no pointer load is pipelined, so only these lines say anything about speed.)
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces the kernels being compiled")
@@ -29,19 +39,46 @@ from moebench.kernels import triton_moe as T  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] = ()) -> str:
+def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] = (), ints: dict | None = None,
+                   options: dict | None = None) -> str:
     """Compile `jit` with `consts` as constexprs; other args are pointers (ptr_types) or i32.
-    `unused` args (TMA descriptors when USE_TMA=False) are passed as None constexprs."""
+    `unused` args (TMA descriptors when USE_TMA=False) are passed as None constexprs. ints: the
+    integer arguments' values at a launch, to specialise as the JIT does (then the line also gives
+    registers, spills and pipelined loads); options: num_warps, num_stages."""
     params = inspect.signature(jit.fn).parameters
     names = list(params)
+    ints = ints or {}
     # constexpr parameters left out take their defaults (else they would become runtime ints)
     defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty
-                and n not in ptr_types and n not in unused}
-    consts = dict(defaults, **consts, **{n: None for n in unused})
+                and n not in ptr_types and n not in unused and n not in ints}
+    consts = dict(defaults, **consts, **{n: None for n in unused}, **{n: 1 for n, v in ints.items() if v == 1})
     sig = {n: "constexpr" if n in consts else ptr_types.get(n, "i32") for n in names}
-    src = ASTSource(fn=jit, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=TARGET)
-    return f"{jit.fn.__name__}: cubin {len(k.asm['cubin'])} bytes, shared {k.metadata.shared} B"
+    attrs = {}
+    if ints:  # the JIT's divisibility facts: pointers (16-byte aligned tensors) and ints % 16 == 0
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in consts and (
+            ptr_types.get(n, "").startswith("*") or ints.get(n, 1) % 16 == 0)}
+    src = ASTSource(fn=jit, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=TARGET, options=options or {})
+    line = f"{jit.fn.__name__}: cubin {len(k.asm['cubin'])} bytes, shared {k.metadata.shared} B"
+    if ints:
+        line += ", " + ptx_resources(k.asm["ptx"]) + f", pipelined loads {k.asm['ttgir'].count('async_copy_global_to_local')}"
+    return line
+
+
+def ptx_resources(ptx: str) -> str:
+    """'regs R, spills S B' of the kernel in `ptx`, from Triton's ptxas run with -v."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    text = res.stdout + res.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    return f"regs {regs.group(1) if regs else '?'}, spills {spills.group(1) if spills else '?'} B"
 
 
 def main() -> int:
@@ -139,6 +176,26 @@ def main() -> int:
         rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows,
                   RELEASE=rows == 1)  # (the decode shape releasing a PDL-launched successor early)
         print(compile_kernel(T._topk_softmax_kernel, rc, {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}))
+    # As launched: the prefill tile of Qwen3-30B-A3B at 4096 tokens (H 2048, I 768, 32768 pairs),
+    # 128 x 256 x 64, 8 warps, 4 stages (the shipped file's entry), GEMM1 wide, GEMM2 with w2
+    # through TMA; whole tiles only, and with the half-height branch (HALF) as well
+    h, n_inter, pairs, blocks = 2048, 768, 32768, 400
+    ints1 = dict(zero_numel=4096 * h, num_pairs=pairs, N_INTER=n_inter, H=h, num_blocks_m=blocks, stride_xm=h,
+                 stride_xk=1, stride_we=2 * n_inter * h, stride_wn=h, stride_wk=1, stride_im=n_inter, stride_in=1,
+                 stride_asm=0, stride_asg=0, stride_wse=0, stride_wsn=0, stride_wsk=0)
+    ints2 = dict(num_pairs=pairs, H=h, N_INTER=n_inter, num_blocks_m=blocks, k_per_split=n_inter, stride_im=n_inter,
+                 stride_ik=1, stride_we=h * n_inter, stride_wn=n_inter, stride_wk=1, stride_wsm=h, stride_wsn=1,
+                 stride_asm=0, stride_asg=0, stride_bse=0, stride_bsn=0, stride_bsk=0)
+    c = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, TOPK=8, EVEN_K=True, UPCAST=False, IEEE_DOT=False,
+             **no_quant)
+    opts = dict(num_warps=8, num_stages=4)
+    for half in (False, True):
+        print("as launched, HALF=%s: " % half + compile_kernel(
+            T._silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=False, ZERO_OUT=True, WIDE=True, HALF=half),
+            dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",), ints1, opts))
+        print("as launched, HALF=%s: " % half + compile_kernel(
+            T._gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=256, USE_TMA=True, ATOMIC=True, A_TMA=False, HALF=half),
+            dict(std_ptrs, w2_desc="tensordesc<bf16[256, 64]>"), ("inter_desc",), ints2, opts))
     return 0
 
 

@@ -3,9 +3,13 @@ Triton's own ptxas, in a subprocess without the interpreter (which conftest turn
 unquantised GEMMs (2 tiles x 4 kernels), their fp8 variants (per-token and block[128,128] scales,
 4 kernels each), GEMM1 zeroing GEMM2's accumulator, both GEMMs under programmatic dependent
 launch (griddepcontrol), GEMM1's wide variant (3 tiles), the TMA
-variants of both GEMMs, GEMM1 storing a per-tensor fp8 intermediate, and the fp8 activation quantisation kernel (2 variants)."""
+variants of both GEMMs, GEMM1 storing a per-tensor fp8 intermediate, the half-height tiles (HALF),
+the fp8 activation quantisation kernel (2 variants), the alignment and routing kernels; and both
+GEMMs at the prefill tile specialised as at a launch: no register spills, pointer loads pipelined,
+in both tile heights of HALF."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,5 +25,13 @@ def test_kernels_compile_for_hopper(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 40 and all("cubin" in line for line in lines), res.stdout
+    assert len(lines) == 44 and all("cubin" in line for line in lines), res.stdout
     assert sum("_quant_rows_kernel" in line for line in lines) == 2, res.stdout
+    launched = {}
+    for line in lines[-4:]:
+        m = re.match(r"as launched, HALF=(\w+): (\w+): .* spills (\d+) B, pipelined loads (\d+)$", line)
+        assert m and m.group(3) == "0", line  # no register spills at the 128 x 256 tile
+        launched[m.group(2), m.group(1)] = int(m.group(4))
+    for kernel in ("_silu_mul_gemm1_kernel", "_gemm2_weighted_sum_kernel"):
+        whole = launched[kernel, "False"]
+        assert whole > 0 and launched[kernel, "True"] == 2 * whole  # each tile height's loop pipelined
