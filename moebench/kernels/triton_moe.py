@@ -39,7 +39,8 @@ rounding points.
 Options (kept as constexpr variants, measured in PERF.md section 3): `use_tma` loads the
 weight tiles through TMA tensor descriptors on Hopper+ (default "auto": 16-bit inputs with
 BLOCK_SIZE_M >= 32); `atomic=False` writes weighted rows per pair and sums over K with torch
-instead of the atomic epilogue. Also here: `fused_topk_softmax`, softmax top-k routing in one
+instead of the atomic epilogue; `half` gives blocks whose pairs fit in their first half a
+half-height tile (DEFAULT_HALF_BLOCKS). Also here: `fused_topk_softmax`, softmax top-k routing in one
 launch (the benchmark's routing step).
 """
 
