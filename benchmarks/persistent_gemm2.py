@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moebench.kernels.moe_align import interpreting
-from moebench.kernels.triton_common import block_rows, grouped_tile, mma
+from moebench.kernels.triton_common import grouped_tile, mma, tile_rows
 from moebench.kernels.triton_moe import (
     _num_sms,
     align_pairs,
@@ -71,7 +71,7 @@ def _gemm2_persistent_kernel(
     for tile in tl.range(tl.program_id(0), used_blocks * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = grouped_tile(tile, used_blocks, num_pid_n, GROUP_SIZE_M)
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)  # used blocks hold local experts only
-        offs_m, pair, row_ok, token = block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
+        offs_m, pair, row_ok, token = tile_rows(pid_m * BLOCK_SIZE_M, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
         offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
         offs_k = tl.arange(0, BLOCK_SIZE_K)
         a_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_k[None, :]

@@ -86,12 +86,6 @@ def tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, ROWS: tl.cons
 
 
 @triton.jit
-def block_rows(pid_m, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr):
-    """The rows of sorted block pid_m (`tile_rows` of the whole block)."""
-    return tile_rows(pid_m * BLOCK_SIZE_M, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
-
-
-@triton.jit
 def second_half_empty(pid_m, sorted_ids_ptr, num_pairs, BLOCK_SIZE_M: tl.constexpr):
     """Whether rows BLOCK_SIZE_M/2 .. BLOCK_SIZE_M - 1 of sorted block pid_m are all sentinels, so
     that the block's pairs fit in a half-height tile of its first rows."""
