@@ -61,3 +61,42 @@ def write_rows(rows: list[dict], out_dir: Path, stem: str, head: str) -> None:
     df = pd.DataFrame(rows)
     atomic_write_text(out_dir / f"{stem}.csv", df.to_csv(index=False))
     atomic_write_text(out_dir / f"{stem}.md", head + "\n\n" + _markdown(df))
+
+
+def library_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, local_ids: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The layer's two GEMMs done by torch's library kernels on the same rows per expert: a bound
+    on what the vendor GEMMs reach at this point's shapes, not a layer. x (M, H) is gathered into
+    expert order once here (not timed), and there is no SiLU-and-mul, router weight or top-k sum
+    (GEMM2 multiplies a fixed random (P, I) activation): strictly less work than the layer.
+
+    w13 (E, 2I, H), w2 (E, H, I), local_ids (M, K) local expert per pair, -1 for remote ones.
+    Returns {name: fn}, empty when no pair is local: "grouped" = two grouped_mm launches (CUTLASS
+    grouped GEMM on sm_90); "mm" = one torch.mm per hit expert and GEMM (cuBLAS), into
+    preallocated outputs."""
+    flat = local_ids.reshape(-1).long()
+    valid = (flat >= 0).nonzero().squeeze(1)
+    if valid.numel() == 0:
+        return {}
+    order = valid[torch.argsort(flat[valid], stable=True)]
+    counts = torch.bincount(flat[order], minlength=w13.shape[0]).tolist()
+    k = local_ids.shape[1]
+    a = x[order // k].contiguous()  # (P, H) rows of x in expert order
+    p, inter = a.shape[0], w2.shape[2]
+    act = torch.randn(p, inter, dtype=x.dtype, device=x.device) * inter**-0.5
+    h13 = torch.empty(p, w13.shape[1], dtype=x.dtype, device=x.device)
+    y = torch.empty(p, w2.shape[1], dtype=x.dtype, device=x.device)
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    spans = [(e, s - c, s) for e, (c, s) in enumerate(zip(counts, offs.tolist())) if c]
+
+    def grouped():
+        grouped_mm(a, w13.transpose(1, 2), offs=offs)
+        return grouped_mm(act, w2.transpose(1, 2), offs=offs)
+
+    def per_expert():
+        for e, lo, hi in spans:
+            torch.mm(a[lo:hi], w13[e].t(), out=h13[lo:hi])
+            torch.mm(act[lo:hi], w2[e].t(), out=y[lo:hi])
+        return y
+
+    return {"grouped": grouped, "mm": per_expert}

@@ -18,6 +18,10 @@ For each shape of design.md ("Performance reference points") and token count, in
   size_read_tbps / layer_over_size_read  (decode points) the read probe over a buffer of the
              point's bytes, and the layer against the time that read takes: the floor's 4 GiB
              ceiling is not reached by a plain read of a few hundred MB either
+  library_us the same two GEMMs per expert by torch's library kernels, best of grouped_mm (CUTLASS)
+             and one cuBLAS mm per expert (bench_common.library_gemms), with x already in expert
+             order and no activation, router weight or top-k sum: what the vendor GEMMs reach at
+             these shapes, against the floor (library_over_floor) and ours (gemm_over_library)
 With --sweep, 20 alternative tile configs (plus TMA / store-and-sum variants) are timed on the GEMM
 part to see how far the default heuristic is from the best of that set; --check-best times only
 the best configs of the 2026-11-29 sweep (PREV_BEST), with and without TMA. --smoke runs tiny shapes
@@ -54,6 +58,8 @@ from moebench.kernels.triton_moe import (
 )
 from moebench.kernels.triton_moe import _tma_ok
 from moebench.tuning.configs import default_config
+
+from bench_common import library_gemms
 
 # name: (E global, topk, H, I, E local, use expert_map)
 SHAPES = {
@@ -254,6 +260,15 @@ def main() -> int:
                 torch_err = ""
             except Exception as ex:  # noqa: BLE001 - report, do not hide
                 t_torch, torch_err = float("nan"), f"{type(ex).__name__}: {str(ex)[:80]}"
+            # The same GEMMs by torch's library kernels (bench_common.library_gemms): what cuBLAS /
+            # CUTLASS reach at these per-expert shapes, with the gather, activation and sum left out.
+            lib = {}
+            for name, fn in library_gemms(x, w13, w2, local).items():
+                try:
+                    lib[name] = time_cuda(fn, reps=20, graph_calls=5).median_us
+                except Exception as ex:  # noqa: BLE001 - report, do not hide
+                    print(f"  library {name}: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
+            lib_how, t_lib = min(lib.items(), key=lambda kv: kv[1]) if lib else ("-", float("nan"))
             nbytes = hit * 3 * h * inter * 2 + 2 * m * h * 2
             flops = 2 * pairs * 3 * h * inter
             mem_floor = nbytes / rbw * 1e6
@@ -280,6 +295,9 @@ def main() -> int:
                 gemm_over_floor=round(t_gemm.median_us / floor, 3), ref_us=ref_us,
                 layer_over_ref=round(t_layer.median_us / ref_us, 3), gemm_over_ref=round(t_gemm.median_us / ref_us, 3),
                 torch_over_layer=round(t_torch / t_layer.median_us, 2),
+                library_us=round(t_lib, 1), library_how=lib_how, library_grouped_us=round(lib.get("grouped", float("nan")), 1),
+                library_mm_us=round(lib.get("mm", float("nan")), 1), library_over_floor=round(t_lib / floor, 3),
+                gemm_over_library=round(t_gemm.median_us / t_lib, 3),
                 config="/".join(str(cfg[kk]) for kk in KEYS), split_k=split, tma=tma0, config_source=src,
             )
             if args.check_best and (shape, m) in PREV_BEST:
@@ -372,8 +390,8 @@ def _markdown(rows, gpu, rbw, rhow, mm) -> str:
         f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}; read ceiling "
         f"{rbw / 1e12:.2f} TB/s ({rhow}), bf16 matmul {mm / 1e12:.0f} TFLOP/s (this run).",
         "",
-        "| shape | M | layer us | gemm us (gemm1 + gemm2) | align us | routing us (torch ops) | torch us | floor us | layer/floor (layer/same-size read) | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | sweep best (gemm us, config) | best known (gemm us, config) | err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | M | layer us | gemm us (gemm1 + gemm2) | align us | routing us (torch ops) | torch us | floor us | layer/floor (layer/same-size read) | library gemms us (how): /floor, gemm/library | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | sweep best (gemm us, config) | best known (gemm us, config) | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sweep = f"{r['sweep_best_us']} {r['sweep_best_config']}" if "sweep_best_us" in r else "-"
@@ -381,7 +399,7 @@ def _markdown(rows, gpu, rbw, rhow, mm) -> str:
         size = f" ({r['layer_over_size_read']})" if r["layer_over_size_read"] == r["layer_over_size_read"] else ""
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['layer_us']} | {r['gemm_us']} ({r['gemm1_us']} + {r['gemm2_us']}) | {r['align_us']}{' (direct)' if r['align_kind'] == 'direct' else ''} | {r['routing_us']} ({r['torch_routing_us']}) | "
-            f"{r['torch_us']} | {r['floor_us']} | {r['layer_over_floor']}{size} | {r['gemm_over_ref']} | {r['layer_over_ref']} | "
+            f"{r['torch_us']} | {r['floor_us']} | {r['layer_over_floor']}{size} | {r['library_us']} ({r['library_how']}): {r['library_over_floor']}, {r['gemm_over_library']} | {r['gemm_over_ref']} | {r['layer_over_ref']} | "
             f"{r['config']} sk{r['split_k']}{' tma' if r['tma'] else ''} | {sweep} | {known} | {r['max_rel_err']} |"
         )
     return "\n".join(lines) + "\n"

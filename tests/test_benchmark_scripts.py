@@ -3,7 +3,7 @@ section 3; its vLLM-style GEMM part is checked against the float64 reference) an
 benchmarks/decode_launches.py, benchmarks/bench_triton.py, benchmarks/routing_configs.py,
 benchmarks/gemm_configs.py, benchmarks/persistent_gemm2.py, benchmarks/batched_configs.py,
 benchmarks/gemm1_granularity.py, benchmarks/between_keys.py, benchmarks/warp_spec.py and
-benchmarks/topk_ties.py; each script's smoke mode runs end to end on CPU."""
+benchmarks/topk_ties.py, benchmarks/gemm1_tma.py; each script's smoke mode runs end to end on CPU."""
 
 import csv
 import os
@@ -21,6 +21,7 @@ from moebench.kernels.triton_moe import fused_topk_softmax
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import vllm_style  # noqa: E402
+from bench_common import library_gemms  # noqa: E402
 
 
 @pytest.mark.parametrize("bm,bn,bk", [(16, 64, 32), (32, 32, 64)])
@@ -76,6 +77,28 @@ def test_bench_triton_smoke(tmp_path):
     rows = _smoke("bench_triton.py", tmp_path, "--tokens", "1", "--check-best")
     assert [r["shape"] for r in rows] == ["tiny", "tiny-map"]
     assert all(float(r["max_rel_err"]) < 2e-2 for r in rows) and rows[0]["best_known_us"]
+    # the library bound ran on both shapes (grouped_mm and per-expert mm both time)
+    assert all(float(r["library_grouped_us"]) > 0 and float(r["library_mm_us"]) > 0 for r in rows)
+
+
+def test_library_gemms_agree():
+    # grouped_mm and the per-expert mm loop compute the same products, expert by expert, including
+    # an expert with no rows and remote (-1) pairs; no local pair gives no bound at all
+    torch.manual_seed(0)
+    x, w13, w2 = torch.randn(5, 16), torch.randn(4, 24, 16), torch.randn(4, 16, 12)
+    ids = torch.tensor([[0, 2], [2, -1], [3, 0], [-1, -1], [2, 3]])
+    fns = library_gemms(x, w13, w2, ids)
+    y_grouped, y_mm = fns["grouped"](), fns["mm"]()
+    assert y_grouped.shape == (7, 16) and torch.allclose(y_grouped, y_mm, atol=1e-4)
+    assert library_gemms(x, w13, w2, torch.full((5, 2), -1)) == {}
+
+
+def test_gemm1_tma_smoke(tmp_path):
+    # the TMA probe of GEMM1: every variant matches the shipped GEMM1 (a wrong one leaves an error text)
+    rows = _smoke("gemm1_tma.py", tmp_path)
+    assert len(rows) == 1
+    for v in ("paired_tma", "tma", "tma_p", "tma_s3", "tma_p_s3"):
+        float(rows[0][f"{v}_us"])
 
 
 def test_decode_launches_fp8_smoke(tmp_path):
