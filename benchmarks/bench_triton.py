@@ -55,6 +55,7 @@ from moebench.kernels.triton_moe import (
     launch_gemm2,
     resolve_use_tma,
     select_config,
+    use_sorted_a,
 )
 from moebench.kernels.triton_moe import _tma_ok
 from moebench.tuning.configs import default_config
@@ -248,8 +249,12 @@ def main() -> int:
 
             t_layer = time_cuda(layer, reps=30, graph_calls=5)
             t_gemm = time_cuda(gemm, reps=30, graph_calls=5)
-            inter0 = launch_gemm1(x, w13, align, k, cfg, tma0)
-            t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0), reps=20, graph_calls=5)
+            # GEMM1 as the layer runs it: x through TMA from a sorted copy where DEFAULT_SORTED_A picks
+            # it (the copy included), else the wide walk at >= 64-row tiles (DEFAULT_WIDE_GEMM1 "auto")
+            s_a = tma0 and use_sorted_a(None, cfg, dtype, inter, m * k / e)
+            g1_kw = dict(sorted_a=s_a, wide=not s_a and cfg["BLOCK_SIZE_M"] >= 64)
+            inter0 = launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw)
+            t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw), reps=20, graph_calls=5)
             t_g2 = time_cuda(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma0), reps=20, graph_calls=5)
             inter0 = None
             t_align = time_cuda(aligned, reps=30, graph_calls=10)
@@ -298,7 +303,7 @@ def main() -> int:
                 library_us=round(t_lib, 1), library_how=lib_how, library_grouped_us=round(lib.get("grouped", float("nan")), 1),
                 library_mm_us=round(lib.get("mm", float("nan")), 1), library_over_floor=round(t_lib / floor, 3),
                 gemm_over_library=round(t_gemm.median_us / t_lib, 3),
-                config="/".join(str(cfg[kk]) for kk in KEYS), split_k=split, tma=tma0, config_source=src,
+                config="/".join(str(cfg[kk]) for kk in KEYS), split_k=split, tma=tma0, sorted_a=s_a, config_source=src,
             )
             if args.check_best and (shape, m) in PREV_BEST:
                 # The best config of the previous sweep, with and without TMA, in this run.
@@ -400,7 +405,7 @@ def _markdown(rows, gpu, rbw, rhow, mm) -> str:
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['layer_us']} | {r['gemm_us']} ({r['gemm1_us']} + {r['gemm2_us']}) | {r['align_us']}{' (direct)' if r['align_kind'] == 'direct' else ''} | {r['routing_us']} ({r['torch_routing_us']}) | "
             f"{r['torch_us']} | {r['floor_us']} | {r['layer_over_floor']}{size} | {r['library_us']} ({r['library_how']}): {r['library_over_floor']}, {r['gemm_over_library']} | {r['gemm_over_ref']} | {r['layer_over_ref']} | "
-            f"{r['config']} sk{r['split_k']}{' tma' if r['tma'] else ''} | {sweep} | {known} | {r['max_rel_err']} |"
+            f"{r['config']} sk{r['split_k']}{' tma' if r['tma'] else ''}{' sorted-a' if r['sorted_a'] else ''} | {sweep} | {known} | {r['max_rel_err']} |"
         )
     return "\n".join(lines) + "\n"
 

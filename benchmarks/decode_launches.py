@@ -27,7 +27,10 @@ mapping its ids by a torch gather before GEMM1 instead of in the GEMMs (moe_alig
 (triton_moe.DEFAULT_HALF_BLOCKS, off until timed; `half/current`: at 128-row tiles, the points
 with ~64 pairs per expert and every expert's part-filled last block at prefill, so time it with
 e.g. `--tokens 256,1024,4096 --shapes mixtral,qwen3-30b-a3b,dsv3-ep8-local --variants half`).
-(A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
+`nosorted` / `sorted`: GEMM1's A tiles gathered by
+pointer loads / always through TMA from x copied into sorted order (triton_moe.DEFAULT_SORTED_A,
+"auto" = I >= 4096 with >= 256 pairs per expert; `current/nosorted`, `sorted/nosorted`; `sorted`
+is n/a where the tile has no TMA). (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
 its epilogue instead of a cast launch, measured a loss and is gone; PERF.md section 3.) `again`: the current defaults timed a second
 time, last (`again/current`: the point's noise). --variants picks which run (default: all).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
@@ -42,6 +45,7 @@ import sys
 import torch
 
 import moebench
+from moebench.errors import MoebenchError
 from moebench.kernels import moe_align, triton_moe
 from moebench.kernels.triton_moe import fused_topk_softmax
 
@@ -66,6 +70,7 @@ CURRENT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopd
                   "memset": (None, {"DEFAULT_PDL_EARLY": False, "moe_align.DEFAULT_SKIP_MEMSET": False}),
                   "gather": (None, {"moe_align.DEFAULT_MAP_IN_GEMM": False}),
                   "half": (None, {"DEFAULT_HALF_BLOCKS": True}),
+                  "nosorted": (None, {"DEFAULT_SORTED_A": False}), "sorted": (None, {"DEFAULT_SORTED_A": True}),
                   "again": (None, {})}
 
 
@@ -135,7 +140,11 @@ def main() -> int:
                 for a, v in overrides.items():
                     setattr(*owner(a), v)
                 try:
-                    out = run()
+                    try:
+                        out = run()
+                    except MoebenchError as ex:  # a forced option this point cannot take (`sorted` without TMA)
+                        row[f"{name}_note"] = f"n/a: {ex}"[:60]
+                        continue
                     if ref is None:
                         tw, ids = fused_topk_softmax(logits, k, renormalize=True)
                         ref = moebench.reference_moe(x, w13, w2, tw, ids, emap)
@@ -166,6 +175,8 @@ def main() -> int:
             ratio("current", "memset")
             ratio("current", "gather")
             ratio("half", "current")
+            ratio("current", "nosorted")
+            ratio("sorted", "nosorted")
             ratio("again", "current")  # the same code timed twice: this point's noise
             rows.append(row)
             write_rows(rows, out_dir, f"{stem}", head)

@@ -107,9 +107,9 @@ def _batched_silu_mul_gemm1_kernel(
     a_ptrs = a_ptr + expert * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
     acc_g, acc_u = gate_up_mainloop(
-        a_ptrs, stride_ak, row_ok, w13_ptr, w13_ptr, expert, stride_we, stride_wn, stride_wk, pid_n * BLOCK_SIZE_N,
+        a_ptrs, stride_ak, row_ok, w13_ptr, 0, w13_ptr, w13_ptr, expert, stride_we, stride_wn, stride_wk, pid_n * BLOCK_SIZE_N,
         N_INTER, H, as_ptrs, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, False, False, QUANT, GROUP_N, GROUP_K)
+        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, False, False, QUANT, GROUP_N, GROUP_K, False)
 
     # Epilogue: SiLU(gate) * up for the valid rows.
     h = acc_g * tl.sigmoid(acc_g) * acc_u

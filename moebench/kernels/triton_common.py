@@ -159,6 +159,8 @@ def gate_up_mainloop(
     a_ptrs,  # (BM, BK) pointers to the activation rows at K = 0
     stride_ak,
     row_ok,  # (BM,) rows that exist (others load zeros)
+    a_desc,  # A_TMA: TMA descriptor of the activation rows, block (BLOCK_SIZE_M, BLOCK_SIZE_K)
+    a_row,  # A_TMA: the descriptor row of this program's first activation row
     w_ptr,  # w13 (E_local, 2I, H)
     w_desc,  # TMA descriptor of w13 as (E_local * 2I, H), block (BLOCK_SIZE_N, BLOCK_SIZE_K); USE_TMA only
     expert,
@@ -185,13 +187,15 @@ def gate_up_mainloop(
     QUANT: tl.constexpr,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
+    A_TMA: tl.constexpr,
 ):
     """GEMM1's K loop for one (rows, intermediate tile) program of both Triton experts: the
     activation tiles times the gate rows n0.. and the up rows I + n0.. of w13[expert] ->
     (acc_g, acc_u), each (BLOCK_SIZE_M, BLOCK_SIZE_N) fp32 with the fp8 scales applied.
 
-    Paired walk: gate and up tiles loaded separately (through TMA when USE_TMA), two dots. WIDE:
-    one (BK, 2 BN) tile of both, one dot, halves split at the end (no TMA)."""
+    Paired walk: gate and up tiles loaded separately (through TMA when USE_TMA; with A_TMA the
+    activation tiles too, from rows that are contiguous in a_desc), two dots. WIDE: one (BK, 2 BN)
+    tile of both, one dot, halves split at the end (no TMA)."""
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     if WIDE:
         # Columns 0..BN-1 are gate rows n0.., BN..2BN-1 the same up rows I further.
@@ -231,8 +235,11 @@ def gate_up_mainloop(
         acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
             if USE_TMA:
-                k_ok = offs_k < H - k * BLOCK_SIZE_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                if A_TMA:  # rows past the tensor (and K past H) come back as zeros
+                    a = a_desc.load([a_row, k * BLOCK_SIZE_K])
+                else:
+                    k_ok = offs_k < H - k * BLOCK_SIZE_K
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 g = w_desc.load([g_row, k * BLOCK_SIZE_K]).T
                 u = w_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
             elif EVEN_K:

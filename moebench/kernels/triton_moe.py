@@ -140,11 +140,33 @@ DEFAULT_DOWN_FILES = True
 #: sorted ids. 16-bit inputs with BLOCK_SIZE_M >= 32 only; GEMM2 keeps whole tiles when its A
 #: tiles come through TMA. Not timed yet, so off.
 DEFAULT_HALF_BLOCKS = False
+#: GEMM1 takes x's rows through TMA from a copy in sorted order (`sorted_rows`: one gather launch,
+#: 2 x rows x H elements of traffic) with the paired walk's TMA weight tiles, instead of gathering
+#: them by pointer loads in the K loop. True / False / "auto" = 16-bit inputs with TMA,
+#: BLOCK_SIZE_M >= 64, I >= SORTED_A_MIN_INTER (the copy costs ~150 / I of GEMM1's time) and at
+#: least SORTED_A_MIN_ROWS pairs per local expert expected. GEMM1 alone on an H200 (PERF.md section
+#: 3, tenth session; the copy not included): 0.78 / 0.91 at 1024 / 4096 tokens of Mixtral
+#: (I = 14336), 0.93-1.02 at DeepSeek-V3's I = 2048 and Qwen3's 768, where the copy costs 7-21%.
+DEFAULT_SORTED_A: bool | str = "auto"
+SORTED_A_MIN_INTER = 4096
+SORTED_A_MIN_ROWS = 256
+
+
+def use_sorted_a(sorted_a: bool | str | None, config: Mapping[str, int], dtype: torch.dtype, n_inter: int,
+                 rows_per_expert: float) -> bool:
+    """Resolve the sorted_a option (None: DEFAULT_SORTED_A) for one layer; rows_per_expert is the
+    expected number of pairs per local expert (M * K / E global)."""
+    sorted_a = DEFAULT_SORTED_A if sorted_a is None else sorted_a
+    if sorted_a == "auto":
+        return (dtype in (torch.float16, torch.bfloat16) and config["BLOCK_SIZE_M"] >= 64
+                and n_inter >= SORTED_A_MIN_INTER and rows_per_expert >= SORTED_A_MIN_ROWS)
+    return bool(sorted_a)
 
 
 @triton.jit
 def _silu_mul_gemm1_kernel(
     x_ptr,  # (M, H)
+    x_desc,  # A_TMA: TMA descriptor of x's rows in sorted order (max_padded, H), block (BLOCK_SIZE_M, BLOCK_SIZE_K)
     w13_ptr,  # (E_local, 2I, H)
     w13_desc,  # TMA descriptor of w13 as (E_local * 2I, H), block (BLOCK_SIZE_N, BLOCK_SIZE_K); USE_TMA only
     inter_ptr,  # (max_padded, I) out, rows in sorted order
@@ -193,6 +215,7 @@ def _silu_mul_gemm1_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
     MAPPED: tl.constexpr = False,  # expert_ids are global ids, mapped through expert_map (direct_align)
     HALF: tl.constexpr = False,  # a block whose pairs fit in its first half runs a half-height tile
+    A_TMA: tl.constexpr = False,  # with USE_TMA: A tiles from x_desc (x gathered into sorted order), not x_ptr
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -219,22 +242,22 @@ def _silu_mul_gemm1_kernel(
     # HALF: the block's pairs may fill only part of it (an expert's last block); when its second
     # half holds only sentinels, a half-height tile does the same work with half the MMAs.
     if HALF and second_half_empty(pid_m, sorted_ids_ptr, num_pairs, BLOCK_SIZE_M):
-        _gemm1_tile(x_ptr, w13_ptr, w13_desc, inter_ptr, sorted_ids_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
+        _gemm1_tile(x_ptr, x_desc, w13_ptr, w13_desc, inter_ptr, sorted_ids_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
                     num_pairs, N_INTER, H, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
                     stride_asm, stride_asg, stride_wse, stride_wsn, stride_wsk, expert, pid_m * BLOCK_SIZE_M, pid_n,
                     TOPK, BLOCK_SIZE_M // 2, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, USE_TMA, QUANT, GROUP_N,
-                    GROUP_K, WIDE, QUANT_OUT, ACT_DTYPE)
+                    GROUP_K, WIDE, QUANT_OUT, ACT_DTYPE, A_TMA)
     else:
-        _gemm1_tile(x_ptr, w13_ptr, w13_desc, inter_ptr, sorted_ids_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
+        _gemm1_tile(x_ptr, x_desc, w13_ptr, w13_desc, inter_ptr, sorted_ids_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
                     num_pairs, N_INTER, H, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
                     stride_asm, stride_asg, stride_wse, stride_wsn, stride_wsk, expert, pid_m * BLOCK_SIZE_M, pid_n,
                     TOPK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, USE_TMA, QUANT, GROUP_N,
-                    GROUP_K, WIDE, QUANT_OUT, ACT_DTYPE)
+                    GROUP_K, WIDE, QUANT_OUT, ACT_DTYPE, A_TMA)
 
 
 @triton.jit
 def _gemm1_tile(
-    x_ptr, w13_ptr, w13_desc, inter_ptr, sorted_ids_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr, num_pairs, N_INTER, H,
+    x_ptr, x_desc, w13_ptr, w13_desc, inter_ptr, sorted_ids_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr, num_pairs, N_INTER, H,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_im, stride_in, stride_asm, stride_asg,
     stride_wse, stride_wsn, stride_wsk,
     expert,  # local expert of the rows
@@ -254,6 +277,7 @@ def _gemm1_tile(
     WIDE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     ACT_DTYPE: tl.constexpr,
+    A_TMA: tl.constexpr,
 ):
     """GEMM1's work on ROWS sorted rows from row0 (arguments as _silu_mul_gemm1_kernel's)."""
     # Rows: the pairs of this block; token = pair // K; sentinel rows load zeros.
@@ -266,9 +290,9 @@ def _gemm1_tile(
     a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
     as_ptrs = a_scale_ptr + token * stride_asm
     acc_g, acc_u = gate_up_mainloop(
-        a_ptrs, stride_xk, row_ok, w13_ptr, w13_desc, expert, stride_we, stride_wn, stride_wk, pid_n * BLOCK_SIZE_N,
-        N_INTER, H, as_ptrs, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-        ROWS, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, USE_TMA, WIDE, QUANT, GROUP_N, GROUP_K)
+        a_ptrs, stride_xk, row_ok, x_desc, row0, w13_ptr, w13_desc, expert, stride_we, stride_wn, stride_wk,
+        pid_n * BLOCK_SIZE_N, N_INTER, H, as_ptrs, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+        ROWS, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, USE_TMA, WIDE, QUANT, GROUP_N, GROUP_K, A_TMA)
 
     # Epilogue: SiLU(gate) * up, stored at the block's sorted rows (sentinel rows hold zeros).
     h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -609,6 +633,34 @@ def _flat_weights(topk_weights: torch.Tensor) -> torch.Tensor:
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+@triton.jit
+def _sorted_rows_kernel(x_ptr, xs_ptr, sorted_ids_ptr, ntpp_ptr, num_pairs, H, stride_xm, stride_xk, stride_sm,
+                        TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    # Program (r, c): sorted rows r * ROWS .. of the used length, columns c * BLOCK_H ..; a row
+    # holds its pair's token row of x, a sentinel row zeros. Rows past the used length stay unset.
+    row0 = tl.program_id(0) * ROWS
+    if row0 >= tl.load(ntpp_ptr):
+        return
+    offs_m, pair, row_ok, token = tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK, ROWS)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    v = tl.load(x_ptr + token[:, None] * stride_xm + offs_h[None, :] * stride_xk, mask=row_ok[:, None] & h_ok[None, :],
+                other=0.0)
+    tl.store(xs_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_h[None, :], v, mask=h_ok[None, :])
+
+
+def sorted_rows(x: torch.Tensor, align: AlignResult, topk: int) -> torch.Tensor:
+    """x (M, H) -> (max_padded, H): row r = x[sorted_token_ids[r] // topk] for the used rows,
+    zeros for sentinels; rows past num_tokens_post_padded are left unset (no kernel reads them)."""
+    rows, h = align.sorted_token_ids.numel(), x.shape[1]
+    xs = torch.empty((rows, h), dtype=x.dtype, device=x.device)
+    r, bh = min(32, align.block_size_m), 256  # up to 16 KB of bf16 per program; r divides every block
+    _sorted_rows_kernel[(triton.cdiv(rows, r), triton.cdiv(h, bh))](
+        x, xs, align.sorted_token_ids, align.num_tokens_post_padded, align.num_pairs, h, x.stride(0), x.stride(1),
+        xs.stride(0), TOPK=topk, ROWS=r, BLOCK_H=bh, num_warps=4)
+    return xs
+
+
 def launch_gemm1(
     x: torch.Tensor,
     w13,
@@ -623,12 +675,15 @@ def launch_gemm1(
     out_scale: torch.Tensor | None = None,
     pdl: bool = False,
     half: bool = False,
+    sorted_a: bool = False,
 ) -> torch.Tensor:
     """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
     wide: gate and up tiles as one tile and one dot (DEFAULT_WIDE_GEMM1; no TMA then).
     pdl: launch with programmatic dependent launch (`resolve_pdl`; CUDA, Hopper+).
     half: half-height tiles for blocks whose pairs fit in their first half (DEFAULT_HALF_BLOCKS;
     the other rows of such a block are left unwritten: GEMM2 masks them).
+    sorted_a: x's rows are first copied into sorted order (`sorted_rows`, one launch) so that
+    both operands come through TMA (DEFAULT_SORTED_A; 16-bit, needs use_tma; not with wide or half).
     out_scale: (1,) fp32 static scale: inter comes back as float8_e4m3fn, bit for bit what
     `quantize_rows(inter, per-tensor scheme, out_scale)` makes of the out_dtype intermediate.
 
@@ -654,12 +709,19 @@ def launch_gemm1(
     use_tma = use_tma and not wide
     if use_tma:
         desc = TensorDescriptor.from_tensor(wq.view(-1, h), [bn1, bk])
+    x_desc = x
+    if sorted_a:
+        if not use_tma or quant["QUANT"]:
+            raise MoebenchError("sorted_a needs 16-bit inputs with TMA weight tiles (use_tma, not wide)")
+        x = sorted_rows(x, align, topk)
+        x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+        half = False  # the descriptor's block is BLOCK_SIZE_M rows
     sc = _scale_args(a_scale, w13)
     if zero is not None:
         assert zero.dtype == torch.float32 and zero.is_contiguous()
     grid1 = (num_blocks * triton.cdiv(n_inter, bn1),)
     _silu_mul_gemm1_kernel[grid1](
-        x, wq, desc, inter, align.sorted_token_ids, align.expert_ids, _map_arg(align), align.num_tokens_post_padded,
+        x, x_desc, wq, desc, inter, align.sorted_token_ids, align.expert_ids, _map_arg(align), align.num_tokens_post_padded,
         *sc[:2], inter if zero is None else zero, 0 if zero is None else zero.numel(),
         inter if out_scale is None else out_scale.to(device=x.device, dtype=torch.float32).reshape(1),
         align.num_pairs, n_inter, h, num_blocks,
@@ -668,8 +730,8 @@ def launch_gemm1(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        MAPPED=align.expert_map is not None, HALF=half, num_warps=config["num_warps"], num_stages=config["num_stages"],
-        **quant, **pdl_launch_args(pdl),
+        MAPPED=align.expert_map is not None, HALF=half, A_TMA=sorted_a, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
     )
     return inter
 
@@ -774,6 +836,7 @@ def fused_moe_gemms(
     pdl: bool | str | None = None,
     down_config: Mapping[str, Any] | None = None,
     half: bool | None = None,
+    sorted_a: bool | str | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
@@ -790,7 +853,10 @@ def fused_moe_gemms(
     down_config: GEMM2's own tile config (same BLOCK_SIZE_M as `config`; split_k is GEMM2's for
     it); its optional USE_TMA decides GEMM2's TMA loads (weights and inter) instead of use_tma /
     tma_a. None: GEMM2 runs with `config`. half (None: DEFAULT_HALF_BLOCKS): half-height tiles for
-    blocks whose pairs fit in their first half (16-bit inputs, BLOCK_SIZE_M >= 32).
+    blocks whose pairs fit in their first half (16-bit inputs, BLOCK_SIZE_M >= 32). sorted_a (None:
+    DEFAULT_SORTED_A; "auto" counts M * K / E_local pairs per expert here, `fused_moe` the global
+    E): GEMM1 reads x through TMA from a copy in sorted order (16-bit with use_tma; GEMM1 then
+    walks gate and up as two tiles, not wide).
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
@@ -827,8 +893,15 @@ def fused_moe_gemms(
     pdl = resolve_pdl(pdl, x.device, w2.shape[2])
     half = DEFAULT_HALF_BLOCKS if half is None else half
     half = bool(half) and scheme is None and config["BLOCK_SIZE_M"] >= 32
+    asked = DEFAULT_SORTED_A if sorted_a is None else sorted_a
+    sorted_a = use_sorted_a(asked, config, x.dtype, w2.shape[2], m * topk / w13.shape[0])
+    if sorted_a and (scheme is not None or not use_tma):
+        if asked != "auto":
+            raise MoebenchError("sorted_a needs 16-bit inputs on a device with TMA (use_tma)")
+        sorted_a = False
+    wide = wide and not sorted_a
     inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
-                         wide=wide, out_scale=w2.input_scale if fuse else None, pdl=pdl, half=half)
+                         wide=wide, out_scale=w2.input_scale if fuse else None, pdl=pdl, half=half, sorted_a=sorted_a)
     inter_scale = None
     if fuse:
         inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
@@ -933,12 +1006,13 @@ def fused_moe(
     pdl: bool | str | None = None,
     down_config: Mapping[str, Any] | None = None,
     half: bool | None = None,
+    sorted_a: bool | str | None = None,
 ) -> torch.Tensor:
     """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
     use_tma / atomic: see `fused_moe_gemms` (None: DEFAULT_USE_TMA / DEFAULT_ATOMIC). direct:
     True / False / "auto" (None: DEFAULT_DIRECT_ALIGN), see moebench.kernels.moe_align.direct_align;
-    zero_in_gemm1, wide, pdl, down_config, half: see `fused_moe_gemms`. Without `config`, both configs
+    zero_in_gemm1, wide, pdl, down_config, half, sorted_a: see `fused_moe_gemms`. Without `config`, both configs
     come from the lookup (`select_config`, `select_down_config`); an explicit `config` is used for
     both GEMMs unless `down_config` is given too.
 
@@ -980,10 +1054,13 @@ def fused_moe(
         split_k = choose_split_k(est_blocks, x.shape[1], w2.shape[2], down_config or config, _num_sms(x.device))
     use_tma = resolve_use_tma(use_tma, config, x.dtype)
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
+    if (DEFAULT_SORTED_A if sorted_a is None else sorted_a) == "auto":  # pairs per expert over the global E
+        sorted_a = use_sorted_a("auto", config, x.dtype, w2.shape[2], m * k / max(num_experts, 1))
+        sorted_a = sorted_a and use_tma and _tma_ok(w13) and _tma_ok(w2)  # as fused_moe_gemms resolves use_tma
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
         a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide, pdl=pdl,
-        down_config=down_config, half=half,
+        down_config=down_config, half=half, sorted_a=sorted_a,
     )
 
 

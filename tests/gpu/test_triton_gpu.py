@@ -219,3 +219,17 @@ def test_half_blocks_gpu(shape, m):
     half = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, half=True)
     whole = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, half=False)
     assert _rel(half, ref) < 2e-2 and _rel(half, whole) < 1e-2
+
+
+@pytest.mark.parametrize("shape,m", [("mixtral", 1024), ("qwen3-30b-a3b", 4096), ("dsv3-ep8", 4096),
+                                     ("mixtral", 16)])
+def test_sorted_a_gpu(shape, m):
+    # GEMM1 reading x through TMA from a sorted copy (sorted_a) with the shapes' own configs: the
+    # reference, and the layer with the gathered pointer loads
+    from moebench.kernels import triton_moe
+
+    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    got = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, sorted_a=True)
+    base = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, sorted_a=False)
+    assert _rel(got, ref) < 2e-2 and _rel(got, base) < 1e-2
