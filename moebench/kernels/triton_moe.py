@@ -143,23 +143,23 @@ DEFAULT_HALF_BLOCKS = False
 #: GEMM1 takes x's rows through TMA from a copy in sorted order (`sorted_rows`: one gather launch,
 #: 2 x rows x H elements of traffic) with the paired walk's TMA weight tiles, instead of gathering
 #: them by pointer loads in the K loop. True / False / "auto" = 16-bit inputs with TMA,
-#: BLOCK_SIZE_M >= 64, I >= SORTED_A_MIN_INTER (the copy costs ~150 / I of GEMM1's time) and at
-#: least SORTED_A_MIN_ROWS pairs per local expert expected. GEMM1 alone on an H200 (PERF.md section
-#: 3, tenth session; the copy not included): 0.78 / 0.91 at 1024 / 4096 tokens of Mixtral
-#: (I = 14336), 0.93-1.02 at DeepSeek-V3's I = 2048 and Qwen3's 768, where the copy costs 7-21%.
+#: BLOCK_SIZE_M >= 64 and at least SORTED_A_MIN_ROWS pairs per local expert expected. Layer forced
+#: on / off on an H200 (PERF.md section 3, tenth session): 0.937-0.953 at 1024-4096 tokens of
+#: Mixtral, 0.936 / 0.944 at 4096 tokens of DeepSeek-V3's 32 experts / Qwen3-30B (1024 and 256
+#: pairs per expert), 1.011 at 1024 of DeepSeek-V3 (256 per expert; the runs' noise was 0.5-5%),
+#: and a loss at 64 pairs per expert (Qwen3 1024: 1.078, Mixtral 256: 0.997).
 DEFAULT_SORTED_A: bool | str = "auto"
-SORTED_A_MIN_INTER = 4096
 SORTED_A_MIN_ROWS = 256
 
 
-def use_sorted_a(sorted_a: bool | str | None, config: Mapping[str, int], dtype: torch.dtype, n_inter: int,
+def use_sorted_a(sorted_a: bool | str | None, config: Mapping[str, int], dtype: torch.dtype,
                  rows_per_expert: float) -> bool:
     """Resolve the sorted_a option (None: DEFAULT_SORTED_A) for one layer; rows_per_expert is the
     expected number of pairs per local expert (M * K / E global)."""
     sorted_a = DEFAULT_SORTED_A if sorted_a is None else sorted_a
     if sorted_a == "auto":
         return (dtype in (torch.float16, torch.bfloat16) and config["BLOCK_SIZE_M"] >= 64
-                and n_inter >= SORTED_A_MIN_INTER and rows_per_expert >= SORTED_A_MIN_ROWS)
+                and rows_per_expert >= SORTED_A_MIN_ROWS)
     return bool(sorted_a)
 
 
@@ -894,7 +894,7 @@ def fused_moe_gemms(
     half = DEFAULT_HALF_BLOCKS if half is None else half
     half = bool(half) and scheme is None and config["BLOCK_SIZE_M"] >= 32
     asked = DEFAULT_SORTED_A if sorted_a is None else sorted_a
-    sorted_a = use_sorted_a(asked, config, x.dtype, w2.shape[2], m * topk / w13.shape[0])
+    sorted_a = use_sorted_a(asked, config, x.dtype, m * topk / w13.shape[0])
     if sorted_a and (scheme is not None or not use_tma):
         if asked != "auto":
             raise MoebenchError("sorted_a needs 16-bit inputs on a device with TMA (use_tma)")
@@ -1055,7 +1055,7 @@ def fused_moe(
     use_tma = resolve_use_tma(use_tma, config, x.dtype)
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
     if (DEFAULT_SORTED_A if sorted_a is None else sorted_a) == "auto":  # pairs per expert over the global E
-        sorted_a = use_sorted_a("auto", config, x.dtype, w2.shape[2], m * k / max(num_experts, 1))
+        sorted_a = use_sorted_a("auto", config, x.dtype, m * k / max(num_experts, 1))
         sorted_a = sorted_a and use_tma and _tma_ok(w13) and _tma_ok(w2)  # as fused_moe_gemms resolves use_tma
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
