@@ -251,7 +251,7 @@ def main() -> int:
             t_gemm = time_cuda(gemm, reps=30, graph_calls=5)
             # GEMM1 as the layer runs it: x through TMA from a sorted copy where DEFAULT_SORTED_A picks
             # it (the copy included), else the wide walk at >= 64-row tiles (DEFAULT_WIDE_GEMM1 "auto")
-            s_a = tma0 and use_sorted_a(None, cfg, dtype, m * k / e)
+            s_a = tma0 and use_sorted_a(None, cfg, dtype, inter, m * k / e)
             g1_kw = dict(sorted_a=s_a, wide=not s_a and cfg["BLOCK_SIZE_M"] >= 64)
             inter0 = launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw)
             t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw), reps=20, graph_calls=5)

@@ -29,7 +29,7 @@ with ~64 pairs per expert and every expert's part-filled last block at prefill, 
 e.g. `--tokens 256,1024,4096 --shapes mixtral,qwen3-30b-a3b,dsv3-ep8-local --variants half`).
 `nosorted` / `sorted`: GEMM1's A tiles gathered by
 pointer loads / always through TMA from x copied into sorted order (triton_moe.DEFAULT_SORTED_A,
-"auto" = >= 256 pairs per expert at >= 64-row tiles; `current/nosorted`, `sorted/nosorted`; `sorted`
+"auto" = >= 512 pairs per expert (256 where I >= 4096) at >= 64-row tiles; `current/nosorted`, `sorted/nosorted`; `sorted`
 is n/a where the tile has no TMA). (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
 its epilogue instead of a cast launch, measured a loss and is gone; PERF.md section 3.) `again`: the current defaults timed a second
 time, last (`again/current`: the point's noise). --variants picks which run (default: all).

@@ -633,10 +633,12 @@ def test_sorted_rows_copies_x_in_sorted_order():
 
 
 def test_sorted_a_rule():
-    # "auto": 16-bit, BLOCK_SIZE_M >= 64, >= 256 pairs per expert; explicit values stand
+    # "auto": 16-bit, BLOCK_SIZE_M >= 64, >= 512 pairs per expert (>= 256 where I >= 4096); explicit values stand
     big = dict(CFG, BLOCK_SIZE_M=128)
-    assert use_sorted_a("auto", big, torch.bfloat16, 256) and use_sorted_a("auto", big, torch.float16, 1024)
-    assert not use_sorted_a("auto", big, torch.bfloat16, 64)  # Qwen3 1024 / Mixtral 256 tokens: measured a loss
-    assert not use_sorted_a("auto", big, torch.float32, 1024)
-    assert not use_sorted_a("auto", CFG, torch.bfloat16, 1024)  # 16-row tiles
-    assert use_sorted_a(True, CFG, torch.float16, 1) and not use_sorted_a(False, big, torch.bfloat16, 1024)
+    assert use_sorted_a("auto", big, torch.bfloat16, 14336, 256) and use_sorted_a("auto", big, torch.float16, 2048, 1024)
+    assert not use_sorted_a("auto", big, torch.bfloat16, 2048, 256)  # DeepSeek-V3 local 1024 tokens: a loss
+    assert not use_sorted_a("auto", big, torch.bfloat16, 768, 256)  # Qwen3 4096 tokens: neutral
+    assert not use_sorted_a("auto", big, torch.bfloat16, 14336, 64)  # Mixtral 256 tokens
+    assert not use_sorted_a("auto", big, torch.float32, 14336, 1024)
+    assert not use_sorted_a("auto", CFG, torch.bfloat16, 14336, 1024)  # 16-row tiles
+    assert use_sorted_a(True, CFG, torch.float16, 8, 1) and not use_sorted_a(False, big, torch.bfloat16, 14336, 1024)

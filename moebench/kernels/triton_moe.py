@@ -143,23 +143,27 @@ DEFAULT_HALF_BLOCKS = False
 #: GEMM1 takes x's rows through TMA from a copy in sorted order (`sorted_rows`: one gather launch,
 #: 2 x rows x H elements of traffic) with the paired walk's TMA weight tiles, instead of gathering
 #: them by pointer loads in the K loop. True / False / "auto" = 16-bit inputs with TMA,
-#: BLOCK_SIZE_M >= 64 and at least SORTED_A_MIN_ROWS pairs per local expert expected. Layer forced
-#: on / off on an H200 (PERF.md section 3, tenth session): 0.937-0.953 at 1024-4096 tokens of
-#: Mixtral, 0.936 / 0.944 at 4096 tokens of DeepSeek-V3's 32 experts / Qwen3-30B (1024 and 256
-#: pairs per expert), 1.011 at 1024 of DeepSeek-V3 (256 per expert; the runs' noise was 0.5-5%),
-#: and a loss at 64 pairs per expert (Qwen3 1024: 1.078, Mixtral 256: 0.997).
+#: BLOCK_SIZE_M >= 64 and, expected per local expert, at least SORTED_A_MIN_ROWS pairs, or
+#: SORTED_A_WIDE_MIN_ROWS where I >= SORTED_A_WIDE_INTER (the copy's share of GEMM1 falls as 1 / I).
+#: Layer with / without, same run, H200 (PERF.md section 3, tenth session): Mixtral (I = 14336)
+#: 0.923-0.953 at 1024 tokens (256 pairs per expert), 0.937-0.939 at 4096; DeepSeek-V3's 32 experts
+#: (I = 2048) 0.926-0.946 at 4096 tokens (1024 per expert) but 1.006-1.037 at 1024 (256);
+#: Qwen3-30B (I = 768) 0.94-1.09 over four runs at 4096 tokens (256: neutral within its noise),
+#: 1.08-1.10 at 1024 (64).
 DEFAULT_SORTED_A: bool | str = "auto"
-SORTED_A_MIN_ROWS = 256
+SORTED_A_MIN_ROWS = 512
+SORTED_A_WIDE_INTER = 4096
+SORTED_A_WIDE_MIN_ROWS = 256
 
 
-def use_sorted_a(sorted_a: bool | str | None, config: Mapping[str, int], dtype: torch.dtype,
+def use_sorted_a(sorted_a: bool | str | None, config: Mapping[str, int], dtype: torch.dtype, n_inter: int,
                  rows_per_expert: float) -> bool:
-    """Resolve the sorted_a option (None: DEFAULT_SORTED_A) for one layer; rows_per_expert is the
-    expected number of pairs per local expert (M * K / E global)."""
+    """Resolve the sorted_a option (None: DEFAULT_SORTED_A) for one layer of intermediate size
+    n_inter; rows_per_expert is the expected number of pairs per local expert (M * K / E global)."""
     sorted_a = DEFAULT_SORTED_A if sorted_a is None else sorted_a
     if sorted_a == "auto":
-        return (dtype in (torch.float16, torch.bfloat16) and config["BLOCK_SIZE_M"] >= 64
-                and rows_per_expert >= SORTED_A_MIN_ROWS)
+        rows = SORTED_A_WIDE_MIN_ROWS if n_inter >= SORTED_A_WIDE_INTER else SORTED_A_MIN_ROWS
+        return dtype in (torch.float16, torch.bfloat16) and config["BLOCK_SIZE_M"] >= 64 and rows_per_expert >= rows
     return bool(sorted_a)
 
 
@@ -894,7 +898,7 @@ def fused_moe_gemms(
     half = DEFAULT_HALF_BLOCKS if half is None else half
     half = bool(half) and scheme is None and config["BLOCK_SIZE_M"] >= 32
     asked = DEFAULT_SORTED_A if sorted_a is None else sorted_a
-    sorted_a = use_sorted_a(asked, config, x.dtype, m * topk / w13.shape[0])
+    sorted_a = use_sorted_a(asked, config, x.dtype, w2.shape[2], m * topk / w13.shape[0])
     if sorted_a and (scheme is not None or not use_tma):
         if asked != "auto":
             raise MoebenchError("sorted_a needs 16-bit inputs on a device with TMA (use_tma)")
@@ -1055,7 +1059,7 @@ def fused_moe(
     use_tma = resolve_use_tma(use_tma, config, x.dtype)
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
     if (DEFAULT_SORTED_A if sorted_a is None else sorted_a) == "auto":  # pairs per expert over the global E
-        sorted_a = use_sorted_a("auto", config, x.dtype, m * k / max(num_experts, 1))
+        sorted_a = use_sorted_a("auto", config, x.dtype, w2.shape[2], m * k / max(num_experts, 1))
         sorted_a = sorted_a and use_tma and _tma_ok(w13) and _tma_ok(w2)  # as fused_moe_gemms resolves use_tma
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
