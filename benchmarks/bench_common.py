@@ -47,6 +47,13 @@ def layer_config(shape: str, m: int, w13, w2, num_experts: int, topk: int, dtype
     return dict(select_config(m, topk, w13, w2, num_experts, dtype)[0])
 
 
+def seeded_inputs(m: int, h: int, e: int, dtype: torch.dtype, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (m, h) in dtype and router logits (m, e) fp32, drawn from a generator seeded with m: the
+    scripts time the same tokens and routing at a point."""
+    g = torch.Generator(device=dev).manual_seed(m)
+    return torch.randn(m, h, dtype=dtype, device=dev, generator=g), torch.randn(m, e, device=dev, generator=g)
+
+
 def timed_us(fn: Callable[[], object], reps: int, graph_calls: int) -> float:
     """Median us of fn: CUDA-graph replays on the GPU, one wall-clock call on a CPU (smoke)."""
     if ON_GPU:

@@ -60,7 +60,7 @@ from moebench.kernels.triton_moe import (
 from moebench.kernels.triton_moe import _tma_ok
 from moebench.tuning.configs import default_config
 
-from bench_common import library_gemms
+from bench_common import library_gemms, seeded_inputs
 
 # name: (E global, topk, H, I, E local, use expert_map)
 SHAPES = {
@@ -209,9 +209,7 @@ def main() -> int:
             emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
             emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
         for ti_, m in enumerate(tokens):
-            g = torch.Generator(device=dev).manual_seed(m)
-            x = torch.randn(m, h, dtype=dtype, device=dev, generator=g)
-            logits = torch.randn(m, e, device=dev, generator=g)
+            x, logits = seeded_inputs(m, h, e, dtype, dev)
             tw, ids = routing(logits, k)
             if shape in HEURISTIC_ONLY:
                 cfg, src = default_config(m, e, inter, h, k, dtype), HEURISTIC_ONLY[shape]

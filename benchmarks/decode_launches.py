@@ -49,7 +49,7 @@ from moebench.errors import MoebenchError
 from moebench.kernels import moe_align, triton_moe
 from moebench.kernels.triton_moe import fused_topk_softmax
 
-from bench_common import SHAPES, script_setup, timed_us, write_rows
+from bench_common import SHAPES, script_setup, seeded_inputs, timed_us, write_rows
 
 DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8,qwen3-next-80b-a3b"
 SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
@@ -115,9 +115,7 @@ def main() -> int:
             emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
         kernel = moebench.make_kernel("triton", "no-dpep")
         for m in [int(t) for t in args.tokens.split(",")]:
-            g = torch.Generator(device=dev).manual_seed(m)
-            x = torch.randn(m, h, dtype=dt, device=dev, generator=g)
-            logits = torch.randn(m, e, device=dev, generator=g)
+            x, logits = seeded_inputs(m, h, e, dt, dev)
 
             def layer(kern=kernel):
                 tw, ids = fused_topk_softmax(logits, k, renormalize=True)

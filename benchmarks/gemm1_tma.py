@@ -34,7 +34,7 @@ from moebench.kernels.moe_align import interpreting, moe_align_block_size
 from moebench.kernels.triton_common import grouped_tile, mma
 from moebench.kernels.triton_moe import _num_sms, fused_topk_softmax, launch_gemm1
 
-from bench_common import SHAPES, layer_config, script_setup, timed_us, write_rows
+from bench_common import SHAPES, layer_config, script_setup, seeded_inputs, timed_us, write_rows
 
 SMOKE = {"tiny": (16, 2, 64, 48, 16)}
 
@@ -124,9 +124,7 @@ def main() -> int:
         w13 = torch.randn(e, 2 * inter, h, dtype=dt, device=dev).mul_(h**-0.5)
         w2 = torch.randn(e, h, inter, dtype=dt, device=dev).mul_(inter**-0.5)
         for m in [int(t) for t in args.tokens.split(",")]:
-            g = torch.Generator(device=dev).manual_seed(m)
-            x = torch.randn(m, h, dtype=dt, device=dev, generator=g)
-            logits = torch.randn(m, e, device=dev, generator=g)
+            x, logits = seeded_inputs(m, h, e, dt, dev)
             _, ids = fused_topk_softmax(logits, k, renormalize=True)
             cfg = layer_config(shape, m, w13, w2, e, k, dt)
             if args.smoke:

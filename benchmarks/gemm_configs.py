@@ -43,7 +43,7 @@ from moebench.report import _markdown
 from moebench.results import atomic_write_text
 from moebench.tuning.configs import TILE_KEYS
 
-from bench_common import ON_GPU, SHAPES, layer_config, script_setup, timed_us
+from bench_common import ON_GPU, SHAPES, layer_config, script_setup, seeded_inputs, timed_us
 
 # Largest layer/floor gaps of the fifth session's final run first (PERF.md section 3).
 POINTS = ("qwen3-30b-a3b:4096,qwen3-30b-a3b:1024,dsv3-ep8-local:1024,mixtral:1024,dsv3-ep8-local:4096,"
@@ -110,9 +110,7 @@ def main() -> int:
         if e_local < e:
             emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
             emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
-        g = torch.Generator(device=dev).manual_seed(m)
-        x = torch.randn(m, h, dtype=dt, device=dev, generator=g)
-        logits = torch.randn(m, e, device=dev, generator=g)
+        x, logits = seeded_inputs(m, h, e, dt, dev)
         tw, ids = fused_topk_softmax(logits, k, renormalize=True)
         base = layer_config(shape, m, w13, w2, e, k, dt)
         if args.bm:
