@@ -642,3 +642,25 @@ def test_sorted_a_rule():
     assert not use_sorted_a("auto", big, torch.float32, 14336, 1024)
     assert not use_sorted_a("auto", CFG, torch.bfloat16, 14336, 1024)  # 16-row tiles
     assert use_sorted_a(True, CFG, torch.float16, 8, 1) and not use_sorted_a(False, big, torch.bfloat16, 14336, 1024)
+
+
+def test_sorted_a_yields_to_a_wide_gemm1_asked_for(monkeypatch):
+    # "auto" sorted_a (here on from one pair per expert) does not override wide=True (a benchmark's
+    # named variant); both asked for by name: an error
+    from moebench.errors import MoebenchError
+    from moebench.kernels import triton_moe
+
+    monkeypatch.setattr(triton_moe, "SORTED_A_MIN_ROWS", 1)
+    monkeypatch.setattr(triton_moe, "SORTED_A_WIDE_MIN_ROWS", 1)
+    tw, ti = _uneven_routing(64, 4, {0: 40})
+    w13, w2 = _weights(4, torch.bfloat16)
+    x = _x(64, torch.bfloat16)
+    cfg = dict(CFG, BLOCK_SIZE_M=64, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32)
+    calls = []
+    real = triton_moe.launch_gemm1
+    monkeypatch.setattr(triton_moe, "launch_gemm1", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    fused_moe(x, w13, w2, tw, ti, config=cfg, use_tma=True, wide=True, sorted_a="auto")
+    fused_moe(x, w13, w2, tw, ti, config=cfg, use_tma=True, sorted_a="auto")
+    assert [(c["wide"], c["sorted_a"]) for c in calls] == [(True, False), (False, True)]
+    with pytest.raises(MoebenchError, match="wide"):
+        fused_moe(x, w13, w2, tw, ti, config=cfg, use_tma=True, wide=True, sorted_a=True)

@@ -868,6 +868,7 @@ def fused_moe_gemms(
     m, h = x.shape
     zero_in_gemm1 = DEFAULT_ZERO_IN_GEMM1 if zero_in_gemm1 is None else zero_in_gemm1
     wide = DEFAULT_WIDE_GEMM1 if wide is None else wide
+    wide_asked = wide is True  # a wide GEMM1 asked for by name: "auto" sorted_a yields to it
     scheme = scheme_of(w13)
     if wide == "auto":
         wide = scheme is None and config["BLOCK_SIZE_M"] >= 64
@@ -899,9 +900,9 @@ def fused_moe_gemms(
     half = bool(half) and scheme is None and config["BLOCK_SIZE_M"] >= 32
     asked = DEFAULT_SORTED_A if sorted_a is None else sorted_a
     sorted_a = use_sorted_a(asked, config, x.dtype, w2.shape[2], m * topk / w13.shape[0])
-    if sorted_a and (scheme is not None or not use_tma):
+    if sorted_a and (scheme is not None or not use_tma or wide_asked):
         if asked != "auto":
-            raise MoebenchError("sorted_a needs 16-bit inputs on a device with TMA (use_tma)")
+            raise MoebenchError("sorted_a needs 16-bit inputs on a device with TMA (use_tma), and not wide=True")
         sorted_a = False
     wide = wide and not sorted_a
     inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
@@ -1060,7 +1061,8 @@ def fused_moe(
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
     if (DEFAULT_SORTED_A if sorted_a is None else sorted_a) == "auto":  # pairs per expert over the global E
         sorted_a = use_sorted_a("auto", config, x.dtype, w2.shape[2], m * k / max(num_experts, 1))
-        sorted_a = sorted_a and use_tma and _tma_ok(w13) and _tma_ok(w2)  # as fused_moe_gemms resolves use_tma
+        # as fused_moe_gemms resolves it: TMA there, and no wide GEMM1 asked for by name
+        sorted_a = sorted_a and use_tma and _tma_ok(w13) and _tma_ok(w2) and wide is not True
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
         a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide, pdl=pdl,
