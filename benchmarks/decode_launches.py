@@ -24,13 +24,11 @@ is found (triton_moe.DEFAULT_DOWN_FILES; `current/nodown`; point $MOEBENCH_CONFI
 launch changes). `gather`: a direct alignment with an expert_map (DeepSeek-V3 EP8, one token)
 mapping its ids by a torch gather before GEMM1 instead of in the GEMMs (moe_align.DEFAULT_MAP_IN_GEMM;
 `current/gather`). `half`: half-height tiles for blocks whose pairs fit in their first half
-(triton_moe.DEFAULT_HALF_BLOCKS, off until timed; `half/current`: at 128-row tiles, the points
-with ~64 pairs per expert and every expert's part-filled last block at prefill, so time it with
-e.g. `--tokens 256,1024,4096 --shapes mixtral,qwen3-30b-a3b,dsv3-ep8-local --variants half`).
-`nosorted` / `sorted`: GEMM1's A tiles gathered by
-pointer loads / always through TMA from x copied into sorted order (triton_moe.DEFAULT_SORTED_A,
-"auto" = >= 512 pairs per expert (256 where I >= 4096) at >= 64-row tiles; `current/nosorted`, `sorted/nosorted`; `sorted`
-is n/a where the tile has no TMA). (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
+(triton_moe.DEFAULT_HALF_BLOCKS, off: measured -4% at Qwen3 1024 / 4096 tokens, +4% / +10% at
+Mixtral / dsv3-local 1024; `half/current`, at 128-row tiles). `nosorted` / `sorted`: GEMM1's A
+tiles gathered by pointer loads / always through TMA from x copied into sorted order
+(triton_moe.DEFAULT_SORTED_A, "auto" = >= 512 pairs per expert (256 where I >= 4096) at >= 64-row
+tiles; `current/nosorted`, `sorted/nosorted`; `sorted` is n/a where the tile has no TMA). (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
 its epilogue instead of a cast launch, measured a loss and is gone; PERF.md section 3.) `again`: the current defaults timed a second
 time, last (`again/current`: the point's noise). --variants picks which run (default: all).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its

@@ -40,7 +40,9 @@ Options (kept as constexpr variants, measured in PERF.md section 3): `use_tma` l
 weight tiles through TMA tensor descriptors on Hopper+ (default "auto": 16-bit inputs with
 BLOCK_SIZE_M >= 32); `atomic=False` writes weighted rows per pair and sums over K with torch
 instead of the atomic epilogue; `half` gives blocks whose pairs fit in their first half a
-half-height tile (DEFAULT_HALF_BLOCKS). Also here: `fused_topk_softmax`, softmax top-k routing in one
+half-height tile (DEFAULT_HALF_BLOCKS, off: measured a loss); `sorted_a` copies x's rows into
+sorted order first (`sorted_rows`, one launch) so that GEMM1 loads its A tiles through TMA too
+(DEFAULT_SORTED_A "auto": prefill with many pairs per expert). Also here: `fused_topk_softmax`, softmax top-k routing in one
 launch (the benchmark's routing step).
 """
 
@@ -138,7 +140,9 @@ DEFAULT_DOWN_FILES = True
 #: about BLOCK_SIZE_M / 2 pairs, e.g. 128-row tiles at ~64 pairs per expert) runs a tile of half
 #: the rows: half the MMAs, the same weight tiles. The check reads the block's second half of
 #: sorted ids. 16-bit inputs with BLOCK_SIZE_M >= 32 only; GEMM2 keeps whole tiles when its A
-#: tiles come through TMA. Not timed yet, so off.
+#: tiles come through TMA. Measured on an H200 (PERF.md section 3, tenth session): -4% of the
+#: layer at Qwen3-30B 1024 / 4096 tokens, but +4% / +10% at 1024 tokens of Mixtral / DeepSeek-V3's
+#: 32 experts, where nearly no block is half-height: so off.
 DEFAULT_HALF_BLOCKS = False
 #: GEMM1 takes x's rows through TMA from a copy in sorted order (`sorted_rows`: one gather launch,
 #: 2 x rows x H elements of traffic) with the paired walk's TMA weight tiles, instead of gathering
