@@ -51,11 +51,11 @@ from moebench.kernels.triton_moe import (
     choose_split_k,
     fused_moe_gemms,
     fused_topk_softmax,
+    gemm1_walk,
     launch_gemm1,
     launch_gemm2,
     resolve_use_tma,
     select_config,
-    use_sorted_a,
 )
 from moebench.kernels.triton_moe import _tma_ok
 from moebench.tuning.configs import default_config
@@ -249,8 +249,8 @@ def main() -> int:
             t_gemm = time_cuda(gemm, reps=30, graph_calls=5)
             # GEMM1 as the layer runs it: x through TMA from a sorted copy where DEFAULT_SORTED_A picks
             # it (the copy included), else the wide walk at >= 64-row tiles (DEFAULT_WIDE_GEMM1 "auto")
-            s_a = tma0 and use_sorted_a(None, cfg, dtype, inter, m * k / e)
-            g1_kw = dict(sorted_a=s_a, wide=not s_a and cfg["BLOCK_SIZE_M"] >= 64)
+            wide0, s_a = gemm1_walk(cfg, dtype, False, tma0, inter, m * k / e)
+            g1_kw = dict(sorted_a=s_a, wide=wide0)
             inter0 = launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw)
             t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw), reps=20, graph_calls=5)
             t_g2 = time_cuda(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma0), reps=20, graph_calls=5)

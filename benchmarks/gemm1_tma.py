@@ -65,7 +65,7 @@ def _gemm1_tma_kernel(a_desc, w_desc, inter_ptr, expert_ids_ptr, ntpp_ptr, N_INT
                  mask=(offs_n < N_INTER)[None, :])
 
 
-def sorted_rows(x: torch.Tensor, sorted_ids: torch.Tensor, topk: int) -> torch.Tensor:
+def torch_sorted_rows(x: torch.Tensor, sorted_ids: torch.Tensor, topk: int) -> torch.Tensor:
     """(max_padded, H): row r = x[sorted_ids[r] // topk], zeros for sentinels (and anything past
     the used length)."""
     m = x.shape[0]
@@ -136,8 +136,8 @@ def main() -> int:
                        ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")))
             want = launch_gemm1(x, w13, align, k, cfg, wide=True)[:used][valid].float()
             base = row["shipped_us"] = round(timed_us(lambda: launch_gemm1(x, w13, align, k, cfg, wide=True), 20, 5), 1)
-            xs = sorted_rows(x, align.sorted_token_ids, k)
-            row["gather_us"] = round(timed_us(lambda: sorted_rows(x, align.sorted_token_ids, k), 20, 5), 1)
+            xs = torch_sorted_rows(x, align.sorted_token_ids, k)
+            row["gather_us"] = round(timed_us(lambda: torch_sorted_rows(x, align.sorted_token_ids, k), 20, 5), 1)
             st = cfg["num_stages"]
             variants = {"paired_tma": lambda: launch_gemm1(x, w13, align, k, cfg, use_tma=True),
                         "tma": lambda: gemm1_tma(xs, w13, align, cfg, None, st),

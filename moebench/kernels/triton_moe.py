@@ -171,6 +171,26 @@ def use_sorted_a(sorted_a: bool | str | None, config: Mapping[str, int], dtype: 
     return bool(sorted_a)
 
 
+def gemm1_walk(config: Mapping[str, int], dtype: torch.dtype, quantized: bool, use_tma: bool, n_inter: int,
+               rows_per_expert: float, wide: bool | str | None = None,
+               sorted_a: bool | str | None = None) -> tuple[bool, bool]:
+    """(wide, sorted_a) that GEMM1 runs with, from the options (None: DEFAULT_WIDE_GEMM1 /
+    DEFAULT_SORTED_A). "auto" wide: unquantised with BLOCK_SIZE_M >= 64; "auto" sorted_a:
+    `use_sorted_a`, where TMA is on (use_tma), the weights are not quantised and no wide GEMM1 was
+    asked for by name. sorted_a=True where it cannot run raises MoebenchError."""
+    wide = DEFAULT_WIDE_GEMM1 if wide is None else wide
+    wide_asked = wide is True  # a wide GEMM1 asked for by name: "auto" sorted_a yields to it
+    if wide == "auto":
+        wide = not quantized and config["BLOCK_SIZE_M"] >= 64
+    asked = DEFAULT_SORTED_A if sorted_a is None else sorted_a
+    sorted_a = use_sorted_a(asked, config, dtype, n_inter, rows_per_expert)
+    if sorted_a and (quantized or not use_tma or wide_asked):
+        if asked != "auto":
+            raise MoebenchError("sorted_a needs 16-bit inputs on a device with TMA (use_tma), and not wide=True")
+        sorted_a = False
+    return bool(wide) and not sorted_a, sorted_a
+
+
 @triton.jit
 def _silu_mul_gemm1_kernel(
     x_ptr,  # (M, H)
@@ -845,6 +865,7 @@ def fused_moe_gemms(
     down_config: Mapping[str, Any] | None = None,
     half: bool | None = None,
     sorted_a: bool | str | None = None,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k.
@@ -862,20 +883,16 @@ def fused_moe_gemms(
     it); its optional USE_TMA decides GEMM2's TMA loads (weights and inter) instead of use_tma /
     tma_a. None: GEMM2 runs with `config`. half (None: DEFAULT_HALF_BLOCKS): half-height tiles for
     blocks whose pairs fit in their first half (16-bit inputs, BLOCK_SIZE_M >= 32). sorted_a (None:
-    DEFAULT_SORTED_A; "auto" counts M * K / E_local pairs per expert here, `fused_moe` the global
-    E): GEMM1 reads x through TMA from a copy in sorted order (16-bit with use_tma; GEMM1 then
-    walks gate and up as two tiles, not wide).
+    DEFAULT_SORTED_A; `gemm1_walk`): GEMM1 reads x through TMA from a copy in sorted order (16-bit
+    with use_tma; GEMM1 then walks gate and up as two tiles, not wide). num_experts: the global
+    expert count, for "auto"'s pairs per expert (M * K / num_experts; None: E_local).
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is stored in out_dtype, then quantised with the
     scheme (w2.input_scale for per tensor) before GEMM2, as moebench.quant describes. No TMA."""
     m, h = x.shape
     zero_in_gemm1 = DEFAULT_ZERO_IN_GEMM1 if zero_in_gemm1 is None else zero_in_gemm1
-    wide = DEFAULT_WIDE_GEMM1 if wide is None else wide
-    wide_asked = wide is True  # a wide GEMM1 asked for by name: "auto" sorted_a yields to it
     scheme = scheme_of(w13)
-    if wide == "auto":
-        wide = scheme is None and config["BLOCK_SIZE_M"] >= 64
     if scheme is not None:
         out_dtype = out_dtype or torch.bfloat16
         check_block_config(config, scheme, "triton experts")
@@ -902,13 +919,8 @@ def fused_moe_gemms(
     pdl = resolve_pdl(pdl, x.device, w2.shape[2])
     half = DEFAULT_HALF_BLOCKS if half is None else half
     half = bool(half) and scheme is None and config["BLOCK_SIZE_M"] >= 32
-    asked = DEFAULT_SORTED_A if sorted_a is None else sorted_a
-    sorted_a = use_sorted_a(asked, config, x.dtype, w2.shape[2], m * topk / w13.shape[0])
-    if sorted_a and (scheme is not None or not use_tma or wide_asked):
-        if asked != "auto":
-            raise MoebenchError("sorted_a needs 16-bit inputs on a device with TMA (use_tma), and not wide=True")
-        sorted_a = False
-    wide = wide and not sorted_a
+    wide, sorted_a = gemm1_walk(config, x.dtype, scheme is not None, use_tma, w2.shape[2],
+                                m * topk / (num_experts or w13.shape[0]), wide, sorted_a)
     inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc if zero_in_gemm1 else None,
                          wide=wide, out_scale=w2.input_scale if fuse else None, pdl=pdl, half=half, sorted_a=sorted_a)
     inter_scale = None
@@ -1063,14 +1075,10 @@ def fused_moe(
         split_k = choose_split_k(est_blocks, x.shape[1], w2.shape[2], down_config or config, _num_sms(x.device))
     use_tma = resolve_use_tma(use_tma, config, x.dtype)
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
-    if (DEFAULT_SORTED_A if sorted_a is None else sorted_a) == "auto":  # pairs per expert over the global E
-        sorted_a = use_sorted_a("auto", config, x.dtype, w2.shape[2], m * k / max(num_experts, 1))
-        # as fused_moe_gemms resolves it: TMA there, and no wide GEMM1 asked for by name
-        sorted_a = sorted_a and use_tma and _tma_ok(w13) and _tma_ok(w2) and wide is not True
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, use_tma=use_tma, atomic=atomic,
         a_scale=a_scale, out_dtype=out_dtype, zero_in_gemm1=zero_in_gemm1, wide=wide, pdl=pdl,
-        down_config=down_config, half=half, sorted_a=sorted_a,
+        down_config=down_config, half=half, sorted_a=sorted_a, num_experts=num_experts,
     )
 
 
