@@ -48,10 +48,10 @@ from moebench.kernels.moe_align import moe_align_block_size
 from moebench.kernels.triton_moe import (
     _num_sms,
     align_pairs,
-    choose_split_k,
     fused_moe_gemms,
     fused_topk_softmax,
     gemm1_walk,
+    layer_split_k,
     launch_gemm1,
     launch_gemm2,
     resolve_use_tma,
@@ -228,9 +228,7 @@ def main() -> int:
                 return align_pairs(ids, bm, e_local, emap, e)
 
             align = aligned()
-            est_pairs = triton.cdiv(m * k * e_local, e)
-            est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, cfg["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
-            split = choose_split_k(est_blocks, h, inter, cfg, _num_sms(dev))
+            split = layer_split_k(m, k, e, e_local, h, inter, cfg, align.max_blocks, _num_sms(dev))
 
             def layer():
                 w_, i_ = routing(logits, k)
@@ -331,8 +329,7 @@ def main() -> int:
                         continue
                     try:
                         a2 = moe_align_block_size(ids, c["BLOCK_SIZE_M"], e_local, emap)
-                        eb = min(a2.max_blocks, triton.cdiv(est_pairs, c["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
-                        for s2 in sorted({1, choose_split_k(eb, h, inter, c, _num_sms(dev))}):
+                        for s2 in sorted({1, layer_split_k(m, k, e, e_local, h, inter, c, a2.max_blocks, _num_sms(dev))}):
                             t2 = time_cuda(lambda c=c, a2=a2, s2=s2: gemm(c, a2, s2), reps=10, graph_calls=3).median_us
                             if t2 < best[0]:
                                 best = (t2, "/".join(map(str, cand)) + f" sk{s2}", c, s2)

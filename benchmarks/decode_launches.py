@@ -28,7 +28,11 @@ mapping its ids by a torch gather before GEMM1 instead of in the GEMMs (moe_alig
 Mixtral / dsv3-local 1024; `half/current`, at 128-row tiles). `nosorted` / `sorted`: GEMM1's A
 tiles gathered by pointer loads / always through TMA from x copied into sorted order
 (triton_moe.DEFAULT_SORTED_A, "auto" = >= 512 pairs per expert (256 where I >= 4096) at >= 64-row
-tiles; `current/nosorted`, `sorted/nosorted`; `sorted` is n/a where the tile has no TMA). (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
+tiles; `current/nosorted`, `sorted/nosorted`; `sorted` is n/a where the tile has no TMA). `widetma`:
+the wide GEMM1 with its weight tile through TMA (triton_moe.DEFAULT_WIDE_TMA; with the sorted_a
+rule as it is), `wt_sorted` / `wt_nosorted` the same with sorted_a forced on / off, `wt_all` with
+the wide walk at every tile size (TMA from 32-row tiles); `wave`:
+GEMM2's K split by the wave rule (triton_moe.DEFAULT_WAVE_SPLIT); each against `current`. (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
 its epilogue instead of a cast launch, measured a loss and is gone; PERF.md section 3.) `again`: the current defaults timed a second
 time, last (`again/current`: the point's noise). --variants picks which run (default: all).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
@@ -47,7 +51,7 @@ from moebench.errors import MoebenchError
 from moebench.kernels import moe_align, triton_moe
 from moebench.kernels.triton_moe import fused_topk_softmax
 
-from bench_common import SHAPES, script_setup, seeded_inputs, timed_us, write_rows
+from bench_common import HEURISTIC_ONLY, SHAPES, layer_config, script_setup, seeded_inputs, timed_us, write_rows
 
 DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8,qwen3-next-80b-a3b"
 SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
@@ -69,6 +73,11 @@ CURRENT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopd
                   "gather": (None, {"moe_align.DEFAULT_MAP_IN_GEMM": False}),
                   "half": (None, {"DEFAULT_HALF_BLOCKS": True}),
                   "nosorted": (None, {"DEFAULT_SORTED_A": False}), "sorted": (None, {"DEFAULT_SORTED_A": True}),
+                  "widetma": (None, {"DEFAULT_WIDE_TMA": True}),
+                  "wt_sorted": (None, {"DEFAULT_WIDE_TMA": True, "DEFAULT_SORTED_A": True}),
+                  "wt_nosorted": (None, {"DEFAULT_WIDE_TMA": True, "DEFAULT_SORTED_A": False}),
+                  "wt_all": (None, {"DEFAULT_WIDE_TMA": True, "DEFAULT_WIDE_GEMM1": True}),
+                  "wave": (None, {"DEFAULT_WAVE_SPLIT": True}),
                   "again": (None, {})}
 
 
@@ -111,9 +120,12 @@ def main() -> int:
         if e_local < e:
             emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
             emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
-        kernel = moebench.make_kernel("triton", "no-dpep")
         for m in [int(t) for t in args.tokens.split(",")]:
             x, logits = seeded_inputs(m, h, e, dt, dev)
+            # the tile config bench_triton.py times (the default heuristic for HEURISTIC_ONLY shapes)
+            cfg_kw = {} if args.fp8 or shape not in HEURISTIC_ONLY else dict(
+                config=layer_config(shape, m, w13, w2, e, k, dt))
+            kernel = moebench.make_kernel("triton", "no-dpep", experts_kwargs=cfg_kw)
 
             def layer(kern=kernel):
                 tw, ids = fused_topk_softmax(logits, k, renormalize=True)
@@ -126,7 +138,8 @@ def main() -> int:
                 if name in splits:  # the defaults as they are, GEMM2's split given
                     values = saved
                     split, overrides = splits[name]
-                    kern = moebench.make_kernel("triton", "no-dpep", experts_kwargs=dict(split_k=split)) if split else kernel
+                    kern = moebench.make_kernel("triton", "no-dpep", experts_kwargs=dict(split_k=split, **cfg_kw)) \
+                        if split else kernel
                     run = lambda kern=kern: layer(kern)  # noqa: E731
                 else:
                     run = layer
@@ -173,6 +186,9 @@ def main() -> int:
             ratio("half", "current")
             ratio("current", "nosorted")
             ratio("sorted", "nosorted")
+            for name in ("widetma", "wt_sorted", "wt_nosorted", "wt_all", "wave"):
+                ratio(name, "current")
+            ratio("wt_sorted", "wt_nosorted")
             ratio("again", "current")  # the same code timed twice: this point's noise
             rows.append(row)
             write_rows(rows, out_dir, f"{stem}", head)

@@ -27,13 +27,12 @@ import time
 
 import pandas as pd
 import torch
-import triton
 
 from moebench.kernels.triton_moe import (
     _num_sms,
     _tma_ok,
     align_pairs,
-    choose_split_k,
+    layer_split_k,
     fused_topk_softmax,
     launch_gemm1,
     launch_gemm2,
@@ -118,9 +117,7 @@ def main() -> int:
         align = align_pairs(ids, base["BLOCK_SIZE_M"], e_local, emap, e)
         tma = resolve_use_tma(None, base, dt) and _tma_ok(w13) and _tma_ok(w2)
         wide = base["BLOCK_SIZE_M"] >= 64
-        est_pairs = triton.cdiv(m * k * e_local, e)
-        est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, base["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
-        split0 = choose_split_k(est_blocks, h, inter, base, _num_sms(dev))
+        split0 = layer_split_k(m, k, e, e_local, h, inter, base, align.max_blocks, _num_sms(dev))
         inter0 = launch_gemm1(x, w13, align, k, base, tma, wide=wide)
         # GEMM1's rows that hold a pair (padding rows and unused blocks are left unwritten)
         sorted_ids = align.sorted_token_ids[: inter0.shape[0]].long()

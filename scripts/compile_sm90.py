@@ -61,7 +61,9 @@ def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] =
     k = triton.compile(src, target=TARGET, options=options or {})
     line = f"{jit.fn.__name__}: cubin {len(k.asm['cubin'])} bytes, shared {k.metadata.shared} B"
     if ints:
-        line += ", " + ptx_resources(k.asm["ptx"]) + f", pipelined loads {k.asm['ttgir'].count('async_copy_global_to_local')}"
+        ttgir = k.asm["ttgir"]
+        line += (", " + ptx_resources(k.asm["ptx"]) + f", pipelined loads {ttgir.count('async_copy_global_to_local')}"
+                 f" + TMA {ttgir.count('async_tma_copy_global_to_local')}")
     return line
 
 
@@ -196,6 +198,16 @@ def main() -> int:
         print("as launched, HALF=%s: " % half + compile_kernel(
             T._gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=256, USE_TMA=True, ATOMIC=True, A_TMA=False, HALF=half),
             dict(std_ptrs, w2_desc="tensordesc<bf16[256, 64]>"), ("inter_desc",), ints2, opts))
+    # The wide GEMM1 through TMA (DEFAULT_WIDE_TMA): the (2, BN, BK) weight box of the (2E, I, H)
+    # view, A gathered by pointer loads or (sorted_a) through TMA from the sorted copy
+    for a_tma in (False, True):
+        ptrs = dict(std_ptrs, zero_ptr="*fp32", w13_desc="tensordesc<bf16[2, 128, 64]>")
+        unused = ("x_desc",)
+        if a_tma:
+            ptrs["x_desc"], unused = "tensordesc<bf16[128, 64]>", ()
+        print("as launched, WIDE TMA, A_TMA=%s: " % a_tma + compile_kernel(
+            T._silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=True, ZERO_OUT=True, WIDE=True, A_TMA=a_tma),
+            ptrs, unused, ints1, opts))
     return 0
 
 

@@ -67,7 +67,7 @@ def test_decode_launches_smoke(tmp_path):
     # every variant correct against the reference, table written
     # the variants that switch code paths (the others only flip a default the same code reads)
     rows = _smoke("decode_launches.py", tmp_path, "--tokens", "1,3", "--variants",
-                  "baseline,direct,zero,both,sk2,sk4,nopdl,pdl,gather,half,sorted")
+                  "baseline,direct,zero,both,sk2,sk4,nopdl,pdl,gather,half,sorted,widetma,wave")
     assert len(rows) == 4 and [r["direct_rule"] for r in rows[:2]] == ["True", "False"]
     assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows
                for v in ("baseline", "direct", "zero", "both", "sk2", "sk4", "nopdl", "pdl", "gather"))

@@ -205,6 +205,27 @@ def test_choose_split_k():
     assert choose_split_k(1, 4096, 256, cfg, 132) == 1  # too little K to split
 
 
+def test_wave_split_rule():
+    # The wave rule (DEFAULT_WAVE_SPLIT): the prefill tile, one program per SM on 132 SMs.
+    from moebench.kernels.triton_moe import ctas_per_sm, expected_blocks, layer_split_k, wave_split
+
+    big = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=4)
+    assert ctas_per_sm(big) == 1 and ctas_per_sm(dict(big, BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, num_warps=4)) == 2
+    # 256 pairs per expert on 128-row blocks: 2 full blocks and half a block of padding each
+    assert expected_blocks(2048, 8, 128) == 20 and expected_blocks(8, 8, 128) == pytest.approx(8 * (1 - 2.718281828**-1))
+    # 320 programs of 224 steps: 3 waves (the last 40% full) -> 2 splits, 5 waves of 112 + 7 steps
+    assert wave_split(320, 224, 132, 8) == 2
+    assert wave_split(264, 224, 132, 8) == 1  # two full waves: nothing to gain
+    assert wave_split(2536, 12, 132, 8) == 1  # short K: the per-tile overhead outweighs the idle SMs
+    mixtral = (8, 8, 4096, 14336)  # E, E local, H, I; top-2
+    split = lambda m, e, el, h, i, k=2, **kw: layer_split_k(m, k, e, el, h, i, big, 10**6, 132, **kw)  # noqa: E731
+    assert split(1024, *mixtral, wave=True) == 2 and split(1024, *mixtral, wave=False) == 1
+    assert split(4096, *mixtral, wave=True) == 1  # 68 blocks x 16 tiles: 8.2 waves, < 3% to gain
+    assert split(256, *mixtral, wave=True) == 1  # 64 pairs per expert: below a block, not compute-bound
+    assert split(4096, 128, 128, 2048, 768, k=8, wave=True) == 1  # Qwen3-30B-A3B: K = 12 steps
+    assert split(1024, 32, 32, 7168, 2048, k=8, wave=True) == 1  # DeepSeek-V3's 32 experts: 17 waves
+
+
 # ---------------------------------------------------------------------------------------------
 # batched-triton (BatchedExperts)
 
@@ -666,3 +687,33 @@ def test_sorted_a_yields_to_a_wide_gemm1_asked_for(monkeypatch):
     assert [(c["wide"], c["sorted_a"]) for c in calls] == [(True, False), (False, True)]
     with pytest.raises(MoebenchError, match="wide"):
         fused_moe(x, w13, w2, tw, ti, config=cfg, use_tma=True, wide=True, sorted_a=True)
+
+
+@pytest.mark.parametrize("dtype,bm,sorted_a,use_map", [(torch.bfloat16, 32, False, False), (torch.float16, 64, True, True),
+                                                       (torch.bfloat16, 64, True, False)])
+def test_wide_gemm1_through_tma_matches_pointer_loads(dtype, bm, sorted_a, use_map, monkeypatch):
+    # The wide GEMM1 with its (2, BN, BK) weight box through TMA (DEFAULT_WIDE_TMA), A gathered or
+    # from the sorted copy: the intermediate of the pointer-load wide walk, row for row. I = 40 is
+    # not a multiple of the 16-column halves (the last box reads rows past I: zeros, masked at the
+    # store), H = 72 leaves a K tail; full, part-filled and empty experts, some remote.
+    from moebench.kernels import triton_moe
+
+    e, m = 10, 3 * bm
+    tw, ti = _uneven_routing(m, e, {0: bm + bm // 4, 1: bm // 2, 2: 0})
+    emap = random_expert_map(e, 6, DEV) if use_map else None
+    w13, w2 = _weights(6 if use_map else e, dtype)
+    x = _x(m, dtype)
+    cfg = dict(CFG, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32)
+    align = moe_align_block_size(ti, bm, w13.shape[0], emap)
+    base = launch_gemm1(x, w13, align, 2, cfg, use_tma=True, wide=True, wide_tma=False)
+    got = launch_gemm1(x, w13, align, 2, cfg, use_tma=True, wide=True, wide_tma=True, sorted_a=sorted_a)
+    used = int(align.num_tokens_post_padded)
+    torch.testing.assert_close(got[:used].float(), base[:used].float(), rtol=1e-2, atol=1e-3)
+    # the layer with the switch on: wide and sorted_a together where both are asked for
+    monkeypatch.setattr(triton_moe, "DEFAULT_WIDE_TMA", True)
+    calls = []
+    real = triton_moe.launch_gemm1
+    monkeypatch.setattr(triton_moe, "launch_gemm1", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    out = fused_moe(x, w13, w2, tw, ti, emap, e, config=cfg, use_tma=True, wide=True, sorted_a=sorted_a)
+    assert (calls[0]["wide"], calls[0]["sorted_a"]) == (True, sorted_a)
+    assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < TOL[dtype]

@@ -162,7 +162,8 @@ def gate_up_mainloop(
     a_desc,  # A_TMA: TMA descriptor of the activation rows, block (BLOCK_SIZE_M, BLOCK_SIZE_K)
     a_row,  # A_TMA: the descriptor row of this program's first activation row
     w_ptr,  # w13 (E_local, 2I, H)
-    w_desc,  # TMA descriptor of w13 as (E_local * 2I, H), block (BLOCK_SIZE_N, BLOCK_SIZE_K); USE_TMA only
+    w_desc,  # USE_TMA: TMA descriptor of w13 as (E_local * 2I, H), block (BLOCK_SIZE_N, BLOCK_SIZE_K); with
+    #          WIDE as (2 E_local, I, H), block (2, BLOCK_SIZE_N, BLOCK_SIZE_K): a gate and its up tile
     expert,
     stride_we,
     stride_wn,
@@ -195,7 +196,9 @@ def gate_up_mainloop(
 
     Paired walk: gate and up tiles loaded separately (through TMA when USE_TMA; with A_TMA the
     activation tiles too, from rows that are contiguous in a_desc), two dots. WIDE: one (BK, 2 BN)
-    tile of both, one dot, halves split at the end (no TMA)."""
+    tile of both, one dot, halves split at the end; with USE_TMA that tile is one TMA box of the
+    (2 E_local, I, H) view (gate rows n0.. of slice 2e, the same up rows of slice 2e + 1; rows past
+    I read zeros), fed to the MMA from shared memory as it landed."""
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     if WIDE:
         # Columns 0..BN-1 are gate rows n0.., BN..2BN-1 the same up rows I further.
@@ -206,8 +209,17 @@ def gate_up_mainloop(
         w_ptrs = w_ptr + expert * stride_we + rows_w[None, :] * stride_wn + offs_k[:, None] * stride_wk
         wsc_ptrs = scale_ptrs(ws_ptr, expert, stride_wse, stride_wsn, rows_w, QUANT, GROUP_N)
         acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
+        w_slice = (2 * expert).to(tl.int32)
         for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
-            if EVEN_K:
+            if USE_TMA:
+                if A_TMA:
+                    a = a_desc.load([a_row, k * BLOCK_SIZE_K])
+                else:
+                    k_ok = offs_k < H - k * BLOCK_SIZE_K
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                # (2, BN, BK) -> (2 BN, BK): rows 0..BN-1 gate, BN..2BN-1 up, as the columns below
+                w = tl.reshape(w_desc.load([w_slice, n0, k * BLOCK_SIZE_K]), (2 * BLOCK_SIZE_N, BLOCK_SIZE_K)).T
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
                 w = tl.load(w_ptrs, mask=wcol_ok[None, :], other=0.0)
             else:

@@ -48,6 +48,7 @@ launch (the benchmark's routing step).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
@@ -160,6 +161,15 @@ SORTED_A_WIDE_INTER = 4096
 SORTED_A_WIDE_MIN_ROWS = 256
 
 
+#: The wide GEMM1 (one (BK, 2 BN) weight tile of gate and up, one dot) loads that tile through TMA
+#: where TMA is on, as one (2, BN, BK) box of w13 viewed as (2 E_local, I, H), instead of by pointer
+#: loads; with `sorted_a` its A tiles come through TMA as well, so GEMM1 runs one 128 x 256 MMA per
+#: K step from shared memory instead of the paired walk's two 128 x 128 ones (which read A twice).
+#: Prediction (eleventh session): -3 to -8% of GEMM1 at prefill, none at decode (no TMA below
+#: 32-row tiles, no wide walk below 64).
+DEFAULT_WIDE_TMA = False
+
+
 def use_sorted_a(sorted_a: bool | str | None, config: Mapping[str, int], dtype: torch.dtype, n_inter: int,
                  rows_per_expert: float) -> bool:
     """Resolve the sorted_a option (None: DEFAULT_SORTED_A) for one layer of intermediate size
@@ -177,9 +187,12 @@ def gemm1_walk(config: Mapping[str, int], dtype: torch.dtype, quantized: bool, u
     """(wide, sorted_a) that GEMM1 runs with, from the options (None: DEFAULT_WIDE_GEMM1 /
     DEFAULT_SORTED_A). "auto" wide: unquantised with BLOCK_SIZE_M >= 64; "auto" sorted_a:
     `use_sorted_a`, where TMA is on (use_tma), the weights are not quantised and no wide GEMM1 was
-    asked for by name. sorted_a=True where it cannot run raises MoebenchError."""
+    asked for by name. sorted_a=True where it cannot run raises MoebenchError. With
+    DEFAULT_WIDE_TMA the wide walk loads through TMA and runs with sorted_a (both are kept);
+    without it sorted_a takes the paired walk."""
     wide = DEFAULT_WIDE_GEMM1 if wide is None else wide
-    wide_asked = wide is True  # a wide GEMM1 asked for by name: "auto" sorted_a yields to it
+    wide_tma = bool(DEFAULT_WIDE_TMA) and use_tma and not quantized
+    wide_asked = wide is True and not wide_tma  # a wide pointer-load GEMM1 asked for by name: "auto" sorted_a yields
     if wide == "auto":
         wide = not quantized and config["BLOCK_SIZE_M"] >= 64
     asked = DEFAULT_SORTED_A if sorted_a is None else sorted_a
@@ -188,7 +201,7 @@ def gemm1_walk(config: Mapping[str, int], dtype: torch.dtype, quantized: bool, u
         if asked != "auto":
             raise MoebenchError("sorted_a needs 16-bit inputs on a device with TMA (use_tma), and not wide=True")
         sorted_a = False
-    return bool(wide) and not sorted_a, sorted_a
+    return bool(wide) and (wide_tma or not sorted_a), sorted_a
 
 
 @triton.jit
@@ -602,17 +615,79 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
+#: GEMM2's K split also where its (block, hidden tile) grid fills the GPU, but in few waves of long
+#: K loops (`wave_split`): at Mixtral-8x7B's 1024 tokens about 20 blocks x 16 hidden tiles = 320
+#: programs of 224 K steps, one per SM at the 128 x 256 tile, run as 3 waves of which the last is
+#: 40% full. Split in 2 they are 5 waves of half the steps. Prediction (eleventh session): -12% of
+#: GEMM2 there (-5% of the layer), -3% of GEMM2 at 4096 tokens, nothing where K is short
+#: (the rule keeps one split when the per-tile overhead outweighs the idle SMs).
+DEFAULT_WAVE_SPLIT = False
+#: A program's fixed cost (pipeline fill, epilogue, launch) in K steps of the main loop: fitted to
+#: GEMM2's times of r10 (PERF.md section 3): ~0.8 us per 128 x 256 x 64 step, ~6 us per tile.
+WAVE_TILE_OVERHEAD_STEPS = 7
+
+
+def ctas_per_sm(cfg: Mapping[str, int], elem_bytes: int = 2) -> int:
+    """Programs of a GEMM tile config resident per SM (Hopper: 228 KB shared memory, 64K registers),
+    estimated from the pipeline's shared memory and the accumulator's registers."""
+    bm, bn, bk, warps = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["num_warps"]
+    smem = cfg["num_stages"] * (bm + bn) * bk * elem_bytes
+    regs = min(255, bm * bn // (32 * warps) + 48)  # fp32 accumulator + addressing
+    return max(1, min(228 * 1024 // max(smem, 1), 65536 // (32 * warps * regs)))
+
+
+def wave_split(tiles: int, steps: int, slots: int, max_split: int) -> int:
+    """The K split s (1..max_split) that minimises waves x (steps / s + WAVE_TILE_OVERHEAD_STEPS) for
+    `tiles` programs of `steps` K steps on `slots` resident programs; 1 unless it saves >= 3%."""
+    def cost(s: int) -> float:
+        return math.ceil(tiles * s / slots) * (triton.cdiv(steps, s) + WAVE_TILE_OVERHEAD_STEPS)
+
+    best = min(range(1, max(1, max_split) + 1), key=lambda s: (cost(s), s))
+    return best if cost(best) < 0.97 * cost(1) else 1
+
+
 def choose_split_k(
-    est_blocks: int, hidden: int, inter: int, cfg: Mapping[str, int], num_sms: int
+    est_blocks: int, hidden: int, inter: int, cfg: Mapping[str, int], num_sms: int,
+    expected_blocks: float | None = None, wave: bool | None = None,
 ) -> int:
     """K splits of GEMM2 so that about 2 programs per SM run when the (block, hidden tile) grid
-    alone is smaller; each split keeps at least 4 BLOCK_SIZE_K steps."""
+    alone is smaller (est_blocks: an upper estimate of the used blocks); each split keeps at least
+    4 BLOCK_SIZE_K steps. A larger grid: 1, or with `wave` (None: DEFAULT_WAVE_SPLIT) and the
+    expected block count the split `wave_split` picks for its waves (at least 16 steps per split)."""
     tiles = max(1, est_blocks) * triton.cdiv(hidden, cfg["BLOCK_SIZE_N"])
     want = 2 * num_sms
+    steps = triton.cdiv(inter, cfg["BLOCK_SIZE_K"])
     if tiles >= want:
-        return 1
+        wave = DEFAULT_WAVE_SPLIT if wave is None else wave
+        if not wave or expected_blocks is None:
+            return 1
+        tiles = max(1, math.ceil(expected_blocks)) * triton.cdiv(hidden, cfg["BLOCK_SIZE_N"])
+        return wave_split(tiles, steps, num_sms * ctas_per_sm(cfg), min(8, steps // 16))
     max_split = max(1, inter // (4 * cfg["BLOCK_SIZE_K"]))
     return max(1, min(want // tiles, max_split))
+
+
+def expected_blocks(pairs: int, num_local: int, block_size_m: int) -> float:
+    """Blocks the alignment is expected to use for `pairs` pairs spread evenly over num_local
+    experts: where an expert gets a block or more, its pairs / BLOCK_SIZE_M plus half a block of
+    padding; below that one block per expert hit (Poisson: 1 - exp(-pairs per expert))."""
+    n = pairs / max(num_local, 1)
+    if n >= block_size_m:
+        return num_local * (n / block_size_m + 0.5)
+    return num_local * (1.0 - math.exp(-n))
+
+
+def layer_split_k(m: int, topk: int, num_experts: int, num_local: int, hidden: int, inter: int,
+                  cfg: Mapping[str, int], max_blocks: int, num_sms: int, wave: bool | None = None) -> int:
+    """GEMM2's K split for a layer of m tokens, top-k routing over num_experts (num_local here), from
+    the expected pairs per local expert (no host sync: the routing is not read); `choose_split_k`,
+    whose wave rule applies where experts fill their blocks (>= BLOCK_SIZE_M pairs each: the tiles
+    are compute-bound, so an idle SM is lost time; below that the weights' stream sets the pace)."""
+    pairs = triton.cdiv(m * topk * num_local, max(num_experts, 1))
+    bm = cfg["BLOCK_SIZE_M"]
+    est_blocks = min(max_blocks, triton.cdiv(pairs, bm) + min(num_local, pairs))
+    expected = expected_blocks(pairs, num_local, bm) if pairs >= num_local * bm else None
+    return choose_split_k(est_blocks, hidden, inter, cfg, num_sms, expected, wave)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -704,14 +779,17 @@ def launch_gemm1(
     pdl: bool = False,
     half: bool = False,
     sorted_a: bool = False,
+    wide_tma: bool | None = None,
 ) -> torch.Tensor:
     """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
-    wide: gate and up tiles as one tile and one dot (DEFAULT_WIDE_GEMM1; no TMA then).
+    wide: gate and up tiles as one tile and one dot (DEFAULT_WIDE_GEMM1), loaded through TMA when
+    use_tma and wide_tma (None: DEFAULT_WIDE_TMA), else by pointer loads.
     pdl: launch with programmatic dependent launch (`resolve_pdl`; CUDA, Hopper+).
     half: half-height tiles for blocks whose pairs fit in their first half (DEFAULT_HALF_BLOCKS;
     the other rows of such a block are left unwritten: GEMM2 masks them).
     sorted_a: x's rows are first copied into sorted order (`sorted_rows`, one launch) so that
-    both operands come through TMA (DEFAULT_SORTED_A; 16-bit, needs use_tma; not with wide or half).
+    both operands come through TMA (DEFAULT_SORTED_A; 16-bit, needs use_tma; not with half, nor
+    with a pointer-load wide walk).
     out_scale: (1,) fp32 static scale: inter comes back as float8_e4m3fn, bit for bit what
     `quantize_rows(inter, per-tensor scheme, out_scale)` makes of the out_dtype intermediate.
 
@@ -734,13 +812,16 @@ def launch_gemm1(
                         device=x.device)
     wq = w13.q if quant["QUANT"] else w13
     desc = wq
-    use_tma = use_tma and not wide
-    if use_tma:
+    wide_tma = DEFAULT_WIDE_TMA if wide_tma is None else wide_tma
+    use_tma = use_tma and (not wide or bool(wide_tma))
+    if use_tma and wide:  # one (2, BN, BK) box: gate rows of slice 2e, up rows of slice 2e + 1
+        desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter, h), [2, bn1, bk])
+    elif use_tma:
         desc = TensorDescriptor.from_tensor(wq.view(-1, h), [bn1, bk])
     x_desc = x
     if sorted_a:
         if not use_tma or quant["QUANT"]:
-            raise MoebenchError("sorted_a needs 16-bit inputs with TMA weight tiles (use_tma, not wide)")
+            raise MoebenchError("sorted_a needs 16-bit inputs with TMA weight tiles (use_tma; wide only with wide_tma)")
         x = sorted_rows(x, align, topk)
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
         half = False  # the descriptor's block is BLOCK_SIZE_M rows
@@ -1070,9 +1151,8 @@ def fused_moe(
     align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, direct,
                         pdl and DEFAULT_PDL_EARLY)
     if split_k is None:
-        est_pairs = triton.cdiv(m * k * e_local, max(num_experts, 1))
-        est_blocks = min(align.max_blocks, triton.cdiv(est_pairs, config["BLOCK_SIZE_M"]) + min(e_local, est_pairs))
-        split_k = choose_split_k(est_blocks, x.shape[1], w2.shape[2], down_config or config, _num_sms(x.device))
+        split_k = layer_split_k(m, k, num_experts, e_local, x.shape[1], w2.shape[2], down_config or config,
+                                align.max_blocks, _num_sms(x.device))
     use_tma = resolve_use_tma(use_tma, config, x.dtype)
     atomic = DEFAULT_ATOMIC if atomic is None else atomic
     return fused_moe_gemms(

@@ -233,3 +233,37 @@ def test_sorted_a_gpu(shape, m):
     got = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, sorted_a=True)
     base = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, sorted_a=False)
     assert _rel(got, ref) < 2e-2 and _rel(got, base) < 1e-2
+
+
+@pytest.mark.parametrize("shape,m,sorted_a", [("mixtral", 1024, True), ("mixtral", 256, False),
+                                              ("qwen3-30b-a3b", 4096, True), ("qwen3-30b-a3b", 1024, False),
+                                              ("dsv3-ep8", 4096, True), ("dsv3-ep8", 1024, False)])
+def test_wide_tma_gpu(shape, m, sorted_a, monkeypatch):
+    # The wide GEMM1 with its weight box through TMA (DEFAULT_WIDE_TMA), with and without the
+    # sorted copy, at the shapes' own configs (128- or 64-row tiles): the reference, and the layer
+    # with the pointer-load wide walk
+    from moebench.kernels import triton_moe
+
+    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    base = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, sorted_a=False)
+    monkeypatch.setattr(triton_moe, "DEFAULT_WIDE_TMA", True)
+    got = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, wide=True, sorted_a=sorted_a)
+    assert _rel(got, ref) < 2e-2 and _rel(got, base) < 1e-2
+
+
+@pytest.mark.parametrize("shape,m", [("mixtral", 1024), ("mixtral", 2048)])
+def test_wave_split_gpu(shape, m, monkeypatch):
+    # GEMM2 split over K by the wave rule (DEFAULT_WAVE_SPLIT: 2 splits at these points) against the
+    # reference and the unsplit layer
+    from moebench.kernels import triton_moe
+
+    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    base = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e)
+    monkeypatch.setattr(triton_moe, "DEFAULT_WAVE_SPLIT", True)
+    calls = []
+    real = triton_moe.fused_moe_gemms
+    monkeypatch.setattr(triton_moe, "fused_moe_gemms", lambda *a, **kw: calls.append(a[7]) or real(*a, **kw))
+    got = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e)
+    assert calls == [2] and _rel(got, ref) < 2e-2 and _rel(got, base) < 1e-2
