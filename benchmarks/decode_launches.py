@@ -4,6 +4,7 @@ zeroed by a memset or by GEMM1 (moebench.kernels.triton_moe.DEFAULT_DIRECT_ALIGN
 DEFAULT_ZERO_IN_GEMM1), on the same routing, CUDA-graph replay.
 
     PYTHONPATH=. python benchmarks/decode_launches.py [--tokens 1,2,4,16,64] [--shapes a,b] [--fp8] [--smoke]
+        [--variants a,b] [--rounds N] [--reps N]
 
 Measured (PERF.md section 3; both are defaults now): at one token the two alignment launches and
 the memset go, GEMM work unchanged: Qwen3-30B-A3B M=1 40.0 -> 33.5 us.
@@ -32,9 +33,13 @@ tiles; `current/nosorted`, `sorted/nosorted`; `sorted` is n/a where the tile has
 the wide GEMM1 with its weight tile through TMA (triton_moe.DEFAULT_WIDE_TMA; with the sorted_a
 rule as it is), `wt_sorted` / `wt_nosorted` the same with sorted_a forced on / off, `wt_all` with
 the wide walk at every tile size (TMA from 32-row tiles); `wave`:
-GEMM2's K split by the wave rule (triton_moe.DEFAULT_WAVE_SPLIT); each against `current`. (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
+GEMM2's K split by the wave rule (triton_moe.DEFAULT_WAVE_SPLIT); `new`: both, `new_nosorted`:
+both without sorted_a; each against `current`. (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
 its epilogue instead of a cast launch, measured a loss and is gone; PERF.md section 3.) `again`: the current defaults timed a second
 time, last (`again/current`: the point's noise). --variants picks which run (default: all).
+--rounds N times every variant N times, interleaved in a rotated order (median; `<name>_spread` =
+max / min over the rounds): at prefill one pass in a fixed order measured the same code 5-12%
+apart (eleventh session), as the clocks drift over a run.
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its
 times mean nothing).
 """
@@ -42,6 +47,8 @@ times mean nothing).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import sys
 
 import torch
@@ -78,7 +85,27 @@ CURRENT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopd
                   "wt_nosorted": (None, {"DEFAULT_WIDE_TMA": True, "DEFAULT_SORTED_A": False}),
                   "wt_all": (None, {"DEFAULT_WIDE_TMA": True, "DEFAULT_WIDE_GEMM1": True}),
                   "wave": (None, {"DEFAULT_WAVE_SPLIT": True}),
+                  "new": (None, {"DEFAULT_WIDE_TMA": True, "DEFAULT_WAVE_SPLIT": True}),
+                  "new_nosorted": (None, {"DEFAULT_WIDE_TMA": True, "DEFAULT_WAVE_SPLIT": True, "DEFAULT_SORTED_A": False}),
                   "again": (None, {})}
+
+
+@contextlib.contextmanager
+def switched(values: tuple, overrides: dict):
+    """SWITCHES set to `values` and the CURRENT_VARIANTS `overrides` applied, restored on exit."""
+    saved = tuple(getattr(mod, n) for mod, n in SWITCHES)
+    kept = {a: getattr(*owner(a)) for a in overrides}
+    try:
+        for (mod, n), v in zip(SWITCHES, values):
+            setattr(mod, n, v)
+        for a, v in overrides.items():
+            setattr(*owner(a), v)
+        yield
+    finally:
+        for (mod, n), v in zip(SWITCHES, saved):
+            setattr(mod, n, v)
+        for a, v in kept.items():
+            setattr(*owner(a), v)
 
 
 def owner(attr: str) -> tuple:
@@ -93,6 +120,8 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true", help="fp8_w8a8 per-tensor weights (adds the fused-quantisation variants)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, interleaved (median)")
+    ap.add_argument("--reps", type=int, default=30, help="graph replays per timing")
     args = ap.parse_args()
     variants = dict(VARIANTS, **(FP8_VARIANTS if args.fp8 else {}))
     splits = dict(CURRENT_VARIANTS)
@@ -133,6 +162,7 @@ def main() -> int:
 
             row = dict(shape=shape, tokens=m, direct_rule=triton_moe.use_direct_align(m, k, e))
             ref = None
+            runs = {}  # name: (callable, switch values, attribute overrides), for the variants this point can take
             for name, values in {**variants, **splits}.items():
                 overrides = {}
                 if name in splits:  # the defaults as they are, GEMM2's split given
@@ -143,28 +173,31 @@ def main() -> int:
                     run = lambda kern=kern: layer(kern)  # noqa: E731
                 else:
                     run = layer
-                for (mod, n), v in zip(SWITCHES, values):
-                    setattr(mod, n, v)
-                kept = {a: getattr(*owner(a)) for a in overrides}
-                for a, v in overrides.items():
-                    setattr(*owner(a), v)
                 try:
-                    try:
+                    with switched(values, overrides):
                         out = run()
-                    except MoebenchError as ex:  # a forced option this point cannot take (`sorted` without TMA)
-                        row[f"{name}_note"] = f"n/a: {ex}"[:60]
-                        continue
-                    if ref is None:
-                        tw, ids = fused_topk_softmax(logits, k, renormalize=True)
-                        ref = moebench.reference_moe(x, w13, w2, tw, ids, emap)
-                    err = ((out.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-                    row[f"{name}_us"] = round(timed_us(run, reps=30, graph_calls=5), 1)
-                    row[f"{name}_err"] = f"{err:.1e}"
-                finally:
-                    for (mod, n), v in zip(SWITCHES, saved):
-                        setattr(mod, n, v)
-                    for a, v in kept.items():
-                        setattr(*owner(a), v)
+                except MoebenchError as ex:  # a forced option this point cannot take (`sorted` without TMA)
+                    row[f"{name}_note"] = f"n/a: {ex}"[:60]
+                    continue
+                if ref is None:
+                    tw, ids = fused_topk_softmax(logits, k, renormalize=True)
+                    ref = moebench.reference_moe(x, w13, w2, tw, ids, emap)
+                row[f"{name}_err"] = f"{((out.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item():.1e}"
+                runs[name] = (run, values, overrides)
+            # Timing: --rounds rounds over the variants, each round in a rotated order, so that a drift
+            # of the clocks over the run (prefill layers heat the GPU) spreads over all of them; a
+            # variant's time is the median of its rounds' medians.
+            times = {name: [] for name in runs}
+            names = list(runs)
+            for r in range(args.rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    run, values, overrides = runs[name]
+                    with switched(values, overrides):
+                        times[name].append(timed_us(run, reps=args.reps, graph_calls=5))
+            for name, ts in times.items():
+                row[f"{name}_us"] = round(statistics.median(ts), 1)
+                if args.rounds > 1:
+                    row[f"{name}_spread"] = round(max(ts) / min(ts), 3)
 
             def ratio(a, b):
                 if f"{a}_us" in row and f"{b}_us" in row:
@@ -186,9 +219,10 @@ def main() -> int:
             ratio("half", "current")
             ratio("current", "nosorted")
             ratio("sorted", "nosorted")
-            for name in ("widetma", "wt_sorted", "wt_nosorted", "wt_all", "wave"):
+            for name in ("widetma", "wt_sorted", "wt_nosorted", "wt_all", "wave", "new", "new_nosorted"):
                 ratio(name, "current")
             ratio("wt_sorted", "wt_nosorted")
+            ratio("new", "new_nosorted")
             ratio("again", "current")  # the same code timed twice: this point's noise
             rows.append(row)
             write_rows(rows, out_dir, f"{stem}", head)
