@@ -667,12 +667,15 @@ def test_sorted_a_rule():
     assert use_sorted_a(True, CFG, torch.float16, 8, 1) and not use_sorted_a(False, big, torch.bfloat16, 14336, 1024)
 
 
-def test_sorted_a_yields_to_a_wide_gemm1_asked_for(monkeypatch):
-    # "auto" sorted_a (here on from one pair per expert) does not override wide=True (a benchmark's
-    # named variant); both asked for by name: an error
+@pytest.mark.parametrize("wide_tma", [False, True])
+def test_sorted_a_yields_to_a_wide_gemm1_asked_for(wide_tma, monkeypatch):
+    # Without the TMA wide walk: "auto" sorted_a (here on from one pair per expert) does not override
+    # wide=True (a benchmark's named variant), both asked for by name are an error. With it
+    # (DEFAULT_WIDE_TMA) the two go together.
     from moebench.errors import MoebenchError
     from moebench.kernels import triton_moe
 
+    monkeypatch.setattr(triton_moe, "DEFAULT_WIDE_TMA", wide_tma)
     monkeypatch.setattr(triton_moe, "SORTED_A_MIN_ROWS", 1)
     monkeypatch.setattr(triton_moe, "SORTED_A_WIDE_MIN_ROWS", 1)
     tw, ti = _uneven_routing(64, 4, {0: 40})
@@ -684,6 +687,10 @@ def test_sorted_a_yields_to_a_wide_gemm1_asked_for(monkeypatch):
     monkeypatch.setattr(triton_moe, "launch_gemm1", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     fused_moe(x, w13, w2, tw, ti, config=cfg, use_tma=True, wide=True, sorted_a="auto")
     fused_moe(x, w13, w2, tw, ti, config=cfg, use_tma=True, sorted_a="auto")
+    if wide_tma:
+        fused_moe(x, w13, w2, tw, ti, config=cfg, use_tma=True, wide=True, sorted_a=True)
+        assert [(c["wide"], c["sorted_a"]) for c in calls] == [(True, True)] * 3
+        return
     assert [(c["wide"], c["sorted_a"]) for c in calls] == [(True, False), (False, True)]
     with pytest.raises(MoebenchError, match="wide"):
         fused_moe(x, w13, w2, tw, ti, config=cfg, use_tma=True, wide=True, sorted_a=True)

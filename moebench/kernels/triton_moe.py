@@ -165,9 +165,11 @@ SORTED_A_WIDE_MIN_ROWS = 256
 #: where TMA is on, as one (2, BN, BK) box of w13 viewed as (2 E_local, I, H), instead of by pointer
 #: loads; with `sorted_a` its A tiles come through TMA as well, so GEMM1 runs one 128 x 256 MMA per
 #: K step from shared memory instead of the paired walk's two 128 x 128 ones (which read A twice).
-#: Prediction (eleventh session): -3 to -8% of GEMM1 at prefill, none at decode (no TMA below
-#: 32-row tiles, no wide walk below 64).
-DEFAULT_WIDE_TMA = False
+#: Layer with / without, H200, eleventh session (PERF.md section 3; medians of 5 interleaved
+#: rounds, noise 1-4% at prefill): Mixtral 1024 / 4096 tokens 0.967 / 0.979, Qwen3-30B 4096 0.961,
+#: DeepSeek-V3's 32 experts 1024 0.936 (0.948 in a second run), EP8 4096 0.961; 0.988-0.996 at
+#: 256-1024 tokens elsewhere; decode (16- and 32-row tiles) unchanged.
+DEFAULT_WIDE_TMA = True
 
 
 def use_sorted_a(sorted_a: bool | str | None, config: Mapping[str, int], dtype: torch.dtype, n_inter: int,
@@ -618,10 +620,11 @@ def _num_sms(device: torch.device) -> int:
 #: GEMM2's K split also where its (block, hidden tile) grid fills the GPU, but in few waves of long
 #: K loops (`wave_split`): at Mixtral-8x7B's 1024 tokens about 20 blocks x 16 hidden tiles = 320
 #: programs of 224 K steps, one per SM at the 128 x 256 tile, run as 3 waves of which the last is
-#: 40% full. Split in 2 they are 5 waves of half the steps. Prediction (eleventh session): -12% of
-#: GEMM2 there (-5% of the layer), -3% of GEMM2 at 4096 tokens, nothing where K is short
-#: (the rule keeps one split when the per-tile overhead outweighs the idle SMs).
-DEFAULT_WAVE_SPLIT = False
+#: 40% full. Split in 2 they are 5 waves of half the steps. Predicted -5% of the layer there;
+#: measured on an H200 (eleventh session, PERF.md section 3) 0.965 (and 0.976 with the TMA wide
+#: GEMM1; 0.89 in a noisier single pass). The rule keeps one split where the per-tile overhead
+#: outweighs the idle SMs (short K: Qwen3-30B, DeepSeek-V3) or the grid has many waves (Mixtral 4096).
+DEFAULT_WAVE_SPLIT = True
 #: A program's fixed cost (pipeline fill, epilogue, launch) in K steps of the main loop: fitted to
 #: GEMM2's times of r10 (PERF.md section 3): ~0.8 us per 128 x 256 x 64 step, ~6 us per tile.
 WAVE_TILE_OVERHEAD_STEPS = 7

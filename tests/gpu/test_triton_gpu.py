@@ -246,6 +246,7 @@ def test_wide_tma_gpu(shape, m, sorted_a, monkeypatch):
 
     x, w13, w2, tw, ti, emap, e = _setup(shape, m)
     ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    monkeypatch.setattr(triton_moe, "DEFAULT_WIDE_TMA", False)
     base = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, sorted_a=False)
     monkeypatch.setattr(triton_moe, "DEFAULT_WIDE_TMA", True)
     got = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, wide=True, sorted_a=sorted_a)
@@ -260,6 +261,7 @@ def test_wave_split_gpu(shape, m, monkeypatch):
 
     x, w13, w2, tw, ti, emap, e = _setup(shape, m)
     ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    monkeypatch.setattr(triton_moe, "DEFAULT_WAVE_SPLIT", False)
     base = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e)
     monkeypatch.setattr(triton_moe, "DEFAULT_WAVE_SPLIT", True)
     calls = []
