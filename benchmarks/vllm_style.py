@@ -49,10 +49,10 @@ from moebench.report import _markdown
 from moebench.results import atomic_write_text
 from moebench.kernels.triton_moe import (
     _num_sms,
-    choose_split_k,
     fused_moe_gemms,
     fused_topk_softmax,
     launch_gemm1,
+    layer_split_k,
     resolve_use_tma,
     select_config,
 )
@@ -211,7 +211,7 @@ def main() -> int:
                 hits.append(int(torch.unique(ids).numel()))
                 va = moe_align_block_size(ids, vcfg["BLOCK_SIZE_M"], e)
                 oa = moe_align_block_size(ids, ocfg["BLOCK_SIZE_M"], e)
-                split = choose_split_k(oa.max_blocks, h, inter, ocfg, _num_sms(dev))
+                split = layer_split_k(m, k, e, e, h, inter, ocfg, oa.max_blocks, _num_sms(dev))  # as the layer splits
                 otma = resolve_use_tma(None, ocfg, dt)
                 vtma = resolve_use_tma(None, vcfg, dt)
                 if r == 0:  # correctness of the vLLM-style path, against the float64 reference
