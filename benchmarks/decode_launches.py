@@ -34,7 +34,8 @@ the wide GEMM1 with its weight tile through TMA (triton_moe.DEFAULT_WIDE_TMA; wi
 rule as it is), `wt_sorted` / `wt_nosorted` the same with sorted_a forced on / off, `wt_all` with
 the wide walk at every tile size (TMA from 32-row tiles); `wave`:
 GEMM2's K split by the wave rule (triton_moe.DEFAULT_WAVE_SPLIT); `new`: both, `new_nosorted`:
-both without sorted_a; each against `current`. (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
+both without sorted_a; `tma2a`: GEMM2's A tiles through TMA (triton_moe.DEFAULT_TMA_GEMM2_A); each
+against `current`. (A seventh-session variant, GEMM2 casting each finished (token, hidden tile) into the output in
 its epilogue instead of a cast launch, measured a loss and is gone; PERF.md section 3.) `again`: the current defaults timed a second
 time, last (`again/current`: the point's noise). --variants picks which run (default: all).
 --rounds N times every variant N times, interleaved in a rotated order (median; `<name>_spread` =
@@ -87,6 +88,7 @@ CURRENT_VARIANTS = {"current": (None, {}), "sk2": (2, {}), "sk4": (4, {}), "nopd
                   "wave": (None, {"DEFAULT_WAVE_SPLIT": True}),
                   "new": (None, {"DEFAULT_WIDE_TMA": True, "DEFAULT_WAVE_SPLIT": True}),
                   "new_nosorted": (None, {"DEFAULT_WIDE_TMA": True, "DEFAULT_WAVE_SPLIT": True, "DEFAULT_SORTED_A": False}),
+                  "tma2a": (None, {"DEFAULT_TMA_GEMM2_A": True}),
                   "again": (None, {})}
 
 
@@ -223,6 +225,7 @@ def main() -> int:
                 ratio(name, "current")
             ratio("wt_sorted", "wt_nosorted")
             ratio("new", "new_nosorted")
+            ratio("tma2a", "current")
             ratio("again", "current")  # the same code timed twice: this point's noise
             rows.append(row)
             write_rows(rows, out_dir, f"{stem}", head)
