@@ -42,7 +42,10 @@ BLOCK_SIZE_M >= 32); `atomic=False` writes weighted rows per pair and sums over 
 instead of the atomic epilogue; `half` gives blocks whose pairs fit in their first half a
 half-height tile (DEFAULT_HALF_BLOCKS, off: measured a loss); `sorted_a` copies x's rows into
 sorted order first (`sorted_rows`, one launch) so that GEMM1 loads its A tiles through TMA too
-(DEFAULT_SORTED_A "auto": prefill with many pairs per expert). Also here: `fused_topk_softmax`, softmax top-k routing in one
+(DEFAULT_SORTED_A "auto": prefill with many pairs per expert); where TMA is on, GEMM1's wide walk
+takes its gate+up weight tile as one TMA box (DEFAULT_WIDE_TMA, on), with sorted_a its A tiles
+too. GEMM2's K split (`layer_split_k`) also splits where its grid runs in a few waves of long K
+loops (DEFAULT_WAVE_SPLIT, on). Also here: `fused_topk_softmax`, softmax top-k routing in one
 launch (the benchmark's routing step).
 """
 
