@@ -660,15 +660,16 @@ def choose_split_k(
     alone is smaller (est_blocks: an upper estimate of the used blocks); each split keeps at least
     4 BLOCK_SIZE_K steps. A larger grid: 1, or with `wave` (None: DEFAULT_WAVE_SPLIT) and the
     expected block count the split `wave_split` picks for its waves (at least 16 steps per split)."""
-    tiles = max(1, est_blocks) * triton.cdiv(hidden, cfg["BLOCK_SIZE_N"])
+    n_tiles = triton.cdiv(hidden, cfg["BLOCK_SIZE_N"])
+    tiles = max(1, est_blocks) * n_tiles
     want = 2 * num_sms
-    steps = triton.cdiv(inter, cfg["BLOCK_SIZE_K"])
     if tiles >= want:
         wave = DEFAULT_WAVE_SPLIT if wave is None else wave
         if not wave or expected_blocks is None:
             return 1
-        tiles = max(1, math.ceil(expected_blocks)) * triton.cdiv(hidden, cfg["BLOCK_SIZE_N"])
-        return wave_split(tiles, steps, num_sms * ctas_per_sm(cfg), min(8, steps // 16))
+        steps = triton.cdiv(inter, cfg["BLOCK_SIZE_K"])
+        return wave_split(max(1, math.ceil(expected_blocks)) * n_tiles, steps, num_sms * ctas_per_sm(cfg),
+                          min(8, steps // 16))
     max_split = max(1, inter // (4 * cfg["BLOCK_SIZE_K"]))
     return max(1, min(want // tiles, max_split))
 
