@@ -151,8 +151,8 @@ def env(as_json: bool, calibrate: bool, calibrate_link: bool, world_size: int | 
     for k, v in info["device"].items():
         t.add_row(k, str(v))
     if ceilings is not None:
-        for k, v in info["ceilings"].items():
-            t.add_row(f"ceiling {k}", str(v))
+        for k, v in ceilings.describe_lines():
+            t.add_row(k, v)
     else:
         t.add_row("ceilings", "none known; run `moebench env --calibrate`")
     console.print(t)
