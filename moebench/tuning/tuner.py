@@ -736,14 +736,34 @@ def deploy_layout(name: str) -> tuple[ParallelLayout, str]:
 
 def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None) -> Path:
     """Where the vLLM file goes: out_dir (default results/configs) / E=..,N=..,device_name=..
-    [,dtype=fp8_w8a8[,block_shape=[bn,bk]]][_down].json (`_down`: a --down run, SGLang's name)."""
+    [,dtype=fp8_w8a8[,block_shape=[bn,bk]]][,per_channel_quant=True][_down].json (`_down`: a --down
+    run; per_channel_quant: per-token scales; both SGLang's names)."""
     folder = Path(out_dir) if out_dir is not None else Path("results") / "configs"
     name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device),
-                              *C.name_parts(spec.dtype, spec.quant), down=spec.down)
+                              *C.name_parts(spec.dtype, spec.quant), down=spec.down,
+                              per_channel_quant=C.per_channel_quant(spec.quant))
     return folder / name
 
 
-def write_results(spec: TuneSpec, results: Sequence[TokenResult], out_dir: str | os.PathLike | None = None) -> Path | None:
+def update_config_file(spec: TuneSpec, path: Path, entries: Mapping[int, Mapping[str, int]],
+                       run_dir: str | os.PathLike | None = None) -> Path:
+    """Merge `entries` into the config file at `path` (moebench.tuning.configs.merge_config_file:
+    atomic rename, refused for a file of another scheme). With `run_dir`, under an exclusive lock
+    on a file there, so the workers of one run never drop each other's entries."""
+    if run_dir is None:
+        return C.merge_config_file(path, entries, spec.dtype, spec.quant)
+    import fcntl
+
+    with open(Path(run_dir) / ".config-file.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return C.merge_config_file(path, entries, spec.dtype, spec.quant)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def write_results(spec: TuneSpec, results: Sequence[TokenResult], out_dir: str | os.PathLike | None = None,
+                  run_dir: str | os.PathLike | None = None) -> Path | None:
     """Write the winners as the vLLM file (merged into an existing file's other token counts).
     None when no token count found a working config."""
     table = {r.tokens: r.winner for r in results if r.winner is not None}
@@ -751,14 +771,7 @@ def write_results(spec: TuneSpec, results: Sequence[TokenResult], out_dir: str |
         return None
     path = config_path_for(spec, out_dir)
     ensure_writable_dir(path.parent)
-    merged: dict[int, Any] = {}
-    if path.is_file():
-        try:
-            merged.update(C.load_config_file(path))
-        except MoebenchError:
-            pass  # an unreadable old file is replaced
-    merged.update(table)
-    return C.write_config_file(path, merged)
+    return update_config_file(spec, path, table, run_dir)
 
 
 REPORT_COLUMNS = ["tokens", "winner", "winner_us", "runner_up", "runner_up_us", "default", "default_us", "speedup",
