@@ -257,11 +257,11 @@ def configs_list(dirs, as_json):
     """Config files along the lookup order ($MOEBENCH_CONFIG_DIR, results/configs, moebench/configs)."""
     rows = []
     seen: set[Path] = set()
-    for d in [*C.config_search_dirs(), *map(Path, dirs)]:
+    for order, d in enumerate([*C.config_search_dirs(), *map(Path, dirs)]):
         if not d.is_dir() or d.resolve() in seen:
             continue
         seen.add(d.resolve())
-        for f in sorted(d.glob("*.json")):
+        for f in d.glob("*.json"):
             parts = parse_config_name(f.name)
             if parts is None:
                 continue
@@ -270,7 +270,12 @@ def configs_list(dirs, as_json):
                 toks, status = list(table), "ok"
             except MoebenchError as e:
                 toks, status = [], f"invalid: {e}"
-            rows.append({"dir": str(d), "file": f.name, **parts, "tokens": toks, "status": status})
+            rows.append({"dir": str(d), "file": f.name, **parts, "tokens": toks, "status": status, "_order": order})
+    # by E, then N, as numbers; the same file's folders next to each other, in lookup order
+    rows.sort(key=lambda r: (r["E"], r["N"], r["device"], r["dtype"] or "", r["block_shape"] or "",
+                             r["per_channel_quant"], r["down"], r["_order"]))
+    for r in rows:
+        del r["_order"]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return

@@ -553,12 +553,13 @@ def _validate(spec: TuneSpec) -> None:
         for k, vals in spec.space.items():
             if k not in SPACE or not vals:
                 raise MoebenchError(f"search space: unknown parameter or empty list {k!r}")
-    if spec.quant is not None:
-        from moebench.kernels.registry import check_combination
+    from moebench.kernels.registry import check_combination
 
-        reason = check_combination("no-dpep", "triton", torch.device(spec.device).type, spec.dtype, quant=spec.quant)
-        if reason is not None:
-            raise MoebenchError(f"cannot tune {spec.quant.describe()}: {reason}")
+    dev_type = torch.device(spec.device).type
+    reason = check_combination("no-dpep", "triton", dev_type, spec.dtype, quant=spec.quant)
+    if reason is not None:  # the reason `sweep` gives for the triton experts (e.g. no GPU, no interpreter)
+        what = spec.quant.describe() if spec.quant is not None else f"the triton experts ({spec.precision})"
+        raise MoebenchError(f"cannot tune {what} on {dev_type}: {reason}")
 
 
 def tune(
