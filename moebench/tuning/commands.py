@@ -74,8 +74,8 @@ def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
                    "search time); 0 = compile while timing.")
 @click.option("--resume", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Continue an interrupted run folder (its settings are read from it).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("results/configs"), show_default=True,
-              help="Folder of the vLLM-format config file.")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Folder of the vLLM-format config file [results/configs; with --resume: the run's own].")
 @click.option("--results-dir", "results_dir", type=click.Path(path_type=Path), default=Path("results"),
               show_default=True, help="Where the run folder (journal, report) is created.")
 @click.option("--reps", type=int, default=None, help="Timer repetitions while screening [cuda 20, cpu 2].")
@@ -124,6 +124,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             if v is not None:
                 setattr(spec, attr, v)
         run_dir = resume
+        if out is None:
+            out = T.load_run_out_dir(resume)  # the folder the run was started with
     else:
         dev = resolve_device(device)
         act_dtype, quant = _precision(dtype, block_shape, scales, "bf16" if dev == "cuda" else "fp32")
