@@ -151,8 +151,8 @@ def env(as_json: bool, calibrate: bool, calibrate_link: bool, world_size: int | 
     for k, v in info["device"].items():
         t.add_row(k, str(v))
     if ceilings is not None:
-        for k, v in info["ceilings"].items():
-            t.add_row(f"ceiling {k}", str(v))
+        for k, v in ceilings.describe_lines():
+            t.add_row(k, v)
     else:
         t.add_row("ceilings", "none known; run `moebench env --calibrate`")
     console.print(t)
@@ -332,7 +332,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     from moebench.bench.hardware import datasheet_ceilings, device_summary
     from moebench.compare import run_compare, write_summary
     from moebench.plots import compare_plot
-    from moebench.results import RunStore, ensure_writable_dir, new_run_id
+    from moebench.results import RunStore, check_output_file, ensure_writable_dir, new_run_id
     from moebench.routing import parse_routing
     from moebench.runtime.simulate import choose_link, get_link
     from moebench.sweep import SweepSpec, default_experts, resolve_names
@@ -360,6 +360,8 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     link = get_link(link_name, link_gbps) if link_name else choose_link(dev_name, link_gbps)
     spec = SweepSpec(shape=shape, tokens=tok, experts=resolve_names(experts, default_experts(), "experts", default_experts()),
                      dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, quant=quant)
+    if plot_path is not None:
+        check_output_file(plot_path, "--plot")
     folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)
     meta = {"command": "compare tp-vs-ep", "argv": sys.argv[1:], "shape": shape.to_dict(), "world_size": world_size,
             "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label, "device": device, "routing": routing,
@@ -418,7 +420,7 @@ def report(results, fmt, out_file, plot_path):
     """Merge result folders: pivot (tokens x backend pairs), fastest correct entry highlighted, export."""
     from moebench.plots import latency_plot
     from moebench.report import frame, html_report, pivot, pivot_markdown
-    from moebench.results import atomic_write_text, load_rows
+    from moebench.results import atomic_write_text, check_output_file, load_rows
 
     rows = load_rows(results)
     if not rows:
@@ -428,6 +430,9 @@ def report(results, fmt, out_file, plot_path):
     title = "moebench report: " + ", ".join(sorted(set(df.model.astype(str))))
     first = results[0] if results[0].is_dir() else results[0].parent
     out_file = out_file or first / f"report.{fmt}"
+    check_output_file(out_file, "--out")  # before the plot and the report are made
+    if plot_path is not None:
+        check_output_file(plot_path, "--plot")
     png = None
     if plot_path is not None or fmt == "html":
         import tempfile

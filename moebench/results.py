@@ -178,6 +178,27 @@ def ensure_writable_dir(path: Path) -> Path:
     return path
 
 
+def check_output_file(path: Path, option_name: str) -> Path:
+    """Before any work: check that the file `path` (given with `option_name`, e.g. "--plot") can be
+    written: its folder exists and takes a new file, and `path` is not a folder. Creates nothing;
+    a one-line MoebenchError naming the option and the path otherwise."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise MoebenchError(f"{option_name} '{path}' is a folder; give a file path")
+    if not folder.exists():
+        raise MoebenchError(f"{option_name} '{path}': folder '{folder}' does not exist")
+    if not folder.is_dir():
+        raise MoebenchError(f"{option_name} '{path}': '{folder}' is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".write-test")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise MoebenchError(f"{option_name} '{path}': cannot write in '{folder}' ({e.strerror or e})") from None
+    return path
+
+
 def new_run_id(command: str, label: str) -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)

@@ -188,7 +188,8 @@ def test_tune_spec_carries_the_scheme(tmp_path):
     assert len({json.dumps(s.identity(), sort_keys=True) for s in specs.values()}) == 4
     names = {q: T.config_path_for(s, tmp_path).name for q, s in specs.items()}
     assert names[None] == "E=128,N=768,device_name=cpu.json"
-    assert names[TENSOR] == names[TOKEN] == "E=128,N=768,device_name=cpu,dtype=fp8_w8a8.json"  # as vLLM names them
+    assert names[TENSOR] == "E=128,N=768,device_name=cpu,dtype=fp8_w8a8.json"  # as vLLM names them
+    assert names[TOKEN] == "E=128,N=768,device_name=cpu,dtype=fp8_w8a8,per_channel_quant=True.json"  # SGLang's
     assert names[BLOCK] == "E=128,N=768,device_name=cpu,dtype=fp8_w8a8,block_shape=[128,128].json"
     assert parse_config_name(names[BLOCK])["block_shape"] == "128,128"
     assert specs[BLOCK].elem_bytes == 1 and specs[None].elem_bytes == 2

@@ -93,6 +93,28 @@ class Ceilings:
             return self.matmul_tflops[key]
         return max(self.matmul_tflops.values()) if self.matmul_tflops else None
 
+    def describe_lines(self) -> list[tuple[str, str]]:
+        """(label, text) lines for people (`moebench env`): each rate with its unit, one line per
+        matmul dtype; unknown rates say so."""
+
+        def gbps(v: float | None, what: str) -> str:
+            return f"{v:g} GB/s{what}" if v is not None else "unknown"
+
+        lines = [("ceilings", f"{self.device_name}, {self.label}"),
+                 ("ceiling memory read", gbps(self.mem_read_gbps, "")),
+                 ("ceiling memory copy", gbps(self.mem_copy_gbps, " (read + write bytes)"))]
+        if self.matmul_tflops:
+            lines += [(f"ceiling matmul {k}", f"{v:g} TFLOP/s") for k, v in self.matmul_tflops.items()]
+        else:
+            lines.append(("ceiling matmul", "unknown"))
+        versions = ", ".join(f"{n} {v}" for n, v in (("torch", self.torch_version), ("triton", self.triton_version))
+                             if v)
+        if versions:
+            lines.append(("ceilings measured with", versions))
+        if self.notes:
+            lines.append(("ceiling notes", self.notes))
+        return lines
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

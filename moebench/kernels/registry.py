@@ -124,11 +124,13 @@ def backend_infos(device: str, world_size: int = 1) -> list[BackendInfo]:
             rows.append(BackendInfo("experts", name, "?", "?", "?", False, str(e)))
             continue
         reason = _experts_reason(cls, device, None)
+        fp8_here, fp8_not = _quant_here(cls, device)
         rows.append(
             BackendInfo(
                 "experts", name, str(cls.activation_format),
-                _dtypes_text(cls), ",".join(cls.supported_devices),
-                reason is None, reason or "",
+                _dtypes_text(cls, fp8_here), ",".join(cls.supported_devices),
+                # usable, but not with every fp8 scale it declares: why not, in the words a sweep uses
+                reason is None, reason or fp8_not,
             )
         )
     for name in prepare_finalize_names():
@@ -147,12 +149,30 @@ def backend_infos(device: str, world_size: int = 1) -> list[BackendInfo]:
     return rows
 
 
-def _dtypes_text(cls: type[Experts]) -> str:
-    """'fp32,fp16,bf16' plus 'fp8_w8a8(tensor/token/block)' for the fp8 scales it takes."""
+def _dtypes_text(cls: type[Experts], quant: tuple[str, ...] | None = None) -> str:
+    """'fp32,fp16,bf16' plus 'fp8_w8a8(tensor/token/block)' for the fp8 scales it takes (`quant`:
+    those that run on the device at hand; default: every one it declares)."""
     text = ",".join(_dtype_name(d) for d in cls.supported_dtypes)
-    if cls.supported_quant:
-        text += ",fp8_w8a8(" + "/".join(cls.supported_quant) + ")"
+    quant = cls.supported_quant if quant is None else quant
+    if quant:
+        text += ",fp8_w8a8(" + "/".join(quant) + ")"
     return text
+
+
+def _quant_here(cls: type[Experts], device: str) -> tuple[tuple[str, ...], str]:
+    """The fp8 scales of `cls` that run on `device`, and why the others do not: the check a sweep
+    makes for each pair (`Experts.quant_unavailable_reason`), so env and sweep agree."""
+    from moebench.quant import QuantScheme
+
+    here, why = [], {}
+    for sc in cls.supported_quant:
+        scheme = QuantScheme("fp8_w8a8", sc, (128, 128) if sc == "block" else None)
+        reason = cls.quant_unavailable_reason(device, scheme)
+        if reason is None:
+            here.append(sc)
+        else:
+            why.setdefault(reason, []).append(sc)
+    return tuple(here), "; ".join(f"fp8_w8a8 {'/'.join(scs)}: {r}" for r, scs in why.items())
 
 
 def _experts_reason(cls: type[Experts], device: str, dtype: torch.dtype | None) -> str | None:

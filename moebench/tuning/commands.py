@@ -28,23 +28,15 @@ from moebench.tuning import configs as C
 console = Console()
 err_console = Console(stderr=True)
 
-_NAME_RE = re.compile(
-    r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<device>[^,]+?)"
-    r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=\[(?P<block>[\d,]*)\])?(?P<down>_down)?\.json$"
-)
-
 TUNE_TOKENS_CPU = [1, 4]
 TUNE_TOKENS_CUDA = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]
 
 
-def parse_config_name(name: str) -> dict[str, str | int | None] | None:
-    """'E=8,N=14336,device_name=NVIDIA_H200[,dtype=..][,block_shape=[..]][_down].json' -> its parts
-    ("down": GEMM2's file, SGLang's name), or None when the name is not a tuned-config file name."""
-    m = _NAME_RE.match(Path(name).name)
-    if not m:
-        return None
-    return {"E": int(m["E"]), "N": int(m["N"]), "device": m["device"], "dtype": m["dtype"], "block_shape": m["block"],
-            "down": m["down"] is not None}
+def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
+    """'E=8,N=14336,device_name=NVIDIA_H200[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json'
+    -> its parts ("down": GEMM2's file, SGLang's name; "per_channel_quant": fp8 per-token scales, SGLang's
+    name), or None when the name is not a tuned-config file name (moebench.tuning.configs.parse_file_name)."""
+    return C.parse_file_name(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,7 +56,7 @@ def parse_config_name(name: str) -> dict[str, str | int | None] | None:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_w8a8"]), default=None,
               help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations (bf16 around them); "
-                   "writes the ...,dtype=fp8_w8a8[,block_shape=[BN,BK]].json file.")
+                   "writes the ...,dtype=fp8_w8a8[,block_shape=[BN,BK]][,per_channel_quant=True].json file.")
 @click.option("--block-shape", "block_shape", default=None,
               help="fp8_w8a8 block-quantised weights, e.g. 128,128 (prunes BLOCK_SIZE_K/N to divide it).")
 @click.option("--scales", type=click.Choice(["tensor", "token", "block"]), default=None,
@@ -82,8 +74,8 @@ def parse_config_name(name: str) -> dict[str, str | int | None] | None:
                    "search time); 0 = compile while timing.")
 @click.option("--resume", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Continue an interrupted run folder (its settings are read from it).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("results/configs"), show_default=True,
-              help="Folder of the vLLM-format config file.")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Folder of the vLLM-format config file [results/configs; with --resume: the run's own].")
 @click.option("--results-dir", "results_dir", type=click.Path(path_type=Path), default=Path("results"),
               show_default=True, help="Where the run folder (journal, report) is created.")
 @click.option("--reps", type=int, default=None, help="Timer repetitions while screening [cuda 20, cpu 2].")
@@ -132,6 +124,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             if v is not None:
                 setattr(spec, attr, v)
         run_dir = resume
+        if out is None:
+            out = T.load_run_out_dir(resume)  # the folder the run was started with
     else:
         dev = resolve_device(device)
         act_dtype, quant = _precision(dtype, block_shape, scales, "bf16" if dev == "cuda" else "fp32")
@@ -265,11 +259,11 @@ def configs_list(dirs, as_json):
     """Config files along the lookup order ($MOEBENCH_CONFIG_DIR, results/configs, moebench/configs)."""
     rows = []
     seen: set[Path] = set()
-    for d in [*C.config_search_dirs(), *map(Path, dirs)]:
+    for order, d in enumerate([*C.config_search_dirs(), *map(Path, dirs)]):
         if not d.is_dir() or d.resolve() in seen:
             continue
         seen.add(d.resolve())
-        for f in sorted(d.glob("*.json")):
+        for f in d.glob("*.json"):
             parts = parse_config_name(f.name)
             if parts is None:
                 continue
@@ -278,7 +272,12 @@ def configs_list(dirs, as_json):
                 toks, status = list(table), "ok"
             except MoebenchError as e:
                 toks, status = [], f"invalid: {e}"
-            rows.append({"dir": str(d), "file": f.name, **parts, "tokens": toks, "status": status})
+            rows.append({"dir": str(d), "file": f.name, **parts, "tokens": toks, "status": status, "_order": order})
+    # by E, then N, as numbers; the same file's folders next to each other, in lookup order
+    rows.sort(key=lambda r: (r["E"], r["N"], r["device"], r["dtype"] or "", r["block_shape"] or "",
+                             r["per_channel_quant"], r["down"], r["_order"]))
+    for r in rows:
+        del r["_order"]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -289,7 +288,8 @@ def configs_list(dirs, as_json):
     for c in ("folder", "E", "N", "device", "dtype", "block_shape", "GEMM", "token counts", "status"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["dir"], str(r["E"]), str(r["N"]), str(r["device"]), r["dtype"] or "-",
+        t.add_row(r["dir"], str(r["E"]), str(r["N"]), str(r["device"]),
+                  (r["dtype"] or "-") + (" per-channel" if r["per_channel_quant"] else ""),
                   f"[{r['block_shape']}]" if r["block_shape"] else "-", "2 (down)" if r["down"] else "1 (2 too without _down)",
                   ",".join(map(str, r["tokens"])), r["status"])
     console.print(t)
@@ -437,7 +437,7 @@ def configs_commit(files):
             raise MoebenchError(f"config file {f} does not exist")
         if parse_config_name(f.name) is None:
             raise MoebenchError(f"{f.name} is not a vLLM config file name "
-                                f"(E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]][_down].json)")
+                                f"(E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json)")
         C.load_config_file(f)  # raises with the file and entry named
         checked.append(f)
     dest_dir.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,14 @@
 """Tuned tile configs for the sorted-token fused MoE kernel, in the files vLLM reads.
 
-File name (as vLLM's `get_config_file_name`):
+File name (as vLLM's and SGLang's `get_config_file_name`):
 
-    E={E},N={N},device_name={device}[,dtype={dtype}][,block_shape=[{bn},{bk}]].json
+    E={E},N={N},device_name={device}[,dtype={dtype}][,block_shape=[{bn},{bk}]][,per_channel_quant=True].json
 
 E = experts on this rank (w2.shape[0]), N = intermediate size per rank (w2.shape[2]), device =
 `torch.cuda.get_device_name()` with spaces as underscores ("cpu" without CUDA). The dtype part is
-only there for quantised kernels (e.g. "fp8_w8a8"); fp32/fp16/bf16 files carry none.
+only there for quantised kernels (e.g. "fp8_w8a8"); fp32/fp16/bf16 files carry none. fp8 with
+per-token activation x per-channel weight scales (`--scales token`) adds SGLang's
+`,per_channel_quant=True`, so its entries never share a file with the per-tensor ones.
 
 Content: {"<tokens>": {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
 "num_stages"}, ..., "triton_version": "3.6.0"}. A folder of such files can be handed to vLLM as
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import json
 import os
-import tempfile
+import re
 from pathlib import Path
 from typing import Any, Mapping, TypedDict
 
@@ -94,9 +96,11 @@ def config_file_name(
     dtype: torch.dtype | str | None = None,
     block_shape: list[int] | tuple[int, int] | None = None,
     down: bool = False,
+    *,
+    per_channel_quant: bool = False,
 ) -> str:
-    """`E={E},N={N},device_name={device_name}[,dtype=..][,block_shape=[..]][_down].json` (down:
-    GEMM2's file, SGLang's name)."""
+    """`E={E},N={N},device_name={device_name}[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json`
+    (down: GEMM2's file; per_channel_quant: fp8 per-token x per-channel scales; both SGLang's names)."""
     name = device_name.replace(" ", "_")
     tag = dtype_tag(dtype)
     parts = f"E={E},N={N},device_name={name}"
@@ -104,15 +108,60 @@ def config_file_name(
         parts += f",dtype={tag}"
     if block_shape:
         parts += ",block_shape=[" + ",".join(str(int(b)) for b in block_shape) + "]"
+    if per_channel_quant:
+        parts += ",per_channel_quant=True"
     return parts + ("_down" if down else "") + ".json"
 
 
 def name_parts(dtype: torch.dtype | str | None, quant: "QuantScheme | None") -> tuple:
     """(dtype tag, block_shape) of a file name: the fp8 scheme's name and scale block when quant
-    is given, else (dtype, None)."""
+    is given, else (dtype, None). The per-channel part: `per_channel_quant(quant)`."""
     if quant is not None:
         return quant.name, quant.file_block_shape
     return dtype, None
+
+
+def per_channel_quant(quant: "QuantScheme | None") -> bool:
+    """Whether a file name carries `,per_channel_quant=True`: fp8 per-token activation x
+    per-channel weight scales (SGLang's per_channel_quant)."""
+    return quant is not None and quant.scales == "token"
+
+
+def scheme_text(dtype_tag_: str | None, block_shape: list[int] | tuple[int, ...] | None, per_channel: bool) -> str:
+    """'unquantised', 'fp8_w8a8 per-tensor', 'fp8_w8a8 per-token' or 'fp8_w8a8 block[128,128]':
+    the scheme a file name stands for (from its dtype, block_shape and per_channel_quant parts)."""
+    if not dtype_tag_:
+        return "unquantised"
+    if block_shape:
+        return f"{dtype_tag_} block[{','.join(str(int(b)) for b in block_shape)}]"
+    return f"{dtype_tag_} {'per-token' if per_channel else 'per-tensor'}"
+
+
+_NAME_RE = re.compile(
+    r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<device>[^,]+?)"
+    r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=\[(?P<block>[\d,]*)\])?(?P<pc>,per_channel_quant=True)?"
+    r"(?P<down>_down)?\.json$"
+)
+
+
+def parse_file_name(name: str | os.PathLike) -> dict[str, Any] | None:
+    """'E=8,N=14336,device_name=NVIDIA_H200[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json'
+    -> {"E", "N", "device", "dtype", "block_shape" ('128,128' or None), "per_channel_quant", "down"},
+    or None when the name is not a tuned-config file name."""
+    m = _NAME_RE.match(Path(name).name)
+    if not m:
+        return None
+    return {"E": int(m["E"]), "N": int(m["N"]), "device": m["device"], "dtype": m["dtype"], "block_shape": m["block"],
+            "per_channel_quant": m["pc"] is not None, "down": m["down"] is not None}
+
+
+def file_scheme(path: str | os.PathLike) -> str | None:
+    """The scheme a tuned-config file's name stands for (`scheme_text`); None for other names."""
+    parts = parse_file_name(path)
+    if parts is None:
+        return None
+    block = [int(b) for b in parts["block_shape"].split(",") if b] if parts["block_shape"] else None
+    return scheme_text(parts["dtype"], block, parts["per_channel_quant"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,17 +251,37 @@ def write_config_file(
     doc: dict[str, Any] = {"triton_version": triton_version}
     doc.update({str(k): dict(entries[k]) for k in sorted(entries)})
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=4)
-            f.write("\n")
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from moebench.results import atomic_write_text
+
+    atomic_write_text(p, json.dumps(doc, indent=4) + "\n")
     return p
+
+
+def merge_config_file(
+    path: str | os.PathLike, entries: Mapping[int, Mapping[str, int]], dtype: torch.dtype | str | None = None,
+    quant: "QuantScheme | None" = None,
+) -> Path:
+    """Merge `entries` ({tokens: config}, tuned with `dtype` / `quant`) into the file at `path`
+    (its entries for other token counts are kept; an unreadable old file is replaced), atomically.
+    Refused (MoebenchError) when the file's name stands for another scheme than the entries'
+    (per-tensor and per-token fp8 entries never share a file)."""
+    p = Path(path)
+    tag, block = name_parts(dtype, quant)
+    mine = scheme_text(dtype_tag(tag), block, per_channel_quant(quant))
+    theirs = file_scheme(p)
+    if theirs is None:
+        raise MoebenchError(f"{p.name} is not a tuned-config file name "
+                            "(E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json)")
+    if mine != theirs:
+        raise MoebenchError(f"refusing to merge {mine} entries into {p}: its name is that of a {theirs} file")
+    merged: dict[int, Any] = {}
+    if p.is_file():
+        try:
+            merged.update(load_config_file(p))
+        except MoebenchError:
+            pass  # an unreadable old file is replaced
+    merged.update({int(k): dict(v) for k, v in entries.items()})
+    return write_config_file(p, merged)
 
 
 _CACHE: dict[tuple[str, int, int], dict[int, TileConfig]] = {}
@@ -243,10 +312,11 @@ def config_search_dirs() -> list[Path]:
 
 def find_config_file(
     E: int, N: int, device_name: str, dtype: torch.dtype | str | None = None, block_shape: list[int] | None = None,
-    down: bool = False,
+    down: bool = False, *, per_channel_quant: bool = False,
 ) -> Path | None:
-    """The first existing file for (E, N, device, dtype[, block_shape][, down]) along `config_search_dirs()`."""
-    name = config_file_name(E, N, device_name, dtype, block_shape, down)
+    """The first existing file for (E, N, device, dtype[, block_shape][, per_channel_quant][, down]) along
+    `config_search_dirs()`."""
+    name = config_file_name(E, N, device_name, dtype, block_shape, down, per_channel_quant=per_channel_quant)
     for d in config_search_dirs():
         p = d / name
         if p.is_file():
@@ -276,7 +346,8 @@ def lookup_config(
     """Tile config for M tokens of an (E local experts, N = intermediate per rank) layer.
 
     quant: an fp8 scheme: the file is `...,dtype=fp8_w8a8[,block_shape=[bn,bk]].json` (vLLM's
-    name) and the default heuristic keeps BLOCK_SIZE_K / BLOCK_SIZE_N inside the scale block.
+    name; per-token scales: `...,dtype=fp8_w8a8,per_channel_quant=True.json`, SGLang's) and the
+    default heuristic keeps BLOCK_SIZE_K / BLOCK_SIZE_N inside the scale block.
 
     Returns (config, source) where source is "<file path>[<tokens>]" or "default heuristic".
     Without a file, `default_config(M, E_for_heuristic, N, hidden, topk, dtype)` decides, with
@@ -285,7 +356,7 @@ def lookup_config(
     heuristic, e.g. the batched kernel's).
     """
     dev = device_name if device_name is not None else current_device_name()
-    path = find_config_file(E, N, dev, *name_parts(dtype, quant))
+    path = find_config_file(E, N, dev, *name_parts(dtype, quant), per_channel_quant=per_channel_quant(quant))
     if path is not None:
         key, cfg = nearest_entry(_load_cached(path), M)
         return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
@@ -313,7 +384,8 @@ def lookup_down_config(
     no such file, or its entry has another BLOCK_SIZE_M than GEMM1's `gemm1` (both GEMMs run on
     one alignment; the reason names the entry, and shows in the experts' config source)."""
     dev = device_name if device_name is not None else current_device_name()
-    path = find_config_file(E, N, dev, *name_parts(dtype, quant), down=True)
+    path = find_config_file(E, N, dev, *name_parts(dtype, quant), down=True,
+                            per_channel_quant=per_channel_quant(quant))
     if path is None:
         return None, "GEMM1's config"
     key, cfg = nearest_entry(_load_cached(path), M)

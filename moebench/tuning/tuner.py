@@ -12,8 +12,11 @@ Run folder (`results/<run-id>/`, or the folder given to `resume`):
                                latency, speed-up over the default, cost of the search
 
 The config file goes to `out_dir` (default `results/configs/`, the second folder of the lookup
-order) as `E={E_local},N={I/tp},device_name=...json` (fp8: `...,dtype=fp8_w8a8[,block_shape=[bn,bk]].json`,
-vLLM's names); entries already in that file for other token counts are kept.
+order; a resumed run keeps the folder saved in its tune.json) as `E={E_local},N={I/tp},device_name=...json`
+(fp8: `...,dtype=fp8_w8a8[,block_shape=[bn,bk]].json`, vLLM's names; per-token scales:
+`...,dtype=fp8_w8a8,per_channel_quant=True.json`, SGLang's); entries already in that file for other
+token counts are kept. The folder is checked before anything is measured, and the file is updated
+(merged, atomic rename) as each token count finishes, so an interrupted run keeps its winners.
 
 fp8 (`quant`, a moebench.quant.QuantScheme): the weights are quantised once
 (moebench.quant.quantize_weights, bf16 activations), every candidate is checked against the
@@ -160,15 +163,32 @@ def quant_from_json(d: Mapping[str, Any] | None) -> QuantScheme | None:
     return QuantScheme(d.get("name", "fp8_w8a8"), d["scales"], tuple(int(b) for b in bs) if bs else None)
 
 
-def load_run_spec(run_dir: str | os.PathLike) -> TuneSpec:
-    """The settings of an earlier run folder (for --resume)."""
+def _load_settings(run_dir: str | os.PathLike) -> dict[str, Any]:
     p = Path(run_dir) / SETTINGS
     if not p.is_file():
         raise MoebenchError(f"--resume {run_dir}: no {SETTINGS} there; pass the folder of an earlier `moebench tune` run")
     try:
-        return TuneSpec.from_json(json.loads(p.read_text())["spec"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        meta = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
         raise MoebenchError(f"--resume {run_dir}: {SETTINGS} is not readable ({e})") from None
+    if not isinstance(meta, dict):
+        raise MoebenchError(f"--resume {run_dir}: {SETTINGS} is not readable (not a JSON object)")
+    return meta
+
+
+def load_run_spec(run_dir: str | os.PathLike) -> TuneSpec:
+    """The settings of an earlier run folder (for --resume)."""
+    try:
+        return TuneSpec.from_json(_load_settings(run_dir)["spec"])
+    except (KeyError, TypeError) as e:
+        raise MoebenchError(f"--resume {run_dir}: {SETTINGS} is not readable ({e})") from None
+
+
+def load_run_out_dir(run_dir: str | os.PathLike) -> Path | None:
+    """The config-file folder (--out) an earlier run folder was started with; None for run folders
+    written before it was saved."""
+    out = _load_settings(run_dir).get("out_dir")
+    return Path(out) if out else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,11 +395,14 @@ def run_worker(
     on_measure: Callable[[Measurement], None] | None = None,
     on_tokens: Callable[[TokenResult], None] | None = None,
     compile_workers: int = 0,
+    *,
+    config_path: Path | None = None,
 ) -> list[TokenResult]:
     """Tune `tokens` (ascending) in this process on `device` (default spec.device); every
     measurement goes to the run's journal first. Returns one TokenResult per token count.
     compile_workers > 0: each batch of configs is first compiled by that many processes
-    (moebench.tuning.precompile), then timed here."""
+    (moebench.tuning.precompile), then timed here. config_path: each token count's winner is
+    merged into that file as soon as the count is done (`update_config_file`)."""
     device = device or spec.device
     if torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))
@@ -461,6 +484,8 @@ def run_worker(
                 if res.winner_us:
                     res.speedup = res.default_us / res.winner_us
             results.append(res)
+            if config_path is not None and res.winner is not None:
+                update_config_file(spec, config_path, {m_tokens: res.winner}, run_dir)
             guard.check()
             since_check = 0
             if on_tokens is not None:
@@ -477,11 +502,13 @@ def run_worker(
 
 
 def _worker_process(spec_json: dict[str, Any], tokens: list[int], run_dir: str, worker: int, device: str,
-                    cache_limit_mb: float, compile_workers: int = 0) -> list[dict[str, Any]]:
+                    cache_limit_mb: float, compile_workers: int = 0,
+                    config_path: str | None = None) -> list[dict[str, Any]]:
     """Entry point of a spawned worker (module level, picklable arguments)."""
     spec = TuneSpec.from_json(spec_json)
     return [r.as_dict() for r in run_worker(spec, tokens, run_dir, worker, device, cache_limit_mb=cache_limit_mb,
-                                            compile_workers=compile_workers)]
+                                            compile_workers=compile_workers,
+                                            config_path=None if config_path is None else Path(config_path))]
 
 
 def split_tokens(tokens: Sequence[int], n: int) -> list[list[int]]:
@@ -553,12 +580,13 @@ def _validate(spec: TuneSpec) -> None:
         for k, vals in spec.space.items():
             if k not in SPACE or not vals:
                 raise MoebenchError(f"search space: unknown parameter or empty list {k!r}")
-    if spec.quant is not None:
-        from moebench.kernels.registry import check_combination
+    from moebench.kernels.registry import check_combination
 
-        reason = check_combination("no-dpep", "triton", torch.device(spec.device).type, spec.dtype, quant=spec.quant)
-        if reason is not None:
-            raise MoebenchError(f"cannot tune {spec.quant.describe()}: {reason}")
+    dev_type = torch.device(spec.device).type
+    reason = check_combination("no-dpep", "triton", dev_type, spec.dtype, quant=spec.quant)
+    if reason is not None:  # the reason `sweep` gives for the triton experts (e.g. no GPU, no interpreter)
+        what = spec.quant.describe() if spec.quant is not None else f"the triton experts ({spec.precision})"
+        raise MoebenchError(f"cannot tune {what} on {dev_type}: {reason}")
 
 
 def tune(
@@ -596,11 +624,14 @@ def tune(
     indices; several -> one spawned worker per GPU. timer / on_measure / on_tokens only reach an
     in-process worker. quant: an fp8 scheme (moebench.quant.QuantScheme; `dtype` is then the
     activation dtype, bf16): quantised weights, the `...,dtype=fp8_w8a8[,block_shape=[..]].json`
-    file. compile_workers: processes per tuning worker that compile each batch of configs before
-    it is timed (moebench.tuning.precompile; 0 = compile while timing). down: tune GEMM2's own
-    config against the GEMM1 config the layer looks up, and write the `..._down.json` file
-    (SGLang's name) instead of the vLLM file. Returns the run folder,
-    the config file (None on ranks other than 0) and one TokenResult per token count.
+    file (per-token scales: `...,dtype=fp8_w8a8,per_channel_quant=True.json`). compile_workers:
+    processes per tuning worker that compile each batch of configs before it is timed
+    (moebench.tuning.precompile; 0 = compile while timing). down: tune GEMM2's own config against
+    the GEMM1 config the layer looks up, and write the `..._down.json` file (SGLang's name) instead
+    of the vLLM file. out_dir None: results/configs, or on `resume` the folder saved in the run's
+    tune.json. The folder is checked before anything is measured and the file is updated as each
+    token count finishes. Returns the run folder, the config file (None on ranks other than 0) and
+    one TokenResult per token count.
     """
     spec = TuneSpec(shape=shape, layout=layout, tokens=sorted(set(int(t) for t in tokens)), dtype=dtype,
                     device=device, strategy=strategy, budget=budget, seed=seed, routing=routing, reps=reps,
@@ -614,10 +645,15 @@ def tune(
             diff = [k for k in spec.identity() if spec.identity()[k] != saved.identity()[k]]
             raise MoebenchError(f"--resume {run_dir}: this run differs from the saved one in {', '.join(diff)}; "
                                 f"resume with the same settings (or none: they are read from {SETTINGS})")
+        if out_dir is None:
+            out_dir = load_run_out_dir(run_dir)
+    config_path = config_path_for(spec, out_dir)
     from moebench.runtime.distributed import join_torchrun, leave_torchrun
 
     ctx = join_torchrun() if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) else None
     main = ctx is None or ctx.rank == 0
+    if main:  # before the first measurement: a folder the file cannot go to fails now, not after the search
+        ensure_writable_dir(config_path.parent)
     if resume is None:
         if run_dir is None and main:
             run_dir = ensure_writable_dir(Path(results_dir)) / new_run_id("tune", shape.name)
@@ -633,13 +669,15 @@ def tune(
         if not (run_dir / SETTINGS).exists():
             from moebench.bench.hardware import device_summary
 
-            meta = {"spec": spec.to_json(), "argv": sys.argv[1:], "git_revision": git_revision(),
+            meta = {"spec": spec.to_json(), "out_dir": str(config_path.parent.resolve()), "argv": sys.argv[1:],
+                    "git_revision": git_revision(),
                     "device_summary": device_summary(device),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
             atomic_write_text(run_dir / SETTINGS, json.dumps(meta, indent=2, default=str))
 
     if ctx is not None and ctx.world_size > 1:
-        results = _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens, compile_workers)
+        results = _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens, compile_workers,
+                                config_path if main else None)
         if not main:
             leave_torchrun(ctx)  # waits for rank 0's files, so no rank exits holding the group
             return TuneOutcome(run_dir, None, results, spec, is_main=False)
@@ -649,11 +687,12 @@ def tune(
         if len(chunks) == 1:
             dev = f"cuda:{slots[0]}" if torch.device(device).type == "cuda" else device
             results = run_worker(spec, chunks[0], run_dir, 0, dev, timer, cache_limit_mb, on_measure, on_tokens,
-                                 compile_workers)
+                                 compile_workers, config_path=config_path)
         else:
-            results = _run_pool(spec, run_dir, slots, chunks, device, cache_limit_mb, on_tokens, compile_workers)
+            results = _run_pool(spec, run_dir, slots, chunks, device, cache_limit_mb, on_tokens, compile_workers,
+                                config_path)
     results.sort(key=lambda r: r.tokens)
-    config_path = write_results(spec, results, out_dir)
+    config_path = write_results(spec, results, config_path.parent, run_dir)
     files = write_report(run_dir, spec, results, config_path)
     if ctx is not None and ctx.world_size > 1:
         leave_torchrun(ctx)
@@ -662,7 +701,7 @@ def tune(
 
 def _run_pool(spec: TuneSpec, run_dir: Path, slots: list[int], chunks: list[list[int]], device: str,
               cache_limit_mb: float, on_tokens: Callable[[TokenResult], None] | None,
-              compile_workers: int = 0) -> list[TokenResult]:
+              compile_workers: int = 0, config_path: Path | None = None) -> list[TokenResult]:
     """One spawned process per chunk (chunk i on GPU slots[i]); results gathered here."""
     import multiprocessing as mp
 
@@ -671,7 +710,8 @@ def _run_pool(spec: TuneSpec, run_dir: Path, slots: list[int], chunks: list[list
     with ProcessPoolExecutor(max_workers=len(chunks), mp_context=mp.get_context("spawn")) as pool:
         futs = {
             pool.submit(_worker_process, spec.to_json(), chunk, str(run_dir), w,
-                        f"cuda:{slots[w]}" if cuda else device, cache_limit_mb, compile_workers): w
+                        f"cuda:{slots[w]}" if cuda else device, cache_limit_mb, compile_workers,
+                        None if config_path is None else str(config_path)): w
             for w, chunk in enumerate(chunks)
         }
         try:
@@ -696,15 +736,16 @@ def _run_pool(spec: TuneSpec, run_dir: Path, slots: list[int], chunks: list[list
 
 
 def _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_tokens,
-                  compile_workers: int = 0) -> list[TokenResult]:
-    """This rank's chunk of token counts, then every rank's results gathered on rank 0."""
+                  compile_workers: int = 0, config_path: Path | None = None) -> list[TokenResult]:
+    """This rank's chunk of token counts, then every rank's results gathered on rank 0 (config_path:
+    rank 0's file, updated as its own token counts finish; the others' land in it at the end)."""
     import torch.distributed as dist
 
     chunks = split_tokens(spec.tokens, ctx.world_size)
     mine = chunks[ctx.rank] if ctx.rank < len(chunks) else []
     ensure_writable_dir(run_dir)
     rows = [r.as_dict() for r in run_worker(spec, mine, run_dir, ctx.rank, str(ctx.device), timer, cache_limit_mb,
-                                            on_measure, on_tokens, compile_workers)]
+                                            on_measure, on_tokens, compile_workers, config_path=config_path)]
     gathered: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(rows, gathered, dst=0, group=ctx.group)
     if ctx.rank != 0:
@@ -736,14 +777,34 @@ def deploy_layout(name: str) -> tuple[ParallelLayout, str]:
 
 def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None) -> Path:
     """Where the vLLM file goes: out_dir (default results/configs) / E=..,N=..,device_name=..
-    [,dtype=fp8_w8a8[,block_shape=[bn,bk]]][_down].json (`_down`: a --down run, SGLang's name)."""
+    [,dtype=fp8_w8a8[,block_shape=[bn,bk]]][,per_channel_quant=True][_down].json (`_down`: a --down
+    run; per_channel_quant: per-token scales; both SGLang's names)."""
     folder = Path(out_dir) if out_dir is not None else Path("results") / "configs"
     name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device),
-                              *C.name_parts(spec.dtype, spec.quant), down=spec.down)
+                              *C.name_parts(spec.dtype, spec.quant), down=spec.down,
+                              per_channel_quant=C.per_channel_quant(spec.quant))
     return folder / name
 
 
-def write_results(spec: TuneSpec, results: Sequence[TokenResult], out_dir: str | os.PathLike | None = None) -> Path | None:
+def update_config_file(spec: TuneSpec, path: Path, entries: Mapping[int, Mapping[str, int]],
+                       run_dir: str | os.PathLike | None = None) -> Path:
+    """Merge `entries` into the config file at `path` (moebench.tuning.configs.merge_config_file:
+    atomic rename, refused for a file of another scheme). With `run_dir`, under an exclusive lock
+    on a file there, so the workers of one run never drop each other's entries."""
+    if run_dir is None:
+        return C.merge_config_file(path, entries, spec.dtype, spec.quant)
+    import fcntl
+
+    with open(Path(run_dir) / ".config-file.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return C.merge_config_file(path, entries, spec.dtype, spec.quant)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def write_results(spec: TuneSpec, results: Sequence[TokenResult], out_dir: str | os.PathLike | None = None,
+                  run_dir: str | os.PathLike | None = None) -> Path | None:
     """Write the winners as the vLLM file (merged into an existing file's other token counts).
     None when no token count found a working config."""
     table = {r.tokens: r.winner for r in results if r.winner is not None}
@@ -751,14 +812,7 @@ def write_results(spec: TuneSpec, results: Sequence[TokenResult], out_dir: str |
         return None
     path = config_path_for(spec, out_dir)
     ensure_writable_dir(path.parent)
-    merged: dict[int, Any] = {}
-    if path.is_file():
-        try:
-            merged.update(C.load_config_file(path))
-        except MoebenchError:
-            pass  # an unreadable old file is replaced
-    merged.update(table)
-    return C.write_config_file(path, merged)
+    return update_config_file(spec, path, table, run_dir)
 
 
 REPORT_COLUMNS = ["tokens", "winner", "winner_us", "runner_up", "runner_up_us", "default", "default_us", "speedup",
