@@ -109,8 +109,9 @@ def resolve_precision(dtype: str | None, block_shape: str | None, scales: str | 
 
 
 def _progress() -> Progress:
+    """A transient progress bar; off where stdout is not a terminal (a log keeps only the results)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True)
+                    console=console, transient=True, disable=not console.is_terminal)
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -218,9 +219,10 @@ def models(as_json: bool):
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
 @click.option("--routings", type=int, default=1, show_default=True,
               help="Distinct routings cycled through the timed calls (fresh routing per call, as vLLM's tuner).")
+@click.option("--show-skipped", is_flag=True, help="List every skipped pair with its reason (default: a count by reason).")
 def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, block_shape,
           scales, routing, seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps,
-          routings):
+          routings, show_skipped):
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
     from moebench.kernels.registry import prepare_finalize_names
     from moebench.layout import ParallelLayout
@@ -261,12 +263,11 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     mode, notice = choose_mode(layout, device, simulate, world_size, ctx)
     if notice:
         console.print(f"[yellow]notice:[/] {notice}")
-    link = None
+    link = link_why = None
     if mode == "simulate":
-        from moebench.runtime.simulate import choose_link, get_link
+        from moebench.runtime.simulate import link_for
 
-        dev_name = device_summary(device).get("name") if device == "cuda" else None
-        link = get_link(link_name, link_gbps) if link_name else choose_link(dev_name, link_gbps)
+        link, link_why = link_for(device, device_summary(device).get("name"), link_name, link_gbps)
     elif link_gbps is not None or link_name:
         raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
     main_rank = ctx is None or is_main(ctx)
@@ -278,12 +279,19 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     meta = {"command": "sweep", "argv": sys.argv[1:], "mode": mode, "shape": shape.to_dict(),
             "layout": layout.__dict__, "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label,
             "activation_dtype": str(dt), "device": device, "routing": routing,
-            "seed": seed, "link": None if link is None else link.__dict__, "device_summary": device_summary(device)}
+            "seed": seed, "link": None if link is None else link.__dict__, "link_why": link_why,
+            "device_summary": device_summary(device)}
     store = RunStore(folder, metadata=meta)
-    n_total = len(spec.tokens) * len(spec.prepare_finalize) * len(spec.experts)
+    from moebench.sweep import cases_to_run
+
+    n_total = cases_to_run(spec, store, modeled=mode == "simulate")  # skipped pairs are not counted
     console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, H={shape.hidden}, "
                   f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {spec.precision}, "
                   f"routing {routing} -> {folder}")
+    if link is not None:
+        from moebench.runtime.simulate import link_text
+
+        console.print(link_text(link, link_why), markup=False, highlight=False)
     try:
         if mode in ("spawn", "torchrun"):  # rank 0 shows the progress bar
             store = run(spec, store, mode, ctx=ctx)
@@ -292,7 +300,8 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
                 task = prog.add_task("sweep", total=n_total)
 
                 def tick(row):
-                    prog.update(task, advance=1, description=f"M={row.tokens} {row.prepare_finalize}+{row.experts}")
+                    if row.status != "skipped":  # the bar counts and names only what runs
+                        prog.update(task, advance=1, description=f"M={row.tokens} {row.prepare_finalize}+{row.experts}")
 
                 store = run(spec, store, mode, link=link, on_progress=tick)
     except KeyboardInterrupt:
@@ -301,7 +310,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         err_console.print(f"interrupted: {len(store.rows)} finished rows kept in {folder} (continue with --resume {folder})")
         sys.exit(130)
     written = store.finish(fmts)
-    print_rows(store.rows, console)
+    print_rows(store.rows, console, show_skipped=show_skipped)
     if store.rows and not any(r.status == "ok" for r in store.rows):
         hint = (" On a CPU, `TRITON_INTERPRET=1 moebench sweep ...` runs the Triton experts under the interpreter"
                 " (slowly; for correctness)." if device == "cpu" and "TRITON_INTERPRET" not in os.environ else "")
@@ -334,8 +343,8 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     from moebench.plots import compare_plot
     from moebench.results import RunStore, check_output_file, ensure_writable_dir, new_run_id
     from moebench.routing import parse_routing
-    from moebench.runtime.simulate import choose_link, get_link
-    from moebench.sweep import SweepSpec, default_experts, resolve_names
+    from moebench.runtime.simulate import DEFAULT_TARGET_GPU, link_for, link_text
+    from moebench.sweep import SweepSpec, cases_to_run, default_experts, resolve_names
 
     if tp is not None or dp is not None or ep is not None:
         raise MoebenchError("compare tp-vs-ep builds both layouts itself: give --world-size N, not --tp/--dp/--ep")
@@ -351,13 +360,13 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     parse_routing(routing)
     dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16")
     experts_model = None
-    gpu = target_gpu or ("H200" if device == "cpu" else None)
+    gpu = target_gpu or (DEFAULT_TARGET_GPU if device == "cpu" else None)
     if gpu is not None:
         experts_model = datasheet_ceilings(gpu)
         if experts_model is None:
             raise MoebenchError(f"no datasheet profile for GPU '{gpu}'; try H200, H100, A100, B200, MI300X")
     dev_name = gpu or device_summary(device).get("name")
-    link = get_link(link_name, link_gbps) if link_name else choose_link(dev_name, link_gbps)
+    link, link_why = link_for(device, device_summary(device).get("name"), link_name, link_gbps, requested_gpu=target_gpu)
     spec = SweepSpec(shape=shape, tokens=tok, experts=resolve_names(experts, default_experts(), "experts", default_experts()),
                      dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, quant=quant)
     if plot_path is not None:
@@ -366,19 +375,25 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     meta = {"command": "compare tp-vs-ep", "argv": sys.argv[1:], "shape": shape.to_dict(), "world_size": world_size,
             "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label, "device": device, "routing": routing,
             "seed": seed,
-            "link": link.__dict__, "experts_model": None if experts_model is None else experts_model.as_dict(),
+            "link": link.__dict__, "link_why": link_why, "experts_model": None if experts_model is None else experts_model.as_dict(),
             "device_summary": device_summary(device)}
     store = RunStore(folder, metadata=meta)
     how = (f"experts time = {experts_model.device_name} roofline floor (datasheet), not measured"
            if experts_model is not None else f"experts time measured on {dev_name}")
     console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {spec.precision}, "
-                  f"routing {routing}: simulated ({how}; communication from {link.name} {link.bandwidth_gbps:g} GB/s)"
-                  + ("; correctness also checked on real gloo ranks" if device == "cpu" and not no_check else ""))
-    with _progress() as prog:
-        task = prog.add_task("compare", total=2 * len(tok) * len(spec.experts) * 4)
+                  f"routing {routing}: simulated ({how}; communication modeled)")
+    console.print(link_text(link, link_why), markup=False, highlight=False)
+    if device == "cpu" and not no_check:
+        console.print("correctness also checked on real gloo ranks")
+    from moebench.compare import layout_specs
+
+    with _progress() as prog:  # counts the simulated cases that run (skipped pairs are not counted)
+        task = prog.add_task("compare", total=sum(cases_to_run(s, store, modeled=True)
+                                                  for s in layout_specs(spec, world_size).values()))
         result = run_compare(spec, world_size, store, link, experts_model=experts_model,
                              check_ranks=(device == "cpu" and not no_check),
-                             on_progress=lambda r: prog.update(task, advance=1, description=f"M={r.tokens} {r.prepare_finalize}+{r.experts}"))
+                             on_progress=lambda r: r.status == "skipped" or prog.update(
+                                 task, advance=1, description=f"M={r.tokens} {r.prepare_finalize}+{r.experts}"))
     RunStore(folder).finish(["csv", "json", "md"])
     written = write_summary(result, folder)
     _print_compare(result, world_size)
@@ -390,24 +405,18 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
 
 
 def _print_compare(result, n: int) -> None:
-    df = result.summary
-    t = Table(title="TP vs EP (simulated: experts of one rank + modeled communication)", header_style="bold")
-    for c in ("batch tokens", "layout", "best pair", "dispatch", "experts", "combine", "all-reduce", "total us", "rank imb.", "checked", ""):
-        t.add_column(c, justify="left" if c in ("layout", "best pair", "") else "right")
-    for _, r in df.iterrows():
-        f = lambda v: "-" if v is None or pd_isna(v) else f"{v:.1f}"  # noqa: E731
-        chk = {True: "yes", False: "[red]NO[/]"}.get(r.checked_on_ranks, "-")
-        t.add_row(str(r.tokens), r.layout, f"{r.prepare_finalize}+{r.experts}", f(r.dispatch_us), f(r.experts_us),
-                  f(r.combine_us), f(r.allreduce_us), f(r.latency_us), f(r.rank_imbalance), chk,
-                  "[green]winner[/]" if r.winner else "")
-    console.print(t)
-    console.print(f"[bold]{result.recommendation}[/]")
+    from moebench.report import compare_table, print_table, say
 
-
-def pd_isna(v) -> bool:
-    import pandas as pd
-
-    return bool(pd.isna(v))
+    if result.summary.empty:
+        say(console, result.recommendation, "bold")
+        return
+    left = print_table(console, compare_table(result.summary, "TP vs EP (simulated: experts of one rank + modeled communication)"))
+    say(console, result.recommendation, "bold")
+    notes = ["* = the faster layout at that token count; other = total minus the parts shown."]
+    if left:
+        notes.append(f"not shown at {console.width} columns: {', '.join(left)} (compare.csv holds every column).")
+    for note in notes:
+        say(console, note, "dim")
 
 
 @cli.command()
@@ -419,7 +428,7 @@ def pd_isna(v) -> bool:
 def report(results, fmt, out_file, plot_path):
     """Merge result folders: pivot (tokens x backend pairs), fastest correct entry highlighted, export."""
     from moebench.plots import latency_plot
-    from moebench.report import frame, html_report, pivot, pivot_markdown
+    from moebench.report import frame, html_report, pivot, pivot_markdown, pivot_table_text, print_table, say
     from moebench.results import atomic_write_text, check_output_file, load_rows
 
     rows = load_rows(results)
@@ -427,7 +436,8 @@ def report(results, fmt, out_file, plot_path):
         raise MoebenchError("the results hold no rows")
     df = frame(rows)
     table, fastest = pivot(df)
-    title = "moebench report: " + ", ".join(sorted(set(df.model.astype(str))))
+    common = table.attrs.get("common", []) if not table.empty else []
+    title = "moebench report" + (": " + ", ".join(common) if common else "")
     first = results[0] if results[0].is_dir() else results[0].parent
     out_file = out_file or first / f"report.{fmt}"
     check_output_file(out_file, "--out")  # before the plot and the report are made
@@ -447,13 +457,12 @@ def report(results, fmt, out_file, plot_path):
     else:
         atomic_write_text(out_file, html_report(df, table, fastest, png, title))
     if not table.empty:
-        t = Table(title=title + " (latency us; * fastest correct)", header_style="bold")
-        for c in table.columns:
-            t.add_column(str(c))
-        for i, rec in table.iterrows():
-            t.add_row(*[("-" if pd_isna(rec[c]) else (f"{rec[c]:.1f}" if isinstance(rec[c], float) else str(rec[c])))
-                        + (" *" if c in fastest.columns and bool(fastest.loc[i, c]) else "") for c in table.columns])
-        console.print(t)
+        left = print_table(console, pivot_table_text(table, fastest, title))
+        if table.attrs.get("repeats"):
+            say(console, f"{table.attrs['repeats']} cells hold more than one run of the same setting: "
+                         "the fastest is shown.", "dim")
+        if left:
+            say(console, f"not shown at {console.width} columns: {', '.join(left)} (the report file has them).", "dim")
     console.print(f"wrote {out_file}" + (f" and {plot_path}" if plot_path else ""))
 
 

@@ -39,18 +39,22 @@ def layouts(world_size: int) -> dict[str, ParallelLayout]:
             f"EP{world_size}": ParallelLayout(dp=world_size, enable_ep=world_size > 1)}
 
 
+def layout_specs(base: SweepSpec, world_size: int) -> dict[str, SweepSpec]:
+    """The TP and EP sweeps of `base` over `world_size` ranks (what run_compare simulates)."""
+    return {  # tokens are the whole batch: TP ranks all see it, EP ranks each bring 1/N of it
+        name: replace(base, layout=l, tokens_are_global=True,
+                      prepare_finalize=["no-dpep"] if name.startswith("TP") else EP_PREPARE_FINALIZE)
+        for name, l in layouts(world_size).items()
+    }
+
+
 def run_compare(base: SweepSpec, world_size: int, store: RunStore, link, experts_model=None,
                 check_ranks: bool = False, on_progress=None) -> CompareResult:
     """Run TP and EP layouts of `base` (shape, tokens, dtype, routing...) over `world_size` ranks.
 
     check_ranks: also run both layouts on real gloo/NCCL ranks for correctness (their rows have
     modeled = false and CPU times; the answer uses the simulated rows only)."""
-    lay = layouts(world_size)
-    specs = {  # tokens are the whole batch: TP ranks all see it, EP ranks each bring 1/N of it
-        name: replace(base, layout=l, tokens_are_global=True,
-                      prepare_finalize=["no-dpep"] if name.startswith("TP") else EP_PREPARE_FINALIZE)
-        for name, l in lay.items()
-    }
+    specs = layout_specs(base, world_size)
     for spec in specs.values():
         run_simulated(spec, store, link, on_progress=on_progress, experts_model=experts_model)
     if check_ranks:
@@ -81,10 +85,11 @@ def summarize(rows: list[ResultRow], world_size: int) -> CompareResult:
     recs = []
     for (tokens, lname), r in sorted(best.items()):
         comm = sum(v or 0.0 for v in (r.dispatch_us, r.combine_us, r.allreduce_us))
+        other = r.latency_us - comm - (r.experts_us or 0.0)  # what the parts leave out
         recs.append({
             "tokens": tokens, "layout": lname, "prepare_finalize": r.prepare_finalize, "experts": r.experts,
             "latency_us": r.latency_us, "dispatch_us": r.dispatch_us, "experts_us": r.experts_us,
-            "combine_us": r.combine_us, "allreduce_us": r.allreduce_us, "comm_us": comm,
+            "combine_us": r.combine_us, "allreduce_us": r.allreduce_us, "comm_us": comm, "other_us": other,
             "floor_us": r.floor_us, "imbalance": r.imbalance, "rank_imbalance": r.rank_imbalance,
             "checked_on_ranks": checked.get((tokens, lname, r.prepare_finalize, r.experts)),
             "timing": r.timing_method,
@@ -145,19 +150,16 @@ def _why(win, lose) -> str:
 
 def write_summary(result: CompareResult, folder: Path) -> list[Path]:
     """compare.csv and compare.md (with the recommendation) in the run folder."""
-    from moebench.report import export_frame
+    from moebench.report import _markdown, export_frame
     from moebench.results import atomic_write_text
 
     csv = folder / "compare.csv"
     export_frame(result.summary, csv, "csv")
     md = folder / "compare.md"
-    tmp = folder / ".compare-table.md"
-    export_frame(result.summary, tmp, "md")
     text = (f"**{result.recommendation}**\n\ncrossover: {result.crossover if result.crossover is not None else 'none'}"
-            f"\n\n{tmp.read_text()}")
-    tmp.unlink()
+            f"\n\n{_markdown(result.summary)}")
     atomic_write_text(md, text)
     return [csv, md]
 
 
-__all__ = ["CompareResult", "run_compare", "summarize", "layouts", "write_summary", "default_experts"]
+__all__ = ["CompareResult", "layout_specs", "run_compare", "summarize", "layouts", "write_summary", "default_experts"]

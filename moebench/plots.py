@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from moebench.results import atomic_write_bytes, precision_labels  # noqa: E402
+from moebench.results import atomic_write_bytes  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:
@@ -98,17 +98,19 @@ def compare_plot(summary: pd.DataFrame, crossover: int | None, title: str, path:
 
 
 def latency_plot(df: pd.DataFrame, title: str, path: Path) -> Path:
-    """Latency vs tokens, one line per (layout, prepare/finalize, experts), correct ok rows only."""
+    """Latency vs tokens, one line per series (full setting: shape, layout, link, routing,
+    precision, device, modeled, pair; named by what differs), correct ok rows only."""
+    from moebench.report import label_series
+
     fig, ax = plt.subplots(figsize=(8, 5))
     ok = df[(df.status == "ok") & (df.correct == True) & df.latency_us.notna()].copy()  # noqa: E712
-    ok["precision"] = precision_labels(ok)
-    several = ok.precision.nunique() > 1
-    for key, g in ok.groupby(["tp", "dp", "ep", "prepare_finalize", "experts", "precision"]):
-        tp, dp, ep, pf, ex, prec = key
-        g = g.sort_values("tokens")
-        lay = f"EP{ep}" if ep > 1 else (f"TP{tp * dp}" if tp * dp > 1 else "1 rank")
+    if not ok.empty:
+        lab = label_series(ok)
+        ok["_label"] = [" ".join(str(v) for v in rec) for rec in lab.labels[lab.row_keys + ["series"]].itertuples(index=False)]
+        ok["_modeled"] = ok.modeled.astype(bool)
+    for label, g in (ok.groupby("_label", sort=True) if not ok.empty else []):
+        g = g.groupby("tokens", as_index=False).agg(latency_us=("latency_us", "min"), modeled=("_modeled", "any"))
         style = "--" if g.modeled.any() else "-"
-        label = f"{lay} {pf}+{ex}" + (f" {prec}" if several else "")
         ax.plot(g.tokens.clip(lower=0.5), g.latency_us, style, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -264,15 +264,32 @@ class RunStore:
         return written
 
 
+def run_files(folder: Path) -> list[Path]:
+    """The rows file of each run folder at or below `folder` (rows.jsonl, else results.json), so
+    that a folder of run folders (`results/`) reads as all of them."""
+    found = []
+    for d in [folder, *sorted(p for p in folder.rglob("*") if p.is_dir())]:
+        f = next((c for c in (d / "rows.jsonl", d / "results.json") if c.is_file()), None)
+        if f is not None:
+            found.append(f)
+    return found
+
+
 def load_rows(paths: Iterable[Path]) -> list[ResultRow]:
-    """Rows from run folders (rows.jsonl, else results.json) or single result files."""
+    """Rows from run folders (rows.jsonl, else results.json), folders holding run folders, or
+    single result files."""
     rows: list[ResultRow] = []
+    files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            cand = [p / "rows.jsonl", p / "results.json"]
-            p = next((c for c in cand if c.exists()), None)
-            if p is None:
-                raise MoebenchError(f"no rows.jsonl or results.json in '{cand[0].parent}'; pass a moebench results folder")
+            found = run_files(p)
+            if not found:
+                raise MoebenchError(f"no rows.jsonl or results.json in '{p}' or the folders below it; "
+                                    f"pass a moebench results folder")
+            files += found
+        else:
+            files.append(p)
+    for p in files:
         if not p.exists():
             raise MoebenchError(f"results path '{p}' does not exist")
         try:

@@ -118,6 +118,19 @@ def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
     return out
 
 
+def cases_to_run(spec: SweepSpec, store: RunStore | None = None, modeled: bool = False) -> int:
+    """How many (tokens, pair) cases of `spec` will be measured: the pairs `plan` does not skip,
+    less those whose rows `store` already holds (a resumed run). What a progress bar counts."""
+    runnable = [(pf, ex) for pf, ex, reason in plan(spec) if reason is None]
+    n = 0
+    for m in spec.tokens:
+        for pf, ex in runnable:
+            row = base_row(spec, m, pf, ex)
+            row.modeled = modeled
+            n += store is None or not store.has(row.key())
+    return n
+
+
 def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
     s, lay = spec.shape, spec.layout
     try:

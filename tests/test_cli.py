@@ -96,7 +96,7 @@ def test_sweep_end_to_end(tmp_path):
     skipped = df[df.status == "skipped"]
     mismatch = skipped[skipped.reason.str.contains("format mismatch")]
     assert len(mismatch) > 0  # e.g. no-dpep + batched-torch is listed, not dropped
-    assert (run / "results.md").read_text().startswith("| model |")
+    assert (run / "results.md").read_text().startswith("# moebench sweep: custom")
     assert "moebench sweep" in res.stdout and "CPU times are wall clock" in res.stdout
 
 

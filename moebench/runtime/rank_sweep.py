@@ -67,13 +67,15 @@ def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = Tru
     (w13, w2), unquantized = rank_weights(spec, ctx.rank, keep_unquantized=spec.check)
     emap = lay.expert_map(ctx.rank, s.num_experts)
     el = spec.act_bytes
-    progress = _RankProgress(len(spec.tokens) * len(pairs), main and show_progress)
+    # The bar counts and names only the cases that run (not skipped pairs, not resumed rows).
+    todo = sum(reason is None and base_row(spec, m, pf, ex).key() not in done_keys
+               for m in spec.tokens for pf, ex, reason in pairs)
+    progress = _RankProgress(todo, main and show_progress)
     written = 0
     for m in spec.tokens:
         for pf, ex, reason in pairs:
             row = base_row(spec, m, pf, ex)
             if row.key() in done_keys:
-                progress.advance(row)
                 continue
             if reason is None:
                 _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metrics, one_line, unquantized)
@@ -82,7 +84,8 @@ def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = Tru
             if main:
                 store.add(row)
                 written += 1
-            progress.advance(row)
+            if reason is None:
+                progress.advance(row)
     progress.close()
     return written
 
@@ -159,12 +162,15 @@ class _RankProgress:
     """A rich progress bar on rank 0 of a multi-rank run (the parent cannot see the rows live)."""
 
     def __init__(self, total: int, enabled: bool):
+        from rich.console import Console
+
         self.prog = None
-        if enabled:
+        console = Console()
+        if enabled and console.is_terminal:  # a log (stdout not a terminal) gets no bar
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self.prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), transient=True)
+                                 TimeElapsedColumn(), console=console, transient=True)
             self.prog.start()
             self.task = self.prog.add_task("sweep", total=total)
 

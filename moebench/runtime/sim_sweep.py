@@ -94,6 +94,7 @@ def _weights(spec, rank: int, cache: dict) -> tuple[tuple, tuple | None]:
 def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, experts_model) -> None:
     s, lay = spec.shape, spec.layout
     world = lay.world_size
+    row.extra["link"] = f"{link.name} {link.bandwidth_gbps:g} GB/s"  # the x_link column reports group by
     moves_tokens = get_prepare_finalize_class(pf).communicates
     m_full = spec.batch_tokens(m, moves_tokens)
     x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)

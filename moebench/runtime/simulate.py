@@ -20,7 +20,8 @@ all pairs (local ones included) by the time; the time model only charges pairs t
 rank. Both counts are returned.
 
 Link figures come, in order, from an explicit override (`link_gbps`), a measurement file when one
-exists (`measured_link`), or a hardware profile chosen by device name (`default_link`).
+exists (`measured_link`), or a hardware profile chosen by device name (`default_link`). Every
+command picks its link through `link_for`: --link, else the target GPU's (`target_gpu`).
 """
 
 from __future__ import annotations
@@ -146,6 +147,41 @@ def choose_link(device_name: str | None, link_gbps: float | None = None, use_mea
     and the bandwidth replaced."""
     base = (measured_link(device_name=device_name) if use_measurement else None) or default_link(device_name)
     return override(base, link_gbps)
+
+
+#: The GPU that simulated runs on a machine without one speak of (its link and, in compare
+#: tp-vs-ep, its roofline floor for the experts time).
+DEFAULT_TARGET_GPU = "H200"
+
+
+def target_gpu(device: str, requested: str | None = None, local_name: str | None = None) -> tuple[str, str]:
+    """(name, why) of the GPU a simulated run models: --target-gpu, else this machine's GPU on
+    cuda, else DEFAULT_TARGET_GPU."""
+    if requested:
+        return requested, "from --target-gpu"
+    if device == "cuda" and local_name:
+        return local_name, "this machine's GPU"
+    return DEFAULT_TARGET_GPU, "no GPU here, so the default target GPU"
+
+
+def link_for(device: str, local_name: str | None = None, link_name: str | None = None,
+             link_gbps: float | None = None, requested_gpu: str | None = None) -> tuple[LinkProfile, str]:
+    """The link a simulated run models, and why; one rule for every command (sweep --simulate,
+    compare tp-vs-ep): --link NAME, else the link of the target GPU (`target_gpu`): its
+    measurement (env --calibrate-link) when there is one, else its profile (`default_link`);
+    --link-gbps replaces the bandwidth."""
+    gbps = ", bandwidth from --link-gbps" if link_gbps is not None else ""
+    if link_name:
+        return get_link(link_name, link_gbps), f"from --link{gbps}"
+    gpu, why = target_gpu(device, requested_gpu, local_name)
+    link = choose_link(gpu, link_gbps)
+    how = "measured by env --calibrate-link on" if measured_link(device_name=gpu) is not None else "the profile of"
+    return link, f"{how} {gpu} ({why}){gbps}; change with --link / --link-gbps"
+
+
+def link_text(link: LinkProfile, why: str) -> str:
+    """'link h200-nvlink, 450 GB/s per direction, 1.5 us per step: the profile of H200 (...)'."""
+    return f"link {link.name}, {link.bandwidth_gbps:g} GB/s per direction, {link.latency_us:g} us per step: {why}"
 
 
 # ---------------------------------------------------------------------------------------------
