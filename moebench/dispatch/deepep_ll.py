@@ -6,9 +6,16 @@ and `low_latency_combine`). BatchedExperts format, same layout as `all2all-ll`:
     combine:  expert outputs (E_local, max_tokens_per_rank * world, H) bf16 -> (M, H), weighted by
               topk_weights and summed over k inside DeepEP's combine kernel
 
-Optional: deep_ep is imported lazily, only when the backend is used. Needs CUDA, >= 2 GPUs,
-bf16 activations, E divisible by the number of ranks (DeepEP places expert e on rank
-e // E_local) and at most max_tokens_per_rank tokens per rank. fp8: with block scales of bk = 128
+Optional: deep_ep is imported lazily, only when the backend is used. Needs CUDA, bf16
+activations, E divisible by the number of ranks (DeepEP places expert e on rank e // E_local) and
+at most max_tokens_per_rank tokens per rank. With torch.distributed up, the buffer spans `group`
+(one rank per GPU). Sweeps and `moebench env` ask for >= 2 GPUs. Through the Python API, a
+process without torch.distributed gets a one-rank low-latency buffer over DeepEP's `comm`
+argument (`_OneRankComm`: rank 0 of 1; DeepEP asserts nothing against one rank), which
+tests/gpu/test_vendor_gpu.py checks against the reference; it has not run on a GPU yet (DeepEP did
+not build there, docs/perf/vendor.md), so the registry does not offer it. When deep_ep is
+missing, the reason `moebench env` shows includes the failure note scripts/build_vendor.sh leaves
+($MOEBENCH_CACHE_DIR/vendor/deep_ep.build-failed) when a build fails. fp8: with block scales of bk = 128
 (`--dtype fp8_w8a8 --block-shape N,128`) the dispatch quantises (DeepEP's use_fp8: 1x128 groups,
 fp32 scales) and the batched experts get fp8 rows with their scales, as from `all2all-ll`.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +46,7 @@ _IMPORT_ERROR: list[str | None] = []  # cached: [None] when deep_ep imports, [re
 def _deep_ep_import_error() -> str | None:
     if not _IMPORT_ERROR:
         if importlib.util.find_spec("deep_ep") is None:
-            _IMPORT_ERROR.append("deep_ep is not installed")
+            _IMPORT_ERROR.append("deep_ep is not installed" + last_build_failure("deep_ep"))
         else:
             try:
                 importlib.import_module("deep_ep")
@@ -46,6 +54,32 @@ def _deep_ep_import_error() -> str | None:
             except Exception as e:  # noqa: BLE001 - a broken install (missing CUDA libs, ...) is a reason
                 _IMPORT_ERROR.append(f"deep_ep does not import: {type(e).__name__}: {e}")
     return _IMPORT_ERROR[0]
+
+
+def last_build_failure(package: str) -> str:
+    """'; its last build here failed: ...' when scripts/build_vendor.sh left a failure note for
+    `package` in $MOEBENCH_CACHE_DIR/vendor/ (default ~/.cache/moebench), else ''."""
+    base = os.environ.get("MOEBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moebench")
+    try:
+        with open(os.path.join(base, "vendor", f"{package}.build-failed")) as f:
+            note = " ".join(f.read().split())
+    except OSError:
+        return ""
+    return f"; its last build here failed: {note}" if note else ""
+
+
+class _OneRankComm:
+    """The three calls DeepEP's Buffer makes on its `comm` argument (an mpi4py communicator there),
+    for a world of one: rank 0, size 1, allgather returns [obj]."""
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+        return 0
+
+    def Get_size(self) -> int:  # noqa: N802
+        return 1
+
+    def allgather(self, obj):
+        return [obj]
 
 
 class TopKWeightAndReduceInCombine(TopKWeightAndReduce):
@@ -104,18 +138,19 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     def _get_buffer(self, hidden: int, num_experts: int, world: int):
         key = (hidden, num_experts, world)
         if self._buffer is None or self._buffer_key != key:
-            reason = self.unavailable_reason("cuda", world)
+            reason = _deep_ep_import_error() or (None if torch.cuda.is_available() else "deep_ep needs CUDA")
             if reason is not None:
                 raise UnsupportedError(f"deepep-ll is unusable: {reason}")
             import torch.distributed as dist
             from deep_ep import Buffer  # lazy: optional dependency
 
-            group = self.group if self.group is not None else dist.group.WORLD
             rdma_bytes = Buffer.get_low_latency_rdma_size_hint(self.max_tokens_per_rank, hidden, world, num_experts)
-            self._buffer = Buffer(
-                group, num_nvl_bytes=0, num_rdma_bytes=rdma_bytes, low_latency_mode=True,
-                num_qps_per_rank=max(1, num_experts // world),
-            )
+            kw = dict(num_nvl_bytes=0, num_rdma_bytes=rdma_bytes, low_latency_mode=True,
+                      num_qps_per_rank=max(1, num_experts // world))
+            if dist.is_available() and dist.is_initialized():
+                self._buffer = Buffer(self.group if self.group is not None else dist.group.WORLD, **kw)
+            else:  # one process, no process group: DeepEP's `comm` path with a one-rank communicator
+                self._buffer = Buffer(None, comm=_OneRankComm(), **kw)
             self._buffer_key = key
         return self._buffer
 
