@@ -1,18 +1,51 @@
-"""DeepGEMM experts (optional; Hopper, bf16): `deepgemm` (Standard, grouped GEMM on the contiguous
-layout) and `batched-deepgemm` (BatchedExperts, masked grouped GEMM).
+"""DeepGEMM experts (optional; Hopper): `deepgemm` (Standard, grouped GEMM on the contiguous layout)
+and `batched-deepgemm` (BatchedExperts, masked grouped GEMM), in bf16 and in fp8 with 128x128
+block scales (`--dtype fp8_w8a8 --block-shape 128,128`).
 
-DeepGEMM's bf16 grouped GEMMs ("nt": B is (G, N, K), i.e. our weights as stored):
-  m_grouped_bf16_gemm_nt_contiguous(a (R, K), b (G, N, K), d (R, N), m_indices (R,) int32)
-      rows of one group are contiguous and each group's run is padded to the M alignment
-      (get_mk_alignment_for_contiguous_layout()); padding rows carry group index -1.
-  m_grouped_bf16_gemm_nt_masked(a (G, T, K), b (G, N, K), d (G, T, N), masked_m (G,), expected_m)
+DeepGEMM 2.6.1's grouped GEMMs ("nt": B is (G, N, K), i.e. our weights as stored), on sm90:
+
+  m_grouped_bf16_gemm_nt_contiguous(a (R, K), b (G, N, K), d (R, N), grouped_layout, use_psum_layout=...,
+                                    expected_m_for_psum_layout=...)
+  m_grouped_bf16_gemm_nt_masked(a (G, T, K), b (G, N, K), d (G, T, N), masked_m (G,) int32, expected_m)
+  m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, grouped_layout, ...)   same, fp8 operands
+  m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), d, masked_m, expected_m)
+
+Contiguous layout: the rows of one group are consecutive and every group's run starts at a
+multiple of get_mk_alignment_for_contiguous_layout() (128 on sm90, which is also the kernel's
+BLOCK_M there). `grouped_layout` is either
+  - psum (the default here, `layout="psum"`): (G,) int32, the end row of each group's run; the
+    kernel visits only the row blocks that hold rows of some group (walking the groups in order
+    to find them), so the static worst-case buffer costs no GEMM work where it is empty;
+  - m_indices (`layout="indices"`): (R,) int32, the group of every row, -1 for padding rows; the
+    kernel visits every row block of the buffer (bf16 computes -1 blocks too, against group 0).
+
+fp8 scale layouts (what DeepGEMM wants on sm90, so that it runs no layout kernel of its own):
+  sfa: float32 (R, K/128) (masked: (G, T, K/128)), one scale per row and 128 columns, stored
+       MN-major with the row stride padded to 16 bytes: strides (1, R') / (R'*K/128, 1, R'),
+       R' = R rounded up to a multiple of 4 (`mn_major_scales`). moebench's activation scales
+       are (rows, G) row-major, so the adapter converts them (DeepEP-LL's already are MN-major).
+  sfb: float32 (G, N/128, K/128) contiguous: moebench's block weight scale as it is.
+Masked layout: DeepGEMM's masked kernels see the (G * T) rows as one 2-D tensor and work in
+row blocks of 64 or 128, so each group must be whole 128-row blocks: the adapter hands them T
+rounded up to 128 (`masked_rows_per_group`), copying the valid rows over when the prepare's T
+is not a multiple (batched-local: T = M tokens; DeepEP-LL's T = 128 x ranks needs no copy).
+
+Outputs are bf16 only. The intermediate after SiLU-and-mul is rounded to bf16 and quantised again
+(1 x 128 groups, dynamic) before GEMM2, the rounding points the reference emulates.
+
+The layout helpers (`contiguous_layout`, `masked_rows`, `mn_major_scales`, ...) are plain torch, run on
+any device and hold no host synchronisation, so the adapters stay CUDA-graph capturable.
 deep_gemm is imported lazily; nothing else in moebench needs it.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
+from moebench.errors import MoebenchError, UnsupportedError
 from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
@@ -24,89 +57,407 @@ from moebench.kernels.modular import (
 from moebench.kernels.reference import silu_and_mul
 from moebench.kernels.registry import register_experts
 from moebench.kernels.token_layout import local_topk_ids, sort_by_expert
+from moebench.quant import FP8_DTYPE, ActQuant, QuantScheme, QuantWeight, maybe_quantize
+
+#: The only fp8 block DeepGEMM's sm90 grouped GEMMs take: 1 x 128 activation groups, 128 x 128
+#: weight blocks (its recipe (1, 128, 128)).
+BLOCK_SHAPE = (128, 128)
+#: TMA wants 16-byte aligned strides: the MN stride of an fp32 scale tensor is padded to 4 rows.
+_TMA_ALIGN_BYTES = 16
+LAYOUTS = ("psum", "indices")
+#: The largest BLOCK_M DeepGEMM's sm90 heuristic picks for masked GEMMs (it picks 64 or 128).
+MASKED_BLOCK_M = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers (pure torch; tested on the CPU)
+
+
+def tma_aligned(n: int, element_size: int = 4) -> int:
+    """n rounded up so that n elements of `element_size` bytes are a multiple of 16 bytes."""
+    step = _TMA_ALIGN_BYTES // element_size
+    return -(-n // step) * step
+
+
+def mn_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides DeepGEMM's sm90 fp8 kernels read scales with: (R, G) -> (1, R'),
+    (B, R, G) -> (R' * G, 1, R'), R' = tma_aligned(R)."""
+    if len(shape) not in (2, 3):
+        raise MoebenchError(f"DeepGEMM scales are 2-D or 3-D, got shape {tuple(shape)}")
+    r, g = shape[-2], shape[-1]
+    ra = tma_aligned(r)
+    return (1, ra) if len(shape) == 2 else (ra * g, 1, ra)
+
+
+def empty_mn_major(shape: tuple[int, ...], device) -> torch.Tensor:
+    """An uninitialised float32 tensor of `shape` with `mn_major_strides`."""
+    return torch.empty_strided(tuple(shape), mn_major_strides(shape), dtype=torch.float32, device=device)
+
+
+def mn_major_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Per-row, per-128-column scales (R, G) or (B, R, G) float32, any strides -> the same values
+    in DeepGEMM's MN-major, TMA-aligned layout (`mn_major_strides`); returned as they are when
+    already so (DeepEP-LL's fp8 dispatch hands them over that way)."""
+    if scale.dtype != torch.float32:
+        raise MoebenchError(f"DeepGEMM takes float32 scales, got {scale.dtype}")
+    strides = mn_major_strides(tuple(scale.shape))
+    if tuple(scale.stride()) == strides:
+        return scale
+    out = empty_mn_major(tuple(scale.shape), scale.device)
+    out.copy_(scale)
+    return out
+
+
+@dataclass
+class ContiguousLayout:
+    """Where each (token, k) pair sits in DeepGEMM's contiguous layout.
+
+    rows:         buffer rows (static): room for every local pair plus each group's padding to
+                  `align`, plus one spare block at the end whose last row is the sink
+    dest:         (M*K,) int64 buffer row of each flat pair; the sink row (rows - 1) for remote pairs
+    group_end:    (E,) int32 psum layout: end row of group e's run, which starts at
+                  align_up(group_end[e-1]) (0 for e = 0); empty groups have start == end
+    m_indices:    (rows,) int32 m-indices layout: the group of each row, -1 for padding rows, or
+                  None when not asked for
+    align:        the alignment the layout was built for
+    """
+
+    rows: int
+    dest: torch.Tensor
+    group_end: torch.Tensor
+    m_indices: torch.Tensor | None
+    align: int
+
+    @property
+    def sink(self) -> int:
+        return self.rows - 1
+
+
+def contiguous_rows(pairs: int, num_groups: int, align: int) -> int:
+    """Static buffer rows for `pairs` local pairs over `num_groups` groups: each group's run padded
+    to `align` (at most align - 1 rows each), rounded up to `align`, plus a spare block (its last
+    row is the sink of remote pairs; no group ever reaches it)."""
+    used = -(-(pairs + num_groups * (align - 1)) // align) * align
+    return used + align
+
+
+def contiguous_layout(local_ids: torch.Tensor, num_groups: int, align: int,
+                      with_m_indices: bool = False) -> ContiguousLayout:
+    """local_ids (M, K) local expert ids, -1 for remote pairs -> ContiguousLayout. Pairs keep
+    their token order inside a group (stable sort), as `sort_by_expert` orders them."""
+    if align < 1:
+        raise MoebenchError(f"contiguous layout alignment must be >= 1, got {align}")
+    m, k = local_ids.shape
+    rows = contiguous_rows(m * k, num_groups, align)
+    s = sort_by_expert(local_ids, num_groups)
+    padded = (s.counts + align - 1) // align * align
+    starts = torch.cumsum(padded, 0) - padded
+    group_end = (starts + s.counts).to(torch.int32)
+    flat = local_ids.reshape(-1).long()
+    sink = torch.full_like(flat, rows - 1)
+    dest = torch.where(flat >= 0, starts[flat.clamp(min=0)] + s.pos, sink)
+    m_indices = None
+    if with_m_indices:
+        m_indices = torch.full((rows,), -1, dtype=torch.int32, device=local_ids.device)
+        # Remote pairs write -1 into the sink row, which is padding anyway.
+        m_indices.index_copy_(0, dest, flat.clamp(min=-1).to(torch.int32))
+    return ContiguousLayout(rows=rows, dest=dest, group_end=group_end, m_indices=m_indices, align=align)
+
+
+def masked_rows(counts: torch.Tensor, rows_per_group: int, bound: int) -> torch.Tensor:
+    """The valid rows of a masked (G, T, ...) buffer as flat indices g * T + t (t < counts[g]),
+    group by group, in a (bound,) int64 tensor; slots past the valid total hold G * T (one past
+    the end: callers give their flat buffers a sink row there). No host synchronisation, so
+    `bound` must cover the valid total (rows past it are dropped)."""
+    g, t = counts.numel(), rows_per_group
+    j = torch.arange(t, device=counts.device)
+    valid = (j.unsqueeze(0) < counts.to(torch.int64).clamp(max=t).unsqueeze(1)).reshape(-1)
+    rank = torch.cumsum(valid.to(torch.int64), 0) - 1
+    slot = torch.where(valid & (rank < bound), rank, torch.full_like(rank, bound))
+    out = torch.full((bound + 1,), g * t, dtype=torch.int64, device=counts.device)
+    out.scatter_(0, slot, torch.arange(g * t, device=counts.device))
+    return out[:bound]  # slot `bound` collected every invalid row; it is dropped
+
+
+def masked_rows_per_group(t: int) -> int:
+    """Rows per group DeepGEMM's masked GEMMs are handed: T rounded up to MASKED_BLOCK_M. Their TMA
+    descriptors see (G * T) rows as one 2-D tensor, so a row block that starts in group g and
+    runs past T reads and writes rows of group g + 1 (measured on the H200: wrong results at
+    T = 1 and 16, right at 128): every group must be whole blocks."""
+    return -(-t // MASKED_BLOCK_M) * MASKED_BLOCK_M
+
+
+def _gather_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t[idx] along dim 0; 1-byte dtypes (fp8) move as bytes."""
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8).index_select(0, idx).view(t.dtype)
+    return t.index_select(0, idx)
+
+
+def _scatter_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[idx] = src along dim 0; 1-byte dtypes (fp8) move as bytes."""
+    if dst.element_size() == 1 and dst.dtype != torch.uint8:
+        dst.view(torch.uint8).index_copy_(0, idx, src.view(torch.uint8))
+    else:
+        dst.index_copy_(0, idx, src)
+
+
+# ---------------------------------------------------------------------------------------------
+# Availability
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error() -> str | None:
+    """None when deep_gemm imports, else why not (cached: an import is tried once)."""
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError as e:
+        if getattr(e, "name", None) == "deep_gemm":
+            from moebench.dispatch.deepep_ll import last_build_failure
+
+            return ("deep_gemm is not installed (scripts/build_vendor.sh builds it; README 'Vendor libraries')"
+                    + last_build_failure("deep_gemm"))
+        return f"deep_gemm does not import: {e}"
+    except Exception as e:  # noqa: BLE001 - a broken build (CUDA home, libraries) is a reason, not a crash
+        return f"deep_gemm does not import: {type(e).__name__}: {e}"
+    for name in ("m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
+                 "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"):
+        if not hasattr(deep_gemm, name):
+            version = getattr(deep_gemm, "__version__", "?")
+            return f"deep_gemm {version} has no {name} (moebench's adapters follow DeepGEMM 2.6's API)"
+    return None
 
 
 def _deep_gemm_reason(device: str) -> str | None:
     if device != "cuda":
         return "DeepGEMM needs a CUDA GPU"
-    try:
-        import deep_gemm  # noqa: F401
-    except ImportError:
-        return "deep_gemm is not installed (pip install from github.com/deepseek-ai/DeepGEMM)"
+    reason = _import_error()
+    if reason is not None:
+        return reason
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return "DeepGEMM needs Hopper (sm_90) or newer"
     return None
 
 
+def _check_shapes(w13, w2, quant: QuantScheme | None, name: str) -> None:
+    """K of both GEMMs (H, I) must be whole DeepGEMM K blocks: 64 in bf16, 128 in fp8."""
+    _, two_i, h = w13.shape
+    i = two_i // 2
+    step = 128 if quant is not None else 64
+    if h % step or i % step:
+        raise UnsupportedError(
+            f"experts '{name}': DeepGEMM needs hidden and intermediate (per rank) divisible by {step} "
+            f"({'fp8' if quant else 'bf16'}), got hidden {h}, intermediate {i}"
+        )
+
+
+def _fp8_weights(w13, w2, name: str) -> tuple[QuantWeight, QuantWeight, QuantScheme]:
+    if not (isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight)) or w13.scheme != w2.scheme:
+        raise UnsupportedError(f"experts '{name}': w13 and w2 must be quantised with the same scheme")
+    scheme = w13.scheme
+    if scheme.scales != "block" or tuple(scheme.block_shape) != BLOCK_SHAPE:
+        raise UnsupportedError(f"experts '{name}': DeepGEMM's fp8 grouped GEMMs take block[128,128] scales, "
+                               f"got {scheme.describe()}")
+    return w13, w2, scheme
+
+
+def _quantize(x: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x -> fp8 rows and (rows, K/128) scales, as prepare quantises the layer input."""
+    return maybe_quantize(x, ActQuant(scheme))
+
+
 class _DeepGemmBackend(Experts):
-    """What both DeepGEMM backends declare: bf16, CUDA (Hopper), deep_gemm importable."""
+    """What both DeepGEMM backends declare: bf16 activations and output, CUDA (Hopper), deep_gemm
+    importable; fp8 with 128 x 128 block scales (prepare quantises the input, 1 x 128 groups)."""
 
     supported_dtypes = (torch.bfloat16,)
     supported_devices = ("cuda",)
+    supported_quant = ("block",)
 
     @classmethod
     def unavailable_reason(cls, device: str) -> str | None:
         return _deep_gemm_reason(device)
 
+    @classmethod
+    def quant_unavailable_reason(cls, device: str, scheme: QuantScheme) -> str | None:
+        if scheme.scales != "block" or tuple(scheme.block_shape) != BLOCK_SHAPE:
+            return (f"experts '{cls.name}': DeepGEMM's fp8 grouped GEMMs take block[128,128] scales only, "
+                    f"not {scheme.describe()}")
+        return _deep_gemm_reason(device)
+
+    def _out_dtype(self, prep: PrepareResult) -> torch.dtype:
+        dt = prep.out_dtype or (prep.a.dtype if prep.a.dtype != FP8_DTYPE else torch.bfloat16)
+        if dt != torch.bfloat16:
+            raise UnsupportedError(f"experts '{self.name}': DeepGEMM's grouped GEMMs write bf16 only, got {dt}")
+        return dt
+
+
+# ---------------------------------------------------------------------------------------------
+# Standard: the contiguous layout
+
 
 @register_experts
 class DeepGemmExperts(_DeepGemmBackend):
-    """Standard: pairs sorted by expert into DeepGEMM's padded contiguous layout. Returns (M, K, H)."""
+    """Standard: (token, k) pairs placed by expert into DeepGEMM's contiguous layout (psum or
+    m-indices grouped layout), two grouped GEMMs, SiLU-and-mul on the pairs' rows only. Returns
+    (M, K, H) unweighted, remote pairs zero."""
 
     name = "deepgemm"
     activation_format = ActivationFormat.STANDARD
+
+    def __init__(self, layout: str = "psum"):
+        if layout not in LAYOUTS:
+            raise MoebenchError(f"deepgemm layout must be one of {', '.join(LAYOUTS)}, got '{layout}'")
+        self.layout = layout
+
     def weight_and_reduce(self):
         return TopKWeightAndReduceContiguous()
 
-    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        import deep_gemm
+    def _gemm(self, dg, a, a_scale, w, d, lay: ContiguousLayout, expected_m: int) -> None:
+        psum = self.layout == "psum"
+        grouped = lay.group_end if psum else lay.m_indices
+        kw = {"use_psum_layout": True, "expected_m_for_psum_layout": expected_m} if psum else {}
+        if a_scale is None:
+            dg.m_grouped_bf16_gemm_nt_contiguous(a, w, d, grouped, **kw)
+        else:
+            dg.m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (w.q, w.scale.contiguous()), d, grouped, **kw)
 
+    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
+        import deep_gemm as dg
+
+        fp8 = isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight)
+        scheme = _fp8_weights(w13, w2, self.name)[2] if fp8 else None
+        _check_shapes(w13, w2, scheme, self.name)
+        out_dtype = self._out_dtype(prep)
+        if fp8 and (prep.a.dtype != FP8_DTYPE or prep.a_scale is None):
+            raise UnsupportedError(f"experts '{self.name}' take fp8 activations quantised by prepare (prep.a_scale is missing)")
         x, ids = prep.a, prep.topk_ids
         m, k = ids.shape
-        e, h = w13.shape[0], x.shape[-1]
-        align = deep_gemm.get_mk_alignment_for_contiguous_layout()
-        local = local_topk_ids(ids, prep.expert_map)
-        s = sort_by_expert(local, e)
-        # Padded row of each pair: expert e's run starts at the sum of the aligned counts before it.
-        padded = (s.counts + align - 1) // align * align
-        starts = torch.cumsum(padded, 0) - padded
-        rows = m * k + e * align  # static worst case
-        flat = local.reshape(-1)
-        dest = torch.where(flat >= 0, starts[flat.clamp(min=0)] + s.pos, torch.full_like(flat, rows))
-        m_indices = torch.full((rows + 1,), -1, dtype=torch.int32, device=x.device)
-        m_indices.index_copy_(0, dest, flat.to(torch.int32).clamp(min=-1))
-        a = torch.zeros((rows + 1, h), dtype=x.dtype, device=x.device)
-        a.index_copy_(0, dest, x.repeat_interleave(k, dim=0))
-        m_indices, a = m_indices[:rows].contiguous(), a[:rows].contiguous()
-        gate_up = torch.empty((rows, w13.shape[1]), dtype=x.dtype, device=x.device)
-        deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, w13, gate_up, m_indices)
-        act = silu_and_mul(gate_up).contiguous()
-        y = torch.empty((rows, h), dtype=x.dtype, device=x.device)
-        deep_gemm.m_grouped_bf16_gemm_nt_contiguous(act, w2, y, m_indices)
-        out = alloc_output((m * k, h), x.dtype, x.device)
-        valid = (flat >= 0).unsqueeze(-1)
-        out.copy_(torch.where(valid, y[dest.clamp(max=rows - 1)], torch.zeros((), dtype=x.dtype, device=x.device)))
+        e, two_i, h = w13.shape
+        i = two_i // 2
+        dev = x.device
+        lay = contiguous_layout(local_topk_ids(ids, prep.expert_map), e, dg.get_mk_alignment_for_contiguous_layout(),
+                                with_m_indices=self.layout == "indices")
+        rows, dest = lay.rows, lay.dest
+        expected_m = max(1, -(-m * k // e))  # mean rows per group: DeepGEMM's config hint
+        token = torch.arange(m * k, device=dev) // k
+
+        a = torch.empty((rows, h), dtype=x.dtype, device=dev)
+        _scatter_rows(a, dest, _gather_rows(x, token))
+        a_scale = None
+        if fp8:
+            a_scale = empty_mn_major((rows, h // 128), dev)
+            a_scale.index_copy_(0, dest, prep.a_scale.float().index_select(0, token))
+        gate_up = torch.empty((rows, two_i), dtype=out_dtype, device=dev)
+        self._gemm(dg, a, a_scale, w13, gate_up, lay, expected_m)
+
+        # SiLU-and-mul (and the requantisation) on the pairs' rows only, written back in place.
+        act = silu_and_mul(gate_up.index_select(0, dest).float()).to(out_dtype)  # (M*K, I)
+        act_buf = torch.empty((rows, i), dtype=FP8_DTYPE if fp8 else out_dtype, device=dev)
+        act_scale = None
+        if fp8:
+            q, s = _quantize(act, scheme)
+            _scatter_rows(act_buf, dest, q)
+            act_scale = empty_mn_major((rows, i // 128), dev)
+            act_scale.index_copy_(0, dest, s)
+        else:
+            act_buf.index_copy_(0, dest, act)
+        y = torch.empty((rows, h), dtype=out_dtype, device=dev)
+        self._gemm(dg, act_buf, act_scale, w2, y, lay, expected_m)
+
+        out = alloc_output((m * k, h), out_dtype, dev)
+        valid = dest != lay.sink  # remote pairs (EP) contribute zero
+        out.copy_(torch.where(valid.unsqueeze(-1), y.index_select(0, dest), torch.zeros((), dtype=y.dtype, device=dev)))
         return out.view(m, k, h)
+
+
+# ---------------------------------------------------------------------------------------------
+# BatchedExperts: the masked layout
 
 
 @register_experts
 class BatchedDeepGemmExperts(_DeepGemmBackend):
-    """BatchedExperts: masked grouped GEMM over (E_local, T, H). Returns (E_local, T, H) unweighted."""
+    """BatchedExperts: masked grouped GEMMs over (E_local, T, H), SiLU-and-mul on the valid rows
+    only. Returns (E_local, T, H) unweighted; rows past expert_num_tokens are not meaningful."""
 
     name = "batched-deepgemm"
     activation_format = ActivationFormat.BATCHED
+
     def weight_and_reduce(self):
         return TopKWeightAndReduceDelegate()
 
-    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        import deep_gemm
+    @staticmethod
+    def valid_bound(prep: PrepareResult) -> int:
+        """Static bound on the valid rows of the buffer: every routed (token, k) pair at most."""
+        e, t = prep.a.shape[0], prep.a.shape[1]
+        if prep.num_tokens is not None and prep.topk is not None:
+            return max(1, min(e * t, prep.num_tokens * prep.topk))
+        return max(1, e * t)
 
-        a, counts = prep.a, prep.expert_num_tokens
+    @staticmethod
+    def expected_m(prep: PrepareResult) -> int:
+        """Mean valid rows per expert (DeepGEMM's config hint), 1 <= hint <= T."""
+        e, t = prep.a.shape[0], prep.a.shape[1]
+        if prep.num_tokens is not None and prep.topk is not None:
+            return max(1, min(t, -(-prep.num_tokens * prep.topk // e)))
+        return max(1, t)
+
+    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
+        import deep_gemm as dg
+
+        fp8 = isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight)
+        scheme = _fp8_weights(w13, w2, self.name)[2] if fp8 else None
+        _check_shapes(w13, w2, scheme, self.name)
+        out_dtype = self._out_dtype(prep)
+        a, counts = prep.a, prep.expert_num_tokens.to(torch.int32).contiguous()
+        if fp8 and (a.dtype != FP8_DTYPE or prep.a_scale is None):
+            raise UnsupportedError(f"experts '{self.name}' take fp8 activations quantised by prepare (prep.a_scale is missing)")
         e, t, h = a.shape
-        expected_m = max(1, t // 2)  # a hint for DeepGEMM's config choice, not a bound
-        gate_up = torch.empty((e, t, w13.shape[1]), dtype=a.dtype, device=a.device)
-        deep_gemm.m_grouped_bf16_gemm_nt_masked(a.contiguous(), w13, gate_up, counts, expected_m)
-        act = silu_and_mul(gate_up).contiguous()
-        out = alloc_output((e, t, h), a.dtype, a.device)
-        deep_gemm.m_grouped_bf16_gemm_nt_masked(act, w2, out, counts, expected_m)
+        two_i = w13.shape[1]
+        i = two_i // 2
+        dev = a.device
+        hint = self.expected_m(prep)
+        tp = masked_rows_per_group(t)
+        # Valid rows as flat indices of the (E, T) buffer (sink E * T) and of the padded (E + 1, T')
+        # buffers (sink E * T': row 0 of the spare group after the real ones).
+        idx = masked_rows(counts, t, self.valid_bound(prep))
+        idx_p = idx if tp == t else (idx // t) * tp + idx % t
+        src = idx.clamp(max=e * t - 1)  # the sink reads some valid row; what it gets goes to a sink
+        if tp == t:
+            a_g = a.contiguous()
+            a_scale = mn_major_scales(prep.a_scale.float()) if fp8 else None
+        else:  # copy the valid rows into whole 128-row blocks per expert
+            a_full = torch.empty(((e + 1) * tp, h), dtype=a.dtype, device=dev)
+            _scatter_rows(a_full, idx_p, _gather_rows(a.reshape(e * t, h), src))
+            a_g = a_full[: e * tp].view(e, tp, h)
+            a_scale = None
+            if fp8:
+                g = prep.a_scale.shape[-1]
+                sf = empty_mn_major((e + 1, tp, g), dev)
+                sf[idx_p // tp, idx_p % tp] = prep.a_scale.float().reshape(e * t, g).index_select(0, src)
+                a_scale = sf[:e]
+        gate_up = torch.empty((e + 1, tp, two_i), dtype=out_dtype, device=dev)
+        if fp8:
+            dg.m_grouped_fp8_gemm_nt_masked((a_g, a_scale), (w13.q, w13.scale.contiguous()), gate_up[:e], counts, hint)
+        else:
+            dg.m_grouped_bf16_gemm_nt_masked(a_g, w13, gate_up[:e], counts, hint)
+
+        # SiLU-and-mul (and the requantisation) on the valid rows only.
+        act = silu_and_mul(gate_up.view((e + 1) * tp, two_i).index_select(0, idx_p).float()).to(out_dtype)
+        act_buf = torch.empty((e + 1, tp, i), dtype=FP8_DTYPE if fp8 else out_dtype, device=dev)
+        # The output keeps a sink row after the (E, T) rows the finalize reads.
+        out_full = alloc_output((e * t + 1, h), out_dtype, dev)
+        out = out_full[: e * t].view(e, t, h)
+        y = out if tp == t else torch.empty((e + 1, tp, h), dtype=out_dtype, device=dev)[:e]
+        if fp8:
+            q, s = _quantize(act, scheme)
+            _scatter_rows(act_buf.view((e + 1) * tp, i), idx_p, q)
+            act_scale = empty_mn_major((e + 1, tp, i // 128), dev)
+            act_scale[idx_p // tp, idx_p % tp] = s
+            dg.m_grouped_fp8_gemm_nt_masked((act_buf[:e], act_scale[:e]), (w2.q, w2.scale.contiguous()), y, counts, hint)
+        else:
+            act_buf.view((e + 1) * tp, i).index_copy_(0, idx_p, act)
+            dg.m_grouped_bf16_gemm_nt_masked(act_buf[:e], w2, y, counts, hint)
+        if tp != t:
+            out_full.index_copy_(0, idx, y.reshape(e * tp, h).index_select(0, idx_p.clamp(max=e * tp - 1)))
         return out

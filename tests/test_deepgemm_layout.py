@@ -1,0 +1,273 @@
+"""DeepGEMM adapters on the CPU, without deep_gemm: the layout helpers against plain-Python
+references, and both adapters end to end against the float64 reference with a stand-in module that
+does DeepGEMM's grouped GEMMs in torch and asserts the operand layouts DeepGEMM 2.6.1's sm90 kernels
+take without converting anything themselves (psum / m-indices grouped layouts, MN-major TMA-aligned
+fp32 activation scales, contiguous (G, N/128, K/128) weight scales)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from moebench.correctness import is_correct, relative_error
+from moebench.kernels.deepgemm import (
+    BatchedDeepGemmExperts,
+    DeepGemmExperts,
+    contiguous_layout,
+    contiguous_rows,
+    masked_rows,
+    masked_rows_per_group,
+    mn_major_scales,
+    mn_major_strides,
+    tma_aligned,
+)
+from moebench.kernels.modular import FusedMoEKernel
+from moebench.kernels.reference import reference_moe
+from moebench.kernels.registry import check_combination, make_prepare_finalize
+from moebench.quant import QuantScheme, quantize_weights
+
+BLOCK = QuantScheme("fp8_w8a8", "block", (128, 128))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers
+
+
+def test_tma_aligned():
+    assert [tma_aligned(n) for n in (1, 4, 5, 77, 128)] == [4, 4, 8, 80, 128]
+    assert tma_aligned(5, element_size=2) == 8
+
+
+@pytest.mark.parametrize("shape", [(77, 3), (4, 16), (1, 1), (6, 77, 2), (3, 8, 5)])
+def test_mn_major_scales(shape):
+    s = torch.rand(shape)
+    out = mn_major_scales(s)
+    assert torch.equal(out, s)
+    r, g = shape[-2], shape[-1]
+    ra = -(-r // 4) * 4
+    want = (1, ra) if len(shape) == 2 else (ra * g, 1, ra)
+    assert out.stride() == want == mn_major_strides(shape)
+    assert mn_major_scales(out) is out  # already in DeepGEMM's layout: no copy
+
+
+def test_mn_major_scales_refuses_other_dtypes():
+    from moebench.errors import MoebenchError
+
+    with pytest.raises(MoebenchError, match="float32"):
+        mn_major_scales(torch.rand(4, 2).half())
+
+
+def _reference_layout(local: torch.Tensor, e: int, align: int):
+    """Plain-Python contiguous layout: per group, its pairs in flat order, runs aligned."""
+    flat = local.reshape(-1).tolist()
+    rows = contiguous_rows(len(flat), e, align)
+    dest = [rows - 1] * len(flat)
+    group_of_row = [-1] * rows
+    ends = []
+    start = 0
+    for g in range(e):
+        members = [p for p, x in enumerate(flat) if x == g]
+        for j, p in enumerate(members):
+            dest[p] = start + j
+            group_of_row[start + j] = g
+        ends.append(start + len(members))
+        start += -(-len(members) // align) * align
+    assert start <= rows - align  # the spare block stays free
+    return rows, dest, ends, group_of_row
+
+
+@pytest.mark.parametrize("m,k,e,align,seed", [(1, 1, 1, 4, 0), (9, 2, 5, 4, 1), (30, 4, 8, 16, 2), (3, 8, 16, 128, 3)])
+def test_contiguous_layout_matches_reference(m, k, e, align, seed):
+    g = torch.Generator().manual_seed(seed)
+    local = torch.randint(-1, e, (m, k), generator=g)  # -1: remote (EP)
+    lay = contiguous_layout(local, e, align, with_m_indices=True)
+    rows, dest, ends, group_of_row = _reference_layout(local, e, align)
+    assert lay.rows == rows and lay.sink == rows - 1
+    assert lay.dest.tolist() == dest
+    assert lay.group_end.dtype == torch.int32 and lay.group_end.tolist() == ends
+    assert lay.m_indices.dtype == torch.int32 and lay.m_indices.tolist() == group_of_row
+    starts = [0] + [-(-x // align) * align for x in ends[:-1]]
+    assert all(s % align == 0 for s in starts)
+
+
+def test_contiguous_layout_worst_case_fits():
+    # Every group with one pair more than a multiple of the alignment: the most padding there can be.
+    e, align = 4, 8
+    local = torch.arange(e).repeat_interleave(align + 1).reshape(-1, 1)
+    lay = contiguous_layout(local, e, align)
+    assert int(lay.group_end[-1]) <= lay.sink and int(lay.dest.max()) < lay.rows - align
+
+
+def test_masked_rows_per_group_are_whole_blocks():
+    assert [masked_rows_per_group(t) for t in (1, 16, 128, 129, 1024)] == [128, 128, 128, 256, 1024]
+
+
+def test_masked_rows_matches_reference():
+    counts = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
+    t = 5
+    want = [g * t + j for g in range(4) for j in range(int(counts[g]))]
+    assert masked_rows(counts, t, len(want)).tolist() == want
+    assert masked_rows(counts, t, len(want) + 3).tolist() == want + [4 * t] * 3  # sink slots
+    assert masked_rows(torch.tensor([9, 2]), 4, 6).tolist() == [0, 1, 2, 3, 4, 5]  # counts clamp to T
+
+
+# ---------------------------------------------------------------------------------------------
+# A stand-in deep_gemm: DeepGEMM's grouped GEMMs in torch, with its operand checks
+
+
+ALIGN = 16
+
+
+def _k_major(t):
+    assert t.stride(-1) == 1, "DeepGEMM wants K-major operands"
+
+
+def _dequant_a(a, sfa):
+    q, s = a
+    assert q.dtype == torch.float8_e4m3fn and sfa is s
+    assert s.dtype == torch.float32 and s.stride() == mn_major_strides(tuple(s.shape)), \
+        f"sfa must be MN-major TMA-aligned, got strides {s.stride()} for {tuple(s.shape)}"
+    k = q.shape[-1]
+    assert s.shape[-1] == k // 128
+    return q.float() * s.repeat_interleave(128, dim=-1)
+
+
+def _dequant_b(b):
+    q, s = b
+    g, n, k = q.shape
+    assert s.shape == (g, -(-n // 128), k // 128) and s.is_contiguous()
+    return q.float() * s.repeat_interleave(128, dim=1)[:, :n].repeat_interleave(128, dim=2)
+
+
+def _contiguous(a, b, d, grouped, use_psum_layout=False, expected_m_for_psum_layout=None):
+    _k_major(a)
+    assert d.is_contiguous() and d.dtype == torch.bfloat16 and grouped.dtype == torch.int32 and grouped.is_contiguous()
+    r = a.shape[0]
+    assert d.shape == (r, b.shape[1])
+    d.fill_(float("nan"))  # rows outside every group hold garbage
+    if use_psum_layout:
+        assert grouped.shape == (b.shape[0],) and expected_m_for_psum_layout >= 1
+        start = 0
+        for g, end in enumerate(grouped.tolist()):
+            assert start % ALIGN == 0 and start <= end <= r
+            d[start:end] = (a[start:end] @ b[g].t()).to(d.dtype)
+            start = -(-end // ALIGN) * ALIGN
+    else:
+        assert grouped.shape == (r,) and expected_m_for_psum_layout is None
+        for row, g in enumerate(grouped.tolist()):
+            if g >= 0:
+                d[row] = (a[row] @ b[g].t()).to(d.dtype)
+
+
+MASKED_BLOCK = 64  # a BLOCK_M DeepGEMM's sm90 heuristic picks for masked GEMMs
+
+
+def _masked(a, b, d, masked_m, expected_m):
+    """As DeepGEMM's sm90 kernel: whole BLOCK_M row blocks over the (G * T) rows its 2-D TMA
+    descriptors see, so a block that runs past T reads and overwrites the next group's rows.
+    Groups go last to first, so such a spill lands after the next group wrote its rows."""
+    _k_major(a)
+    g, t, k = a.shape
+    assert d.is_contiguous() and d.dtype == torch.bfloat16 and d.shape == (g, t, b.shape[1])
+    assert masked_m.dtype == torch.int32 and masked_m.shape == (g,) and 1 <= expected_m
+    d.fill_(float("nan"))
+    a2, d2 = a.reshape(g * t, k), d.view(g * t, -1)
+    for j in reversed(range(g)):
+        for r0 in range(j * t, j * t + int(masked_m[j]), MASKED_BLOCK):
+            r1 = min(r0 + MASKED_BLOCK, g * t)
+            d2[r0:r1] = (a2[r0:r1] @ b[j].t()).to(d.dtype)
+
+
+def fake_deep_gemm():
+    mod = types.ModuleType("deep_gemm")
+    mod.__version__ = "2.6.1 (test stand-in)"
+    mod.get_mk_alignment_for_contiguous_layout = lambda: ALIGN
+
+    def bf16_contiguous(a, b, d, grouped, **kw):
+        assert a.dtype == b.dtype == torch.bfloat16
+        _contiguous(a.float(), b.float(), d, grouped, **kw)
+
+    def fp8_contiguous(a, b, d, grouped, **kw):
+        _contiguous(_dequant_a(a, a[1]), _dequant_b(b), d, grouped, **kw)
+
+    def bf16_masked(a, b, d, masked_m, expected_m):
+        assert a.dtype == b.dtype == torch.bfloat16
+        _masked(a.float(), b.float(), d, masked_m, expected_m)
+
+    def fp8_masked(a, b, d, masked_m, expected_m):
+        _masked(_dequant_a(a, a[1]), _dequant_b(b), d, masked_m, expected_m)
+
+    mod.m_grouped_bf16_gemm_nt_contiguous = bf16_contiguous
+    mod.m_grouped_fp8_gemm_nt_contiguous = fp8_contiguous
+    mod.m_grouped_bf16_gemm_nt_masked = bf16_masked
+    mod.m_grouped_fp8_gemm_nt_masked = fp8_masked
+    return mod
+
+
+def _problem(m, e, k, h, i, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, h, generator=g).bfloat16()
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).bfloat16()
+    logits = torch.randn(m, e, generator=g)
+    tw, ti = torch.softmax(logits, -1).topk(k, -1)
+    return x, w13, w2, (tw / tw.sum(-1, keepdim=True)), ti.to(torch.int32)
+
+
+CASES = [  # (experts, prepare/finalize, experts kwargs)
+    ("deepgemm", "no-dpep", {"layout": "psum"}),
+    ("deepgemm", "no-dpep", {"layout": "indices"}),
+    ("batched-deepgemm", "batched-local", {}),
+]
+
+
+@pytest.mark.parametrize("quant", [None, BLOCK], ids=["bf16", "fp8-block"])
+@pytest.mark.parametrize("ep", [False, True], ids=["all-local", "ep-shard"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2].get('layout', 'masked')}")
+@pytest.mark.parametrize("m", [1, 37, 128])
+def test_adapters_match_reference(monkeypatch, case, ep, quant, m):
+    monkeypatch.setitem(__import__("sys").modules, "deep_gemm", fake_deep_gemm())
+    ex_name, pf_name, kw = case
+    e, k, h, i = 6, 2, 256, 128
+    x, w13, w2, tw, ti = _problem(m, e, k, h, i, seed=m)
+    emap = None
+    if ep:  # this rank holds experts 2..4 of 6
+        emap = torch.full((e,), -1, dtype=torch.int32)
+        emap[2:5] = torch.arange(3, dtype=torch.int32)
+        w13, w2 = w13[2:5], w2[2:5]
+    qw13, qw2 = quantize_weights(w13, w2, quant)
+    experts = DeepGemmExperts(**kw) if ex_name == "deepgemm" else BatchedDeepGemmExperts()
+    kernel = FusedMoEKernel(make_prepare_finalize(pf_name), experts)
+    out = kernel.apply(x, qw13, qw2, tw, ti, emap, e)
+    ref = reference_moe(x, qw13, qw2, tw, ti, emap)
+    err = relative_error(out, ref)
+    assert out.shape == (m, h) and is_correct(err, torch.bfloat16, quant), err
+
+
+def test_deepgemm_refuses_what_it_cannot_run(monkeypatch):
+    from moebench.errors import MoebenchError, UnsupportedError
+
+    monkeypatch.setitem(__import__("sys").modules, "deep_gemm", fake_deep_gemm())
+    with pytest.raises(MoebenchError, match="layout"):
+        DeepGemmExperts(layout="rows")
+    x, w13, w2, tw, ti = _problem(4, 4, 2, 256, 96, seed=0)  # I = 96: not whole 64-column K blocks
+    kernel = FusedMoEKernel(make_prepare_finalize("no-dpep"), DeepGemmExperts())
+    with pytest.raises(UnsupportedError, match="divisible by 64"):
+        kernel.apply(x, w13, w2, tw, ti)
+    tok = QuantScheme("fp8_w8a8", "token")
+    assert "block[128,128]" in DeepGemmExperts.quant_unavailable_reason("cuda", tok)
+    other = QuantScheme("fp8_w8a8", "block", (64, 128))
+    assert "block[128,128]" in BatchedDeepGemmExperts.quant_unavailable_reason("cuda", other)
+
+
+def test_capabilities_are_declared():
+    assert DeepGemmExperts.supported_quant == BatchedDeepGemmExperts.supported_quant == ("block",)
+    assert DeepGemmExperts.supported_dtypes == (torch.bfloat16,)
+    assert "does not run on cpu" in check_combination("no-dpep", "deepgemm", "cpu")
+    reason = check_combination("batched-local", "batched-deepgemm", "cuda")
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError:
+        assert reason is not None and "deep_gemm" in reason
