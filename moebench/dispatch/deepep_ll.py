@@ -13,9 +13,7 @@ at most max_tokens_per_rank tokens per rank. With torch.distributed up, the buff
 process without torch.distributed gets a one-rank low-latency buffer over DeepEP's `comm`
 argument (`_OneRankComm`: rank 0 of 1; DeepEP asserts nothing against one rank), which
 tests/gpu/test_vendor_gpu.py checks against the reference; it has not run on a GPU yet (DeepEP did
-not build there, docs/perf/vendor.md), so the registry does not offer it. When deep_ep is
-missing, the reason `moebench env` shows includes the failure note scripts/build_vendor.sh leaves
-($MOEBENCH_CACHE_DIR/vendor/deep_ep.build-failed) when a build fails. fp8: with block scales of bk = 128
+not build there, docs/perf/vendor.md), so the registry does not offer it. fp8: with block scales of bk = 128
 (`--dtype fp8_w8a8 --block-shape N,128`) the dispatch quantises (DeepEP's use_fp8: 1x128 groups,
 fp32 scales) and the batched experts get fp8 rows with their scales, as from `all2all-ll`.
 """
@@ -46,7 +44,7 @@ _IMPORT_ERROR: list[str | None] = []  # cached: [None] when deep_ep imports, [re
 def _deep_ep_import_error() -> str | None:
     if not _IMPORT_ERROR:
         if importlib.util.find_spec("deep_ep") is None:
-            _IMPORT_ERROR.append("deep_ep is not installed" + last_build_failure("deep_ep"))
+            _IMPORT_ERROR.append("deep_ep is not installed")
         else:
             try:
                 importlib.import_module("deep_ep")
@@ -54,18 +52,6 @@ def _deep_ep_import_error() -> str | None:
             except Exception as e:  # noqa: BLE001 - a broken install (missing CUDA libs, ...) is a reason
                 _IMPORT_ERROR.append(f"deep_ep does not import: {type(e).__name__}: {e}")
     return _IMPORT_ERROR[0]
-
-
-def last_build_failure(package: str) -> str:
-    """'; its last build here failed: ...' when scripts/build_vendor.sh left a failure note for
-    `package` in $MOEBENCH_CACHE_DIR/vendor/ (default ~/.cache/moebench), else ''."""
-    base = os.environ.get("MOEBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moebench")
-    try:
-        with open(os.path.join(base, "vendor", f"{package}.build-failed")) as f:
-            note = " ".join(f.read().split())
-    except OSError:
-        return ""
-    return f"; its last build here failed: {note}" if note else ""
 
 
 class _OneRankComm:
