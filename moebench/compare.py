@@ -146,10 +146,11 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
             crossover = int(t)
             break
     if decisive.empty:
-        rec = (f"{robustness.TOO_CLOSE} at every token count ({order_text(winners.index)}): the spread of published "
-               f"transports for this link covers every flip")
+        rec = (f"{robustness.TOO_CLOSE} at every token count ({order_text(winners.index)}): the layouts' bands "
+               f"between the fastest and the slowest published transport for this link overlap")
     else:
-        rec = _recommend(df, decisive, crossover, world_size) + robustness.close_line(df)
+        scope = "every token count where the answer is clear" if len(decisive) < len(winners) else None
+        rec = _recommend(df, decisive, crossover, world_size, scope) + robustness.close_line(df)
     return CompareResult(df, crossover, rec, rows)
 
 
@@ -158,7 +159,7 @@ def order_text(tokens) -> str:
     return f"{t[0]}..{t[-1]}" if len(t) > 1 else str(t[0])
 
 
-def _recommend(df: pd.DataFrame, winners: pd.DataFrame, crossover: int | None, n: int) -> str:
+def _recommend(df: pd.DataFrame, winners: pd.DataFrame, crossover: int | None, n: int, scope: str | None = None) -> str:
     def at(t: int, layout: str):
         sel = df[(df.tokens == t) & (df.layout == layout)]
         return None if sel.empty else sel.iloc[0]
@@ -180,7 +181,7 @@ def _recommend(df: pd.DataFrame, winners: pd.DataFrame, crossover: int | None, n
         a, b = at(t, w), at(t, other)
         if b is None:
             return f"{w} is the only layout that ran correctly (tokens {tokens[0]}..{tokens[-1]})"
-        return (f"{w} wins at every token count measured ({tokens[0]}..{tokens[-1]}): at {t} tokens "
+        return (f"{w} wins at {scope or 'every token count measured'} ({tokens[0]}..{tokens[-1]}): at {t} tokens "
                 f"{a.latency_us:.0f} us vs {b.latency_us:.0f} us for {other}, {_why(a, b)}{robust(t)}")
     w = winners.loc[crossover].layout
     other = winners.loc[tokens[0]].layout

@@ -41,6 +41,12 @@ def compare_plot(summary: pd.DataFrame, crossover: int | None, title: str, path:
     flips = []
     if "winner" in summary.columns:
         winners = summary[summary.winner.astype(bool)].sort_values("tokens")
+        if "too_close" in winners.columns:  # a winner inside the published transports' band is no winner
+            close = sorted(set(winners[winners.too_close.astype(bool)].tokens))
+            for i, t in enumerate(close):
+                ax.axvline(t, color="grey", alpha=0.25, linewidth=8,
+                           label="too close to call on modeled communication" if i == 0 else None)
+            winners = winners[~winners.too_close.astype(bool)]
         prev = None
         for t, layout in zip(winners.tokens, winners.layout):
             if prev is not None and layout != prev:

@@ -88,7 +88,7 @@ def clause(df: pd.DataFrame, tokens: int) -> str:
     f, gbps, by = g.comm_flip_factor.iloc[0], g.comm_flip_gbps.iloc[0], g.comm_flip_by.iloc[0]
     if not math.isfinite(f):
         return "whatever the communication costs (faster in both the experts GEMM and communication)"
-    bw = "" if gbps is None or pd.isna(gbps) else f", i.e. {'below' if f > 1 else 'above'} {gbps:.0f} GB/s"
+    bw = "" if gbps is None or pd.isna(gbps) else f", i.e. {'below' if f > 1 else 'above'} {gbps:.3g} GB/s"
     if f >= 1:
         return f"unless {by} run {f:.1f}x slower than modeled{bw}"
     return f"unless {by} run {1 / f:.1f}x faster than modeled{bw}"
@@ -99,5 +99,5 @@ def close_line(df: pd.DataFrame) -> str:
     close = sorted({int(t) for t in df[df.too_close].tokens})
     if not close:
         return ""
-    return (f"; {TOO_CLOSE} at {', '.join(map(str, close))} tokens (the spread of published transports "
-            f"for this link covers the flip)")
+    return (f"; {TOO_CLOSE} at {', '.join(map(str, close))} tokens (the layouts' bands between the fastest and "
+            f"the slowest published transport for this link overlap)")
