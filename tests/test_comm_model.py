@@ -178,6 +178,8 @@ def test_measured_fits_replace_the_published_ones(tmp_path, monkeypatch):
     other = cm.CommModel.from_link(link, device_name="NVIDIA H100")
     assert meas.source == "measured" and "measured on NVIDIA H200" in meas.describe()
     assert other.source == "profile" and not other.measured
+    over = cm.CommModel.from_link(sim.get_link("h200-nvlink", 100.0), device_name="NVIDIA H200")
+    assert over.source == "override" and not over.measured and over.nvlink_gbps == 100.0  # override > measurement
     ar = meas.allreduce(1e6, 8)
     assert ar.allreduce_us == pytest.approx(30.0 + 2 * 7 / 8 * 1e6 / 100e3) and "measured" in ar.how
     assert pub.allreduce(1e6, 8).allreduce_us != pytest.approx(ar.allreduce_us)

@@ -550,7 +550,7 @@ class CommResult:
     """Modeled time of one row's communication and what stands behind it.
 
     dispatch_us / combine_us (EP) or allreduce_us (TP); bytes: the slowest rank's bytes over the
-    links (both ops); band_lo_us / band_hi_us: the fastest / slowest published transport for the
+    links (both ops; for the ring collectives the bytes each rank moves); band_lo_us / band_hi_us: the fastest / slowest published transport for the
     same traffic (own model included); band: 'name us' of each member; how: one line."""
 
     dispatch_us: float | None = None
@@ -573,8 +573,8 @@ class CommModel:
 
     nvlink / nvlink_gbps: intra-node link profile and its per-direction peak; rdma / rdma_gbps: the
     NIC per GPU between nodes; gpus_per_node: node size; source: "profile", "override" (peak
-    replaced by --link-gbps) or "measured" (a calibration's peak); fits: published fits;
-    measured: fits measured on this machine (they replace the NVLink part of their transport)."""
+    replaced by --link-gbps) or "measured" (fits of a calibration are in use); fits: published
+    fits; measured: fits measured on these GPUs (they replace the NVLink part of their transport)."""
 
     nvlink: str
     nvlink_gbps: float
@@ -593,14 +593,16 @@ class CommModel:
         """From a simulate.LinkProfile (`--link` / `--link-gbps` / the default for the device):
         its bandwidth is the NVLink peak (a measured profile's is an effective all-to-all figure,
         so the device's datasheet profile gives the peak then); measured fits of `device_name`
-        are used where a calibration file has them."""
+        are used where a calibration file has them, unless --link-gbps overrode the link
+        (override > measurement > profile, as simulate.choose_link)."""
         from moebench.runtime.simulate import default_link
 
         check_world(1, gpus_per_node)
         peak, source = link.bandwidth_gbps, link.source
         if link.source == "measured":
             peak = default_link(device_name).bandwidth_gbps
-        measured, line = measured_fits(device_name=device_name) if use_measurement else ({}, "")
+        use = use_measurement and link.source != "override"
+        measured, line = measured_fits(device_name=device_name) if use else ({}, "")
         if measured:
             source = "measured"
         return cls(nvlink=link.name, nvlink_gbps=float(peak), rdma=rdma, rdma_gbps=rdma_gbps(rdma),
