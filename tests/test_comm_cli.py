@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
 
-from test_cli import assert_bad_input, moebench
+from test_cli import ROOT, assert_bad_input, moebench
 
 SHAPE = ["--num-experts", "64", "--topk", "4", "--hidden", "128", "--intermediate", "64"]
 
@@ -39,6 +41,12 @@ def test_compare_past_one_node(tmp_path):
         assert summary.comm_flip_factor.notna().all() and (summary.comm_flip_factor > 0).all()
         text = (run / "compare.md").read_text()
         assert ("wins" in text) or ("too close to call" in text)
+        # the device script's table of flip factors reads the run folder
+        table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "flip_table.py"), str(run)],
+                               capture_output=True, text=True, timeout=120)
+        assert table.returncode == 0, table.stderr
+        assert "| 32 |" in table.stdout and "| 1024 |" in table.stdout and "flip factor" in table.stdout
+    assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "device_compare_flip.sh")]).returncode == 0
     slow, fast = (summaries[k].set_index(["tokens", "layout"]) for k in ("rdma-400g", "rdma-800g"))
     ep = [(t, "EP32") for t in (32, 1024)]
     assert (fast.loc[ep, "comm_us"] < slow.loc[ep, "comm_us"]).all()  # EP32 crosses nodes over RDMA

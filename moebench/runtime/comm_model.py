@@ -610,7 +610,8 @@ class CommModel:
 
     def as_dict(self) -> dict:
         """Plain figures for a run's metadata."""
-        return {"nvlink": self.nvlink, "nvlink_gbps": self.nvlink_gbps, "rdma": self.rdma, "rdma_gbps": self.rdma_gbps,
+        return {"name": self.nvlink, "bandwidth_gbps": self.nvlink_gbps,  # the LinkProfile keys earlier runs wrote
+                "nvlink": self.nvlink, "nvlink_gbps": self.nvlink_gbps, "rdma": self.rdma, "rdma_gbps": self.rdma_gbps,
                 "gpus_per_node": self.gpus_per_node, "source": self.source, "measured": self.measured_line,
                 "fits": fits_table(self.fits)}
 
