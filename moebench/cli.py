@@ -95,6 +95,23 @@ def shape_options(f):
     return f
 
 
+def cluster_options(f):
+    """Node size and inter-node link of a simulated cluster (sweep --simulate, compare)."""
+    f = click.option("--rdma", "rdma_name", default="rdma-400g", show_default=True,
+                     help="RDMA link between nodes, per GPU: rdma-400g (50 GB/s) | rdma-800g (100 GB/s).")(f)
+    f = click.option("--gpus-per-node", "gpus_per_node", type=int, default=8, show_default=True,
+                     help="GPUs per node: past one node EP traffic to other nodes goes over RDMA; TP stays inside a node.")(f)
+    return f
+
+
+def comm_model(link, rdma_name: str, gpus_per_node: int, device_name: str | None):
+    """The communication model over the chosen NVLink profile (published fits; measured fits of
+    `device_name` where `moebench env --calibrate-link` wrote them)."""
+    from moebench.runtime.comm_model import CommModel
+
+    return CommModel.from_link(link, rdma=rdma_name, gpus_per_node=gpus_per_node, device_name=device_name)
+
+
 def resolve_precision(dtype: str | None, block_shape: str | None, scales: str | None, device: str,
                       default: str) -> tuple[torch.dtype, object]:
     """--dtype/--block-shape/--scales -> (activation dtype, fp8 QuantScheme or None). fp8_w8a8 keeps
@@ -126,7 +143,8 @@ def cli():
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--calibrate", is_flag=True, help="Measure memory and matmul ceilings on this device and cache them.")
 @click.option("--calibrate-link", is_flag=True,
-              help="Measure all-to-all bandwidth/latency between --world-size real ranks; simulated runs then use it.")
+              help="Measure NCCL all-reduce, all-to-all and the dispatch/combine backends between --world-size real "
+                   "ranks and fit the communication model; simulated runs on these GPUs then use the fits.")
 @click.option("--world-size", "world_size", type=int, default=None, help="Ranks for --calibrate-link [GPUs; cpu: 2].")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None)
 def env(as_json: bool, calibrate: bool, calibrate_link: bool, world_size: int | None, device: str | None):
@@ -182,10 +200,14 @@ def _calibrate_link(device: str, world_size: int | None) -> str:
     name = device_summary(device).get("name") if device == "cuda" else "cpu"
     path = write_measured_link(link, device_name=name, world_size=n, device=device,
                               measured_at=datetime.datetime.now().isoformat(timespec="seconds"),
-                              method="all_to_all_single, slowest rank, median", **raw)
+                              method="per transport: message-size sweep, slowest rank, median; alpha + bytes / GB/s "
+                                     "fitted on relative error", **raw)
     note = "" if device == "cuda" else " (gloo on CPU: a plumbing check, not a GPU link)"
-    return (f"link over {n} ranks: {link.bandwidth_gbps:g} GB/s per direction, {link.latency_us:g} us "
-            f"per step{note} -> {path}")
+    fits = "; ".join(f"{k} {v['alpha_us']:g} us + bytes / {v['gbps']:g} GB/s (worst x{v['worst_ratio']:g})"
+                     for k, v in raw["transports"].items())
+    skipped = "".join(f"; {k} not measured: {why}" for k, why in raw["skipped"].items())
+    return (f"link over {n} ranks: all-to-all {link.bandwidth_gbps:g} GB/s per direction, {link.latency_us:g} us "
+            f"per call{note}; fits: {fits}{skipped} -> {path}")
 
 
 @cli.command()
@@ -220,9 +242,10 @@ def models(as_json: bool):
 @click.option("--routings", type=int, default=1, show_default=True,
               help="Distinct routings cycled through the timed calls (fresh routing per call, as vLLM's tuner).")
 @click.option("--show-skipped", is_flag=True, help="List every skipped pair with its reason (default: a count by reason).")
+@cluster_options
 def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, block_shape,
           scales, routing, seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps,
-          routings, show_skipped):
+          routings, show_skipped, gpus_per_node, rdma_name):
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
     from moebench.kernels.registry import prepare_finalize_names
     from moebench.layout import ParallelLayout
@@ -267,7 +290,14 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     if mode == "simulate":
         from moebench.runtime.simulate import link_for
 
-        link, link_why = link_for(device, device_summary(device).get("name"), link_name, link_gbps)
+        from moebench.runtime.comm_model import check_tp, check_world
+
+        dev_name = device_summary(device).get("name") if device == "cuda" else None
+        link, link_why = link_for(device, dev_name, link_name, link_gbps)
+        check_world(layout.world_size, gpus_per_node)
+        if not layout.enable_ep:
+            check_tp(layout.moe_tp_size, gpus_per_node)
+        link = comm_model(link, rdma_name, gpus_per_node, dev_name)
     elif link_gbps is not None or link_name:
         raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
     main_rank = ctx is None or is_main(ctx)
@@ -279,7 +309,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     meta = {"command": "sweep", "argv": sys.argv[1:], "mode": mode, "shape": shape.to_dict(),
             "layout": layout.__dict__, "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label,
             "activation_dtype": str(dt), "device": device, "routing": routing,
-            "seed": seed, "link": None if link is None else link.__dict__, "link_why": link_why,
+            "seed": seed, "link": None if link is None else link.as_dict(), "link_why": link_why,
             "device_summary": device_summary(device)}
     store = RunStore(folder, metadata=meta)
     from moebench.sweep import cases_to_run
@@ -335,11 +365,13 @@ def compare():
 @click.option("--no-check", is_flag=True, help="Skip the reference checks (simulated share and real ranks).")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="PNG file for the plots.")
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
+@cluster_options
 def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype,
-             block_shape, scales, routing, seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path, reps):
+             block_shape, scales, routing, seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path, reps,
+             gpus_per_node, rdma_name):
     """TP (all-reduce) vs EP (dispatch/combine) over --world-size ranks: breakdown, crossover, advice."""
     from moebench.bench.hardware import datasheet_ceilings, device_summary
-    from moebench.compare import run_compare, write_summary
+    from moebench.compare import layouts, run_compare, write_summary
     from moebench.plots import compare_plot
     from moebench.results import RunStore, check_output_file, ensure_writable_dir, new_run_id
     from moebench.routing import parse_routing
@@ -352,9 +384,10 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         raise MoebenchError("compare tp-vs-ep needs --world-size N with N >= 2")
     device = resolve_device(device)
     shape = resolve_shape(model, num_experts, topk, hidden, intermediate)
-    from moebench.layout import ParallelLayout
+    from moebench.runtime.comm_model import check_world
 
-    for lay in (ParallelLayout(tp=world_size), ParallelLayout(dp=world_size, enable_ep=True)):
+    check_world(world_size, gpus_per_node)
+    for lay in layouts(world_size, gpus_per_node).values():
         lay.validate_shape(shape.num_experts, shape.intermediate)
     tok = parse_tokens(tokens) if tokens is not None else [1, 4, 16, 64, 256, 1024, 4096]
     parse_routing(routing)
@@ -367,6 +400,9 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
             raise MoebenchError(f"no datasheet profile for GPU '{gpu}'; try H200, H100, A100, B200, MI300X")
     dev_name = gpu or device_summary(device).get("name")
     link, link_why = link_for(device, device_summary(device).get("name"), link_name, link_gbps, requested_gpu=target_gpu)
+    # a measurement of this machine's links stands in only when its GPUs are the target
+    link = comm_model(link, rdma_name, gpus_per_node,
+                      device_summary(device).get("name") if device == "cuda" and target_gpu is None else dev_name)
     spec = SweepSpec(shape=shape, tokens=tok, experts=resolve_names(experts, default_experts(), "experts", default_experts()),
                      dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, quant=quant)
     if plot_path is not None:
@@ -375,31 +411,37 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     meta = {"command": "compare tp-vs-ep", "argv": sys.argv[1:], "shape": shape.to_dict(), "world_size": world_size,
             "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label, "device": device, "routing": routing,
             "seed": seed,
-            "link": link.__dict__, "link_why": link_why, "experts_model": None if experts_model is None else experts_model.as_dict(),
+            "link": link.as_dict(), "link_why": link_why,
+            "experts_model": None if experts_model is None else experts_model.as_dict(),
             "device_summary": device_summary(device)}
     store = RunStore(folder, metadata=meta)
     how = (f"experts time = {experts_model.device_name} roofline floor (datasheet), not measured"
            if experts_model is not None else f"experts time measured on {dev_name}")
+    check_ranks = device == "cpu" and not no_check and world_size <= gpus_per_node
     console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {spec.precision}, "
-                  f"routing {routing}: simulated ({how}; communication modeled)")
-    console.print(link_text(link, link_why), markup=False, highlight=False)
-    if device == "cpu" and not no_check:
+                  f"routing {routing}: simulated ({how}; communication: {link.describe()})")
+    console.print(f"link: {link_why}", markup=False, highlight=False)
+    if check_ranks:
         console.print("correctness also checked on real gloo ranks")
+    if world_size > gpus_per_node:
+        console.print("past one node TP is one TP replica per node on its share of the batch; correctness is "
+                      "checked on the simulated share only")
     from moebench.compare import layout_specs
 
     with _progress() as prog:  # counts the simulated cases that run (skipped pairs are not counted)
         task = prog.add_task("compare", total=sum(cases_to_run(s, store, modeled=True)
-                                                  for s in layout_specs(spec, world_size).values()))
+                                                  for s in layout_specs(spec, world_size, gpus_per_node).values()))
         result = run_compare(spec, world_size, store, link, experts_model=experts_model,
-                             check_ranks=(device == "cpu" and not no_check),
+                             check_ranks=check_ranks, gpus_per_node=gpus_per_node,
                              on_progress=lambda r: r.status == "skipped" or prog.update(
                                  task, advance=1, description=f"M={r.tokens} {r.prepare_finalize}+{r.experts}"))
     RunStore(folder).finish(["csv", "json", "md"])
     written = write_summary(result, folder)
     _print_compare(result, world_size)
     if not result.summary.empty:
-        png = compare_plot(result.summary, result.crossover,
-                           f"{shape.name}: TP{world_size} vs EP{world_size} ({how})", plot_path or folder / "compare.png")
+        names = " vs ".join(layouts(world_size, gpus_per_node))
+        png = compare_plot(result.summary, result.crossover, f"{shape.name}: {names} ({how})",
+                           plot_path or folder / "compare.png")
         written.append(png)
     console.print(f"wrote {', '.join(str(p) for p in written)}")
 
@@ -412,7 +454,9 @@ def _print_compare(result, n: int) -> None:
         return
     left = print_table(console, compare_table(result.summary, "TP vs EP (simulated: experts of one rank + modeled communication)"))
     say(console, result.recommendation, "bold")
-    notes = ["* = the faster layout at that token count; other = total minus the parts shown."]
+    notes = ["* = the faster layout at that token count; other = total minus the parts shown; band = the layer "
+             "under the fastest and the slowest published transport for this link; flip x = the factor on the "
+             "modeled communication at which the winner would flip (close: the band covers it, too close to call)."]
     if left:
         notes.append(f"not shown at {console.width} columns: {', '.join(left)} (compare.csv holds every column).")
     for note in notes:

@@ -5,16 +5,24 @@ EP{N}: allgather-rs (Standard experts) and all2all-ll / deepep-ll (BatchedExpert
 ranks holding E/N experts each. Every layout is timed the simulated way (one rank's share computed
 on this device, communication from the cost model) so the answer speaks of the target GPUs; on a
 CPU machine the experts time is the target GPU's roofline floor (labelled), and a real gloo run of
-both layouts checks correctness.
+both layouts checks correctness (within one node).
+
+Past one node (N > gpus_per_node) TP stays inside a node: the TP layout is one TP{gpus_per_node}
+replica per node ("TP8x4" for 32 ranks), each computing 1/nodes of the batch; EP spans all N ranks
+(NVLink inside a node, RDMA between nodes). Each token count's answer carries the factor on the
+modeled communication at which it would flip and whether the published transports' spread covers
+the flip (moebench.robustness).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
 
+from moebench import robustness
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow, RunStore
 from moebench.sweep import SweepSpec, default_experts, run_multirank, run_simulated
@@ -34,54 +42,91 @@ class CompareResult:
     rows: list[ResultRow] = field(default_factory=list)
 
 
-def layouts(world_size: int) -> dict[str, ParallelLayout]:
-    return {f"TP{world_size}": ParallelLayout(tp=world_size),
+def tp_replicas(world_size: int, gpus_per_node: int | None) -> int:
+    """TP replicas (one per node) of a comparison over `world_size` ranks: 1 within one node."""
+    if gpus_per_node is None or world_size <= gpus_per_node:
+        return 1
+    return world_size // gpus_per_node
+
+
+def layouts(world_size: int, gpus_per_node: int | None = None) -> dict[str, ParallelLayout]:
+    """TP{N} and EP{N}; past one node TP{gpus_per_node}x{nodes} (a TP replica per node) and EP{N}."""
+    n = tp_replicas(world_size, gpus_per_node)
+    tp_name = f"TP{world_size}" if n == 1 else f"TP{world_size // n}x{n}"
+    return {tp_name: ParallelLayout(tp=world_size // n),
             f"EP{world_size}": ParallelLayout(dp=world_size, enable_ep=world_size > 1)}
 
 
-def layout_specs(base: SweepSpec, world_size: int) -> dict[str, SweepSpec]:
-    """The TP and EP sweeps of `base` over `world_size` ranks (what run_compare simulates)."""
-    return {  # tokens are the whole batch: TP ranks all see it, EP ranks each bring 1/N of it
-        name: replace(base, layout=l, tokens_are_global=True,
-                      prepare_finalize=["no-dpep"] if name.startswith("TP") else EP_PREPARE_FINALIZE)
-        for name, l in layouts(world_size).items()
-    }
+def layout_specs(base: SweepSpec, world_size: int, gpus_per_node: int | None = None) -> dict[str, SweepSpec]:
+    """The TP and EP sweeps of `base` over `world_size` ranks (what run_compare simulates). Tokens
+    are the whole batch: TP ranks all see it, EP ranks each bring 1/N of it; past one node each TP
+    replica computes its share of the batch."""
+    n = tp_replicas(world_size, gpus_per_node)
+    specs = {}
+    for name, lay in layouts(world_size, gpus_per_node).items():
+        spec = replace(base, layout=lay, tokens_are_global=True,
+                       prepare_finalize=["no-dpep"] if name.startswith("TP") else EP_PREPARE_FINALIZE)
+        if name.startswith("TP") and n > 1:
+            spec = replace(spec, tokens=sorted({math.ceil(m / n) for m in spec.tokens}))
+        specs[name] = spec
+    return specs
 
 
 def run_compare(base: SweepSpec, world_size: int, store: RunStore, link, experts_model=None,
-                check_ranks: bool = False, on_progress=None) -> CompareResult:
+                check_ranks: bool = False, on_progress=None, gpus_per_node: int | None = None) -> CompareResult:
     """Run TP and EP layouts of `base` (shape, tokens, dtype, routing...) over `world_size` ranks.
 
-    check_ranks: also run both layouts on real gloo/NCCL ranks for correctness (their rows have
-    modeled = false and CPU times; the answer uses the simulated rows only)."""
-    specs = layout_specs(base, world_size)
+    link: a comm_model.CommModel (or a simulate.LinkProfile); gpus_per_node: node size (default:
+    the model's). check_ranks: also run both layouts on real gloo/NCCL ranks for correctness (their
+    rows have modeled = false and CPU times; the answer uses the simulated rows only); only within
+    one node."""
+    gpn = gpus_per_node if gpus_per_node is not None else getattr(link, "gpus_per_node", None)
+    n = tp_replicas(world_size, gpn)
+    specs = layout_specs(base, world_size, gpn)
     for spec in specs.values():
         run_simulated(spec, store, link, on_progress=on_progress, experts_model=experts_model)
-    if check_ranks:
+    if check_ranks and n == 1:
         for spec in specs.values():
             run_multirank(replace(spec, reps=1, warmup=0), store.folder, world_size=world_size)
         store = RunStore(store.folder)
-    return summarize(store.rows, world_size)
+    return summarize(store.rows, world_size, gpus_per_node=gpn, tokens=list(base.tokens))
 
 
-def _layout_name(r: ResultRow) -> str:
-    return f"EP{r.ep}" if r.ep > 1 else f"TP{r.world_size}"
+def _layout_name(r: ResultRow, world_size: int | None = None) -> str:
+    if r.ep > 1:
+        return f"EP{r.ep}"
+    if world_size is not None and world_size > r.world_size:
+        return f"TP{r.world_size}x{world_size // r.world_size}"
+    return f"TP{r.world_size}"
 
 
-def summarize(rows: list[ResultRow], world_size: int) -> CompareResult:
-    """Best correct simulated pair per (tokens, layout), the winner, crossover and recommendation."""
+def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None = None,
+              tokens: list[int] | None = None) -> CompareResult:
+    """Best correct simulated pair per (tokens, layout), the winner, crossover and recommendation.
+
+    Past one node the TP rows are per replica: the summary row of a batch of M tokens is the TP
+    row of ceil(M / replicas) tokens (`tokens`: the batch sizes asked for; default: the EP rows')."""
+    n = tp_replicas(world_size, gpus_per_node)
     checked: dict[tuple, bool] = {}
     for r in rows:
         if not r.modeled and r.status == "ok" and r.correct is not None:
-            key = (r.tokens, _layout_name(r), r.prepare_finalize, r.experts)
+            key = (r.tokens, _layout_name(r, world_size), r.prepare_finalize, r.experts)
             checked[key] = checked.get(key, True) and bool(r.correct)
     best: dict[tuple[int, str], ResultRow] = {}
     for r in rows:
         if not (r.modeled and r.status == "ok" and r.latency_us is not None and r.correct is not False):
             continue
-        k = (r.tokens, _layout_name(r))
+        k = (r.tokens, _layout_name(r, world_size))
         if k not in best or r.latency_us < best[k].latency_us:
             best[k] = r
+    if n > 1:  # TP replica rows were run at ceil(M / n) tokens: file them under the batch size M
+        per_replica = {k: v for k, v in best.items() if k[1].startswith("TP")}
+        best = {k: v for k, v in best.items() if not k[1].startswith("TP")}
+        batch = tokens if tokens is not None else sorted({t for t, _ in best})
+        for m in batch:
+            for (t, name), r in per_replica.items():
+                if t == math.ceil(m / n):
+                    best[(m, name)] = r
     recs = []
     for (tokens, lname), r in sorted(best.items()):
         comm = sum(v or 0.0 for v in (r.dispatch_us, r.combine_us, r.allreduce_us))
@@ -97,37 +142,61 @@ def summarize(rows: list[ResultRow], world_size: int) -> CompareResult:
     df = pd.DataFrame(recs)
     if df.empty:
         return CompareResult(df, None, "no layout produced a correct result; see the rows for reasons", rows)
+    df["replicas"] = [n if lname.startswith("TP") else 1 for lname in df.layout]
+    robustness.add_columns(df, best)
     winners = df.loc[df.groupby("tokens").latency_us.idxmin()].set_index("tokens")
     df["winner"] = df.apply(lambda x: winners.loc[x.tokens, "layout"] == x.layout, axis=1)
+    # A winner inside the published transports' band is no winner: the answer skips those counts.
+    decisive = winners[~winners.too_close.astype(bool)]
     crossover = None
-    order = list(winners.index)
+    order = list(decisive.index)
     for t in order[1:]:
-        if winners.loc[t, "layout"] != winners.loc[order[0], "layout"]:
+        if decisive.loc[t, "layout"] != decisive.loc[order[0], "layout"]:
             crossover = int(t)
             break
-    return CompareResult(df, crossover, _recommend(df, winners, crossover, world_size), rows)
+    if decisive.empty:
+        rec = (f"{robustness.TOO_CLOSE} at every token count ({order_text(winners.index)}): the layouts' bands "
+               f"between the fastest and the slowest published transport for this link overlap")
+    else:
+        scope = "every token count where the answer is clear" if len(decisive) < len(winners) else None
+        rec = _recommend(df, decisive, crossover, world_size, scope) + robustness.close_line(df)
+    return CompareResult(df, crossover, rec, rows)
 
 
-def _recommend(df: pd.DataFrame, winners: pd.DataFrame, crossover: int | None, n: int) -> str:
+def order_text(tokens) -> str:
+    t = list(tokens)
+    return f"{t[0]}..{t[-1]}" if len(t) > 1 else str(t[0])
+
+
+def _recommend(df: pd.DataFrame, winners: pd.DataFrame, crossover: int | None, n: int, scope: str | None = None) -> str:
     def at(t: int, layout: str):
         sel = df[(df.tokens == t) & (df.layout == layout)]
         return None if sel.empty else sel.iloc[0]
 
     tokens = list(winners.index)
+    names = sorted(set(df.layout))
+
+    def other_of(w: str) -> str:
+        return next((x for x in names if x != w), f"EP{n}" if w.startswith("TP") else f"TP{n}")
+
+    def robust(t: int) -> str:
+        c = robustness.clause(df, t)
+        return f"; at {t} tokens it holds {c}" if c else ""
+
     if crossover is None:
         w = winners.iloc[-1].layout
         t = tokens[-1]
-        other = f"EP{n}" if w.startswith("TP") else f"TP{n}"
+        other = other_of(w)
         a, b = at(t, w), at(t, other)
         if b is None:
             return f"{w} is the only layout that ran correctly (tokens {tokens[0]}..{tokens[-1]})"
-        return (f"{w} wins at every token count measured ({tokens[0]}..{tokens[-1]}): at {t} tokens "
-                f"{a.latency_us:.0f} us vs {b.latency_us:.0f} us for {other}, {_why(a, b)}")
+        return (f"{w} wins at {scope or 'every token count measured'} ({tokens[0]}..{tokens[-1]}): at {t} tokens "
+                f"{a.latency_us:.0f} us vs {b.latency_us:.0f} us for {other}, {_why(a, b)}{robust(t)}")
     w = winners.loc[crossover].layout
     other = winners.loc[tokens[0]].layout
     a, b = at(crossover, w), at(crossover, other)
     line = (f"{w} wins from {crossover} tokens ({other} below): at {crossover} tokens {a.latency_us:.0f} us vs "
-            f"{b.latency_us:.0f} us, {_why(a, b)}")
+            f"{b.latency_us:.0f} us, {_why(a, b)}{robust(crossover)}")
     later = [t for t in tokens if t > crossover and winners.loc[t].layout != w]
     if later:  # the answer flips back: say where, so nobody reads one crossover as the whole story
         t = later[0]

@@ -25,16 +25,28 @@ def _save(fig, path: Path) -> Path:
 
 def compare_plot(summary: pd.DataFrame, crossover: int | None, title: str, path: Path) -> Path:
     """Three panels from a compare summary (tokens, layout, latency/dispatch/experts/combine/allreduce,
-    floor_us): latency vs tokens with the crossover marked; stacked breakdown; experts vs floor."""
+    floor_us): latency vs tokens with the crossover marked (and, where the summary has
+    latency_lo_us / latency_hi_us, each layout's band between the fastest and the slowest published
+    transport); stacked breakdown; experts vs floor."""
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     ax = axes[0]
     for layout, g in summary.groupby("layout"):
         g = g.sort_values("tokens")
-        ax.plot(g.tokens, g.latency_us, marker="o", label=f"{layout} ({', '.join(sorted(set(g.prepare_finalize)))})")
+        line = ax.plot(g.tokens, g.latency_us, marker="o", label=f"{layout} ({', '.join(sorted(set(g.prepare_finalize)))})")
+        if {"latency_lo_us", "latency_hi_us"} <= set(g.columns) and g.latency_lo_us.notna().any():
+            # the modeled rows under the fastest and the slowest published transport for this link
+            ax.fill_between(g.tokens.astype(float), g.latency_lo_us.astype(float), g.latency_hi_us.astype(float),
+                            color=line[0].get_color(), alpha=0.18, label=f"{layout}: published transports")
     # Every token count where the winning layout changes (the first is `crossover`).
     flips = []
     if "winner" in summary.columns:
         winners = summary[summary.winner.astype(bool)].sort_values("tokens")
+        if "too_close" in winners.columns:  # a winner inside the published transports' band is no winner
+            close = sorted(set(winners[winners.too_close.astype(bool)].tokens))
+            for i, t in enumerate(close):
+                ax.axvline(t, color="grey", alpha=0.25, linewidth=8,
+                           label="too close to call on modeled communication" if i == 0 else None)
+            winners = winners[~winners.too_close.astype(bool)]
         prev = None
         for t, layout in zip(winners.tokens, winners.layout):
             if prev is not None and layout != prev:

@@ -586,6 +586,16 @@ def compare_table(summary: pd.DataFrame, title: str) -> TextTable:
     win = df["winner"].map(lambda v: bool(_flag(v))) if "winner" in df.columns else pd.Series(False, index=df.index)
     cols.append(Column("total", f"total\n{unit}", [c + ("*" if w else " ") for c, w in zip(num_cells(lat * k, td), win)],
                        styles=["bold green" if w else "" for w in win]))
+    if "latency_lo_us" in df.columns and "latency_hi_us" in df.columns:
+        lo, hi = _column(df, "latency_lo_us") * k, _column(df, "latency_hi_us") * k
+        cols.append(Column("band", f"band\n{unit}", [f"{a}-{b}" for a, b in zip(num_cells(lo, td), num_cells(hi, td))],
+                           drop=55))
+    if "comm_flip_factor" in df.columns:
+        flips = _column(df, "comm_flip_factor")
+        close = df["too_close"].map(lambda v: bool(_flag(v))) if "too_close" in df.columns else pd.Series(False, index=df.index)
+        cells = ["never" if f == float("inf") else ("-" if pd.isna(f) else f"{f:.2f}") for f in flips]
+        cols.append(Column("flip", "flip\nx", [c + (" close" if t and w else "") for c, t, w in zip(cells, close, win)],
+                           styles=["yellow" if t and w else "" for t, w in zip(close, win)]))
     if "rank_imbalance" in df.columns:
         cols.append(Column("imb", "rank\nimb.", num_cells(_column(df, "rank_imbalance"), 2), drop=60))
     if "checked_on_ranks" in df.columns:

@@ -1,10 +1,24 @@
-"""Measure the link the cost model uses: all-to-all between real ranks (NCCL on GPUs, gloo on CPU).
+"""Measure the transports of the communication model on real ranks (NCCL on GPUs, gloo on CPU).
 
-Each rank sends `nbytes / world` to every peer with `all_to_all_single`, between barriers; the
-slowest rank's median time gives the bandwidth (bytes one rank sends to its peers / time, GB/s per
-direction per GPU, the unit of LinkProfile) and a tiny message gives the per-step latency.
-The result goes to the file `moebench.runtime.simulate.measured_link` reads, so later simulated
-runs use it instead of a datasheet profile (`choose_link`: override > measurement > profile).
+`moebench env --calibrate-link` sweeps message sizes for every transport moebench can run here and
+fits the model's alpha + bytes / bandwidth to each (least squares on relative error):
+
+    nccl-all-reduce      dist.all_reduce of S bytes; bytes = 2 (T-1)/T x S per rank (ring bus bytes)
+    nccl-all-to-all      dist.all_to_all_single of S bytes per rank; bytes = (T-1)/T x S sent to peers
+    all2all-ll:dispatch  moebench's all2all-ll prepare (counts + rows + ids) of M tokens per rank
+    all2all-ll:combine   its finalize
+    deepep-ll:dispatch / :combine   the same through DeepEP's low-latency kernels, when deep_ep runs here
+
+For the dispatch / combine pairs, bytes are the slowest rank's remote rows x row bytes under the
+sweep's uniform routing, counted by the same function the model uses (comm_model.ep_link_rows),
+so a fit plugs straight back into the model. Each sample is the slowest rank's time (max over
+ranks) between barriers; the median over repetitions is kept.
+
+The result goes to the file `simulate.measured_link` / `comm_model.measured_fits` read
+($MOEBENCH_LINK_FILE, default results/calibration/link.json), keyed by device name: later simulated
+runs on the same GPUs use the measured fits for the NVLink part of those transports (RDMA, which
+one node cannot show, stays the published fit's). The file keeps the first calibration's keys
+(`bandwidth_gbps`, `latency_us`: the all-to-all fit) for older readers.
 """
 
 from __future__ import annotations
@@ -12,25 +26,47 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from moebench.layout import ParallelLayout
 from moebench.runtime.distributed import RankContext, barrier, spawn
 from moebench.runtime.simulate import LinkProfile
 
+#: message sizes (bytes per rank) of the collective sweeps
+SIZES = {"cuda": [1 << k for k in range(12, 28, 2)], "cpu": [1 << k for k in range(10, 19, 2)]}
+#: tokens per rank of the dispatch / combine sweeps, and their shape
+TOKENS = {"cuda": [1, 4, 16, 64, 128], "cpu": [1, 4, 16]}
+SHAPE = {"cuda": {"hidden": 7168, "topk": 8, "experts_per_rank": 32}, "cpu": {"hidden": 64, "topk": 2, "experts_per_rank": 2}}
 
-def _time_a2a(ctx: RankContext, nbytes: int, reps: int) -> float:
-    """Median over reps of the slowest rank's all-to-all time, in microseconds."""
-    world = ctx.world_size
-    per_peer = max(1, nbytes // (world * 2))  # bf16 elements per peer
-    send = torch.randn(per_peer * world, device=ctx.device).to(torch.bfloat16)
-    recv = torch.empty_like(send)
+
+def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(bytes, us) points -> (alpha_us, gbps, worst ratio measured / fitted), alpha >= 0, gbps > 0."""
+    b = np.array([p[0] for p in points], float)
+    t = np.array([p[1] for p in points], float)
+    a_mat = np.stack([1 / t, b / t], axis=1)
+    alpha, x = np.linalg.lstsq(a_mat, np.ones_like(t), rcond=None)[0]
+    if alpha < 0:  # no fixed cost visible: bandwidth only
+        alpha = 0.0
+        x = float((b / t).sum() / ((b / t) ** 2).sum())
+    if x <= 0:  # larger messages were not slower (noise): best effective bandwidth seen, then alpha
+        x = 1.0 / float((b / t).max())
+        alpha = max(0.0, float(np.median(t - x * b)))
+    model = alpha + x * b
+    ratios = t / model
+    worst = float(ratios[np.argmax(np.maximum(ratios, 1 / ratios))])
+    return float(alpha), float(1.0 / x / 1e3), worst
+
+
+def _timed(ctx: RankContext, fn, reps: int) -> float:
+    """Median over reps of the slowest rank's time of fn() (us); two warm-up calls first."""
     cuda = ctx.device.type == "cuda"
     samples = []
     for i in range(reps + 2):
         barrier(ctx)
         t0 = time.perf_counter()
-        dist.all_to_all_single(recv, send, group=ctx.group)
+        fn()
         if cuda:
             torch.cuda.synchronize(ctx.device)
         us = torch.tensor([(time.perf_counter() - t0) * 1e6], dtype=torch.float64, device=ctx.device)
@@ -40,18 +76,93 @@ def _time_a2a(ctx: RankContext, nbytes: int, reps: int) -> float:
     return statistics.median(samples)
 
 
-def _measure_on_rank(ctx: RankContext, big_bytes: int, reps: int) -> dict:
-    latency = _time_a2a(ctx, 64 * ctx.world_size, reps)
-    big = _time_a2a(ctx, big_bytes, reps)
-    world = ctx.world_size
-    sent = (big_bytes // (world * 2)) * 2 * (world - 1)  # bytes one rank sends to its peers
-    bw = sent / max(big - latency, 1e-3) / 1e3  # GB/s
-    return {"bandwidth_gbps": bw, "latency_us": latency, "big_us": big, "sent_bytes": sent}
+def _collectives(ctx: RankContext, sizes: list[int], reps: int) -> dict[str, list[tuple[float, float]]]:
+    w = ctx.world_size
+    ar, a2a = [], []
+    for size in sizes:
+        n = max(w, size // 2 // w * w)  # bf16 elements, a multiple of the world
+        x = torch.randn(n, device=ctx.device).to(torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
+        nbytes = x.numel() * x.element_size()
+        ar.append((2 * (w - 1) / w * nbytes, _timed(ctx, lambda: dist.all_reduce(x, group=ctx.group), reps)))
+        out = torch.empty_like(x)
+        a2a.append(((w - 1) / w * nbytes, _timed(ctx, lambda: dist.all_to_all_single(out, x, group=ctx.group), reps)))
+    return {"nccl-all-reduce": ar, "nccl-all-to-all": a2a}
 
 
-def measure_link(world_size: int, device: str, big_bytes: int = 256 << 20, reps: int = 10) -> tuple[LinkProfile, dict]:
-    """Spawn `world_size` ranks and measure; returns the profile and the raw figures."""
-    res = spawn(_measure_on_rank, world_size, device, big_bytes, reps)[0]
+def _dispatch_combine(ctx: RankContext, name: str, tokens: list[int], shape: dict, reps: int) -> dict:
+    """(bytes, us) of prepare and finalize of prepare/finalize `name` at each token count per rank."""
+    from moebench.kernels.registry import make_prepare_finalize
+    from moebench.routing import make_routing
+    from moebench.runtime.comm_model import ep_link_rows
+    from moebench.runtime.rank_case import token_split
+
+    w, h, k = ctx.world_size, shape["hidden"], shape["topk"]
+    e = shape["experts_per_rank"] * w
+    layout = ParallelLayout(dp=w, enable_ep=True)
+    e_local = len(layout.local_experts(ctx.rank, e))
+    emap = layout.expert_map(ctx.rank, e).to(ctx.device)
+    dt = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    el = torch.tensor([], dtype=dt).element_size()
+    pf = make_prepare_finalize(name, group=ctx.group, max_tokens_per_rank=max(tokens))
+    wr = pf.default_weight_and_reduce()
+    disp, comb = [], []
+    for m in tokens:
+        wts, ids = make_routing("uniform", m * w, e, k, seed=m)  # the same on every rank
+        lo, hi = token_split(m * w, w)[ctx.rank]
+        x = torch.randn(hi - lo, h, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device, dt)
+        my_w, my_ids = wts[lo:hi].to(ctx.device), ids[lo:hi].to(ctx.device)
+        rows = ep_link_rows(ids, layout, e, gpus_per_node=w, style="pair")
+        state = {}
+
+        def dispatch():
+            state["prep"] = pf.prepare(x, my_w, my_ids, e, e_local, emap)
+
+        t_d = _timed(ctx, dispatch, reps)
+        prep = state["prep"]
+        out = prep.a if prep.a.dtype == dt else prep.a.to(dt)
+        t_c = _timed(ctx, lambda: pf.finalize(out, prep, my_w, wr), reps)
+        extra = 8 if name == "all2all-ll" else 0  # all2all-ll sends each row's local expert id too
+        disp.append((rows.busiest(h * el + extra), t_d))
+        comb.append((rows.busiest(h * el), t_c))
+    return {f"{name}:dispatch": disp, f"{name}:combine": comb}
+
+
+def _measure_on_rank(ctx: RankContext, reps: int, sizes: list[int] | None, tokens: list[int] | None) -> dict:
+    from moebench.kernels.registry import get_prepare_finalize_class
+
+    kind = "cuda" if ctx.device.type == "cuda" else "cpu"
+    pts = _collectives(ctx, sizes or SIZES[kind], reps)
+    pts.update(_dispatch_combine(ctx, "all2all-ll", tokens or TOKENS[kind], SHAPE[kind], reps))
+    skipped = {}
+    try:
+        reason = get_prepare_finalize_class("deepep-ll").unavailable_reason(ctx.device.type, ctx.world_size)
+    except Exception as e:  # noqa: BLE001 - an unusable backend is a reason, not a failure
+        reason = str(e)
+    if reason is None:
+        pts.update(_dispatch_combine(ctx, "deepep-ll", [t for t in (tokens or TOKENS[kind]) if t <= 128],
+                                     SHAPE[kind], reps))
+    else:
+        skipped["deepep-ll"] = reason
+    return {"points": pts, "skipped": skipped}
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def measure_link(world_size: int, device: str, reps: int = 10, sizes: list[int] | None = None,
+                 tokens: list[int] | None = None) -> tuple[LinkProfile, dict]:
+    """Spawn `world_size` ranks, sweep and fit every transport that runs here.
+
+    Returns the all-to-all fit as a LinkProfile (the first calibration's figures) and the raw
+    record: {"transports": {key: {alpha_us, gbps, worst_ratio, points}}, "skipped": {name: why}}."""
+    res = spawn(_measure_on_rank, world_size, device, reps, sizes, tokens)[0]
+    transports = {}
+    for key, pts in res["points"].items():
+        alpha, gbps, worst = fit_alpha_beta(pts)
+        transports[key] = {"alpha_us": _sig(alpha), "gbps": _sig(gbps), "worst_ratio": _sig(worst),
+                           "points": [[round(b, 1), _sig(t)] for b, t in pts]}
     backend = "nccl" if device == "cuda" else "gloo"
-    name = f"measured-{backend}-{world_size}ranks"
-    return LinkProfile(name, round(res["bandwidth_gbps"], 2), round(res["latency_us"], 2), source="measured"), res
+    a2a = transports["nccl-all-to-all"]
+    link = LinkProfile(f"measured-{backend}-{world_size}ranks", a2a["gbps"], a2a["alpha_us"], source="measured")
+    return link, {"transports": transports, "skipped": res["skipped"]}

@@ -9,7 +9,12 @@ What one device computes, per prepare/finalize:
 - all2all-ll / deepep-ll: the busiest EP rank's experts on exactly the (token, expert) pairs it
   receives, in the DeepEP-LL layout (E_local, M * world, H); dispatch and combine are modeled.
 The experts time is measured on the device (CUDA graph); the layer latency is
-dispatch + experts + combine (or experts + all-reduce).
+dispatch + experts + combine (or experts + all-reduce). The communication time comes from
+moebench.runtime.comm_model (per-transport fits to published or measured points, NVLink inside a
+node and RDMA between nodes); each row also carries the band of published transports for the same
+kind of communication (x_comm_lo_us / x_comm_hi_us: dispatch/combine transports for all2all-ll and
+deepep-ll, NCCL's published spread for the all-reduce and allgather-rs) and the bytes behind the
+time (x_comm_bytes).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from moebench.kernels.token_layout import local_topk_ids
 from moebench.results import RunStore
 from moebench.routing import load_imbalance, make_routing
 from moebench.runtime import simulate as sim
+from moebench.runtime.comm_model import CommModel, CommResult
 from moebench.runtime.rank_case import token_split
 from moebench.runtime.rank_sweep import set_comm_gbps
 
@@ -39,8 +45,15 @@ def _stand_in(pf_name: str) -> str:
     return "batched-local" if fmt == ActivationFormat.BATCHED else "no-dpep"
 
 
-def run_simulated_sweep(spec, store: RunStore, link: sim.LinkProfile, on_progress=None, experts_model=None) -> list:
+def as_comm_model(link) -> CommModel:
+    """The communication model of a run: `link` itself, or the model over a LinkProfile (its
+    bandwidth as the NVLink peak, published fits, 8 GPUs per node, 400 Gb/s RDMA)."""
+    return link if isinstance(link, CommModel) else CommModel.from_link(link, use_measurement=False)
+
+
+def run_simulated_sweep(spec, store: RunStore, link, on_progress=None, experts_model=None) -> list:
     """Simulated rows for every (tokens, pair) of `spec`; written to `store` as they are made.
+    link: a CommModel, or a simulate.LinkProfile (see `as_comm_model`).
 
     experts_model: None = time the rank's experts on this device; a Ceilings (e.g. an H200
     datasheet profile) = model the experts time as the roofline floor of the rank's work on that
@@ -49,6 +62,7 @@ def run_simulated_sweep(spec, store: RunStore, link: sim.LinkProfile, on_progres
     from moebench.sweep import base_row, one_line, plan
 
     pairs = plan(spec)
+    link = as_comm_model(link)
     ceilings = get_ceilings(spec.device)
     el = spec.act_bytes
     weights_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -139,30 +153,30 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, expe
         exo = kernel.experts
         prep = kernel.prepare(x, w13, w2, wts, ids, emap, s.num_experts)
         t = time_fn(lambda: exo.apply(prep, w13, w2), spec.device, **spec.timing_kwargs())
-    row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.name})"
+    row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.nvlink})"
     # Backends that pick a tile config say where it came from (as in a measured sweep).
     row.config_source = kernel.experts.last_config_source or ""
 
     # Communication from the model.
+    drow = metrics.packed_row_bytes(s.hidden, el, spec.quant)
     if not moves_tokens:
-        row.allreduce_us = sim.tp_allreduce_us(m, s.hidden, el, world, link) if world > 1 else 0.0
-        comm = row.allreduce_us
+        res = link.allreduce(m * s.hidden * el, world) if world > 1 else CommResult(allreduce_us=0.0)
+        row.allreduce_us = res.allreduce_us
     elif pf == "allgather-rs":
-        row.dispatch_us = sim.allgather_us(m_full * (metrics.packed_row_bytes(s.hidden, el, spec.quant) + s.topk * 8), world, link)
-        row.combine_us = sim.reduce_scatter_us(m_full * s.hidden * el, world, link)
-        comm = row.dispatch_us + row.combine_us
+        res = link.allgather_rs(m_full * (drow + s.topk * 8), m_full * s.hidden * el, world)
+        row.dispatch_us, row.combine_us = res.dispatch_us, res.combine_us
     else:
-        row.dispatch_us, row.combine_us = sim.ep_dispatch_combine_us(
-            ids.cpu(), lay, s.num_experts, s.hidden, link,
-            dispatch_bytes=metrics.packed_row_bytes(s.hidden, el, spec.quant) / s.hidden, combine_bytes=el)
+        res = link.dispatch_combine(pf, ids.cpu(), lay, s.num_experts, drow, s.hidden * el)
+        row.dispatch_us, row.combine_us = res.dispatch_us, res.combine_us
         set_comm_gbps(row, ids, s.hidden, el, world, spec.quant)
-        comm = row.dispatch_us + row.combine_us
+    comm = res.total_us
+    row.extra.update(comm_bytes=res.bytes, comm_lo_us=res.band_lo_us, comm_hi_us=res.band_hi_us,
+                     comm_band=res.band, comm_model=res.how)
     row.latency_us = row.experts_us + comm
     row.p10_us = t.p10_us + comm
     row.p90_us = t.p90_us + comm
     how = "modeled" if experts_model is not None else "measured"
-    row.reason = (f"modeled: rank {rank}'s experts {how}; link {link.name} {link.bandwidth_gbps:g} GB/s "
-                  f"{link.latency_us:g} us ({link.source})")
+    row.reason = f"modeled: rank {rank}'s experts {how}; communication {link.describe()}"
 
     # Metrics of the rank's experts work (what was measured or modeled), against its floor.
     if ceilings is not None:

@@ -53,7 +53,8 @@ class LinkProfile:
         return float(nbytes) / (self.bandwidth_gbps * 1e3)  # bytes / (GB/s * 1e9) * 1e6 us
 
 
-#: Hardware profiles. Bandwidths: NVLink4 (H100/H200) 900 GB/s bidirectional = 450 per direction;
+#: Hardware profiles. Bandwidths: NVLink4 (H100/H200/H20) 900 GB/s bidirectional = 450 per direction;
+#: H800 / A800 (export parts) 400 bidirectional = 200; NVLink5 (B200) 1800 bidirectional = 900;
 #: NVLink3 (A100) 600 bidirectional = 300; PCIe Gen5 x16 64 GB/s theoretical, ~50 practical;
 #: PCIe Gen4 x16 ~25 practical; 400 Gb/s InfiniBand (NDR) = 50 GB/s. Latencies are per-step
 #: figures of the order NCCL shows for small messages.
@@ -62,7 +63,11 @@ LINK_PROFILES: dict[str, LinkProfile] = {
     for p in (
         LinkProfile("h100-nvlink", 450.0, 1.5),
         LinkProfile("h200-nvlink", 450.0, 1.5),
+        LinkProfile("h20-nvlink", 450.0, 1.5),
+        LinkProfile("h800-nvlink", 200.0, 1.5),
+        LinkProfile("b200-nvlink", 900.0, 1.5),
         LinkProfile("a100-nvlink", 300.0, 2.0),
+        LinkProfile("a800-nvlink", 200.0, 2.0),
         LinkProfile("pcie-gen5", 50.0, 3.0),
         LinkProfile("pcie-gen4", 25.0, 3.0),
         LinkProfile("ib-400g", 50.0, 5.0),
@@ -87,16 +92,18 @@ def override(link: LinkProfile, link_gbps: float | None) -> LinkProfile:
 
 
 def default_link(device_name: str | None) -> LinkProfile:
-    """The profile for GPUs of this name (torch.cuda.get_device_name): H100/H800/H20 -> h100-nvlink,
-    H200 -> h200-nvlink, A100/A800 -> a100-nvlink; anything else (CPU, unknown, PCIe cards) ->
-    pcie-gen5."""
+    """The profile for GPUs of this name (torch.cuda.get_device_name): H200 -> h200-nvlink,
+    H800 -> h800-nvlink, H20 -> h20-nvlink, H100 -> h100-nvlink, B200 -> b200-nvlink,
+    A800 -> a800-nvlink, A100 -> a100-nvlink; anything else (CPU, unknown, PCIe cards) -> pcie-gen5."""
     n = (device_name or "").upper()
     if "H200" in n:
         return LINK_PROFILES["h200-nvlink"]
-    if any(tag in n for tag in ("H100", "H800", "H20", "GH200")) and "PCIE" not in n:
-        return LINK_PROFILES["h100-nvlink"]
-    if any(tag in n for tag in ("A100", "A800")) and "PCIE" not in n:
-        return LINK_PROFILES["a100-nvlink"]
+    if "PCIE" not in n:
+        for tag, name in (("H800", "h800-nvlink"), ("H20", "h20-nvlink"), ("H100", "h100-nvlink"),
+                          ("GH200", "h100-nvlink"), ("B200", "b200-nvlink"), ("A800", "a800-nvlink"),
+                          ("A100", "a100-nvlink")):
+            if tag in n:
+                return LINK_PROFILES[name]
     return LINK_PROFILES["pcie-gen5"]
 
 

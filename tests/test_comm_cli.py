@@ -1,0 +1,103 @@
+"""Communication model through the CLI: layouts past one node, the flip factor, measured fits, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+
+from test_cli import ROOT, assert_bad_input, moebench
+
+SHAPE = ["--num-experts", "64", "--topk", "4", "--hidden", "128", "--intermediate", "64"]
+
+
+def _summary(out_dir):
+    run = next(p for p in out_dir.iterdir() if p.is_dir())
+    return pd.read_csv(run / "compare.csv"), pd.read_csv(run / "results.csv"), run
+
+
+def test_compare_past_one_node(tmp_path):
+    """32 ranks in nodes of 8: TP is one TP8 replica per node on a quarter of the batch, EP spans all 32."""
+    summaries = {}
+    for rdma in ("rdma-400g", "rdma-800g"):
+        out = tmp_path / rdma
+        res = moebench("compare", "tp-vs-ep", *SHAPE, "--world-size", "32", "--tokens", "32,1024", "--rdma", rdma,
+                       "--experts", "torch,batched-torch", "--no-check", "--out", str(out), timeout=600)
+        assert res.returncode == 0, res.stderr
+        assert "TP8x4" in res.stdout and "EP32" in res.stdout and "one TP replica per node" in res.stdout
+        summary, rows, run = _summary(out)
+        summaries[rdma] = summary
+        assert set(summary.layout) == {"TP8x4", "EP32"} and set(summary.tokens) == {32, 1024}
+        tp = summary[summary.layout == "TP8x4"].set_index("tokens")
+        # the TP8 replica of a 1024-token batch computes 256 tokens: its row is the 256-token TP8 row
+        tp_rows = rows[(rows.tp == 8) & rows.modeled & (rows.status == "ok")]
+        assert set(tp_rows.tokens) == {8, 256}
+        assert tp.loc[1024, "latency_us"] in set(tp_rows[tp_rows.tokens == 256].latency_us)
+        assert (tp.replicas == 4).all()
+        assert summary.comm_flip_factor.notna().all() and (summary.comm_flip_factor > 0).all()
+        text = (run / "compare.md").read_text()
+        assert ("wins" in text) or ("too close to call" in text)
+        # the device script's table of flip factors reads the run folder
+        table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "flip_table.py"), str(run)],
+                               capture_output=True, text=True, timeout=120)
+        assert table.returncode == 0, table.stderr
+        assert "| 32 |" in table.stdout and "| 1024 |" in table.stdout and "flip factor" in table.stdout
+    assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "device_compare_flip.sh")]).returncode == 0
+    slow, fast = (summaries[k].set_index(["tokens", "layout"]) for k in ("rdma-400g", "rdma-800g"))
+    ep = [(t, "EP32") for t in (32, 1024)]
+    assert (fast.loc[ep, "comm_us"] < slow.loc[ep, "comm_us"]).all()  # EP32 crosses nodes over RDMA
+    tp = [(t, "TP8x4") for t in (32, 1024)]
+    assert np.allclose(fast.loc[tp, "comm_us"], slow.loc[tp, "comm_us"])  # TP stays inside a node
+
+
+def test_compare_uses_a_measured_fit_and_says_so(tmp_path):
+    link = tmp_path / "link.json"
+    link.write_text(json.dumps({"name": "measured-nccl-8ranks", "bandwidth_gbps": 300.0, "latency_us": 20.0,
+                                "device_name": "H200", "world_size": 8, "measured_at": "2026-12-01T10:00:00",
+                                "transports": {"nccl-all-reduce": {"alpha_us": 250.0, "gbps": 100.0, "worst_ratio": 1.1}}}))
+    env_file = os.environ.get("MOEBENCH_LINK_FILE")
+    os.environ["MOEBENCH_LINK_FILE"] = str(link)
+    try:
+        res = moebench("compare", "tp-vs-ep", *SHAPE, "--world-size", "4", "--tokens", "8", "--experts", "torch",
+                       "--no-check", "--out", str(tmp_path / "res"))
+        link.write_text('{"device_name": "H200", "transports": {"nccl-all-reduce": {"alpha_us": -1}}}')
+        bad = moebench("compare", "tp-vs-ep", *SHAPE, "--world-size", "4", "--tokens", "8", "--no-check",
+                       "--out", str(tmp_path / "res2"))
+    finally:
+        if env_file is None:
+            os.environ.pop("MOEBENCH_LINK_FILE")
+        else:
+            os.environ["MOEBENCH_LINK_FILE"] = env_file
+    assert res.returncode == 0, res.stderr
+    assert "measured on H200 over 8 ranks" in res.stdout
+    summary, _, _ = _summary(tmp_path / "res")
+    tp = summary[summary.layout == "TP4"].iloc[0]
+    assert tp.allreduce_us > 250.0 and "measured" in tp.comm_model
+    assert_bad_input(bad, "link measurement")
+
+
+def test_sweep_simulated_ep16(tmp_path):
+    res = moebench("sweep", *SHAPE, "--tokens", "4", "--ep", "16", "--simulate", "--experts", "batched-torch",
+                   "--prepare-finalize", "all2all-ll", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    run = next(tmp_path.iterdir())
+    df = pd.read_csv(run / "results.csv")
+    row = df[df.status == "ok"].iloc[0]
+    assert row.modeled and row.world_size == 16
+    assert row.x_comm_lo_us <= row.dispatch_us + row.combine_us <= row.x_comm_hi_us
+    assert "rdma-400g" in row.reason and "8 GPUs" in row.reason
+
+
+def test_bad_cluster_input(tmp_path):
+    base = ["compare", "tp-vs-ep", *SHAPE, "--tokens", "4", "--no-check", "--out", str(tmp_path)]
+    assert_bad_input(moebench(*base, "--world-size", "12"), "not a multiple of --gpus-per-node 8")
+    assert_bad_input(moebench(*base, "--world-size", "8", "--link", "nvlink9"), "unknown link profile")
+    assert_bad_input(moebench(*base, "--world-size", "8", "--rdma", "rdma-9000g"), "unknown RDMA link")
+    assert_bad_input(moebench(*base, "--world-size", "8", "--gpus-per-node", "0"), "--gpus-per-node")
+    sweep = ["sweep", *SHAPE, "--tokens", "4", "--simulate", "--out", str(tmp_path)]
+    assert_bad_input(moebench(*sweep, "--tp", "16"), "TP stays inside a node")
+    assert_bad_input(moebench(*sweep, "--ep", "12"), "not a multiple of --gpus-per-node")

@@ -1,0 +1,245 @@
+"""The communication model against its published points, its traffic counts, and the robustness figures."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from moebench.errors import MoebenchError
+from moebench.layout import ParallelLayout
+from moebench.robustness import add_columns, clause, flip_factor
+from moebench.runtime import comm_model as cm
+from moebench.runtime import simulate as sim
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _ratio_text(pairs) -> str:
+    return "; ".join(f"{p.label()} (line {p.line}): published / modeled {r:.3f}" for p, r in pairs)
+
+
+def test_every_published_point_within_20_percent():
+    fits = cm.published_fits()
+    points = cm.load_points()
+    assert len(points) >= 12 and sum(len(f.points) for f in fits.values()) == len(points)
+    worst, r = cm.worst_point(fits)
+    print(f"\nworst published point: {worst.label()} (line {worst.line}), published / modeled = {r:.3f}")
+    for key, f in sorted(fits.items()):
+        print(f"  {f.describe()}: ratios {', '.join(f'{x:.2f}' for x in f.ratios)}")
+    off = cm.points_off(fits, 0.2)
+    assert not off, _ratio_text(off)
+    # the ratios are the model's: recompute one fit's predictions by hand
+    f = fits[("deepep-ll", "dispatch")]
+    p = f.points[0]
+    t = f.alpha_us + max(p.nvlink_bytes / (f.eta_nvl * 200e3), p.rdma_bytes / (f.eta_rdma * 50e3))
+    assert p.time_us / t == pytest.approx(f.ratios[0])
+
+
+def _rewrite(tmp_path, edit) -> Path:
+    with open(cm.POINTS_FILE, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    edit(rows)
+    out = tmp_path / "points.csv"
+    with open(out, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return out
+
+
+def test_a_point_off_by_more_than_20_percent_is_caught(tmp_path):
+    def slow_ep32(rows):
+        for r in rows:
+            if r["transport"] == "deepep-ll" and r["op"] == "dispatch" and r["world_size"] == "32":
+                r["time_us"] = str(float(r["time_us"]) * 1.8)
+
+    fits = cm.fit_transports(cm.load_points(_rewrite(tmp_path, slow_ep32)))
+    off = cm.points_off(fits, 0.2)
+    assert off and any(p.transport == "deepep-ll" and p.world_size == 32 for p, _ in off), _ratio_text(off)
+
+
+def test_derived_columns_follow_from_the_published_ones():
+    from derive_comm_points import check
+
+    bad = check(cm.load_points(), rel=0.015, mc_tokens=1 << 13, mc_reps=4)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda rows: rows[0].update(time_us=""), "'time_us' is missing"),
+    (lambda rows: rows[3].update(nvlink_bytes="-5"), "non-negative"),
+    (lambda rows: rows[1].update(nvlink="nvlink9"), "unknown link profile"),
+    (lambda rows: rows[2].update(rdma="rdma-9000g"), "unknown RDMA link"),
+    (lambda rows: rows[4].update(world_size="12"), "not a multiple of --gpus-per-node"),
+    (lambda rows: rows[5].update(source=""), "'source' is missing"),
+])
+def test_bad_points_file(tmp_path, edit, needle):
+    with pytest.raises(MoebenchError, match=needle) as e:
+        cm.load_points(_rewrite(tmp_path, edit))
+    assert "\n" not in str(e.value)
+
+
+def test_link_rows_pair_rank_node():
+    # 4 ranks, 2 per node, 8 experts (2 per rank); one token per rank
+    lay = ParallelLayout(dp=4, enable_ep=True)
+    ids = torch.tensor([[2, 3], [0, 6], [4, 5], [1, 7]])  # token r lives on rank r
+    pair = cm.ep_link_rows(ids, lay, 8, gpus_per_node=2, style="pair")
+    # rank 0 -> rank 1 twice (same node); rank 1 -> 0 (same node), 3 (far); rank 2 -> 2 (local);
+    # rank 3 -> 0 (far), 3 (local). nvl: max(sent, recv) = [2, 2, 0, 0]; rdma: [1, 1, 0, 1]
+    assert pair.nvl.tolist() == [2, 2, 0, 0] and pair.rdma.tolist() == [1, 1, 0, 1]
+    rank = cm.ep_link_rows(ids, lay, 8, gpus_per_node=4, style="rank")  # one node: rows deduplicated per rank
+    assert rank.nvl.tolist() == [2, 2, 0, 1] and rank.rdma.tolist() == [0, 0, 0, 0]
+    node = cm.ep_link_rows(ids, lay, 8, gpus_per_node=2, style="node")
+    # RDMA: rank 1 -> node 1 (arrives at rank 3, same index), rank 3 -> node 0 (arrives at rank 1);
+    # NVLink: rank 0 -> 1 and rank 1 -> 0 directly; rank 3's row for 0 is forwarded by rank 1; rank 1's
+    # row for rank 3 arrives at rank 3 itself. sent [1, 2, 0, 0], received [2, 1, 0, 0]
+    assert node.rdma.tolist() == [0, 1, 0, 1]
+    assert node.nvl.tolist() == [2, 2, 0, 0]
+
+
+def test_model_reproduces_deepep_ll_through_the_traffic_path():
+    """The simulator's path (routing -> link rows -> fit) lands on DeepEP's EP8 / EP32 figures."""
+    from moebench.routing import make_routing
+
+    model = cm.CommModel.from_link(sim.get_link("h800-nvlink"), use_measurement=False)
+    for world, d_pub, c_pub in ((8, 77, 114), (32, 155, 273)):
+        _, ids = make_routing("uniform", 128 * world, 256, 8, seed=1)
+        res = model.dispatch_combine("deepep-ll", ids, ParallelLayout(dp=world, enable_ep=True), 256,
+                                     7168 + 224, 2 * 7168)
+        # the busiest rank of a random routing moves a little more than the mean DeepEP reports
+        assert 0.95 < res.dispatch_us / d_pub < 1.25 and 0.95 < res.combine_us / c_pub < 1.25, (world, res)
+        assert res.band_lo_us <= res.total_us <= res.band_hi_us
+
+
+def test_effective_bandwidth_rises_with_message_size():
+    model = cm.CommModel.from_link(sim.get_link("h200-nvlink"), use_measurement=False)
+    f = model.fit("nccl-all-reduce", "all-reduce")
+    bus = [2 * 7 / 8 * s / model.allreduce(s, 8).allreduce_us / 1e3 for s in (1e4, 1e6, 1e8, 1e10)]  # GB/s
+    assert bus[0] < bus[1] < bus[2] < bus[3] < f.eta_nvl * 450  # rises towards the fitted bandwidth
+    assert bus[3] > 0.99 * f.eta_nvl * 450
+
+
+def test_hierarchy_rdma_past_one_node():
+    from moebench.routing import make_routing
+
+    base = cm.CommModel.from_link(sim.get_link("h200-nvlink"), use_measurement=False)
+    fast = cm.CommModel.from_link(sim.get_link("h200-nvlink"), rdma="rdma-800g", use_measurement=False)
+    _, ids = make_routing("uniform", 32 * 64, 256, 8, seed=0)
+    lay = ParallelLayout(dp=32, enable_ep=True)
+    a = base.dispatch_combine("all2all-ll", ids, lay, 256, 14336, 14336)
+    b = fast.dispatch_combine("all2all-ll", ids, lay, 256, 14336, 14336)
+    assert b.total_us < a.total_us  # the RDMA part matters past one node
+    lay8 = ParallelLayout(dp=8, enable_ep=True)
+    _, ids8 = make_routing("uniform", 8 * 64, 256, 8, seed=0)
+    assert base.dispatch_combine("all2all-ll", ids8, lay8, 256, 14336, 14336).total_us == pytest.approx(
+        fast.dispatch_combine("all2all-ll", ids8, lay8, 256, 14336, 14336).total_us)  # one node: no RDMA
+    with pytest.raises(MoebenchError, match="not a multiple of --gpus-per-node"):
+        base.dispatch_combine("all2all-ll", ids, ParallelLayout(dp=12, enable_ep=True), 256, 14336, 14336)
+    with pytest.raises(MoebenchError, match="TP stays inside a node"):
+        base.allreduce(1e6, 16)
+    with pytest.raises(MoebenchError, match="unknown RDMA link"):
+        cm.CommModel.from_link(sim.get_link("h200-nvlink"), rdma="rdma-9000g", use_measurement=False)
+
+
+def test_link_profiles_of_the_issue():
+    peaks = {"h100-nvlink": 450, "h200-nvlink": 450, "h20-nvlink": 450, "h800-nvlink": 200, "a100-nvlink": 300,
+             "a800-nvlink": 200, "b200-nvlink": 900}
+    assert {k: cm.nvlink_gbps(k) for k in peaks} == peaks
+    assert cm.RDMA_GBPS == {"rdma-400g": 50.0, "rdma-800g": 100.0}
+    assert sim.default_link("NVIDIA H800").name == "h800-nvlink"
+    assert sim.default_link("NVIDIA B200").name == "b200-nvlink"
+    assert sim.default_link("NVIDIA H20").name == "h20-nvlink"
+
+
+def _calibration(path: Path, device: str, transports: dict) -> None:
+    path.write_text(json.dumps({"name": "measured-nccl-8ranks", "bandwidth_gbps": 300.0, "latency_us": 20.0,
+                                "device_name": device, "world_size": 8, "measured_at": "2026-12-01T00:00:00",
+                                "transports": transports}))
+
+
+def test_measured_fits_replace_the_published_ones(tmp_path, monkeypatch):
+    from moebench.routing import make_routing
+
+    f = tmp_path / "link.json"
+    monkeypatch.setenv("MOEBENCH_LINK_FILE", str(f))
+    _calibration(f, "NVIDIA H200", {"nccl-all-reduce": {"alpha_us": 30.0, "gbps": 100.0, "worst_ratio": 1.05},
+                                    "all2all-ll:dispatch": {"alpha_us": 90.0, "gbps": 50.0, "worst_ratio": 1.1}})
+    link = sim.get_link("h200-nvlink")
+    pub = cm.CommModel.from_link(link, device_name="NVIDIA H200", use_measurement=False)
+    meas = cm.CommModel.from_link(link, device_name="NVIDIA H200")
+    other = cm.CommModel.from_link(link, device_name="NVIDIA H100")
+    assert meas.source == "measured" and "measured on NVIDIA H200" in meas.describe()
+    assert other.source == "profile" and not other.measured
+    over = cm.CommModel.from_link(sim.get_link("h200-nvlink", 100.0), device_name="NVIDIA H200")
+    assert over.source == "override" and not over.measured and over.nvlink_gbps == 100.0  # override > measurement
+    ar = meas.allreduce(1e6, 8)
+    assert ar.allreduce_us == pytest.approx(30.0 + 2 * 7 / 8 * 1e6 / 100e3) and "measured" in ar.how
+    assert pub.allreduce(1e6, 8).allreduce_us != pytest.approx(ar.allreduce_us)
+    _, ids = make_routing("uniform", 64, 64, 4, seed=0)
+    lay = ParallelLayout(dp=8, enable_ep=True)
+    a, b = meas.dispatch_combine("all2all-ll", ids, lay, 64, 1024, 1024), pub.dispatch_combine("all2all-ll", ids, lay, 64, 1024, 1024)
+    rows = cm.ep_link_rows(ids, lay, 64, 8, "pair")
+    assert a.dispatch_us == pytest.approx(90.0 + rows.busiest(1032) / 50e3)
+    assert a.combine_us == pytest.approx(b.combine_us)  # not measured: the published fit
+    assert "measured fit" in a.how
+
+
+@pytest.mark.parametrize("transports,needle", [
+    ({"nccl-all-reduce": {"alpha_us": 3.0, "worst_ratio": 1.0}}, "has no 'gbps'"),
+    ({"nccl-all-reduce": {"alpha_us": -3.0, "gbps": 100.0, "worst_ratio": 1.0}}, "must be a positive number"),
+    ({"nccl-all-reduce": {"alpha_us": 3.0, "gbps": 0, "worst_ratio": 1.0}}, "must be a positive number"),
+    ({"warp-drive": {"alpha_us": 3.0, "gbps": 1.0, "worst_ratio": 1.0}}, "unknown transport"),
+])
+def test_bad_measurement_file(tmp_path, transports, needle):
+    f = tmp_path / "link.json"
+    _calibration(f, "NVIDIA H200", transports)
+    with pytest.raises(MoebenchError, match=needle) as e:
+        cm.measured_fits(f, "NVIDIA H200")
+    assert "\n" not in str(e.value)
+
+
+def test_flip_factor():
+    # EP: experts 100, comm 50; TP: experts 200, comm 20 -> 100 + 50 f = 200 + 20 f at f = 10/3
+    assert flip_factor(100, 50, 200, 20) == pytest.approx(100 / 30)
+    assert flip_factor(100, 20, 200, 50) == math.inf  # faster in both: never flips
+    # wins on communication (210 vs 250 us): flips when communication runs below 0.56x the model
+    assert flip_factor(200, 10, 150, 100) == pytest.approx(50 / 90)
+    assert flip_factor(100, 30, 120, 30) == math.inf
+
+
+class _R:
+    def __init__(self, **extra):
+        self.extra = extra
+
+
+def test_robustness_columns_and_too_close():
+    df = pd.DataFrame([
+        # tokens 64: EP wins by 30 us on experts, loses 20 us on comm; bands narrow -> decisive, flips at 2.5x
+        dict(tokens=64, layout="EP8", latency_us=150.0, experts_us=100.0, comm_us=50.0),
+        dict(tokens=64, layout="TP8", latency_us=160.0, experts_us=130.0, comm_us=30.0),
+        # tokens 1: TP wins by 5 us; EP's band reaches below TP's latency -> too close
+        dict(tokens=1, layout="EP8", latency_us=65.0, experts_us=5.0, comm_us=60.0),
+        dict(tokens=1, layout="TP8", latency_us=60.0, experts_us=40.0, comm_us=20.0),
+    ])
+    rows = {(64, "EP8"): _R(comm_lo_us=48.0, comm_hi_us=52.0, comm_bytes=4e6),
+            (64, "TP8"): _R(comm_lo_us=29.0, comm_hi_us=31.0, comm_bytes=1e6),
+            (1, "EP8"): _R(comm_lo_us=40.0, comm_hi_us=80.0, comm_bytes=1e5),
+            (1, "TP8"): _R(comm_lo_us=19.0, comm_hi_us=22.0, comm_bytes=1e4)}
+    add_columns(df, rows)
+    at64 = df[df.tokens == 64]
+    assert at64.comm_flip_factor.tolist() == pytest.approx([1.5, 1.5])  # 100 + 50 f = 130 + 30 f
+    assert at64.comm_flip_gbps.iloc[0] == pytest.approx(4e6 / (1.5 * 50.0) / 1e3)  # EP's bytes decide
+    assert not at64.too_close.any()
+    assert clause(df, 64) == "unless dispatch+combine run 1.5x slower than modeled, i.e. below 53.3 GB/s"
+    at1 = df[df.tokens == 1]
+    assert at1.too_close.all()  # TP's 62 us worst case vs EP's 45 us best case
+    assert at1.comm_flip_factor.iloc[0] == pytest.approx(35 / 40)  # 5 + 60 f = 40 + 20 f
+    assert "faster than modeled" in clause(df, 1)
