@@ -15,7 +15,6 @@ import math
 import os
 import platform
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -23,6 +22,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from moebench.errors import MoebenchError
+from moebench.fileio import atomic_write_bytes, atomic_write_text, atomic_write_with  # noqa: F401  (re-exported)
 
 # The columns of design.md, in order; these names stay. Extra columns follow.
 CORE_COLUMNS = [
@@ -116,39 +116,6 @@ def rows_to_frame(rows: Iterable[ResultRow]) -> pd.DataFrame:
     return df
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename it into place."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Binary twin of atomic_write_text."""
-    _atomic_write_with(Path(path), lambda tmp: Path(tmp).write_bytes(data))
-
-
-def _atomic_write_with(path: Path, writer) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        writer(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def git_revision() -> str:
     here = Path(__file__).resolve().parent
     try:
@@ -238,7 +205,7 @@ class RunStore:
             path = self.folder / f"results.{fmt}"
             if fmt == "parquet" and importlib.util.find_spec("pyarrow") is None:
                 continue  # the CLI refuses --format parquet without pyarrow; the API skips it
-            _atomic_write_with(path, lambda tmp, fmt=fmt: export_frame(df, tmp, fmt))
+            atomic_write_with(path, lambda tmp, fmt=fmt: export_frame(df, tmp, fmt))
             written.append(path)
         return written
 

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, TypedDict
 
 import torch
 
 from moebench.errors import MoebenchError
+from moebench.fileio import atomic_write_text
 
 TILE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 _POW2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps")
@@ -202,16 +202,7 @@ def write_config_file(
     doc: dict[str, Any] = {"triton_version": triton_version}
     doc.update({str(k): dict(entries[k]) for k in sorted(entries)})
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=4)
-            f.write("\n")
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(p, json.dumps(doc, indent=4) + "\n")
     return p
 
 
