@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -131,6 +132,89 @@ def _progress() -> Progress:
                     console=console, transient=True, disable=not console.is_terminal)
 
 
+def _command_line() -> str:
+    """This process's command, as a user would type it (names the holder of a run folder's lock)."""
+    return shlex.join(["moebench", *sys.argv[1:]])
+
+
+def _run_options(ctx: click.Context, **resolved) -> dict:
+    """The options of this command as given (defaults filled in), with `resolved` values replacing
+    those that depend on the machine (device, default token counts): saved in metadata.json, they
+    rebuild the run on --resume."""
+    opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items() if k != "resume"}
+    opts.update(resolved)
+    return opts
+
+
+def _saved_options(ctx: click.Context, meta: dict, folder: Path) -> dict:
+    """The options a run folder was started with: metadata.json's "options", or, in folders written
+    before those were saved, its argv parsed again (device and token counts as the run resolved them)."""
+    if isinstance(meta.get("options"), dict):
+        return meta["options"]
+    argv = meta.get("argv")
+    if not (isinstance(argv, list) and argv and argv[0] == ctx.command.name):
+        raise MoebenchError(f"--resume {folder}: metadata.json does not say how the run was started (no options, no argv)")
+    old = ctx.command.make_context(ctx.command.name, [str(a) for a in argv[1:]], resilient_parsing=True)
+    resolved = {"device": meta["device"]} if meta.get("device") else {}
+    if isinstance(meta.get("tokens"), list):
+        resolved["tokens"] = ",".join(str(t) for t in meta["tokens"])
+    return _run_options(old, **resolved)
+
+
+def _resume_defaults(ctx: click.Context, param: click.Parameter, value):
+    """--resume DIR (processed before the other options): the options DIR was started with become
+    the defaults of this command, so the run continues as it began (checked by `_check_resumed`)."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    from moebench.results import read_run_metadata
+
+    saved = _saved_options(ctx, read_run_metadata(value, ctx.command.name), value)
+    ctx.default_map = {**(ctx.default_map or {}), **saved}
+    ctx.meta["moebench.saved_options"] = saved
+    return value
+
+
+#: Options that shape only what is printed or exported, not what is measured: free on --resume.
+_OUTPUT_ONLY_OPTIONS = frozenset({"show_skipped", "formats"})
+
+
+def _check_resumed(ctx: click.Context, folder: Path) -> None:
+    """Options given beside --resume must agree with the saved ones (except those that shape only
+    the output); an error names those that do not."""
+    saved = ctx.meta.get("moebench.saved_options", {})
+
+    def norm(name, v):
+        if v is None:
+            return None
+        if name == "tokens":
+            return parse_tokens(v)
+        if isinstance(v, Path):
+            return str(v)
+        if isinstance(v, str):
+            return [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    bad = []
+    for p in ctx.command.params:
+        if p.name == "resume" or p.name in _OUTPUT_ONLY_OPTIONS or p.name not in saved:
+            continue
+        if ctx.get_parameter_source(p.name) not in (click.core.ParameterSource.COMMANDLINE,
+                                                     click.core.ParameterSource.ENVIRONMENT):
+            continue
+        given = ctx.params[p.name]
+        was = None if saved[p.name] is None else p.type_cast_value(ctx, saved[p.name])
+        if norm(p.name, given) == norm(p.name, was):
+            continue
+        opt = p.opts[0] if getattr(p, "opts", None) else p.name
+        if getattr(p, "is_flag", False):
+            bad.append(f"{opt} (the saved run {'had' if was else 'did not have'} it)")
+        else:
+            bad.append(f"{opt} {given} (saved: {'none' if was is None else was})")
+    if bad:
+        raise MoebenchError(f"--resume {folder}: {'; '.join(bad)} contradict{'s' if len(bad) == 1 else ''} the saved "
+                            f"settings; resume with the same options or none (they are read from {folder / 'metadata.json'})")
+
+
 # -- commands ----------------------------------------------------------------------------------
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -237,7 +321,8 @@ def models(as_json: bool):
 @click.option("--link-gbps", type=float, default=None, help="Override the link bandwidth (GB/s per direction) for --simulate.")
 @click.option("--format", "formats", default="csv,json,md", show_default=True, help="Exports: csv,json,md,parquet,html.")
 @click.option("--no-check", is_flag=True, help="Skip the float64 reference check.")
-@click.option("--resume", "resume", type=click.Path(path_type=Path), default=None, help="Continue a run folder.")
+@click.option("--resume", "resume", type=click.Path(path_type=Path), default=None, is_eager=True, callback=_resume_defaults,
+              help="Continue an interrupted run folder with the settings it was started with.")
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
 @click.option("--routings", type=int, default=1, show_default=True,
               help="Distinct routings cycled through the timed calls (fresh routing per call, as vLLM's tuner).")
@@ -254,6 +339,8 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     from moebench.routing import parse_routing
     from moebench.sweep import SweepSpec, default_experts, resolve_names
 
+    if resume is not None:
+        _check_resumed(click.get_current_context(), resume)
     device = resolve_device(device)
     shape = resolve_shape(model, num_experts, topk, hidden, intermediate)
     tok = parse_tokens(tokens) if tokens is not None else ([1, 16, 64] if device == "cpu" else [1, 16, 64, 256, 1024, 4096])
@@ -306,12 +393,19 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         leave_torchrun(ctx)
         return
     folder = resume if resume is not None else ensure_writable_dir(out) / new_run_id("sweep", shape.name)
-    meta = {"command": "sweep", "argv": sys.argv[1:], "mode": mode, "shape": shape.to_dict(),
+    meta = {"command": "sweep", "argv": sys.argv[1:],
+            "options": _run_options(click.get_current_context(), device=device, tokens=",".join(map(str, tok))),
+            "mode": mode, "shape": shape.to_dict(),
             "layout": layout.__dict__, "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label,
             "activation_dtype": str(dt), "device": device, "routing": routing,
             "seed": seed, "link": None if link is None else link.as_dict(), "link_why": link_why,
             "device_summary": device_summary(device)}
-    store = RunStore(folder, metadata=meta)
+    # One writer per folder, for the whole sweep (a resume never rewrites the saved settings).
+    store = owner = RunStore(folder, metadata=None if resume is not None else meta, lock=True, command=_command_line())
+    if resume is not None:
+        store.record_resume(sys.argv[1:])
+    for n in store.notices:
+        err_console.print(f"notice: {n}", markup=False, highlight=False, soft_wrap=True)
     from moebench.sweep import cases_to_run
 
     n_total = cases_to_run(spec, store, modeled=mode == "simulate")  # skipped pairs are not counted
@@ -338,8 +432,10 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         store = RunStore(folder)
         store.finish(fmts)
         err_console.print(f"interrupted: {len(store.rows)} finished rows kept in {folder} (continue with --resume {folder})")
+        owner.close()
         sys.exit(130)
     written = store.finish(fmts)
+    owner.close()
     print_rows(store.rows, console, show_skipped=show_skipped)
     if store.rows and not any(r.status == "ok" for r in store.rows):
         hint = (" On a CPU, `TRITON_INTERPRET=1 moebench sweep ...` runs the Triton experts under the interpreter"
@@ -414,7 +510,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
             "link": link.as_dict(), "link_why": link_why,
             "experts_model": None if experts_model is None else experts_model.as_dict(),
             "device_summary": device_summary(device)}
-    store = RunStore(folder, metadata=meta)
+    store = RunStore(folder, metadata=meta, lock=True, command=_command_line())
     how = (f"experts time = {experts_model.device_name} roofline floor (datasheet), not measured"
            if experts_model is not None else f"experts time measured on {dev_name}")
     check_ranks = device == "cpu" and not no_check and world_size <= gpus_per_node

@@ -14,8 +14,10 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
-import tempfile
+import sys
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -23,6 +25,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from moebench.errors import MoebenchError
+from moebench.fileio import atomic_write_bytes, atomic_write_text, atomic_write_with  # noqa: F401  (re-exported)
 
 # The columns of design.md, in order; these names stay. Extra columns follow.
 CORE_COLUMNS = [
@@ -116,39 +119,6 @@ def rows_to_frame(rows: Iterable[ResultRow]) -> pd.DataFrame:
     return df
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename it into place."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Binary twin of atomic_write_text."""
-    _atomic_write_with(Path(path), lambda tmp: Path(tmp).write_bytes(data))
-
-
-def _atomic_write_with(path: Path, writer) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        writer(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def git_revision() -> str:
     here = Path(__file__).resolve().parent
     try:
@@ -205,25 +175,182 @@ def new_run_id(command: str, label: str) -> str:
     return f"{stamp}-{command}-{safe}"
 
 
-class RunStore:
-    """A run folder: metadata.json, rows.jsonl (incremental), and exports written on finish."""
+LOCK_FILE = ".moebench.lock"
 
-    def __init__(self, folder: Path, metadata: dict[str, Any] | None = None, write: bool = True):
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    except (OSError, OverflowError, TypeError):
+        return False
+    return True
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    try:
+        text = os.pread(fd, 65536, 0)
+        holder = json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):
+        return {"unreadable": True}
+    return holder if isinstance(holder, dict) else {"unreadable": True}
+
+
+def _describe_holder(h: dict[str, Any]) -> str:
+    if not h:
+        return "another process (it has not written its name yet)"
+    if h.get("unreadable"):
+        return "another process (its lock file is unreadable)"
+    return f"pid {h.get('pid')} on {h.get('host')} ({h.get('command')}, since {h.get('since')})"
+
+
+def _release_lock(fd: int) -> None:
+    import fcntl
+
+    try:
+        os.ftruncate(fd, 0)  # a clean end leaves no name behind
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class RunLock:
+    """One writer per run folder: an exclusive `fcntl.flock` on `<folder>/.moebench.lock`, held from
+    `acquire()` until `release()` or the end of the process (the system drops the lock of a process
+    that is killed). The file names the holder (pid, host, command, since): a second writer gets an
+    error naming it. A holder that was killed leaves its name behind; the next writer takes the
+    lock over and says so in `taken_over`."""
+
+    def __init__(self, folder: str | os.PathLike, command: str | None = None):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_FILE
+        self.command = command or shlex.join(sys.argv)
+        self.taken_over: str | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except OSError as e:
+            raise MoebenchError(f"cannot open the lock file {self.path} ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise MoebenchError(f"run folder {self.folder} is in use: {_describe_holder(holder)} is writing it; "
+                                f"wait for it to end, or stop it, then resume") from None
+        except OSError as e:
+            os.close(fd)
+            raise MoebenchError(f"cannot lock run folder {self.folder} ({e.strerror or e})") from None
+        previous = _read_holder(fd)
+        if previous:
+            gone = ("is no longer running" if not _pid_alive(previous.get("pid"))
+                    else "no longer holds it") if previous.get("host") == platform.node() else "ended without releasing it"
+            self.taken_over = f"took over the stale lock of {self.folder}: {_describe_holder(previous)} {gone}"
+        me = {"pid": os.getpid(), "host": platform.node(), "command": self.command,
+              "since": _dt.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        os.fsync(fd)
+        self._finalizer = weakref.finalize(self, _release_lock, fd)
+        return self
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # once; also at exit or when the lock is dropped
+
+
+def _repair_tail(path: Path) -> tuple[bytes, str | None]:
+    """rows.jsonl's content, its torn last line (a write cut short: no line end) removed from the
+    file, or completed when it holds a whole row; plus a sentence saying what was done."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return data, None
+        cut = data.rfind(b"\n") + 1
+        tail = data[cut:]
+        try:
+            ResultRow.from_dict(json.loads(tail))
+            whole = True
+        except (ValueError, TypeError, AttributeError):
+            whole = False
+        if whole:
+            f.write(b"\n")
+            data += b"\n"
+            what = f"completed the last row of {path}, which lacked its line end"
+        else:
+            f.truncate(cut)
+            data = data[:cut]
+            what = f"dropped a torn last line of {path} ({len(tail)} bytes of an interrupted write)"
+        f.flush()
+        os.fsync(f.fileno())
+    return data, what
+
+
+def read_run_metadata(folder: str | os.PathLike, command: str) -> dict[str, Any]:
+    """metadata.json of an earlier `moebench <command>` run folder (for --resume); refuses a
+    missing folder and one that is not such a run folder."""
+    folder = Path(folder)
+    again = f"pass the folder of an earlier `moebench {command}` run"
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise MoebenchError(f"--resume {folder}: {what}; {again}")
+    p = folder / "metadata.json"
+    if not p.is_file():
+        raise MoebenchError(f"--resume {folder}: not a moebench run folder (no metadata.json); {again}")
+    try:
+        meta = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise MoebenchError(f"--resume {folder}: metadata.json is not readable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("command") != command:
+        other = meta.get("command") if isinstance(meta, dict) else None
+        raise MoebenchError(f"--resume {folder}: a `moebench {other}` run folder, not a `moebench {command}` one; {again}")
+    return meta
+
+
+class RunStore:
+    """A run folder: metadata.json, rows.jsonl (incremental), and exports written on finish.
+
+    Opening a folder with rows reads them (resume); a torn last line left by an interrupted write is
+    dropped from the file first, so the next row starts on a line of its own (`notices` says so).
+    lock: hold the folder's RunLock, one writer at a time, until `close()` or the end of the
+    process; `command` names the holder (default: this process's command line).
+    """
+
+    def __init__(self, folder: Path, metadata: dict[str, Any] | None = None, write: bool = True,
+                 lock: bool = False, command: str | None = None):
         self.folder = Path(folder)
         self.write = write
         self.rows: list[ResultRow] = []
         self._keys: set[tuple] = set()
+        self.notices: list[str] = []
+        self.lock: RunLock | None = None
         if not write:
             return
         ensure_writable_dir(self.folder)
+        if lock:
+            self.lock = RunLock(self.folder, command).acquire()
+            if self.lock.taken_over:
+                self.notices.append(self.lock.taken_over)
         jl = self.folder / "rows.jsonl"
         if jl.exists():  # resume: keep what is there
-            for line in jl.read_text().splitlines():
+            data, repaired = _repair_tail(jl)
+            if repaired:
+                self.notices.append(repaired)
+            for line in data.decode(errors="replace").splitlines():
                 if line.strip():
                     try:
                         row = ResultRow.from_dict(json.loads(line))
                     except (json.JSONDecodeError, TypeError):
-                        continue  # a line cut short by a crash
+                        continue  # a line garbled otherwise
                     self.rows.append(row)
                     self._keys.add(row.key())
         if metadata is not None:
@@ -233,6 +360,21 @@ class RunStore:
             meta.setdefault("host", platform.node())
             meta.setdefault("started", _dt.datetime.now().isoformat(timespec="seconds"))
             atomic_write_text(self.folder / "metadata.json", json.dumps(meta, indent=2, default=str))
+
+    def close(self) -> None:
+        """Release the folder's lock (if this store holds it)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def record_resume(self, argv: Iterable[str]) -> None:
+        """Note a resume in metadata.json ("resumed": when, argv, revision, host); the run's settings
+        stay as they were written."""
+        p = self.folder / "metadata.json"
+        meta = json.loads(p.read_text())
+        meta.setdefault("resumed", []).append({
+            "at": _dt.datetime.now().isoformat(timespec="seconds"), "argv": list(argv),
+            "git_revision": git_revision(), "host": platform.node()})
+        atomic_write_text(p, json.dumps(meta, indent=2, default=str))
 
     def has(self, row_key: tuple) -> bool:
         return row_key in self._keys
@@ -259,7 +401,7 @@ class RunStore:
             path = self.folder / f"results.{fmt}"
             if fmt == "parquet" and importlib.util.find_spec("pyarrow") is None:
                 continue  # the CLI refuses --format parquet without pyarrow; the API skips it
-            _atomic_write_with(path, lambda tmp, fmt=fmt: export_frame(df, tmp, fmt))
+            atomic_write_with(path, lambda tmp, fmt=fmt: export_frame(df, tmp, fmt))
             written.append(path)
         return written
 

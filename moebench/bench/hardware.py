@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import re
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from moebench.errors import MoebenchError
+from moebench.fileio import atomic_write_text
 
 try:  # only the read-bandwidth calibration kernel needs Triton
     import triton
@@ -207,10 +207,7 @@ def save_ceilings(c: Ceilings) -> str:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         data = _read_cache()
         data[_cache_key(c.device_name)] = c.to_dict()
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".ceilings.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True))
     except OSError as e:
         raise MoebenchError(f"cannot write the ceilings cache {path} ({e.strerror}): set MOEBENCH_CACHE_DIR to a writable folder") from None
     return path

@@ -7,18 +7,23 @@ Backends: gloo on CPU, NCCL on CUDA (one GPU per rank, rank i on cuda:i). Every 
 created with a timeout, so a collective whose peer died raises instead of hanging. `spawn` also
 watches its children: a rank that raises sends its error and traceback back and the parent raises
 `RankFailedError` naming the rank; a rank that dies without reporting (killed, os._exit) is noticed
-from its exit code; in both cases the other ranks are terminated at once.
+from its exit code; in both cases the other ranks are terminated at once. A rank dies with the
+process that spawned it, even one killed with SIGKILL (it never runs on alone).
 
 Only rank 0 prints and writes files: guard output with `is_main(ctx)`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import io
 import os
 import queue as queue_mod
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -188,11 +193,37 @@ def _error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg}{where}" if msg else f"{type(exc).__name__}{where}"
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """End this rank as soon as the process that spawned it is gone (killed with -9 too): a rank
+    left behind would go on computing and writing into its run folder. Linux: the kernel sends
+    SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG); elsewhere a thread watches the parent pid."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # 1 = PR_SET_PDEATHSIG
+                if os.getppid() != parent_pid:  # the parent died before the signal was armed
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        os._exit(1)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="moebench-parent-watch", daemon=True).start()
+
+
 def _rank_main(
     rank: int, world_size: int, device: str, port: int, timeout_s: float,
-    fn: Callable[..., Any], args: tuple, results: Any,
+    fn: Callable[..., Any], args: tuple, results: Any, parent_pid: int | None = None,
 ) -> None:
     """Body of one spawned rank: init the group, run fn(ctx, *args), report to the parent."""
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     for k, v in CHILD_ENV.items():
         os.environ[k] = v
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -294,7 +325,7 @@ def spawn(
     try:
         for rank in range(world_size):
             p = mpctx.Process(
-                target=_rank_main, args=(rank, world_size, device, port, timeout_s, fn, args, results),
+                target=_rank_main, args=(rank, world_size, device, port, timeout_s, fn, args, results, os.getpid()),
                 name=f"moebench-rank{rank}", daemon=True,
             )
             p.start()

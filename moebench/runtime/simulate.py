@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from moebench.errors import MoebenchError
+from moebench.fileio import atomic_write_text
 from moebench.layout import ParallelLayout
 
 
@@ -142,10 +142,7 @@ def write_measured_link(link: LinkProfile, path: str | Path | None = None, **ext
     p = Path(path) if path is not None else link_file()
     p.parent.mkdir(parents=True, exist_ok=True)
     data = {"name": link.name, "bandwidth_gbps": link.bandwidth_gbps, "latency_us": link.latency_us, **extra}
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".link.", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, p)
+    atomic_write_text(p, json.dumps(data, indent=2))
     return p
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import filecmp
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moebench.errors import MoebenchError
+from moebench.fileio import atomic_write_bytes
 from moebench.tuning import configs as C
 
 console = Console()
@@ -447,7 +447,5 @@ def configs_commit(files):
             console.print(f"unchanged {dest}")
             continue
         verb = "replaced" if dest.exists() else "added"
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        shutil.copyfile(f, tmp)
-        tmp.replace(dest)
+        atomic_write_bytes(dest, f.read_bytes())
         console.print(f"{verb} {dest}")

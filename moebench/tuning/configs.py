@@ -41,6 +41,7 @@ from typing import Any, Mapping, TypedDict
 import torch
 
 from moebench.errors import MoebenchError
+from moebench.fileio import atomic_write_text
 
 TILE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 _POW2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps")
@@ -251,8 +252,6 @@ def write_config_file(
     doc: dict[str, Any] = {"triton_version": triton_version}
     doc.update({str(k): dict(entries[k]) for k in sorted(entries)})
     p.parent.mkdir(parents=True, exist_ok=True)
-    from moebench.results import atomic_write_text
-
     atomic_write_text(p, json.dumps(doc, indent=4) + "\n")
     return p
 

@@ -1,0 +1,63 @@
+"""Files that appear whole or not at all: write a temporary file beside the target, then rename it.
+
+Every file moebench writes in place (run exports, metadata, tuned configs, plots, caches) goes
+through `atomic_write_text`, `atomic_write_bytes` or `atomic_write_with`. The temporary file is
+created as a plain `open()` would create it (mode 0o666 less the umask, not tempfile's 0600), so a
+tuned config put in a shared folder is readable by whoever serves the model.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Callable
+
+
+def _create_temp(path: Path) -> tuple[int, Path]:
+    """A new empty file `.<name>.<random>.tmp` beside `path`, open for writing; mode 0o666 & ~umask."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
+def atomic_write_with(path: str | os.PathLike, writer: Callable[[str], object]) -> None:
+    """writer(tmp_path) writes the content to a temporary file, which is then renamed onto `path`."""
+    path = Path(path)
+    fd, tmp = _create_temp(path)
+    os.close(fd)
+    try:
+        writer(str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp.exists():
+            tmp.unlink()
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` through a temporary file in the same folder and rename it into place."""
+    path = Path(path)
+    fd, tmp = _create_temp(path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp.exists():
+            tmp.unlink()
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Binary twin of atomic_write_text."""
+    atomic_write_with(path, lambda tmp: Path(tmp).write_bytes(data))
