@@ -413,9 +413,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
                   f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {spec.precision}, "
                   f"routing {routing} -> {folder}")
     if link is not None:
-        from moebench.runtime.simulate import link_text
-
-        console.print(link_text(link, link_why), markup=False, highlight=False)
+        console.print(f"communication: {link.describe()}; link: {link_why}", markup=False, highlight=False)
     try:
         if mode in ("spawn", "torchrun"):  # rank 0 shows the progress bar
             store = run(spec, store, mode, ctx=ctx)
@@ -471,7 +469,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     from moebench.plots import compare_plot
     from moebench.results import RunStore, check_output_file, ensure_writable_dir, new_run_id
     from moebench.routing import parse_routing
-    from moebench.runtime.simulate import DEFAULT_TARGET_GPU, link_for, link_text
+    from moebench.runtime.simulate import DEFAULT_TARGET_GPU, link_for
     from moebench.sweep import SweepSpec, cases_to_run, default_experts, resolve_names
 
     if tp is not None or dp is not None or ep is not None:

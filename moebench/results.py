@@ -16,6 +16,7 @@ import os
 import platform
 import shlex
 import subprocess
+import tempfile
 import sys
 import weakref
 from dataclasses import dataclass, field

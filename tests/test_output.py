@@ -253,5 +253,5 @@ def test_sweep_and_compare_pick_the_same_link_and_say_why(ep_runs):
     assert meta["sweep"]["link"]["name"] == meta["compare"]["link"]["name"] == "h200-nvlink"
     for res in (sweep, compare):
         text = " ".join(res.stdout.split())
-        assert "link h200-nvlink, 450 GB/s per direction" in text
+        assert "communication: h200-nvlink 450 GB/s" in text
         assert "the profile of H200 (no GPU here, so the default target GPU)" in text

@@ -105,10 +105,20 @@ def _weights(spec, rank: int, cache: dict) -> tuple[tuple, tuple | None]:
     return cache[key]
 
 
+def _link_label(link, world: int) -> str:
+    """'h200-nvlink 450 GB/s' (+ ', rdma-400g 50 GB/s' where the ranks span nodes): the x_link column."""
+    if not hasattr(link, "nvlink"):  # a plain LinkProfile
+        return f"{link.name} {link.bandwidth_gbps:g} GB/s"
+    label = f"{link.nvlink} {link.nvlink_gbps:g} GB/s"
+    if world > link.gpus_per_node:
+        label += f", {link.rdma} {link.rdma_gbps:g} GB/s"
+    return label
+
+
 def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, experts_model) -> None:
     s, lay = spec.shape, spec.layout
     world = lay.world_size
-    row.extra["link"] = f"{link.name} {link.bandwidth_gbps:g} GB/s"  # the x_link column reports group by
+    row.extra["link"] = _link_label(link, world)  # the x_link column reports group by
     moves_tokens = get_prepare_finalize_class(pf).communicates
     m_full = spec.batch_tokens(m, moves_tokens)
     x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)

@@ -183,11 +183,6 @@ def link_for(device: str, local_name: str | None = None, link_name: str | None =
     return link, f"{how} {gpu} ({why}){gbps}; change with --link / --link-gbps"
 
 
-def link_text(link: LinkProfile, why: str) -> str:
-    """'link h200-nvlink, 450 GB/s per direction, 1.5 us per step: the profile of H200 (...)'."""
-    return f"link {link.name}, {link.bandwidth_gbps:g} GB/s per direction, {link.latency_us:g} us per step: {why}"
-
-
 # ---------------------------------------------------------------------------------------------
 # Collective costs
 
