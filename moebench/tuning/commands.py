@@ -6,7 +6,7 @@
     moebench configs list | show FILE|E,N | diff A B | commit FILE...
                   (show / diff of E,N: --dtype fp8_w8a8 [--block-shape BN,BK] pick the fp8 file)
 
-Commands parse and print; the work is in `moebench.tuning.tuner` and `moebench.tuning.configs`.
+Commands parse and print; the work is in `moebench.tuning.tuner` and `moebench.kernels.triton.configs`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moebench.errors import MoebenchError
-from moebench.tuning import configs as C
+from moebench.kernels.triton import configs as C
 
 console = Console()
 err_console = Console(stderr=True)
