@@ -1,7 +1,7 @@
 """Alignment above the one-launch limit, A/B in one run (issue 3): `scan` (a (local expert, chunk)
 grid, each program scanning its chunk for its expert) against `sort` (per-chunk histograms, then
 each chunk sorted by expert and scattered) over chunk sizes, and `auto` (the rule the layer uses,
-moe_align.DEFAULT_LARGE_METHOD), on the layer's routing and BLOCK_SIZE_M, CUDA-graph replay.
+TritonOptions' align_method "auto"), on the layer's routing and BLOCK_SIZE_M, CUDA-graph replay.
 Every result is checked against the torch alignment first.
 
     PYTHONPATH=. python benchmarks/align_methods.py [--tokens 256,1024,4096,16384] [--chunks 256,512,1024,2048] [--smoke]
@@ -18,8 +18,10 @@ import sys
 import pandas as pd
 import torch
 
-from moebench.kernels import moe_align
-from moebench.kernels.triton_moe import fused_topk_softmax, select_config
+from moebench.kernels.triton.align import moe_align_block_size, moe_align_block_size_torch
+from moebench.kernels.triton.experts import select_config
+from moebench.kernels.triton.options import TritonOptions
+from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
 
@@ -51,19 +53,19 @@ def main() -> int:
         w13 = torch.empty(1, dtype=torch.bfloat16, device=dev).expand(e_local, 2 * inter, h)
         w2 = torch.empty(1, dtype=torch.bfloat16, device=dev).expand(e_local, h, inter)
         for m in tokens:
-            if m * k <= moe_align.ONE_LAUNCH_MAX_PAIRS:
+            if m * k <= TritonOptions().one_launch_max_pairs:
                 continue  # the one-launch kernel's range: neither method runs there
             g = torch.Generator(device=dev).manual_seed(m)
             _, ids = fused_topk_softmax(torch.randn(m, e, device=dev, generator=g), k)
             bm = select_config(m, k, w13, w2, e, torch.bfloat16)[0]["BLOCK_SIZE_M"]
-            want = moe_align.moe_align_block_size_torch(ids, bm, e_local, emap)
+            want = moe_align_block_size_torch(ids, bm, e_local, emap)
             variants = [("scan", None), ("auto", None)] + [("sort", c) for c in chunks]
             row = dict(shape=name, tokens=m, pairs=m * k, block_m=bm)
             for method, chunk in variants:
                 label = f"sort{chunk}" if chunk else method
 
-                def run(method=method, chunk=chunk):
-                    return moe_align.moe_align_block_size(ids, bm, e_local, emap, chunk=chunk, method=method)
+                def run(opts=TritonOptions(align_method=method), chunk=chunk):
+                    return moe_align_block_size(ids, bm, e_local, emap, options=opts, chunk=chunk)
 
                 got = run()
                 same = all(torch.equal(getattr(got, f), getattr(want, f))

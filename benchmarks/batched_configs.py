@@ -7,8 +7,8 @@ run (issue 3: every launch takes the lookup's config, else the heuristic).
 routed token count (PrepareResult.num_tokens; here the count whose pairs per local expert match
 the batch's mean rows, 3T/4 x E / topk) and falls back to `batched_default_config` at the mean
 rows per expert (`heuristic`). `rows_key`: the entry nearest to T itself, the key vLLM's batched
-Triton experts use (their max tokens); `heuristic_v1`: the heuristic before the eighth session
-(64-row tiles at any row count). The files are tuned for the sorted-token kernel, so this measures whether
+Triton experts use (their max tokens); `heuristic_v1`: the heuristic with 64-row tiles at any row
+count (as if batched_wide_rows were unbounded). The files are tuned for the sorted-token kernel, so this measures whether
 the batched kernel gains from them. Each point: a (E_local, T, H) bf16 batch with
 expert_num_tokens drawn from [T/2, T], the configs checked against each other on the written rows,
 then timed (CUDA-graph replay). Writes batched_configs.csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under the Triton interpreter
@@ -22,13 +22,9 @@ import sys
 
 import torch
 
-from moebench.kernels.batched_triton import (
-    BATCHED_WIDE_ROWS,
-    BatchedTritonExperts,
-    batched_default_config,
-    batched_moe,
-    mean_rows,
-)
+from moebench.kernels.triton.batched import batched_default_config, batched_moe, mean_rows
+from moebench.kernels.triton.experts import BatchedTritonExperts
+from moebench.kernels.triton.options import TritonOptions
 
 from bench_common import ON_GPU, SHAPES, script_setup, timed_us, write_rows
 
@@ -70,7 +66,7 @@ def main() -> int:
             row = dict(shape=shape, rows_per_expert=t, tokens=tokens, heuristic=_cfg_text(heur), lookup=_cfg_text(looked),
                        lookup_source=str(exp.last_config_source).rsplit("/", 1)[-1])
             rows_key = exp.config_for(t, e_local, inter_size, h, dt, device_type=dev.type, tokens=t)
-            v1 = dict(batched_default_config(min(t, BATCHED_WIDE_ROWS), inter_size, h, dt))
+            v1 = dict(batched_default_config(min(t, TritonOptions().batched_wide_rows), inter_size, h, dt))
             row.update(rows_key=_cfg_text(rows_key), heuristic_v1=_cfg_text(v1))
             outs = {}
             for name, cfg in (("heuristic", heur), ("lookup", looked), ("rows_key", rows_key), ("heuristic_v1", v1)):

@@ -12,10 +12,10 @@ import torch
 import triton
 
 from moebench.bench.timing import time_cpu, time_cuda
-from moebench.kernels.triton_moe import select_config
+from moebench.kernels.triton.configs import default_config
+from moebench.kernels.triton.experts import select_config
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
-from moebench.tuning.configs import default_config
 
 ON_GPU = torch.cuda.is_available()
 #: name: (E global, topk, H, I, E local); routing over the E global experts, the first E local

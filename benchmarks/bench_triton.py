@@ -22,7 +22,7 @@ For each shape of design.md ("Performance reference points") and token count, in
              and one cuBLAS mm per expert (bench_common.library_gemms), with x already in expert
              order and no activation, router weight or top-k sum: what the vendor GEMMs reach at
              these shapes, against the floor (library_over_floor) and ours (gemm_over_library)
-With --sweep, 20 alternative tile configs (plus TMA / store-and-sum variants) are timed on the GEMM
+With --sweep, 20 alternative tile configs (plus TMA on / off) are timed on the GEMM
 part to see how far the default heuristic is from the best of that set; --check-best times only
 the best configs of the 2026-11-29 sweep (PREV_BEST), with and without TMA. --smoke runs tiny shapes
 on CPU under the Triton interpreter to check the script itself (its times mean nothing).
@@ -44,21 +44,13 @@ import moebench
 from moebench.bench.hardware import read_gbps_candidates
 from moebench.bench.timing import time_cpu
 from moebench.bench.timing import time_cuda as _time_cuda
-from moebench.kernels.moe_align import moe_align_block_size
-from moebench.kernels.triton_moe import (
-    _num_sms,
-    align_pairs,
-    fused_moe_gemms,
-    fused_topk_softmax,
-    gemm1_walk,
-    layer_split_k,
-    launch_gemm1,
-    launch_gemm2,
-    resolve_use_tma,
-    select_config,
-)
-from moebench.kernels.triton_moe import _tma_ok
-from moebench.tuning.configs import default_config
+from moebench.kernels.triton.align import align_pairs, moe_align_block_size
+from moebench.kernels.triton.configs import default_config
+from moebench.kernels.triton.env import num_sms, tma_ok
+from moebench.kernels.triton.experts import select_config
+from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1, launch_gemm2
+from moebench.kernels.triton.options import TritonOptions, gemm1_walk, layer_split_k, resolve_use_tma
+from moebench.kernels.triton.routing import fused_topk_softmax
 
 from bench_common import library_gemms, seeded_inputs
 
@@ -168,7 +160,7 @@ def torch_routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same routing in one Triton launch (moebench.kernels.triton_moe.fused_topk_softmax)."""
+    """The same routing in one Triton launch (moebench.kernels.triton.routing.fused_topk_softmax)."""
     return fused_topk_softmax(logits, k, renormalize=True)
 
 
@@ -228,16 +220,17 @@ def main() -> int:
                 return align_pairs(ids, bm, e_local, emap, e)
 
             align = aligned()
-            split = layer_split_k(m, k, e, e_local, h, inter, cfg, align.max_blocks, _num_sms(dev))
+            opts = TritonOptions()
+            split = layer_split_k(opts, m, k, e, e_local, h, inter, cfg, align.max_blocks, num_sms(dev))
 
             def layer():
                 w_, i_ = routing(logits, k)
                 return kernel.apply(x, w13, w2, w_, i_, expert_map=emap, num_experts=e)
 
-            def gemm(c=cfg, a=align, s=split, tma=None, atomic=True):
-                return fused_moe_gemms(x, w13, w2, tw, a, k, c, s, use_tma=resolve_use_tma(tma, c, dtype), atomic=atomic)
+            def gemm(c=cfg, a=align, s=split, tma="auto"):
+                return fused_moe_gemms(x, w13, w2, tw, a, k, c, s, options=TritonOptions(use_tma=tma))
 
-            tma0 = resolve_use_tma(None, cfg, dtype) and _tma_ok(w13) and _tma_ok(w2)
+            tma0 = resolve_use_tma(opts, cfg, dtype) and tma_ok(w13) and tma_ok(w2)
 
             def torch_layer():
                 w_, i_ = routing(logits, k)
@@ -245,9 +238,9 @@ def main() -> int:
 
             t_layer = time_cuda(layer, reps=30, graph_calls=5)
             t_gemm = time_cuda(gemm, reps=30, graph_calls=5)
-            # GEMM1 as the layer runs it: x through TMA from a sorted copy where DEFAULT_SORTED_A picks
-            # it (the copy included), else the wide walk at >= 64-row tiles (DEFAULT_WIDE_GEMM1 "auto")
-            wide0, s_a = gemm1_walk(cfg, dtype, False, tma0, inter, m * k / e)
+            # GEMM1 as the layer runs it: x through TMA from a sorted copy where the sorted_a rule picks
+            # it (the copy included), else the wide walk at >= 64-row tiles (wide_gemm1 "auto")
+            wide0, s_a = gemm1_walk(opts, cfg, dtype, False, tma0, inter, m * k / e)
             g1_kw = dict(sorted_a=s_a, wide=wide0)
             inter0 = launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw)
             t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw), reps=20, graph_calls=5)
@@ -329,7 +322,7 @@ def main() -> int:
                         continue
                     try:
                         a2 = moe_align_block_size(ids, c["BLOCK_SIZE_M"], e_local, emap)
-                        for s2 in sorted({1, layer_split_k(m, k, e, e_local, h, inter, c, a2.max_blocks, _num_sms(dev))}):
+                        for s2 in sorted({1, layer_split_k(opts, m, k, e, e_local, h, inter, c, a2.max_blocks, num_sms(dev))}):
                             t2 = time_cuda(lambda c=c, a2=a2, s2=s2: gemm(c, a2, s2), reps=10, graph_calls=3).median_us
                             if t2 < best[0]:
                                 best = (t2, "/".join(map(str, cand)) + f" sk{s2}", c, s2)
@@ -338,15 +331,14 @@ def main() -> int:
                 row["sweep_best_us"] = round(best[0], 1)
                 row["sweep_best_config"] = best[1]
                 row["default_over_sweep_best"] = round(t_gemm.median_us / best[0], 3)
-                # Kernel variants on the default config and on the best one: TMA weight loads,
-                # and store-per-pair + torch sum instead of atomics.
+                # Kernel variants on the default config and on the best one: TMA weight loads on / off.
                 for label, (c, s2) in (("default", (cfg, split)), ("best", (best[2], best[3]))):
                     a2 = moe_align_block_size(ids, c["BLOCK_SIZE_M"], e_local, emap)
-                    for vname, tma, atomic in (("tma", True, True), ("store", False, False), ("tma_store", True, False)):
+                    for vname, tma in (("tma", True), ("notma", False)):
                         try:
-                            t2 = time_cuda(lambda c=c, a2=a2, s2=s2, tma=tma, atomic=atomic: gemm(c, a2, s2, tma, atomic),
+                            t2 = time_cuda(lambda c=c, a2=a2, s2=s2, tma=tma: gemm(c, a2, s2, tma),
                                            reps=10, graph_calls=3).median_us
-                            chk = gemm(c, a2, s2, tma, atomic)
+                            chk = gemm(c, a2, s2, tma)
                             ok = torch.allclose(chk.float(), out.float(), rtol=3e-2, atol=3e-2)
                             row[f"{label}_{vname}_us"] = round(t2, 1) if ok else f"WRONG {t2:.1f}"
                         except Exception as ex:  # noqa: BLE001

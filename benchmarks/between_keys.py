@@ -19,8 +19,9 @@ import sys
 
 import torch
 
-from moebench.kernels.triton_moe import fused_moe, fused_topk_softmax
-from moebench.tuning.configs import TILE_KEYS, _load_cached, default_config, device_name, find_config_file, nearest_entry
+from moebench.kernels.triton.configs import TILE_KEYS, default_config, device_name, find_config_file, load_config_file, nearest_entry
+from moebench.kernels.triton.experts import fused_moe
+from moebench.kernels.triton.routing import fused_topk_softmax
 
 from bench_common import ON_GPU, SHAPES, script_setup, timed_us, write_rows
 
@@ -61,7 +62,7 @@ def main() -> int:
             emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
             emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
         path = find_config_file(e_local, inter, "cpu" if args.smoke else device_name(dev), dt)
-        table = _load_cached(path) if path is not None else {}
+        table = load_config_file(path) if path is not None else {}
         if args.smoke:  # a made-up two-key file
             table = {1: default_config(1, e, inter, h, k, dt), 16: default_config(16, e, inter, h, k, dt)}
         cands = {"heuristic": dict(default_config(m, e, inter, h, k, dt))}

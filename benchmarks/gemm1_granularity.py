@@ -24,8 +24,8 @@ import sys
 import torch
 
 from moebench.bench.hardware import read_gbps_candidates
-from moebench.kernels.moe_align import moe_align_block_size
-from moebench.kernels.triton_moe import launch_gemm1
+from moebench.kernels.triton.align import moe_align_block_size
+from moebench.kernels.triton.gemm import launch_gemm1
 
 from bench_common import ON_GPU, script_setup, timed_us, write_rows
 

@@ -30,9 +30,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moebench.kernels.moe_align import interpreting, moe_align_block_size
-from moebench.kernels.triton_common import grouped_tile, mma
-from moebench.kernels.triton_moe import _num_sms, fused_topk_softmax, launch_gemm1
+from moebench.kernels.triton.align import moe_align_block_size
+from moebench.kernels.triton.common import grouped_tile, mma
+from moebench.kernels.triton.env import interpreting, num_sms
+from moebench.kernels.triton.gemm import launch_gemm1
+from moebench.kernels.triton.routing import fused_topk_softmax
 
 from bench_common import SHAPES, layer_config, script_setup, seeded_inputs, timed_us, write_rows
 
@@ -115,7 +117,7 @@ def main() -> int:
         args.shapes, args.tokens = ",".join(SMOKE), "8"
     out_dir, dev, head = script_setup("bf16 GEMM1 + SiLU-and-mul (us); /shipped = against the shipped GEMM1")
     print("# " + head, flush=True)
-    sms = _num_sms(dev)
+    sms = num_sms(dev)
     rows = []
     for shape in args.shapes.split(","):
         e, k, h, inter, e_local = SHAPES[shape]

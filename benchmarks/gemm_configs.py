@@ -10,7 +10,7 @@ size), but nothing else: SGLang already loads a separate config for the down pro
 file or default heuristic), aligns the pairs with its BLOCK_SIZE_M, and times each GEMM alone
 (CUDA-graph replay) under that config and under candidates that keep BLOCK_SIZE_M and vary the
 rest (--bm: another BLOCK_SIZE_M for the alignment and both GEMMs, e.g. 64-row GEMM2 tiles where
-the layer's 128-row blocks are half full) (BLOCK_SIZE_N/K, warps, stages; for GEMM2 also its K split and TMA on inter). Every
+the layer's 128-row blocks are half full) (BLOCK_SIZE_N/K, warps, stages; for GEMM2 also its K split). Every
 candidate's output is checked against the current config's before it counts.
 
 Writes gemm_configs.csv (one row per candidate) and gemm_configs.md (per point and GEMM: current,
@@ -28,19 +28,14 @@ import time
 import pandas as pd
 import torch
 
-from moebench.kernels.triton_moe import (
-    _num_sms,
-    _tma_ok,
-    align_pairs,
-    layer_split_k,
-    fused_topk_softmax,
-    launch_gemm1,
-    launch_gemm2,
-    resolve_use_tma,
-)
+from moebench.kernels.triton.align import align_pairs
+from moebench.kernels.triton.configs import TILE_KEYS
+from moebench.kernels.triton.env import num_sms, tma_ok
+from moebench.kernels.triton.gemm import launch_gemm1, launch_gemm2
+from moebench.kernels.triton.options import TritonOptions, gemm1_walk, layer_split_k, resolve_use_tma
+from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
-from moebench.tuning.configs import TILE_KEYS
 
 from bench_common import ON_GPU, SHAPES, layer_config, script_setup, seeded_inputs, timed_us
 
@@ -52,24 +47,24 @@ SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
 SMEM = 220 * 1024  # bytes of shared memory a config's pipeline may use (H200: 227 KB per block)
 
 
-def candidates(base: dict, gemm: int, smoke: bool) -> list[tuple[dict, int, bool]]:
-    """(config, GEMM2 split, GEMM2 TMA on inter) candidates with base's BLOCK_SIZE_M and GROUP."""
+def candidates(base: dict, gemm: int, smoke: bool) -> list[tuple[dict, int]]:
+    """(config, GEMM2 split) candidates with base's BLOCK_SIZE_M and GROUP."""
     bm = base["BLOCK_SIZE_M"]
     if smoke:
         shapes = [(32, 32, 4, 2), (64, 32, 4, 2)]
-        splits, tma_as = (1, 2) if gemm == 2 else (1,), (False,)
+        splits = (1, 2) if gemm == 2 else (1,)
     elif bm >= 64:  # compute-bound tiles: (BLOCK_N, warps) pairs x BLOCK_K x stages
         shapes = [(bn, bk, w, s) for (bn, w), bk, s in itertools.product(((128, 4), (128, 8), (256, 8)), (32, 64, 128), (3, 4, 5))]
-        splits, tma_as = (1,), ((False, True) if gemm == 2 else (False,))
+        splits = (1,)
     else:  # memory-bound decode tiles: narrow N, long K, and GEMM2's K split
         shapes = [(bn, bk, 4, s) for bn, bk, s in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5))]
-        splits, tma_as = ((1, 2, 4) if gemm == 2 else (1,)), (False,)
+        splits = (1, 2, 4) if gemm == 2 else (1,)
     out = []
-    for (bn, bk, w, s), split, tma_a in itertools.product(shapes, splits, tma_as):
+    for (bn, bk, w, s), split in itertools.product(shapes, splits):
         if (bm * bk + bk * bn) * 2 * s > SMEM:
             continue
         cfg = dict(base, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, num_warps=w, num_stages=s)
-        out.append((cfg, split, tma_a))
+        out.append((cfg, split))
     return out
 
 
@@ -115,18 +110,19 @@ def main() -> int:
         if args.bm:
             base["BLOCK_SIZE_M"] = args.bm
         align = align_pairs(ids, base["BLOCK_SIZE_M"], e_local, emap, e)
-        tma = resolve_use_tma(None, base, dt) and _tma_ok(w13) and _tma_ok(w2)
-        wide = base["BLOCK_SIZE_M"] >= 64
-        split0 = layer_split_k(m, k, e, e_local, h, inter, base, align.max_blocks, _num_sms(dev))
+        opts = TritonOptions()
+        tma = resolve_use_tma(opts, base, dt) and tma_ok(w13) and tma_ok(w2)
+        wide = gemm1_walk(opts, base, dt, False, False, inter, 0)[0]  # the wide walk from 64-row tiles (no sorted copy)
+        split0 = layer_split_k(opts, m, k, e, e_local, h, inter, base, align.max_blocks, num_sms(dev))
         inter0 = launch_gemm1(x, w13, align, k, base, tma, wide=wide)
         # GEMM1's rows that hold a pair (padding rows and unused blocks are left unwritten)
         sorted_ids = align.sorted_token_ids[: inter0.shape[0]].long()
         used = (sorted_ids < align.num_pairs) & (torch.arange(inter0.shape[0], device=dev) < align.num_tokens_post_padded)
 
-        def run(gemm: int, cfg: dict, split: int, tma_a: bool):
+        def run(gemm: int, cfg: dict, split: int):
             if gemm == 1:
                 return lambda: launch_gemm1(x, w13, align, k, cfg, tma, wide=wide)
-            return lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma, tma_a=tma_a)
+            return lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma)
 
         def timed(fn):
             return timed_us(fn, reps=15, graph_calls=3)
@@ -136,19 +132,19 @@ def main() -> int:
                 out = fn()
                 return out[used].float() if gemm == 1 else out.float()
 
-            want = result(run(gemm, base, split0, False))
-            cur = timed(run(gemm, base, split0, False))
-            best = (cur, "current", base, split0, False)
+            want = result(run(gemm, base, split0))
+            cur = timed(run(gemm, base, split0))
+            best = (cur, "current", base, split0)
             n_ok = n_fail = 0
-            for cfg, split, tma_a in candidates(base, gemm, args.smoke):
-                if cfg == base and split == split0 and not tma_a:
+            for cfg, split in candidates(base, gemm, args.smoke):
+                if cfg == base and split == split0:
                     continue
-                label = "/".join(str(cfg[c]) for c in TILE_KEYS) + f" sk{split}" + (" tma_a" if tma_a else "")
+                label = "/".join(str(cfg[c]) for c in TILE_KEYS) + f" sk{split}"
                 try:
-                    got = result(run(gemm, cfg, split, tma_a))
+                    got = result(run(gemm, cfg, split))
                     if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
                         raise RuntimeError("output differs from the current config's")
-                    t = timed(run(gemm, cfg, split, tma_a))
+                    t = timed(run(gemm, cfg, split))
                     n_ok += 1
                 except Exception as ex:  # noqa: BLE001 - out of resources etc.: recorded, not fatal
                     n_fail += 1
@@ -157,7 +153,7 @@ def main() -> int:
                     continue
                 rows.append(dict(shape=shape, tokens=m, gemm=gemm, config=label, us=round(t, 2), note=""))
                 if t < best[0]:
-                    best = (t, label, cfg, split, tma_a)
+                    best = (t, label, cfg, split)
             cur_label = "/".join(str(base[c]) for c in TILE_KEYS) + f" sk{split0}"
             summary.append(dict(shape=shape, tokens=m, gemm=gemm, current=cur_label, current_us=round(cur, 2),
                                 best=best[1], best_us=round(best[0], 2), best_over_current=round(best[0] / cur, 3),

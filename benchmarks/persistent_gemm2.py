@@ -25,16 +25,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moebench.kernels.moe_align import interpreting
-from moebench.kernels.triton_common import grouped_tile, mma, tile_rows
-from moebench.kernels.triton_moe import (
-    _num_sms,
-    align_pairs,
-    fused_topk_softmax,
-    launch_gemm1,
-    launch_gemm2,
-    resolve_use_tma,
-)
+from moebench.kernels.triton.align import align_pairs
+from moebench.kernels.triton.common import grouped_tile, mma, tile_rows
+from moebench.kernels.triton.env import interpreting, num_sms
+from moebench.kernels.triton.gemm import launch_gemm1, launch_gemm2
+from moebench.kernels.triton.options import TritonOptions, resolve_use_tma
+from moebench.kernels.triton.routing import fused_topk_softmax
 
 from bench_common import ON_GPU, SHAPES, layer_config, script_setup, timed_us, write_rows
 
@@ -89,7 +85,7 @@ def _gemm2_persistent_kernel(
 
 def gemm2_persistent(inter, w2, topk_weights, align, topk, cfg, programs: int, flatten: bool,
                      stages: int | None = None) -> torch.Tensor:
-    """(M, H) fp32 weighted top-k sum, as launch_gemm2 with atomic=True; stages: num_stages
+    """(M, H) fp32 weighted top-k sum, as launch_gemm2 makes it; stages: num_stages
     instead of cfg's (flattening multi-buffers across tiles: 4 stages of 128x256x64 bf16 tiles
     need 262 KB of shared memory, 3 stages 229 KB, compiled for sm_90)."""
     m, _ = topk_weights.shape
@@ -131,8 +127,8 @@ def main() -> int:
         cfg = layer_config(shape, m, w13, w2, e, k, dt)
         if args.smoke:
             cfg.update(BLOCK_SIZE_N=32, BLOCK_SIZE_K=32)
-        align = align_pairs(ids, cfg["BLOCK_SIZE_M"], e_local, None, e, direct=False)
-        tma = resolve_use_tma(None, cfg, dt)
+        align = align_pairs(ids, cfg["BLOCK_SIZE_M"], e_local, None, e, options=TritonOptions(direct_align=False))
+        tma = resolve_use_tma(TritonOptions(), cfg, dt)
         inter = launch_gemm1(x, w13, align, k, cfg, tma, wide=cfg["BLOCK_SIZE_M"] >= 64)
 
         def timed(fn):
@@ -141,7 +137,7 @@ def main() -> int:
         shipped = lambda: launch_gemm2(inter, w2, tw, align, k, cfg, 1, tma)  # noqa: E731
         want = shipped()
         row = dict(shape=shape, tokens=m, config="/".join(str(cfg[c]) for c in cfg), shipped_us=round(timed(shipped), 1))
-        sms = _num_sms(dev)
+        sms = num_sms(dev)
         # (name, programs, flatten, num_stages, tile changes): one / two programs per SM, flattened
         # loops. Flattening multi-buffers across tiles; compiled for sm_90 on a CPU (seventh
         # session) at 128-row tiles it fits 227 KB with 2 stages of 128x256x64 (192 KB), 3 of

@@ -1,6 +1,6 @@
 """Launch shape of the routing kernel (issue 3), A/B in one run: `fused_topk_softmax` (softmax
 top-k + renormalise in one Triton launch) with ROWS tokens per program and num_warps, against the
-current rule (`triton_moe.topk_softmax_launch`), per (experts, topk, tokens), CUDA-graph replay of
+current rule (`moebench.kernels.triton.routing.topk_softmax_launch`), per (experts, topk, tokens), CUDA-graph replay of
 10 back-to-back calls. Every variant is checked to give the rule's ids (and its weights to rounding) first.
 
     PYTHONPATH=. python benchmarks/routing_configs.py [--tokens 1,16,256,4096] [--smoke]
@@ -19,7 +19,7 @@ import sys
 import torch
 
 from moebench.bench.timing import time_cpu, time_cuda
-from moebench.kernels.triton_moe import fused_topk_softmax, topk_softmax_launch
+from moebench.kernels.triton.routing import fused_topk_softmax, topk_softmax_launch
 
 from bench_common import script_setup, write_rows
 

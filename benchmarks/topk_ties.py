@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from moebench.kernels.triton_moe import fused_topk_softmax
+from moebench.kernels.triton.routing import fused_topk_softmax
 
 
 def main() -> None:

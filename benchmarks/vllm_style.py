@@ -15,10 +15,9 @@ with the tile configs of vLLM's `E=8,N=14336` and `E=128,N=768` H200 files (benc
 vllm_h200_configs.json: the six fields as lists in KEYS order; nearest token key, as vLLM looks them up). moebench's `triton` GEMM part
 (fused SiLU-mul epilogue, paired gate/up walk, atomic top-k sum) is timed with its shipped tuned
 file and with vLLM's config, so kernel and config effects separate (`ours`, `ours_vcfg`: the default
-code path, so GEMM1 is the wide walk where DEFAULT_WIDE_GEMM1 says so); at vLLM's config also with
-the paired gate/up walk (`wide=False`) with and without TMA, with the wide GEMM1 (gate and up as
-one tile, one dot: `wide=True`), and with TMA for both GEMMs' weights and GEMM2's inter tiles
-(`tma_a=True`).
+code path, so GEMM1 is the wide walk where TritonOptions().wide_gemm1 "auto" says so); at vLLM's
+config also with the paired gate/up walk (`wide_gemm1=False`) with and without TMA, and with the
+wide GEMM1 (gate and up as one tile, one dot: `wide_gemm1=True`).
 
 Per (shape, tokens) several routings (seeds) are timed, each CUDA-graph replayed, alignment outside
 the timed region (as design.md's "GEMM part"); the table gives the median over routings of each
@@ -43,19 +42,15 @@ import triton.language as tl
 
 import moebench
 from moebench.bench.timing import time_cpu, time_cuda
-from moebench.kernels.moe_align import interpreter_compat, interpreting, moe_align_block_size
-from moebench.kernels.triton_common import grouped_tile, mma
+from moebench.kernels.triton.align import moe_align_block_size
+from moebench.kernels.triton.common import grouped_tile, mma
+from moebench.kernels.triton.env import interpreter_compat, interpreting, num_sms
+from moebench.kernels.triton.experts import select_config
+from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1
+from moebench.kernels.triton.options import TritonOptions, layer_split_k, resolve_use_tma
+from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.report import _markdown
 from moebench.results import atomic_write_text
-from moebench.kernels.triton_moe import (
-    _num_sms,
-    fused_moe_gemms,
-    fused_topk_softmax,
-    launch_gemm1,
-    layer_split_k,
-    resolve_use_tma,
-    select_config,
-)
 
 ON_GPU = torch.cuda.is_available()
 # name: (E, topk, H, I, vLLM config file key)
@@ -201,7 +196,7 @@ def main() -> int:
         for m in [int(t) for t in args.tokens.split(",")]:
             vcfg = vllm_config(table, m)
             ocfg, src = select_config(m, k, w13, w2, e, dt)
-            per = {name: [] for name in ("vllm", "ours", "ours_vcfg", "ours_vcfg_paired", "ours_vcfg_notma", "ours_vcfg_wide", "ours_vcfg_tma_a", "vllm_g1",
+            per = {name: [] for name in ("vllm", "ours", "ours_vcfg", "ours_vcfg_paired", "ours_vcfg_notma", "ours_vcfg_wide", "vllm_g1",
                                          "ours_g1", "ours_vcfg_g1", "ours_vcfg_g1_notma", "ours_vcfg_g1_wide")}
             hits, errs = [], []
             for r in range(args.routings):
@@ -211,34 +206,33 @@ def main() -> int:
                 hits.append(int(torch.unique(ids).numel()))
                 va = moe_align_block_size(ids, vcfg["BLOCK_SIZE_M"], e)
                 oa = moe_align_block_size(ids, ocfg["BLOCK_SIZE_M"], e)
-                split = layer_split_k(m, k, e, e, h, inter, ocfg, oa.max_blocks, _num_sms(dev))  # as the layer splits
-                otma = resolve_use_tma(None, ocfg, dt)
-                vtma = resolve_use_tma(None, vcfg, dt)
+                opts = TritonOptions()
+                split = layer_split_k(opts, m, k, e, e, h, inter, ocfg, oa.max_blocks, num_sms(dev))  # as the layer splits
+                otma = resolve_use_tma(opts, ocfg, dt)
+                vtma = resolve_use_tma(opts, vcfg, dt)
+                paired, notma = TritonOptions(wide_gemm1=False), TritonOptions(use_tma=False, wide_gemm1=False)
+                wide = TritonOptions(wide_gemm1=True)
                 if r == 0:  # correctness of the vLLM-style path, against the float64 reference
                     ref = moebench.reference_moe(x, w13, w2, tw, ids, None)
                     got = vllm_style_moe(x, w13, w2, tw, va, k, vcfg)
                     errs.append(((got.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item())
                     del ref, got
                 per["vllm"].append(_time(lambda: vllm_style_moe(x, w13, w2, tw, va, k, vcfg)))
-                per["ours"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, oa, k, ocfg, split, use_tma=otma)))
-                per["ours_vcfg"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=vtma)))
+                per["ours"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, oa, k, ocfg, split)))
+                per["ours_vcfg"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1)))
                 # GEMM1 variants of moebench's kernel at vLLM's config: the paired walk with TMA weight
-                # loads as the default says and without TMA, and the wide single-dot walk (no TMA in GEMM1)
-                per["ours_vcfg_paired"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=vtma,
-                                                                             wide=False)))
-                per["ours_vcfg_notma"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=False,
-                                                                            wide=False)))
-                per["ours_vcfg_wide"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=vtma, wide=True)))
-                per["ours_vcfg_tma_a"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, use_tma=True, tma_a=True,
-                                                                            wide=False)))
+                # loads as the default says and without TMA, and the wide single-dot walk
+                per["ours_vcfg_paired"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, options=paired)))
+                per["ours_vcfg_notma"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, options=notma)))
+                per["ours_vcfg_wide"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, options=wide)))
                 per["vllm_g1"].append(_time(lambda: vllm_style_gemm1(x, w13, va, k, vcfg), reps=20))
                 per["ours_g1"].append(_time(lambda: launch_gemm1(x, w13, oa, k, ocfg, otma), reps=20))
                 per["ours_vcfg_g1"].append(_time(lambda: launch_gemm1(x, w13, va, k, vcfg, vtma), reps=20))
                 per["ours_vcfg_g1_notma"].append(_time(lambda: launch_gemm1(x, w13, va, k, vcfg, False), reps=20))
                 per["ours_vcfg_g1_wide"].append(_time(lambda: launch_gemm1(x, w13, va, k, vcfg, False, wide=True), reps=20))
                 if r == 0:  # the wide walk gives the paired walk's result
-                    got = fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, wide=True)
-                    ref = fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, wide=False)
+                    got = fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, options=wide)
+                    ref = fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, options=paired)
                     errs.append(((got.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item())
             med = {n: statistics.median(v) for n, v in per.items()}
             ratio = statistics.median(o / v for o, v in zip(per["ours"], per["vllm"]))
@@ -249,7 +243,7 @@ def main() -> int:
                 ours_us=round(med["ours"], 1), ours_over_vllm=round(ratio, 3), ours_vcfg_us=round(med["ours_vcfg"], 1),
                 ours_vcfg_over_vllm=round(ratio_v, 3), ours_vcfg_paired_us=round(med["ours_vcfg_paired"], 1),
                 ours_vcfg_notma_us=round(med["ours_vcfg_notma"], 1),
-                ours_vcfg_wide_us=round(med["ours_vcfg_wide"], 1), ours_vcfg_tma_a_us=round(med["ours_vcfg_tma_a"], 1),
+                ours_vcfg_wide_us=round(med["ours_vcfg_wide"], 1),
                 wide_over_paired=round(statistics.median(a / b for a, b in zip(per["ours_vcfg_wide"], per["ours_vcfg_paired"])), 3),
                 vllm_g1_us=round(med["vllm_g1"], 1), ours_g1_us=round(med["ours_g1"], 1),
                 ours_vcfg_g1_us=round(med["ours_vcfg_g1"], 1), ours_vcfg_g1_notma_us=round(med["ours_vcfg_g1_notma"], 1),

@@ -35,9 +35,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moebench.kernels.moe_align import interpreting
-from moebench.kernels.triton_common import grouped_tile, mma
-from moebench.kernels.triton_moe import _num_sms
+from moebench.kernels.triton.common import grouped_tile, mma
+from moebench.kernels.triton.env import interpreting, num_sms
 
 from bench_common import ON_GPU, script_setup, timed_us, write_rows
 
@@ -141,7 +140,7 @@ def main() -> int:
         args.dense_k = "64"
     out_dir, dev, head = script_setup("bf16 C = A @ B^T, us; /base = against torch.matmul in the same process")
     print("# " + head, flush=True)
-    sms = _num_sms(dev)
+    sms = num_sms(dev)
     rows = []
     for kk in (int(v) for v in args.dense_k.split(",")):
         a = torch.randn(size, kk, dtype=torch.bfloat16, device=dev)

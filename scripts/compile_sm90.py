@@ -31,10 +31,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moebench.kernels import batched_triton as B  # noqa: E402
-from moebench.kernels import fp8_quant as Q  # noqa: E402
-from moebench.kernels import moe_align as A  # noqa: E402
-from moebench.kernels import triton_moe as T  # noqa: E402
+from moebench.kernels.triton import align as A  # noqa: E402
+from moebench.kernels.triton import batched as B  # noqa: E402
+from moebench.kernels.triton import gemm as T  # noqa: E402
+from moebench.kernels.triton import quant as Q  # noqa: E402
+from moebench.kernels.triton import routing as R  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -98,13 +99,13 @@ def main() -> int:
         c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
                  UPCAST=False, IEEE_DOT=False, USE_TMA=False, **quant)
         # fp8: fp8 activations and weights in both GEMMs, the intermediate stored as bf16 by GEMM1
-        # and read as fp8 (after fp8_quant) by GEMM2.
+        # and read as fp8 (after the activation quantisation) by GEMM2.
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if fp8 else std_ptrs
         p2 = dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if fp8 else std_ptrs
-        print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False), p1, ("w13_desc",)))
-        print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, ATOMIC=True, A_TMA=False), p2, ("w2_desc", "inter_desc")))
-        for name, fp8_ptrs in (("_batched_silu_mul_gemm1_kernel", ("a_ptr", "w13_ptr")),
-                               ("_batched_gemm2_kernel", ("inter_ptr", "w2_ptr"))):
+        print(compile_kernel(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False), p1, ("w13_desc", "x_desc")))
+        print(compile_kernel(T.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
+        for name, fp8_ptrs in (("batched_silu_mul_gemm1_kernel", ("a_ptr", "w13_ptr")),
+                               ("batched_gemm2_kernel", ("inter_ptr", "w2_ptr"))):
             jit = getattr(B, name)
             params = set(inspect.signature(jit.fn).parameters)
             ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16")
@@ -115,16 +116,16 @@ def main() -> int:
     # GEMM1 also zeroing GEMM2's fp32 accumulator (decode tile)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant)
-    print(compile_kernel(T._silu_mul_gemm1_kernel, c, dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",)))
+    print(compile_kernel(T.silu_mul_gemm1_kernel, c, dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
     # Programmatic dependent launch (griddepcontrol): GEMM1 waiting and releasing, GEMM2 reading
-    # its expert from L2 before waiting (decode tile, as DEFAULT_PDL uses it)
-    print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, PDL=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",)))
-    c2 = dict(c, BLOCK_SIZE_K=64, ATOMIC=True, A_TMA=False, PDL=True)
+    # its expert from L2 before waiting (decode tile, where options.pdl "auto" uses it)
+    print(compile_kernel(T.silu_mul_gemm1_kernel, dict(c, PDL=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    c2 = dict(c, BLOCK_SIZE_K=64, PDL=True)
     del c2["ZERO_OUT"], c2["WIDE"]
-    print(compile_kernel(T._gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc", "inter_desc")))
+    print(compile_kernel(T.gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc",)))
     # a direct alignment under EP: both GEMMs map their block's global expert id (MAPPED)
-    print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, MAPPED=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",)))
-    print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c2, MAPPED=True), std_ptrs, ("w2_desc", "inter_desc")))
+    print(compile_kernel(T.silu_mul_gemm1_kernel, dict(c, MAPPED=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    print(compile_kernel(T.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True), std_ptrs, ("w2_desc",)))
     # GEMM1 with gate and up as one tile and one dot: decode and prefill tiles (BLOCK_SIZE_N is
     # per half here, as launch_gemm1 passes it), and fp8 block scales
     for (bm, bn, bk), quant in (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),
@@ -132,55 +133,49 @@ def main() -> int:
         c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
                  IEEE_DOT=False, USE_TMA=False, ZERO_OUT=False, WIDE=True, **quant)
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if quant["QUANT"] else std_ptrs
-        print(compile_kernel(T._silu_mul_gemm1_kernel, c, p1, ("w13_desc",)))
+        print(compile_kernel(T.silu_mul_gemm1_kernel, c, p1, ("w13_desc", "x_desc")))
     # per-tensor fp8: GEMM1 quantising the intermediate in its epilogue (fp8 store)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, QUANT=1, GROUP_N=1, GROUP_K=1, QUANT_OUT=True)
-    print(compile_kernel(T._silu_mul_gemm1_kernel, c, dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv",
-                                                            inter_ptr="*fp8e4nv", out_scale_ptr="*fp32"), ("w13_desc",)))
-    # TMA variants at the prefill tile: GEMM1's weights, GEMM2's weights and its inter tiles
+    print(compile_kernel(T.silu_mul_gemm1_kernel, c, dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv",
+                                                            inter_ptr="*fp8e4nv", out_scale_ptr="*fp32"), ("w13_desc", "x_desc")))
+    # TMA variants at the prefill tile: GEMM1's weights (paired walk), GEMM2's weights
     bm, bn, bk = 128, 128, 64
     c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=True, **no_quant)
-    print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
-                         dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>")))
-    print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn, ATOMIC=True, A_TMA=True),
-                         dict(std_ptrs, inter_desc=f"tensordesc<bf16[{bm}, {bk}]>", w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
-    # Half-height tiles for part-filled blocks (HALF): GEMM1 wide (no TMA) and GEMM2 with w2 through
-    # TMA at the prefill tile, each kernel holding both tile heights
-    print(compile_kernel(T._silu_mul_gemm1_kernel, dict(c, USE_TMA=False, ZERO_OUT=False, WIDE=True, HALF=True),
-                         std_ptrs, ("w13_desc",)))
-    print(compile_kernel(T._gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn, ATOMIC=True, A_TMA=False, HALF=True),
-                         dict(std_ptrs, w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>"), ("inter_desc",)))
+    print(compile_kernel(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
+                         dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>"), ("x_desc",)))
+    print(compile_kernel(T.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn),
+                         dict(std_ptrs, w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
     # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
     # (looped chunks), dynamic scales, rows limited on the device.
     qptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "limit_ptr": "*i32"}
     for one_chunk, block_m, block_k, limit in ((True, 32, 128, 1), (False, 4, 1024, 2)):
         qc = dict(STATIC=False, LIMIT=limit, ONE_CHUNK=one_chunk, BLOCK_M=block_m, BLOCK_K=block_k, EXACT_ROUND=False)
-        print(compile_kernel(Q._quant_rows_kernel, qc, qptrs))
+        print(compile_kernel(Q.quant_rows_kernel, qc, qptrs))
     # Alignment: the two-kernel paths (scan: 2048-pair chunks; sort: 256-pair chunks, Qwen3 4096
     # tokens x top-8 over 128 local experts) and the one launch for few pairs (Qwen3 64 tokens),
     # with an expert map
     aptrs = {p: "*i32" for p in ("topk_ids_ptr", "expert_map_ptr", "counts_ptr", "sorted_ptr", "expert_ids_ptr",
                                  "ntpp_ptr")}
-    print(compile_kernel(A._count_pairs_kernel, dict(HAS_MAP=True, CHUNK=2048, NUM_CHUNKS=4), aptrs))
-    print(compile_kernel(A._place_pairs_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=64, CHUNK=2048, NUM_CHUNKS=4, NC_POW2=4,
+    print(compile_kernel(A.count_pairs_kernel, dict(HAS_MAP=True, CHUNK=2048, NUM_CHUNKS=4), aptrs))
+    print(compile_kernel(A.place_pairs_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=64, CHUNK=2048, NUM_CHUNKS=4, NC_POW2=4,
                                                      E_POW2=128), aptrs))
-    print(compile_kernel(A._chunk_counts_kernel, dict(HAS_MAP=True, CHUNK=256, E_POW2=128, TILE=1024), aptrs))
-    print(compile_kernel(A._chunk_place_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=128, CHUNK=256, NC_POW2=128, E_POW2=128,
+    print(compile_kernel(A.chunk_counts_kernel, dict(HAS_MAP=True, CHUNK=256, E_POW2=128, TILE=1024), aptrs))
+    print(compile_kernel(A.chunk_place_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=128, CHUNK=256, NC_POW2=128, E_POW2=128,
                                                      TILE=64), aptrs))
-    print(compile_kernel(A._align_one_launch_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=16, CHUNK=512, E_POW2=128), aptrs))
-    # ... launched with PDL (waits for the routing, then releases GEMM1), as DEFAULT_PDL_EARLY does
-    print(compile_kernel(A._align_one_launch_kernel, dict(HAS_MAP=False, BLOCK_SIZE_M=16, CHUNK=128, E_POW2=128,
+    print(compile_kernel(A.align_one_launch_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=16, CHUNK=512, E_POW2=128), aptrs))
+    # ... launched with PDL (waits for the routing, then releases GEMM1), as it is where PDL is on
+    print(compile_kernel(A.align_one_launch_kernel, dict(HAS_MAP=False, BLOCK_SIZE_M=16, CHUNK=128, E_POW2=128,
                                                           PDL=True), aptrs))
     # Softmax top-k routing: Qwen3-Next's (512 experts, top-10) and DeepSeek's (256, top-8) shapes
     for block_e, topk, rows in ((512, 10, 4), (256, 8, 8), (128, 8, 1)):
         rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows,
                   RELEASE=rows == 1)  # (the decode shape releasing a PDL-launched successor early)
-        print(compile_kernel(T._topk_softmax_kernel, rc, {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}))
+        print(compile_kernel(R.topk_softmax_kernel, rc, {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}))
     # As launched: the prefill tile of Qwen3-30B-A3B at 4096 tokens (H 2048, I 768, 32768 pairs),
-    # 128 x 256 x 64, 8 warps, 4 stages (the shipped file's entry), GEMM1 wide, GEMM2 with w2
-    # through TMA; whole tiles only, and with the half-height branch (HALF) as well
+    # 128 x 256 x 64, 8 warps, 4 stages (the shipped file's entry), GEMM1 wide with pointer loads
+    # (as on a device without TMA), GEMM2 with w2 through TMA
     h, n_inter, pairs, blocks = 2048, 768, 32768, 400
     ints1 = dict(zero_numel=4096 * h, num_pairs=pairs, N_INTER=n_inter, H=h, num_blocks_m=blocks, stride_xm=h,
                  stride_xk=1, stride_we=2 * n_inter * h, stride_wn=h, stride_wk=1, stride_im=n_inter, stride_in=1,
@@ -191,14 +186,13 @@ def main() -> int:
     c = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, TOPK=8, EVEN_K=True, UPCAST=False, IEEE_DOT=False,
              **no_quant)
     opts = dict(num_warps=8, num_stages=4)
-    for half in (False, True):
-        print("as launched, HALF=%s: " % half + compile_kernel(
-            T._silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=False, ZERO_OUT=True, WIDE=True, HALF=half),
-            dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc",), ints1, opts))
-        print("as launched, HALF=%s: " % half + compile_kernel(
-            T._gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=256, USE_TMA=True, ATOMIC=True, A_TMA=False, HALF=half),
-            dict(std_ptrs, w2_desc="tensordesc<bf16[256, 64]>"), ("inter_desc",), ints2, opts))
-    # The wide GEMM1 through TMA (DEFAULT_WIDE_TMA): the (2, BN, BK) weight box of the (2E, I, H)
+    print("as launched: " + compile_kernel(
+        T.silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=False, ZERO_OUT=True, WIDE=True),
+        dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc"), ints1, opts))
+    print("as launched: " + compile_kernel(
+        T.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=256, USE_TMA=True),
+        dict(std_ptrs, w2_desc="tensordesc<bf16[256, 64]>"), (), ints2, opts))
+    # The wide GEMM1 through TMA (as on the H200): the (2, BN, BK) weight box of the (2E, I, H)
     # view, A gathered by pointer loads or (sorted_a) through TMA from the sorted copy
     for a_tma in (False, True):
         ptrs = dict(std_ptrs, zero_ptr="*fp32", w13_desc="tensordesc<bf16[2, 128, 64]>")
@@ -206,7 +200,7 @@ def main() -> int:
         if a_tma:
             ptrs["x_desc"], unused = "tensordesc<bf16[128, 64]>", ()
         print("as launched, WIDE TMA, A_TMA=%s: " % a_tma + compile_kernel(
-            T._silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=True, ZERO_OUT=True, WIDE=True, A_TMA=a_tma),
+            T.silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=True, ZERO_OUT=True, WIDE=True, A_TMA=a_tma),
             ptrs, unused, ints1, opts))
     return 0
 

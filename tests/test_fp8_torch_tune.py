@@ -23,7 +23,7 @@ from moebench.kernels.registry import check_combination
 from moebench.layout import ParallelLayout
 from moebench.models import custom_shape, get_model
 from moebench.quant import QuantScheme, quantize_activation, quantize_weights
-from moebench.tuning import configs as C
+from moebench.kernels.triton import configs as C
 from moebench.tuning import space as SP
 from moebench.tuning import tuner as T
 from moebench.tuning.commands import configs as configs_group
@@ -252,7 +252,7 @@ def test_tiny_fp8_tune_end_to_end(tmp_path, monkeypatch, kind):
 
 
 def test_fp8_tune_refuses_what_triton_cannot_run(monkeypatch):
-    from moebench.kernels.triton_moe import TritonExperts
+    from moebench.kernels.triton.experts import TritonExperts
 
     monkeypatch.setattr(TritonExperts, "supported_quant", ("block",))
     with pytest.raises(MoebenchError, match="cannot tune fp8_w8a8 per-tensor"):

@@ -2,12 +2,11 @@
 Triton's own ptxas, in a subprocess without the interpreter (which conftest turns on). Covers the
 unquantised GEMMs (2 tiles x 4 kernels), their fp8 variants (per-token and block[128,128] scales,
 4 kernels each), GEMM1 zeroing GEMM2's accumulator, both GEMMs under programmatic dependent
-launch (griddepcontrol), GEMM1's wide variant (3 tiles; and through TMA at the prefill tile, A
+launch (griddepcontrol), GEMM1's wide walk (3 tiles; and through TMA at the prefill tile, A
 gathered or from the sorted copy: its weight box lands in shared memory by TMA), the TMA
-variants of both GEMMs, GEMM1 storing a per-tensor fp8 intermediate, the half-height tiles (HALF),
-the fp8 activation quantisation kernel (2 variants), the alignment and routing kernels; and both
-GEMMs at the prefill tile specialised as at a launch: no register spills, pointer loads pipelined,
-in both tile heights of HALF."""
+variants of both GEMMs, GEMM1 storing a per-tensor fp8 intermediate, the fp8 activation
+quantisation kernel (2 variants), the alignment and routing kernels; and both GEMMs at the
+prefill tile specialised as at a launch: no register spills, pointer loads pipelined."""
 
 import os
 import re
@@ -26,16 +25,11 @@ def test_kernels_compile_for_hopper(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 46 and all("cubin" in line for line in lines), res.stdout
-    assert sum("_quant_rows_kernel" in line for line in lines) == 2, res.stdout
-    launched = {}
-    for line in lines[-6:-2]:
-        m = re.match(r"as launched, HALF=(\w+): (\w+): .* spills (\d+) B, pipelined loads (\d+) \+ TMA \d+$", line)
-        assert m and m.group(3) == "0", line  # no register spills at the 128 x 256 tile
-        launched[m.group(2), m.group(1)] = int(m.group(4))
-    for kernel in ("_silu_mul_gemm1_kernel", "_gemm2_weighted_sum_kernel"):
-        whole = launched[kernel, "False"]
-        assert whole > 0 and launched[kernel, "True"] == 2 * whole  # each tile height's loop pipelined
+    assert len(lines) == 42 and all("cubin" in line for line in lines), res.stdout
+    assert sum("quant_rows_kernel" in line for line in lines) == 2, res.stdout
+    for line in lines[-4:-2]:  # the prefill tile: no register spills, its pointer loads pipelined
+        m = re.match(r"as launched: (\w+): .* spills (\d+) B, pipelined loads (\d+) \+ TMA (\d+)$", line)
+        assert m and m.group(2) == "0" and int(m.group(3)) > 0, line
     for line in lines[-2:]:  # the wide TMA GEMM1: weights (and with A_TMA the rows) by TMA, no spills
         m = re.match(r"as launched, WIDE TMA, A_TMA=(\w+): .* spills (\d+) B, pipelined loads (\d+) \+ TMA (\d+)$", line)
         assert m and m.group(2) == "0" and int(m.group(4)) > 0, line

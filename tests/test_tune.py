@@ -17,7 +17,7 @@ from moebench.bench.timing import time_cpu
 from moebench.errors import MoebenchError
 from moebench.layout import ParallelLayout
 from moebench.models import custom_shape, get_model
-from moebench.tuning import configs as C
+from moebench.kernels.triton import configs as C
 from moebench.tuning import search as S
 from moebench.tuning import space as SP
 from moebench.tuning import tuner as T

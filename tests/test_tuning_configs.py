@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moebench.errors import MoebenchError
-from moebench.tuning import configs as C
+from moebench.kernels.triton import configs as C
 
 GOOD = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 4}
 BIG = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_warps": 8, "num_stages": 3}

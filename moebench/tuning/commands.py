@@ -6,7 +6,7 @@
     moebench configs list | show FILE|E,N | diff A B | commit FILE...
                   (show / diff of E,N: --dtype fp8_w8a8 [--block-shape BN,BK] pick the fp8 file)
 
-Commands parse and print; the work is in `moebench.tuning.tuner` and `moebench.tuning.configs`.
+Commands parse and print; the work is in `moebench.tuning.tuner` and `moebench.kernels.triton.configs`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from rich.table import Table
 
 from moebench.errors import MoebenchError
 from moebench.fileio import atomic_write_bytes
-from moebench.tuning import configs as C
+from moebench.kernels.triton import configs as C
 
 console = Console()
 err_console = Console(stderr=True)
@@ -35,7 +35,7 @@ TUNE_TOKENS_CUDA = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 153
 def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
     """'E=8,N=14336,device_name=NVIDIA_H200[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json'
     -> its parts ("down": GEMM2's file, SGLang's name; "per_channel_quant": fp8 per-token scales, SGLang's
-    name), or None when the name is not a tuned-config file name (moebench.tuning.configs.parse_file_name)."""
+    name), or None when the name is not a tuned-config file name (moebench.kernels.triton.configs.parse_file_name)."""
     return C.parse_file_name(name)
 
 

@@ -46,7 +46,7 @@ from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
 from moebench.quant import QuantScheme
 from moebench.routing import make_routing
-from moebench.tuning.configs import TILE_KEYS, TileConfig, validate_tile_config
+from moebench.kernels.triton.configs import TILE_KEYS, TileConfig, validate_tile_config
 from moebench.tuning.space import config_key, key_str, neighbours
 
 #: (fn, reps) -> Timing of one call of fn.

@@ -40,8 +40,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from moebench.kernels.moe_align import max_padded_size
-from moebench.tuning.configs import TILE_KEYS, TileConfig
+from moebench.kernels.triton.align import max_padded_size
+from moebench.kernels.triton.configs import TILE_KEYS, TileConfig
 
 #: Values per parameter, in order (the order `neighbours` steps along).
 SPACE: dict[str, tuple[int, ...]] = {

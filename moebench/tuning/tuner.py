@@ -54,7 +54,7 @@ from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
 from moebench.quant import QuantScheme, precision_text
 from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
-from moebench.tuning import configs as C
+from moebench.kernels.triton import configs as C
 from moebench.tuning.precompile import Precompiler
 from moebench.tuning.search import (
     STRATEGIES,
@@ -339,9 +339,10 @@ def gemm1_config(spec: TuneSpec, tokens: int) -> tuple[dict[str, int], str]:
     """GEMM1's config at `tokens` as the layer looks it up on spec.device (tuned file along the
     lookup order, else the default heuristic), and where it came from: what a `--down` run tunes
     GEMM2 against."""
-    cfg, src = C.lookup_config(
-        spec.local_experts, spec.inter_per_rank, tokens, spec.dtype, device_name=C.device_name(spec.device),
-        hidden=spec.shape.hidden, topk=spec.shape.topk, num_experts_global=spec.shape.num_experts, quant=spec.quant)
+    cfg, src = C.layer_config(
+        tokens, local_experts=spec.local_experts, inter=spec.inter_per_rank, hidden=spec.shape.hidden,
+        topk=spec.shape.topk, num_experts=spec.shape.num_experts, dtype=spec.dtype,
+        device_name=C.device_name(spec.device), quant=spec.quant)
     return dict(cfg), src
 
 
@@ -364,11 +365,8 @@ def default_for(spec: TuneSpec, tokens: int) -> dict[str, int]:
     GEMM2 runs with when there is no `_down.json` file."""
     if spec.down:
         return gemm1_config(spec, tokens)[0]
-    cfg = C.default_config(tokens, spec.shape.num_experts, spec.inter_per_rank, spec.shape.hidden, spec.shape.topk,
-                           spec.dtype)
-    if spec.quant is not None:
-        cfg = C.quant_default(cfg, spec.quant)
-    return dict(cfg)
+    return dict(C.heuristic_config(tokens, spec.shape.num_experts, spec.inter_per_rank, spec.shape.hidden,
+                                   spec.shape.topk, spec.dtype, spec.quant))
 
 
 def layer_bench(spec: TuneSpec, weights: LayerWeights, tokens: int, device: str, timer: Timer | None = None,
@@ -788,7 +786,7 @@ def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None) ->
 
 def update_config_file(spec: TuneSpec, path: Path, entries: Mapping[int, Mapping[str, int]],
                        run_dir: str | os.PathLike | None = None) -> Path:
-    """Merge `entries` into the config file at `path` (moebench.tuning.configs.merge_config_file:
+    """Merge `entries` into the config file at `path` (moebench.kernels.triton.configs.merge_config_file:
     atomic rename, refused for a file of another scheme). With `run_dir`, under an exclusive lock
     on a file there, so the workers of one run never drop each other's entries."""
     if run_dir is None:

@@ -10,7 +10,7 @@ import torch
 import moebench
 from moebench.bench.timing import capture_graph
 from moebench.correctness import FP8_TOLERANCE, relative_error
-from moebench.kernels.fp8_quant import quantize_rows
+from moebench.kernels.triton.quant import quantize_rows
 from moebench.kernels.modular import poisoned_outputs
 from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation, quantize_weights
 

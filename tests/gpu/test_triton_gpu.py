@@ -8,8 +8,11 @@ import torch
 import moebench
 from moebench.bench.timing import capture_graph
 from moebench.kernels.modular import poisoned_outputs
-from moebench.kernels.moe_align import moe_align_block_size, moe_align_block_size_torch
-from moebench.kernels.triton_moe import fused_topk_softmax
+from moebench.kernels.triton import align as A
+from moebench.kernels.triton import experts as X
+from moebench.kernels.triton.align import moe_align_block_size, moe_align_block_size_torch
+from moebench.kernels.triton.options import TritonOptions
+from moebench.kernels.triton.routing import fused_topk_softmax
 
 from gpu_helpers import first_experts_map, replay_on_new_inputs, softmax_topk
 from helpers import rel_err
@@ -63,8 +66,9 @@ def test_align_gpu_matches_torch(m):
     for bm in (16, 64):
         b = moe_align_block_size_torch(ti, bm, 32, emap)
         # the one-launch kernel takes up to 1024 pairs (m <= 128 here); both two-launch methods
-        for one_launch, method in ((True, None), (False, "scan"), (False, "sort")):
-            a = moe_align_block_size(ti, bm, 32, emap, one_launch=one_launch, method=method)
+        for opts in (TritonOptions(), TritonOptions(one_launch_max_pairs=0, align_method="scan"),
+                     TritonOptions(one_launch_max_pairs=0, align_method="sort")):
+            a = moe_align_block_size(ti, bm, 32, emap, options=opts)
             assert torch.equal(a.sorted_token_ids, b.sorted_token_ids)
             assert torch.equal(a.expert_ids, b.expert_ids)
             assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)
@@ -76,7 +80,7 @@ def test_align_sort_gpu_many_experts(m, e):
     g = torch.Generator(device="cuda").manual_seed(m + e)
     ti = torch.randint(0, e, (m, 8), device="cuda", generator=g, dtype=torch.int32)
     for bm in (16, 128):
-        a = moe_align_block_size(ti, bm, e, method="sort")
+        a = moe_align_block_size(ti, bm, e, options=TritonOptions(one_launch_max_pairs=0, align_method="sort"))
         b = moe_align_block_size_torch(ti, bm, e)
         assert torch.equal(a.sorted_token_ids, b.sorted_token_ids) and torch.equal(a.expert_ids, b.expert_ids)
         assert torch.equal(a.num_tokens_post_padded, b.num_tokens_post_padded)
@@ -121,8 +125,6 @@ def test_launch_trimming_in_a_cuda_graph(shape):
     # direct_align + GEMM1 zeroing GEMM2's accumulator: the direct
     # layout is first built while the graph is captured (not cached then), replays give the
     # reference, and an eager call afterwards (cached layout) too.
-    from moebench.kernels import moe_align, triton_moe
-
     m = 1
     x, w13, w2, tw, ti, emap, e = _setup(shape, m)
     k = ti.shape[1]
@@ -130,15 +132,15 @@ def test_launch_trimming_in_a_cuda_graph(shape):
 
     def layer():
         w, ids = fused_topk_softmax(logits, k, renormalize=True)
-        return triton_moe.fused_moe(x, w13, w2, w, ids, emap, e, direct="auto", zero_in_gemm1=True)
+        return X.fused_moe(x, w13, w2, w, ids, emap, e)
 
     layer()  # compile outside the capture
     torch.cuda.synchronize()
-    moe_align._DIRECT_LAYOUTS.clear()
+    A._DIRECT_LAYOUTS.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = layer()
-    assert not moe_align._DIRECT_LAYOUTS
+    assert not A._DIRECT_LAYOUTS
     for seed in (5, 6):
         replay_on_new_inputs(graph, x, seed, logits)
         w, ids = fused_topk_softmax(logits, k, renormalize=True)
@@ -154,19 +156,17 @@ def test_pdl_chain_in_a_cuda_graph(shape, m):
     # layer's input is the previous one's output), replayed several times on new inputs. A GEMM2
     # that read `inter` or added into its accumulator before GEMM1 finished would leave stale or
     # doubled rows that the reference catches; so would a GEMM1 that started before the routing
-    # (which releases it early, DEFAULT_PDL_EARLY) or an alignment launched with PDL that read the
+    # (which releases it early where PDL is on) or an alignment launched with PDL that read the
     # routing's ids before they were written (Qwen3 64: the one-launch alignment), or a GEMM2 that
     # mapped its block's global id (DeepSeek-V3 EP8 one token: direct alignment, expert_map in the
     # GEMMs) before the routing had written it.
-    from moebench.kernels import triton_moe
-
     x, w13, w2, tw, ti, emap, e = _setup(shape, m)
     k = ti.shape[1]
     logits = torch.randn(m, e, device="cuda")
 
     def layer(inp, pdl=True):
         w, ids = fused_topk_softmax(logits, k, renormalize=True)
-        return triton_moe.fused_moe(inp, w13, w2, w, ids, emap, e, pdl=pdl)
+        return X.fused_moe(inp, w13, w2, w, ids, emap, e, options=TritonOptions(pdl=pdl))
 
     def chain(pdl=True):
         y = x
@@ -192,80 +192,51 @@ def test_pdl_chain_in_a_cuda_graph(shape, m):
 
 @pytest.mark.parametrize("m", [1, 16, 1024])
 def test_gemm2_own_config_gpu(m):
-    # GEMM2 with its own tile config (a `_down.json` entry), with and without USE_TMA, at Qwen3's shape
-    from moebench.kernels import triton_moe
-    from moebench.kernels.triton_moe import select_config
-
+    # GEMM2 with its own tile config (a `_down.json` entry), with and without USE_TMA (w2's tiles
+    # through TMA or not), at Qwen3's shape
     x, w13, w2, tw, ti, emap, e = _setup("qwen3-30b-a3b", m)
-    cfg, _ = select_config(m, ti.shape[1], w13, w2, e, x.dtype)
+    cfg, _ = X.select_config(m, ti.shape[1], w13, w2, e, x.dtype)
     ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
     for down in (dict(cfg, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, num_stages=5),
                  dict(cfg, BLOCK_SIZE_K=64, USE_TMA=True), dict(cfg, num_warps=8, USE_TMA=False)):
-        out = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, config=cfg, down_config=down)
+        out = X.fused_moe(x, w13, w2, tw, ti, emap, e, config=cfg, down_config=down)
         assert _rel(out, ref) < 2e-2
-
-
-
-@pytest.mark.parametrize("shape,m", [("mixtral", 256), ("qwen3-30b-a3b", 1024), ("dsv3-ep8", 4096),
-                                     ("qwen3-30b-a3b", 64)])
-def test_half_blocks_gpu(shape, m):
-    # Half-height tiles for part-filled blocks (DEFAULT_HALF_BLOCKS) with the shapes' own configs
-    # (128-row tiles at the first three points, 16 at the last, where half is off): the reference,
-    # and the whole-tile layer's output
-    from moebench.kernels import triton_moe
-
-    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
-    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
-    half = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, half=True)
-    whole = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, half=False)
-    assert _rel(half, ref) < 2e-2 and _rel(half, whole) < 1e-2
-
 
 @pytest.mark.parametrize("shape,m", [("mixtral", 1024), ("qwen3-30b-a3b", 4096), ("dsv3-ep8", 4096),
                                      ("mixtral", 16)])
 def test_sorted_a_gpu(shape, m):
-    # GEMM1 reading x through TMA from a sorted copy (sorted_a) with the shapes' own configs: the
-    # reference, and the layer with the gathered pointer loads
-    from moebench.kernels import triton_moe
-
+    # GEMM1 reading x through TMA from a sorted copy (sorted_a, with the wide walk) with the shapes'
+    # own configs: the reference, and the layer with the gathered pointer loads
     x, w13, w2, tw, ti, emap, e = _setup(shape, m)
     ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
-    got = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, sorted_a=True)
-    base = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, sorted_a=False)
+    got = X.fused_moe(x, w13, w2, tw, ti, emap, e, options=TritonOptions(use_tma=True, sorted_a=True))
+    base = X.fused_moe(x, w13, w2, tw, ti, emap, e, options=TritonOptions(use_tma=True, sorted_a=False))
     assert _rel(got, ref) < 2e-2 and _rel(got, base) < 1e-2
 
 
 @pytest.mark.parametrize("shape,m,sorted_a", [("mixtral", 1024, True), ("mixtral", 256, False),
                                               ("qwen3-30b-a3b", 4096, True), ("qwen3-30b-a3b", 1024, False),
                                               ("dsv3-ep8", 4096, True), ("dsv3-ep8", 1024, False)])
-def test_wide_tma_gpu(shape, m, sorted_a, monkeypatch):
-    # The wide GEMM1 with its weight box through TMA (DEFAULT_WIDE_TMA), with and without the
-    # sorted copy, at the shapes' own configs (128- or 64-row tiles): the reference, and the layer
-    # with the pointer-load wide walk
-    from moebench.kernels import triton_moe
-
+def test_wide_tma_gpu(shape, m, sorted_a):
+    # The wide GEMM1 with its weight box through TMA, with and without the sorted copy, at the
+    # shapes' own configs (128- or 64-row tiles): the reference, and the layer with the wide walk's
+    # pointer loads (no TMA)
     x, w13, w2, tw, ti, emap, e = _setup(shape, m)
     ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
-    monkeypatch.setattr(triton_moe, "DEFAULT_WIDE_TMA", False)
-    base = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, sorted_a=False)
-    monkeypatch.setattr(triton_moe, "DEFAULT_WIDE_TMA", True)
-    got = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e, use_tma=True, wide=True, sorted_a=sorted_a)
+    base = X.fused_moe(x, w13, w2, tw, ti, emap, e, options=TritonOptions(use_tma=False, wide_gemm1=True))
+    got = X.fused_moe(x, w13, w2, tw, ti, emap, e, options=TritonOptions(use_tma=True, wide_gemm1=True, sorted_a=sorted_a))
     assert _rel(got, ref) < 2e-2 and _rel(got, base) < 1e-2
 
 
 @pytest.mark.parametrize("shape,m", [("mixtral", 1024), ("mixtral", 2048)])
 def test_wave_split_gpu(shape, m, monkeypatch):
-    # GEMM2 split over K by the wave rule (DEFAULT_WAVE_SPLIT: 2 splits at these points) against the
-    # reference and the unsplit layer
-    from moebench.kernels import triton_moe
-
+    # GEMM2 split over K by the wave rule (2 splits at these points) against the reference and the
+    # unsplit layer (split_k=1)
     x, w13, w2, tw, ti, emap, e = _setup(shape, m)
     ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
-    monkeypatch.setattr(triton_moe, "DEFAULT_WAVE_SPLIT", False)
-    base = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e)
-    monkeypatch.setattr(triton_moe, "DEFAULT_WAVE_SPLIT", True)
+    base = X.fused_moe(x, w13, w2, tw, ti, emap, e, split_k=1)
     calls = []
-    real = triton_moe.fused_moe_gemms
-    monkeypatch.setattr(triton_moe, "fused_moe_gemms", lambda *a, **kw: calls.append(a[7]) or real(*a, **kw))
-    got = triton_moe.fused_moe(x, w13, w2, tw, ti, emap, e)
+    real = X.fused_moe_gemms
+    monkeypatch.setattr(X, "fused_moe_gemms", lambda *a, **kw: calls.append(a[7]) or real(*a, **kw))
+    got = X.fused_moe(x, w13, w2, tw, ti, emap, e)
     assert calls == [2] and _rel(got, ref) < 2e-2 and _rel(got, base) < 1e-2

@@ -1,4 +1,4 @@
-"""Tuned tile configs for the sorted-token fused MoE kernel, in the files vLLM reads.
+"""Tuned tile configs for the Triton experts, in the files vLLM reads; the lookup and the default heuristic.
 
 File name (as vLLM's and SGLang's `get_config_file_name`):
 
@@ -17,8 +17,9 @@ VLLM_TUNED_CONFIG_FOLDER.
 GEMM2 (down projection) configs, as SGLang reads them: the same name with `_down` before `.json`
 (`E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]]_down.json`), the same token keys and
 entries, each with the BLOCK_SIZE_M of the GEMM1 file's entry at that token count (both GEMMs run
-on one alignment), optionally "USE_TMA" (bool: GEMM2 loads its tiles through TMA or not; without
-it moebench's own rule decides). Without a `_down` file, or where its nearest entry has another
+on one alignment), optionally "USE_TMA" (bool: GEMM2 loads its w2 tiles through TMA or not; its A
+tiles, the intermediate, are always pointer loads; without the key GEMM2 follows GEMM1's TMA
+choice, `options.resolve_use_tma`). Without a `_down` file, or where its nearest entry has another
 BLOCK_SIZE_M than GEMM1's config, GEMM2 runs with GEMM1's config, as vLLM does (the experts'
 config source says which). `moebench tune --down` writes them.
 
@@ -45,7 +46,7 @@ from moebench.fileio import atomic_write_text
 
 TILE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 _POW2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps")
-PACKAGE_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+PACKAGE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 ENV_CONFIG_DIR = "MOEBENCH_CONFIG_DIR"
 #: Keys a GEMM2 (`_down`) entry may add to TILE_KEYS (SGLang's).
 DOWN_KEYS = ("USE_TMA",)
@@ -361,11 +362,36 @@ def lookup_config(
         return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
     if default is not None:
         return TileConfig(**default), "default heuristic"  # type: ignore[typeddict-item]
-    cfg = default_config(M, num_experts_global or E, N, hidden or 4096, topk or 1,
-                         dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
-    if quant is not None:
-        cfg = quant_default(cfg, quant)
-    return cfg, "default heuristic"
+    return heuristic_config(M, num_experts_global or E, N, hidden or 4096, topk or 1,
+                            dtype if isinstance(dtype, torch.dtype) else torch.bfloat16, quant), "default heuristic"
+
+
+def layer_config(
+    M: int,
+    *,
+    local_experts: int,
+    inter: int,
+    hidden: int,
+    topk: int,
+    num_experts: int,
+    dtype: torch.dtype | str | None,
+    device_name: str | None = None,
+    quant: "QuantScheme | None" = None,
+) -> tuple[TileConfig, str]:
+    """The config the `triton` experts run GEMM1 with at M tokens of a layer (local_experts of
+    num_experts global experts here, intermediate size `inter` per rank): `lookup_config` on the
+    layer's file (E = local experts, N = inter), else `heuristic_config` over the global experts.
+    The one lookup the experts and the tuner share."""
+    return lookup_config(local_experts, inter, max(M, 1), dtype, device_name, hidden=hidden, topk=topk,
+                         num_experts_global=num_experts, quant=quant)
+
+
+def heuristic_config(M: int, E: int, N: int, H: int, topk: int, dtype: torch.dtype = torch.bfloat16,
+                     quant: "QuantScheme | None" = None) -> TileConfig:
+    """The config without a tuned file: `default_config`, for an fp8 scheme adapted by
+    `quant_default` (twice the BLOCK_SIZE_K, fitted inside the scale block)."""
+    cfg = default_config(M, E, N, H, topk, dtype)
+    return quant_default(cfg, quant) if quant is not None else cfg
 
 
 def lookup_down_config(

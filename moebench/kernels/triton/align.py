@@ -14,65 +14,31 @@ P = M*K, so the launch grids of the GEMMs are static and everything is CUDA-grap
 Pairs whose expert is remote (local id -1) are left out. Inside an expert the pairs keep their
 flat order (token-major), which is deterministic.
 
-Up to 1024 pairs, one launch over the local experts (each program counts all pairs). Above, two
-launches, by one of two methods (`moe_align_block_size`): "scan", over a (local expert, chunk of
+Which kernels run is the rule `options.align_kernels` (TritonOptions' one_launch_max_pairs,
+align_method, sort_min_work). Up to 1024 pairs, one launch over the local experts (each program
+counts all pairs). Above, two launches, by one of two methods: "scan", over a (local expert, chunk of
 pairs) grid: (1) count the pairs of expert e in chunk c; (2) from the whole count table, compute
 e's padded start (prefix sum) and the pairs of e in earlier chunks, write e's pair indices of
 chunk c (a cumsum), and for c = 0 also its padding sentinels, its block ids, and a share of the
 tail. "sort", over chunks only (for many experts x pairs): (1) each chunk's histogram over all
 experts, and the sentinel fill; (2) from the count table every expert's start, then the chunk's
 pairs sorted by (expert, index) and scattered, and a share of the block ids.
+
+`direct_align` makes the same layout without a kernel, one block per pair (decode), and
+`align_pairs` is the layer's choice between the two (`options.wants_direct_align`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from moebench.kernels.triton_common import pdl_launch_args, pdl_release, pdl_wait
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def triton_unavailable_reason(device: str) -> str | None:
-    """Why moebench's Triton kernels cannot run on `device`, or None. On a CPU they run only
-    under the interpreter (slow; correctness, not speed)."""
-    if device == "cpu" and not interpreting():
-        return "Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 to run them (slowly) under the interpreter"
-    return None
-
-
-def interpreter_compat() -> None:
-    """Work around Triton 3.6's interpreter with NumPy >= 2.3: a scalar kernel argument is a
-    1-element array, and `int()` of it (what `range(0, n, BLOCK)` calls through `__index__`) raises
-    "only 0-dimensional arrays can be converted to Python scalars". Re-patches `__index__` to take
-    the single element. Idempotent; does nothing unless interpreting."""
-    if not interpreting():
-        return
-    try:
-        from triton.runtime import interpreter as _interp
-    except ImportError:  # pragma: no cover
-        return
-    orig = getattr(_interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_moebench_compat", False):
-        return
-
-    def _patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _patched._moebench_compat = True  # type: ignore[attr-defined]
-    _interp._patch_lang_tensor = _patched
-
-
-interpreter_compat()
+from moebench.kernels.triton.common import pdl_launch_args, pdl_release, pdl_wait
+from moebench.kernels.triton.env import interpreter_compat
+from moebench.kernels.triton.options import TritonOptions, align_kernels, wants_direct_align
 
 
 @dataclass
@@ -85,35 +51,13 @@ class AlignResult:
     block_size_m: int
     num_pairs: int  # M * K = the sentinel
     direct: bool = False  # made by `direct_align` (one block per pair)
-    #: direct_align with an expert_map (DEFAULT_MAP_IN_GEMM): expert_ids hold the global ids and the
-    #: GEMMs map them through this (E,) int32 map (-1 = remote), so no gather launches before them.
+    #: direct_align with an expert_map: expert_ids hold the global ids and the GEMMs map them
+    #: through this (E,) int32 map (-1 = remote), so no gather launches before them.
     expert_map: torch.Tensor | None = None
 
     @property
     def max_blocks(self) -> int:
         return self.expert_ids.numel()
-
-
-#: Few pairs (decode): one alignment launch instead of two (`_align_one_launch_kernel`): 0.96-1.005
-#: of the bf16 layer from 2 to 64 tokens on an H200 (PERF.md section 3), so on.
-DEFAULT_ONE_LAUNCH = True
-ONE_LAUNCH_MAX_PAIRS = 1024
-#: More pairs: two launches, either "scan" (a (local expert, chunk of 2048 pairs) grid, each program
-#: counting and placing its expert's pairs of its chunk) or "sort" (per-chunk histograms of all
-#: experts, then each chunk sorted by expert and scattered). "auto": sort where local experts x
-#: pairs >= SORT_MIN_WORK, the scan's total work. On an H200 (benchmarks/align_methods.py, PERF.md
-#: section 3) the scan is faster below that (E=8: always, 4.4-6.1 us vs 5.1-6.7), the sort above:
-#: Qwen3-30B 4096 tokens (128 experts, 32K pairs) 20.1 -> 8.5 us, Qwen3-Next 1024 tokens (512
-#: experts) 35.8 -> 11.2 us. Sort chunks: 256 pairs up to 32K pairs, 512 above.
-DEFAULT_LARGE_METHOD = "auto"
-SORT_MIN_WORK = 1 << 20
-#: The used-length buffer is written by every kernel path, so it is not zeroed by a memset launch
-#: first (False: the memset as before the seventh session, for the A/B in decode_launches.py).
-DEFAULT_SKIP_MEMSET = True
-#: direct_align with an expert_map: the GEMMs map each block's global id themselves (True), or a
-#: torch gather does it before them (False: the path before the eighth session, two launches, for
-#: the A/B in decode_launches.py; it needs ids >= 0, as the routing makes them).
-DEFAULT_MAP_IN_GEMM = True
 
 
 def max_padded_size(num_pairs: int, num_local_experts: int, block_size_m: int) -> int:
@@ -146,7 +90,7 @@ def _expert_run(counts, e, BLOCK_SIZE_M: tl.constexpr, E_POW2: tl.constexpr):
 
 
 @triton.jit
-def _count_pairs_kernel(
+def count_pairs_kernel(
     topk_ids_ptr,  # (P,) global or local expert id of each pair
     expert_map_ptr,  # (E,) global -> local, -1 remote (unused without HAS_MAP)
     counts_ptr,  # (E_local, NUM_CHUNKS) int32 out
@@ -164,10 +108,10 @@ def _count_pairs_kernel(
 
 
 @triton.jit
-def _place_pairs_kernel(
+def place_pairs_kernel(
     topk_ids_ptr,
     expert_map_ptr,
-    counts_ptr,  # (E_local, NUM_CHUNKS) int32 from _count_pairs_kernel
+    counts_ptr,  # (E_local, NUM_CHUNKS) int32 from count_pairs_kernel
     sorted_ptr,  # (max_padded,) int32 out
     expert_ids_ptr,  # (max_blocks,) int32 out
     ntpp_ptr,  # (1,) int32 out
@@ -208,7 +152,7 @@ def _place_pairs_kernel(
 
 
 @triton.jit
-def _chunk_counts_kernel(
+def chunk_counts_kernel(
     topk_ids_ptr,  # (P,) global or local expert id of each pair
     expert_map_ptr,  # (E,) global -> local, -1 remote (unused without HAS_MAP)
     counts_ptr,  # (NUM_CHUNKS, E_POW2) int32 out
@@ -234,10 +178,10 @@ def _chunk_counts_kernel(
 
 
 @triton.jit
-def _chunk_place_kernel(
+def chunk_place_kernel(
     topk_ids_ptr,
     expert_map_ptr,
-    counts_ptr,  # (NUM_CHUNKS, E_POW2) int32 from _chunk_counts_kernel
+    counts_ptr,  # (NUM_CHUNKS, E_POW2) int32 from chunk_counts_kernel
     sorted_ptr,  # (max_padded,) int32 out
     expert_ids_ptr,  # (max_blocks,) int32 out
     ntpp_ptr,  # (1,) int32 out
@@ -291,7 +235,7 @@ def _chunk_place_kernel(
 
 
 @triton.jit
-def _align_one_launch_kernel(
+def align_one_launch_kernel(
     topk_ids_ptr,
     expert_map_ptr,
     sorted_ptr,  # (max_padded,) int32 out
@@ -351,21 +295,21 @@ def moe_align_block_size(
     block_size_m: int,
     num_local_experts: int,
     expert_map: torch.Tensor | None = None,
+    *,
+    options: TritonOptions | None = None,
     chunk: int | None = None,
-    one_launch: bool | None = None,
-    method: str | None = None,
     pdl: bool = False,
 ) -> AlignResult:
     """topk_ids (M, K) int32/int64 -> AlignResult for blocks of `block_size_m` pairs.
 
     Without expert_map, topk_ids are local ids (-1 = remote). With expert_map (E,) int32, they are
     global ids mapped on the fly (map value -1 = remote). M may be 0 (empty buffers, no launch).
-    Two kernel launches over (local expert, chunk of pairs), no host synchronisation. `chunk`
-    (pairs per program, a power of two) is for tests; by default up to 2048. one_launch (None:
-    DEFAULT_ONE_LAUNCH): up to ONE_LAUNCH_MAX_PAIRS pairs, one launch over the local experts, each
-    program counting all pairs itself (same result). method (None: DEFAULT_LARGE_METHOD): "scan",
-    "sort" or "auto" for the two-launch path (same result). pdl: launch the one-launch kernel with
-    programmatic dependent launch (CUDA, Hopper+; see triton_moe.resolve_pdl), so that the GEMM1
+    No host synchronisation. Which kernels: `align_kernels(options, ...)` (None: TritonOptions()):
+    up to options.one_launch_max_pairs pairs one launch over the local experts, each program
+    counting all pairs itself; above, two launches by the "scan" or "sort" method (all give the
+    same result). `chunk` (pairs per program of the two-launch paths, a power of two) is for tests;
+    by default up to 2048 (scan) or 256 / 512 (sort). pdl: launch the one-launch kernel with
+    programmatic dependent launch (CUDA, Hopper+; `options.resolve_pdl`), so that the GEMM1
     launched after it with PDL starts while it runs.
     """
     assert topk_ids.dim() == 2
@@ -376,7 +320,7 @@ def moe_align_block_size(
     sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=dev)
     expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=dev)
     # Every kernel path writes the used length itself: zeros (a memset launch) only without one.
-    nothing = num_pairs == 0 or num_local_experts == 0 or not DEFAULT_SKIP_MEMSET
+    nothing = num_pairs == 0 or num_local_experts == 0
     ntpp = (torch.zeros if nothing else torch.empty)((1,), dtype=torch.int32, device=dev)
     if num_pairs == 0:
         return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, 0)
@@ -387,18 +331,14 @@ def moe_align_block_size(
     has_map = expert_map is not None
     emap = expert_map.to(device=dev, dtype=torch.int32).contiguous() if has_map else ids
     e_pow2 = max(16, triton.next_power_of_2(num_local_experts))
-    if (DEFAULT_ONE_LAUNCH if one_launch is None else one_launch) and num_pairs <= ONE_LAUNCH_MAX_PAIRS:
-        _align_one_launch_kernel[(num_local_experts,)](
+    method = align_kernels(options or TritonOptions(), num_local_experts, num_pairs)
+    if method == "one_launch":
+        align_one_launch_kernel[(num_local_experts,)](
             ids, emap, sorted_ids, expert_ids, ntpp, num_pairs, num_local_experts, max_padded, max_blocks,
             HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=max(16, triton.next_power_of_2(num_pairs)),
             E_POW2=e_pow2, num_warps=4, **pdl_launch_args(pdl),
         )
         return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
-    method = DEFAULT_LARGE_METHOD if method is None else method
-    if method == "auto":
-        method = "sort" if num_local_experts * num_pairs >= SORT_MIN_WORK else "scan"
-    if method not in ("scan", "sort"):
-        raise ValueError(f"alignment method must be scan, sort or auto, got {method!r}")
     if method == "sort":
         return _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block_size_m,
                                     num_local_experts, num_pairs, max_padded, max_blocks, chunk)
@@ -408,8 +348,8 @@ def moe_align_block_size(
     warps = 8 if chunk >= 2048 else 4
     counts = torch.empty((num_local_experts, num_chunks), dtype=torch.int32, device=dev)
     grid = (num_local_experts, num_chunks)
-    _count_pairs_kernel[grid](ids, emap, counts, num_pairs, HAS_MAP=has_map, CHUNK=chunk, NUM_CHUNKS=num_chunks, num_warps=warps)
-    _place_pairs_kernel[grid](
+    count_pairs_kernel[grid](ids, emap, counts, num_pairs, HAS_MAP=has_map, CHUNK=chunk, NUM_CHUNKS=num_chunks, num_warps=warps)
+    place_pairs_kernel[grid](
         ids, emap, counts, sorted_ids, expert_ids, ntpp,
         num_pairs, num_local_experts, max_padded, max_blocks,
         HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=chunk, NUM_CHUNKS=num_chunks,
@@ -437,25 +377,17 @@ def _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block
     num_chunks = triton.cdiv(num_pairs, chunk)
     warps = 8 if chunk >= 2048 else 4
     counts = torch.empty((num_chunks, e_pow2), dtype=torch.int32, device=ids.device)
-    _chunk_counts_kernel[(num_chunks,)](
+    chunk_counts_kernel[(num_chunks,)](
         ids, emap, counts, sorted_ids, num_pairs, max_padded, triton.cdiv(max_padded, num_chunks),
         HAS_MAP=has_map, CHUNK=chunk, E_POW2=e_pow2, TILE=1024, num_warps=warps,
     )
-    _chunk_place_kernel[(num_chunks,)](
+    chunk_place_kernel[(num_chunks,)](
         ids, emap, counts, sorted_ids, expert_ids, ntpp, num_pairs, max_blocks, num_chunks,
         triton.cdiv(max_blocks, num_chunks), HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=chunk,
         NC_POW2=triton.next_power_of_2(num_chunks), E_POW2=e_pow2, TILE=max(16, min(128, 8192 // e_pow2)),
         num_warps=warps,
     )
     return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
-
-
-def use_direct_align(num_tokens: int, topk: int, num_experts: int) -> bool:
-    """Whether `direct_align` beats the alignment kernels: when the pairs hit (nearly) distinct
-    experts, so one block per pair reads no expert twice. A token's top-k ids are distinct, so
-    always for one token; for more, while the expected share of pairs that repeat an expert of
-    an earlier pair, about M*K / (2E) under uniform routing, stays <= 2.5%."""
-    return num_tokens == 1 or 0 < num_tokens * topk * 20 <= num_experts
 
 
 _DIRECT_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -466,11 +398,10 @@ def direct_align(
 ) -> AlignResult:
     """One block per pair, no alignment kernel: block p holds pair p (flat t*K + k) in its first
     row and sentinels in the others; its expert is topk_ids' own entry, mapped through expert_map
-    when given (by the GEMMs as they read it: no launch; DEFAULT_MAP_IN_GEMM), -1 = remote, a
-    block the GEMMs skip.
+    when given (by the GEMMs as they read it: no launch), -1 = remote, a block the GEMMs skip.
 
     The same AlignResult format as `moe_align_block_size`, so the GEMM kernels are unchanged; pairs
-    sharing an expert each read its weights, so use it where `use_direct_align` says. The
+    sharing an expert each read its weights, so use it where `options.use_direct_align` says. The
     sorted ids and used length depend only on (M*K, block_size_m) and are cached per device for
     small M*K (not while a CUDA graph is being captured: the tensors would hold data only after a
     replay)."""
@@ -480,10 +411,7 @@ def direct_align(
     ids = topk_ids.reshape(-1)
     mapped = None
     if expert_map is not None:
-        if DEFAULT_MAP_IN_GEMM:
-            mapped = expert_map.to(device=dev, dtype=torch.int32).contiguous()  # as it is when it already was
-        else:
-            ids = expert_map.to(dev)[ids.long()]
+        mapped = expert_map.to(device=dev, dtype=torch.int32).contiguous()  # as it is when it already was
     key = (num_pairs, block_size_m, dev)
     layout = _DIRECT_LAYOUTS.get(key)
     if layout is None:
@@ -495,6 +423,27 @@ def direct_align(
         if small and (dev.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
             _DIRECT_LAYOUTS[key] = layout
     return AlignResult(layout[0], ids, layout[1], block_size_m, num_pairs, direct=True, expert_map=mapped)
+
+
+def align_pairs(
+    topk_ids: torch.Tensor,
+    block_size_m: int,
+    num_local_experts: int,
+    expert_map: torch.Tensor | None,
+    num_experts: int,
+    scheme=None,
+    options: TritonOptions | None = None,
+    pdl: bool = False,
+) -> AlignResult:
+    """The block alignment `fused_moe` uses for topk_ids (M, K) of a layer with `num_experts`
+    global experts and fp8 scheme `scheme` (None: 16-bit): `direct_align` where
+    `wants_direct_align(options, ...)` says so, else `moe_align_block_size` (pdl: its one-launch
+    kernel with programmatic dependent launch)."""
+    options = options or TritonOptions()
+    m, k = topk_ids.shape
+    if wants_direct_align(options, m, k, num_experts, scheme):
+        return direct_align(topk_ids, block_size_m, expert_map)
+    return moe_align_block_size(topk_ids, block_size_m, num_local_experts, expert_map, options=options, pdl=pdl)
 
 
 def moe_align_block_size_torch(

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from moebench.errors import MoebenchError
-from moebench.kernels.moe_align import interpreter_compat, interpreting
+from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.quant import AMAX_EPS, FP8_DTYPE, INV_FP8_MAX, QuantScheme, scale_of, scheme_of
 
 _EPS = tl.constexpr(AMAX_EPS)
@@ -63,7 +63,7 @@ def round_e4m3(v):
 @triton.jit
 def quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
     """Store clamp(x / scale[:, None], +-448) as e4m3 at q_ptrs (x (BM, BK) fp32; also the fused
-    epilogue of the Triton experts' GEMM1)."""
+    epilogue of the Triton experts' GEMM1, moebench.kernels.triton.gemm)."""
     v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if EXACT_ROUND:
@@ -72,7 +72,7 @@ def quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(
+def quant_rows_kernel(
     x_ptr,  # (B, T, K) any float dtype
     q_ptr,  # (B, T, K) float8_e4m3fn out
     s_ptr,  # (B, T, G) fp32 out (dynamic schemes only)
@@ -161,8 +161,7 @@ def _launch(
     nb, t, k = x3.shape
     if nb == 0 or t == 0 or k == 0:
         return
-    if interpreting():
-        interpreter_compat()
+    interpreter_compat()
     group_k = scheme.group_k or k
     groups = scheme.num_groups(k)
     block_k = min(triton.next_power_of_2(group_k), 1024)
@@ -178,7 +177,7 @@ def _launch(
     s_strides = s3.stride() if s3 is not None else (0, 0, 0)
     static_arg = static if static is not None else x3
     grid = (triton.cdiv(t, block_m), groups, nb)
-    _quant_rows_kernel[grid](
+    quant_rows_kernel[grid](
         x3, q3, s_arg, static_arg, limit, t, k, group_k,
         x3.stride(0), x3.stride(1), x3.stride(2), q3.stride(0), q3.stride(1), q3.stride(2), *s_strides,
         STATIC=is_static, LIMIT=mode, ONE_CHUNK=group_k <= block_k, BLOCK_M=block_m, BLOCK_K=block_k,
@@ -247,7 +246,7 @@ def quant_meta(w) -> dict[str, int]:
 
 def check_block_config(cfg: Mapping[str, int], scheme: QuantScheme | None, where: str) -> None:
     """Block-scaled GEMMs step K by BLOCK_SIZE_K and apply one scale column per step, so
-    BLOCK_SIZE_K must divide bk (moebench.tuning.configs.fit_to_quant_block makes defaults so)."""
+    BLOCK_SIZE_K must divide bk (moebench.kernels.triton.configs.fit_to_quant_block makes defaults so)."""
     if scheme is None or scheme.block_shape is None:
         return
     bk = scheme.block_shape[1]

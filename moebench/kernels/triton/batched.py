@@ -1,4 +1,4 @@
-"""`batched-triton` experts (BatchedExperts format): the layout DeepEP low-latency produces.
+"""The batched Triton GEMMs (BatchedExperts format, the layout DeepEP low-latency produces).
 
 Input a (E_local, T, H) with expert_num_tokens (E_local,): rows [0, count[e]) of expert e are
 valid. Two kernels, grid (tiles, E_local): each program reads its expert's count and returns at
@@ -9,47 +9,35 @@ once when its row tile starts past it, so empty experts and empty tiles cost one
     GEMM2  inter[e] @ w2[e]^T -> out (E_local, T, H), unweighted, in a's dtype (fp8: the layer's)
 
 Rows past each expert's count are not written (the prepare/finalize reads only valid slots);
-weighting and the sum over top-k are delegated to the prepare/finalize.
+weighting and the sum over top-k are delegated to the prepare/finalize
+(moebench.kernels.triton.experts.BatchedTritonExperts).
 
 fp8_w8a8 (QuantWeight weights): a is float8_e4m3fn with a_scale (E_local, T, G), as the
-triton experts take it (see moebench.kernels.triton_moe): scales in the epilogue (tensor/token)
+triton experts take it (see moebench.kernels.triton.gemm): scales in the epilogue (tensor/token)
 or per K step (block); the intermediate is stored in the layer's dtype, quantised with the scheme
-(moebench.kernels.fp8_quant, rows past each count skipped), and the output is in the layer's dtype.
+(moebench.kernels.triton.quant, rows past each count skipped), and the output is in the layer's dtype.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
 from moebench.errors import MoebenchError
-from moebench.kernels.fp8_quant import check_block_config, quant_meta, quantize_rows
-from moebench.kernels.modular import (
-    ActivationFormat,
-    Experts,
-    PrepareResult,
-    TopKWeightAndReduceDelegate,
-    alloc_output,
-)
-from moebench.kernels.moe_align import interpreter_compat, interpreting, triton_unavailable_reason
-from moebench.kernels.registry import register_experts
-from moebench.kernels.triton_common import cast_rne, dequant, gate_up_mainloop, grouped_tile, scale_ptrs, scaled_mma
-from moebench.quant import FP8_DTYPE, SCALES, QuantScheme, QuantWeight, scheme_of
-from moebench.tuning.configs import (
-    TileConfig,
-    default_config,
-    device_name,
-    lookup_config,
-    quant_default,
-    validate_tile_config,
-)
+from moebench.kernels.modular import alloc_output
+from moebench.kernels.triton.common import cast_rne, dequant, grouped_tile, scale_ptrs, scaled_mma
+from moebench.kernels.triton.configs import TileConfig, default_config
+from moebench.kernels.triton.env import interpreter_compat, interpreting
+from moebench.kernels.triton.options import TritonOptions
+from moebench.kernels.triton.quant import check_block_config, quant_meta, quantize_rows
+from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
 
 
 @triton.jit
-def _batched_silu_mul_gemm1_kernel(
+def batched_silu_mul_gemm1_kernel(
     a_ptr,  # (E_local, T, H)
     w13_ptr,  # (E_local, 2I, H)
     inter_ptr,  # (E_local, T, I) out
@@ -98,20 +86,45 @@ def _batched_silu_mul_gemm1_kernel(
     if pid_m * BLOCK_SIZE_M >= count:
         return
 
+    # Tile: the expert's rows (valid below its count) and intermediate columns.
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     row_ok = offs_m < count
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     col_ok = offs_n < N_INTER
     offs_k = tl.arange(0, BLOCK_SIZE_K)
 
+    # Pointers: A = the expert's rows, B = gate rows n.. and up rows I + n.. of w13[e], their scales.
     a_ptrs = a_ptr + expert * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
-    acc_g, acc_u = gate_up_mainloop(
-        a_ptrs, stride_ak, row_ok, w13_ptr, 0, w13_ptr, w13_ptr, expert, stride_we, stride_wn, stride_wk, pid_n * BLOCK_SIZE_N,
-        N_INTER, H, as_ptrs, stride_asg, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, EVEN_K, UPCAST, IEEE_DOT, False, False, QUANT, GROUP_N, GROUP_K, False)
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + N_INTER * stride_wn
+    gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
+    us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
 
-    # Epilogue: SiLU(gate) * up for the valid rows.
+    # K loop: two (BM, BN) dots per step, one A tile for both.
+    acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < H - k * BLOCK_SIZE_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc_g = scaled_mma(a, g, acc_g, k * BLOCK_SIZE_K, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
+        acc_u = scaled_mma(a, u, acc_u, k * BLOCK_SIZE_K, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+        g_ptrs += BLOCK_SIZE_K * stride_wk
+        u_ptrs += BLOCK_SIZE_K * stride_wk
+    acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
+    acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
+
+    # Epilogue: SiLU(gate) * up; store the valid rows.
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     i_ptrs = inter_ptr + expert * stride_ie + offs_m[:, None] * stride_im + offs_n[None, :] * stride_in
     h = cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST)
@@ -119,7 +132,7 @@ def _batched_silu_mul_gemm1_kernel(
 
 
 @triton.jit
-def _batched_gemm2_kernel(
+def batched_gemm2_kernel(
     inter_ptr,  # (E_local, T, I)
     w2_ptr,  # (E_local, H, I)
     out_ptr,  # (E_local, T, H) out
@@ -155,6 +168,7 @@ def _batched_gemm2_kernel(
     GROUP_N: tl.constexpr = 1,
     GROUP_K: tl.constexpr = 1,
 ):
+    # Axis 1 = expert; axis 0 -> (row tile, hidden tile), grouped as in GEMM1.
     expert = tl.program_id(1).to(tl.int64)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(T, BLOCK_SIZE_M)
@@ -165,18 +179,20 @@ def _batched_gemm2_kernel(
     if pid_m * BLOCK_SIZE_M >= count:
         return
 
+    # Tile: the expert's valid rows and hidden columns.
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     row_ok = offs_m < count
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     col_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_SIZE_K)
 
+    # Pointers: A = inter's rows of the expert, B (BK, BN) = w2[e, n, k]^T, and their scales.
     a_ptrs = inter_ptr + expert * stride_ie + offs_m[:, None] * stride_im + offs_k[None, :] * stride_ik
     b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
     bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
 
+    # K loop.
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(N_INTER, BLOCK_SIZE_K)):
         if EVEN_K:
@@ -193,25 +209,20 @@ def _batched_gemm2_kernel(
 
     acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
 
+    # Store the valid rows, unweighted.
     o_ptrs = out_ptr + expert * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     acc = cast_rne(acc, out_ptr.dtype.element_ty, QUANT != 0 and UPCAST)
     tl.store(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
-#: Rows per expert up to which the batched heuristic keeps 64-row tiles where the sorted-token
-#: heuristic would take 128-row ones.
-BATCHED_WIDE_ROWS = 128
-
-
-def batched_default_config(rows: int, n_inter: int, hidden: int, dtype: torch.dtype) -> TileConfig:
+def batched_default_config(rows: int, n_inter: int, hidden: int, dtype: torch.dtype,
+                           options: TritonOptions | None = None) -> TileConfig:
     """The Standard kernel's default heuristic with tokens per expert = rows (the routed pairs per
     local expert when the P/F says how many tokens it routed, else the buffer's rows: an upper
-    bound), with 64-row tiles instead of 128-row ones up to BATCHED_WIDE_ROWS rows.
-
-    On an H200 (benchmarks/batched_configs.py, PERF.md section 3), 128 x 256 tiles were 10-30%
-    faster than 64 x 128 ones at 192 and 768 mean rows per expert, and 4-9% slower at 48."""
+    bound), with 64-row tiles instead of 128-row ones up to options.batched_wide_rows rows
+    (PERF.md section 3, batched-triton's configs)."""
     cfg = default_config(rows, 1, n_inter, hidden, 1, dtype)
-    if cfg["BLOCK_SIZE_M"] > 64 and rows <= BATCHED_WIDE_ROWS:
+    if cfg["BLOCK_SIZE_M"] > 64 and rows <= (options or TritonOptions()).batched_wide_rows:
         cfg = TileConfig(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=4)
         if dtype == torch.float32:
             cfg["BLOCK_SIZE_K"], cfg["num_stages"] = 32, 3
@@ -273,10 +284,8 @@ def batched_moe(
     out = alloc_output((e_local, t, h), out_dtype, a.device)
     if e_local == 0 or t == 0:
         return out
-    interp = interpreting()
-    if interp:
-        interpreter_compat()
-    upcast = interp and a.dtype != torch.float32
+    interpreter_compat()
+    upcast = interpreting() and a.dtype != torch.float32
     ieee = a.dtype == torch.float32 or upcast
     bm, bn, bk, g = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"], config["GROUP_SIZE_M"]
     meta = dict(num_warps=config["num_warps"], num_stages=config["num_stages"], **quant_meta(w13))
@@ -286,7 +295,7 @@ def batched_moe(
     inter = torch.empty((e_local, t, n_inter), dtype=out_dtype, device=a.device)
     ptrs, strides = _scale_args(a_scale, w13)
     grid1 = (triton.cdiv(t, bm) * triton.cdiv(n_inter, bn1), e_local)
-    _batched_silu_mul_gemm1_kernel[grid1](
+    batched_silu_mul_gemm1_kernel[grid1](
         a, w13q, inter, counts, *ptrs, t, n_inter, h,
         a.stride(0), a.stride(1), a.stride(2), w13q.stride(0), w13q.stride(1), w13q.stride(2),
         inter.stride(0), inter.stride(1), inter.stride(2), *strides,
@@ -299,7 +308,7 @@ def batched_moe(
         inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, batch_counts=counts)
     ptrs, strides = _scale_args(inter_scale, w2)
     grid2 = (triton.cdiv(t, bm) * triton.cdiv(h, bn), e_local)
-    _batched_gemm2_kernel[grid2](
+    batched_gemm2_kernel[grid2](
         inter, w2q, out, counts, *ptrs, t, h, n_inter,
         inter.stride(0), inter.stride(1), inter.stride(2), w2q.stride(0), w2q.stride(1), w2q.stride(2),
         out.stride(0), out.stride(1), out.stride(2), *strides,
@@ -307,70 +316,3 @@ def batched_moe(
         EVEN_K=n_inter % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta,
     )
     return out
-
-
-@register_experts
-class BatchedTritonExperts(Experts):
-    """BatchedExperts: (E_local, T, H) -> (E_local, T, H) unweighted; weights applied by the P/F.
-
-    config: a TileConfig used for every call (else the tuned-config lookup, else
-    `batched_default_config`, fitted to the fp8 scale block for block-quantised weights). fp8_w8a8
-    weights (all scales of moebench.quant) take the activations prepare quantised (prep.a fp8 +
-    prep.a_scale); the output is in prep.out_dtype.
-    """
-
-    name = "batched-triton"
-    activation_format = ActivationFormat.BATCHED
-    supported_quant = SCALES
-    quantizes_input = False
-
-    @classmethod
-    def unavailable_reason(cls, device: str) -> str | None:
-        return triton_unavailable_reason(device)
-
-    def __init__(self, config: Mapping[str, int] | None = None):
-        self.config = validate_tile_config(dict(config), "BatchedTritonExperts config") if config is not None else None
-
-    def weight_and_reduce(self):
-        return TopKWeightAndReduceDelegate()
-
-    def config_for(
-        self, t: int, e_local: int, n_inter: int, hidden: int, dtype: torch.dtype, quant: QuantScheme | None = None,
-        device_type: str = "cuda", tokens: int | None = None, topk: int | None = None,
-        num_experts: int | None = None,
-    ) -> dict[str, Any]:
-        """The config for a (e_local, t, hidden) batch of `tokens` routed tokens with `topk`
-        experts each over `num_experts` (PrepareResult.num_tokens / topk / num_experts): the
-        explicit one, else the tuned-config lookup (E = local experts, N = I, the entry nearest to
-        `tokens`: the config the sorted-token kernel runs with for the same load), else
-        `batched_default_config` at the mean routed pairs per expert (t when the load is unknown).
-        last_config_source says which.
-
-        vLLM's batched experts key the lookup on the buffer's rows per expert instead; an H200
-        run (PERF.md section 3) measured that 1.4-3.4x slower than the heuristic at 64-256 rows
-        per expert (it picks the entries tuned for 64-256 tokens in all)."""
-        if self.config is not None:
-            self.last_config_source = "explicit"
-            return dict(self.config)
-        default = batched_default_config(mean_rows(t, tokens, topk, num_experts), n_inter, hidden, dtype)
-        if quant is not None:
-            default = quant_default(default, quant)
-        if tokens is None:
-            self.last_config_source = "default heuristic (token count unknown)"
-            return dict(default)
-        cfg, self.last_config_source = lookup_config(
-            e_local, n_inter, max(tokens, 1), dtype, device_name=device_name(device_type), quant=quant,
-            default=default)
-        return dict(cfg)
-
-    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
-        a = prep.a
-        scheme = scheme_of(w13)
-        out_dtype = None
-        dtype = a.dtype
-        if scheme is not None:
-            out_dtype = prep.out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
-            dtype = out_dtype
-        cfg = self.config_for(a.shape[1], a.shape[0], w2.shape[2], a.shape[2], dtype, scheme, a.device.type,
-                              prep.num_tokens, prep.topk, prep.num_experts)
-        return batched_moe(a, prep.expert_num_tokens, w13, w2, cfg, prep.a_scale, out_dtype)

@@ -1,0 +1,281 @@
+"""The Triton experts backends: `triton` (Standard format) and `batched-triton` (BatchedExperts).
+
+`triton` is moebench's sorted-token fused MoE layer:
+
+    align   (token, k) pairs grouped by local expert in blocks of BLOCK_SIZE_M
+            (moebench.kernels.triton.align; one small kernel, two above 1024 pairs, or none:
+            `direct_align`, one block per pair, at one token; no host sync)
+    GEMM1   SiLU(x w_gate) * (x w_up) per block and intermediate tile (moebench.kernels.triton.gemm)
+    GEMM2   inter @ w2^T, times the router weight, summed over top-k by fp32 atomics
+    cast    the fp32 sum -> the output dtype
+
+So the experts return (M, H), weighted and summed (TopKWeightAndReduceNoOp): one write of the
+output instead of (M, K, H) plus a reduction pass. Pairs whose expert is remote are left out by
+the alignment and add nothing. Tile configs: the tuned-file lookup (moebench.kernels.triton.configs,
+GEMM2's own from a `_down.json` file where there is one), else the default heuristic, or an
+explicit `config=`. GEMM2 may split its K loop (I) over programs when there are too few output
+tiles to fill the GPU, or where its grid runs in a few waves of long K loops (`split_k`, chosen by
+`options.layer_split_k` unless given). Every code path is chosen by a TritonOptions
+(moebench.kernels.triton.options).
+
+`batched-triton` runs moebench.kernels.triton.batched on (E_local, T, H) and leaves weighting and
+the sum over top-k to the prepare/finalize.
+
+fp8_w8a8 weights (every scale kind of moebench.quant) take the activations prepare quantised
+(prep.a fp8 + prep.a_scale); the output is in prep.out_dtype. `fused_moe` also quantises a 16-bit
+x itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from moebench.errors import MoebenchError
+from moebench.kernels.modular import (
+    ActivationFormat,
+    Experts,
+    PrepareResult,
+    TopKWeightAndReduceDelegate,
+    TopKWeightAndReduceNoOp,
+    alloc_output,
+)
+from moebench.kernels.registry import register_experts
+from moebench.kernels.triton.align import align_pairs
+from moebench.kernels.triton.batched import batched_default_config, batched_moe, mean_rows
+from moebench.kernels.triton.configs import (
+    TileConfig,
+    device_name,
+    layer_config,
+    lookup_config,
+    lookup_down_config,
+    quant_default,
+    validate_tile_config,
+)
+from moebench.kernels.triton.env import num_sms, triton_unavailable_reason
+from moebench.kernels.triton.gemm import fused_moe_gemms
+from moebench.kernels.triton.options import TritonOptions, layer_split_k, resolve_pdl
+from moebench.kernels.triton.quant import quantize_rows
+from moebench.quant import FP8_DTYPE, SCALES, QuantScheme, scheme_of
+
+
+def select_config(
+    m: int, topk: int, w13, w2, num_experts: int, dtype: torch.dtype
+) -> tuple[TileConfig, str]:
+    """GEMM1's config for m tokens: the tuned file (E = local experts, N = I) else the default
+    heuristic over global experts (`configs.layer_config`). Quantised weights look up the scheme's
+    file (dtype=fp8_w8a8[,block_shape=[..]]) and fit the default to the scale block."""
+    e_local, h, n_inter = w2.shape
+    return layer_config(m, local_experts=e_local, inter=n_inter, hidden=h, topk=topk, num_experts=num_experts,
+                        dtype=dtype, device_name=device_name(w2.device), quant=scheme_of(w2))
+
+
+def select_down_config(
+    m: int, w2, gemm1: Mapping[str, int], dtype: torch.dtype
+) -> tuple[TileConfig | None, str]:
+    """GEMM2's own config from a `_down.json` file (`configs.lookup_down_config`), or
+    (None, "GEMM1's config") without one."""
+    e_local, _, n_inter = w2.shape
+    return lookup_down_config(e_local, n_inter, max(m, 1), gemm1, dtype,
+                              device_name=device_name(w2.device), quant=scheme_of(w2))
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13,
+    w2,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    num_experts: int | None = None,
+    config: Mapping[str, int] | None = None,
+    split_k: int | None = None,
+    *,
+    a_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    down_config: Mapping[str, Any] | None = None,
+    options: TritonOptions | None = None,
+) -> torch.Tensor:
+    """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
+    float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
+
+    The alignment (`align_pairs`), GEMM2's K split (None: `layer_split_k`) and the GEMMs
+    (`fused_moe_gemms`) with the code paths options (None: TritonOptions()) resolve to; PDL is
+    resolved once, for the alignment and both GEMMs. Without `config`, both configs come from the
+    lookup (`select_config`, `select_down_config`); an explicit `config` is used for both GEMMs
+    unless `down_config` is given too.
+
+    fp8: w13 and w2 moebench.quant.QuantWeight of one scheme, and either
+      - x float8_e4m3fn with a_scale (M, G) fp32 (as prepare makes them); the output is in
+        out_dtype (default bf16), or
+      - x bf16/fp16/fp32: quantised here (`quantize_rows`, w13.input_scale for per tensor); the
+        output is in x's dtype (or out_dtype)."""
+    options = options or TritonOptions()
+    m, k = topk_ids.shape
+    e_local = w13.shape[0]
+    scheme = scheme_of(w13)
+    if scheme_of(w2) != scheme:
+        raise MoebenchError("w13 and w2 must be quantised with the same scheme (or both not at all)")
+    if scheme is None:
+        if a_scale is not None:
+            raise MoebenchError("a_scale is for fp8 weights (moebench.quant.QuantWeight) only")
+        out_dtype = x.dtype
+    elif x.dtype == FP8_DTYPE:
+        if a_scale is None:
+            raise MoebenchError("fp8 x needs its a_scale (rows, groups) float32")
+        out_dtype = out_dtype or torch.bfloat16
+    else:
+        out_dtype = out_dtype or x.dtype
+        x, a_scale = quantize_rows(x, scheme, w13.input_scale)
+    if num_experts is None:
+        num_experts = expert_map.shape[0] if expert_map is not None else e_local
+    if config is None:
+        config, _ = select_config(m, k, w13, w2, num_experts, out_dtype)
+        if down_config is None:
+            down_config, _ = select_down_config(m, w2, config, out_dtype)
+    if m == 0:
+        return alloc_output((0, x.shape[1]), out_dtype, x.device)
+    pdl = resolve_pdl(options, x.device, w2.shape[2])
+    align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, options, pdl)
+    if split_k is None:
+        split_k = layer_split_k(options, m, k, num_experts, e_local, x.shape[1], w2.shape[2], down_config or config,
+                                align.max_blocks, num_sms(x.device))
+    return fused_moe_gemms(
+        x, w13, w2, topk_weights, align, k, config, split_k, a_scale=a_scale, out_dtype=out_dtype,
+        down_config=down_config, num_experts=num_experts, options=options,
+    )
+
+
+@register_experts
+class TritonExperts(Experts):
+    """Sorted-token fused MoE (Standard). Returns (M, H), weighted and summed over top-k.
+
+    config: a TileConfig (vLLM keys) used for every call instead of the lookup; down_config:
+    GEMM2's own (with config, same BLOCK_SIZE_M; without config the lookup also reads a `_down.json`
+    file); split_k: GEMM2 K splits (None = `layer_split_k`); options: the code paths
+    (TritonOptions; None = the defaults). fp8_w8a8 weights (all scales of moebench.quant) take the
+    activations prepare quantised (prep.a fp8 + prep.a_scale); the output is in prep.out_dtype.
+    """
+
+    name = "triton"
+    activation_format = ActivationFormat.STANDARD
+    supported_quant = SCALES
+    quantizes_input = False
+
+    def __init__(
+        self,
+        config: Mapping[str, int] | None = None,
+        split_k: int | None = None,
+        down_config: Mapping[str, Any] | None = None,
+        options: TritonOptions | None = None,
+    ):
+        self.config = validate_tile_config(dict(config), "TritonExperts config") if config is not None else None
+        self.down_config = (validate_tile_config(dict(down_config), "TritonExperts down_config", down=True)
+                            if down_config is not None else None)
+        if self.config is not None and self.down_config is not None and \
+                self.config["BLOCK_SIZE_M"] != self.down_config["BLOCK_SIZE_M"]:
+            raise MoebenchError("TritonExperts: down_config's BLOCK_SIZE_M must equal config's (one alignment)")
+        self.split_k = split_k
+        self.options = options or TritonOptions()
+
+    @classmethod
+    def unavailable_reason(cls, device: str) -> str | None:
+        return triton_unavailable_reason(device)
+
+    def weight_and_reduce(self):
+        return TopKWeightAndReduceNoOp()
+
+    def config_for(self, m: int, topk: int, w13, w2, num_experts: int, dtype) -> tuple[dict[str, Any], dict | None]:
+        """(GEMM1's config, GEMM2's own or None); last_config_source says where they came from."""
+        if self.config is not None:
+            self.last_config_source = "explicit" + ("; GEMM2: explicit" if self.down_config is not None else "")
+            return dict(self.config), (dict(self.down_config) if self.down_config is not None else None)
+        cfg, src = select_config(m, topk, w13, w2, num_experts, dtype)
+        down, down_src = (dict(self.down_config), "explicit") if self.down_config is not None else \
+            select_down_config(m, w2, cfg, dtype)
+        self.last_config_source = src + (f"; GEMM2: {down_src}" if down_src != "GEMM1's config" else "")
+        return dict(cfg), (dict(down) if down is not None else None)
+
+    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
+        x = prep.a
+        m, k = prep.topk_ids.shape
+        out_dtype = None
+        dtype = x.dtype
+        if scheme_of(w13) is not None:
+            out_dtype = prep.out_dtype or (torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype)
+            dtype = out_dtype
+        cfg, down = self.config_for(m, k, w13, w2, prep.num_experts, dtype)
+        return fused_moe(
+            x, w13, w2, prep.topk_weights, prep.topk_ids, prep.expert_map, prep.num_experts, cfg, self.split_k,
+            a_scale=prep.a_scale, out_dtype=out_dtype, down_config=down, options=self.options,
+        )
+
+
+@register_experts
+class BatchedTritonExperts(Experts):
+    """BatchedExperts: (E_local, T, H) -> (E_local, T, H) unweighted; weights applied by the P/F.
+
+    config: a TileConfig used for every call (else the tuned-config lookup, else
+    `batched_default_config`, fitted to the fp8 scale block for block-quantised weights); options:
+    TritonOptions (its batched_wide_rows sizes the heuristic). fp8_w8a8 weights (all scales of
+    moebench.quant) take the activations prepare quantised (prep.a fp8 + prep.a_scale); the output
+    is in prep.out_dtype.
+    """
+
+    name = "batched-triton"
+    activation_format = ActivationFormat.BATCHED
+    supported_quant = SCALES
+    quantizes_input = False
+
+    @classmethod
+    def unavailable_reason(cls, device: str) -> str | None:
+        return triton_unavailable_reason(device)
+
+    def __init__(self, config: Mapping[str, int] | None = None, options: TritonOptions | None = None):
+        self.config = validate_tile_config(dict(config), "BatchedTritonExperts config") if config is not None else None
+        self.options = options or TritonOptions()
+
+    def weight_and_reduce(self):
+        return TopKWeightAndReduceDelegate()
+
+    def config_for(
+        self, t: int, e_local: int, n_inter: int, hidden: int, dtype: torch.dtype, quant: QuantScheme | None = None,
+        device_type: str = "cuda", tokens: int | None = None, topk: int | None = None,
+        num_experts: int | None = None,
+    ) -> dict[str, Any]:
+        """The config for a (e_local, t, hidden) batch of `tokens` routed tokens with `topk`
+        experts each over `num_experts` (PrepareResult.num_tokens / topk / num_experts): the
+        explicit one, else the tuned-config lookup (E = local experts, N = I, the entry nearest to
+        `tokens`: the config the sorted-token kernel runs with for the same load), else
+        `batched_default_config` at the mean routed pairs per expert (t when the load is unknown).
+        last_config_source says which.
+
+        vLLM's batched experts key the lookup on the buffer's rows per expert instead; an H200
+        run (PERF.md section 3) measured that 1.4-3.4x slower than the heuristic at 64-256 rows
+        per expert (it picks the entries tuned for 64-256 tokens in all)."""
+        if self.config is not None:
+            self.last_config_source = "explicit"
+            return dict(self.config)
+        default = batched_default_config(mean_rows(t, tokens, topk, num_experts), n_inter, hidden, dtype, self.options)
+        if quant is not None:
+            default = quant_default(default, quant)
+        if tokens is None:
+            self.last_config_source = "default heuristic (token count unknown)"
+            return dict(default)
+        cfg, self.last_config_source = lookup_config(
+            e_local, n_inter, max(tokens, 1), dtype, device_name=device_name(device_type), quant=quant,
+            default=default)
+        return dict(cfg)
+
+    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
+        a = prep.a
+        scheme = scheme_of(w13)
+        out_dtype = None
+        dtype = a.dtype
+        if scheme is not None:
+            out_dtype = prep.out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
+            dtype = out_dtype
+        cfg = self.config_for(a.shape[1], a.shape[0], w2.shape[2], a.shape[2], dtype, scheme, a.device.type,
+                              prep.num_tokens, prep.topk, prep.num_experts)
+        return batched_moe(a, prep.expert_num_tokens, w13, w2, cfg, prep.a_scale, out_dtype)

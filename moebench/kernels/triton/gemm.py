@@ -1,0 +1,604 @@
+"""The two GEMMs of the sorted-token fused MoE layer, and their launchers.
+
+On pairs aligned by moebench.kernels.triton.align (BLOCK_SIZE_M pairs of one expert per block):
+
+    GEMM1   per (block, intermediate tile): x's rows times w13's gate and up rows in the same K
+            loop, SiLU(gate) * up in the epilogue -> inter (max_padded, I), rows in sorted order
+    GEMM2   per (block, hidden tile[, K split]): inter @ w2[e]^T, times the router weight, then a
+            relaxed fp32 atomic add into the (M, H) accumulator: the sum over top-k happens here
+
+`fused_moe_gemms` runs both (and the fp8 quantisation of the intermediate between them) with the
+code paths its TritonOptions resolve to (moebench.kernels.triton.options). GEMM1's programs also
+zero GEMM2's accumulator (no memset launch), so every token's row is written, also when all its
+experts are remote. Accumulation is fp32 for every input dtype; fp32 inputs use IEEE dots (no
+tf32). Under the Triton interpreter, 16-bit and fp8 operands are upcast to fp32 before `tl.dot`.
+
+GEMM1 walks K in one of two ways: the paired walk loads a gate and an up tile of BLOCK_SIZE_N
+columns each and does two dots; the wide walk loads both as one (BK, 2 BN) tile (with TMA one
+(2, BN, BK) box of w13 viewed as (2 E_local, I, H)) and does one dot. The launchers take
+BLOCK_SIZE_N as the config's total width (half gate, half up: vLLM's unfused GEMM1 register budget).
+With `sorted_a`, GEMM1's A tiles come through TMA from x copied into sorted order (`sorted_rows`).
+
+fp8_w8a8 (QuantWeight weights, every scale kind of moebench.quant): x arrives quantised
+(float8_e4m3fn + per-row scales); the GEMMs dot fp8 operands with fp32 accumulation. tensor/token
+scales multiply the accumulator in the epilogue (x's row scale times the weight's channel scale);
+block scales multiply each K step's dot (BLOCK_SIZE_K divides bk, one scale column per step; the
+weight scale is read per output column n // bn). The intermediate is stored in the layer's dtype,
+quantised with the scheme by moebench.kernels.triton.quant (only rows < num_tokens_post_padded,
+read on the device); for per-tensor scales GEMM1 quantises it itself with w2's static input scale
+(bit for bit the two-step result). No TMA for fp8. On Hopper tensor/token scales accumulate the
+whole K loop in the fp8 MMA accumulator, which wgmma keeps at reduced precision (as vLLM's Triton
+kernel does: 1-1.5e-2 from the emulating reference at M >= 64 tiles); block scales add each K
+step's dot in fp32 (<= 5e-3). Under the interpreter the bf16 stores round to nearest even
+explicitly (the interpreter's cast truncates), so the kernels match the reference's rounding points.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from moebench.errors import MoebenchError
+from moebench.kernels.modular import alloc_output
+from moebench.kernels.triton.align import AlignResult
+from moebench.kernels.triton.common import (
+    block_expert,
+    cast_rne,
+    dequant,
+    grouped_tile,
+    pdl_launch_args,
+    pdl_release,
+    pdl_wait,
+    scale_ptrs,
+    scaled_mma,
+    tile_rows,
+)
+from moebench.kernels.triton.env import interpreter_compat, interpreting, tma_ok
+from moebench.kernels.triton.options import TritonOptions, gemm1_walk, resolve_pdl, resolve_use_tma
+from moebench.kernels.triton.quant import check_block_config, quant_group, quant_meta, quantize_rows
+from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
+
+
+@triton.jit
+def silu_mul_gemm1_kernel(
+    x_ptr,  # (M, H)
+    x_desc,  # A_TMA: TMA descriptor of x's rows in sorted order (max_padded, H), block (BLOCK_SIZE_M, BLOCK_SIZE_K)
+    w13_ptr,  # (E_local, 2I, H)
+    w13_desc,  # USE_TMA: TMA descriptor of w13: paired walk (E_local * 2I, H), block (BLOCK_SIZE_N, BLOCK_SIZE_K);
+    #            WIDE (2 E_local, I, H), block (2, BLOCK_SIZE_N, BLOCK_SIZE_K): a gate tile and its up tile
+    inter_ptr,  # (max_padded, I) out, rows in sorted order
+    sorted_ids_ptr,  # (max_padded,) flat pair ids, sentinel = num_pairs
+    expert_ids_ptr,  # (max_blocks,) local expert per block (MAPPED: global id)
+    expert_map_ptr,  # MAPPED: (E,) global -> local expert, -1 = remote
+    ntpp_ptr,  # (1,) used length of sorted_ids
+    a_scale_ptr,  # QUANT: (M, G) fp32 dequantisation scales of x's rows (stride 0 over rows: per tensor)
+    w_scale_ptr,  # QUANT: scales of w13 (see stride_ws*)
+    zero_ptr,  # ZERO_OUT: fp32 buffer zeroed here (GEMM2's atomic accumulator), zero_numel elements
+    zero_numel,
+    out_scale_ptr,  # QUANT_OUT: (1,) fp32 static scale of the intermediate (per-tensor fp8)
+    num_pairs,
+    N_INTER,  # I
+    H,
+    num_blocks_m,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_im,
+    stride_in,
+    stride_asm,
+    stride_asg,
+    stride_wse,  # w13 scale of (expert, row n, K group): e * stride_wse + n' * stride_wsn + g * stride_wsk,
+    stride_wsn,  # n' = n (QUANT 1) or n // GROUP_N (QUANT 2); 0 for broadcast dimensions
+    stride_wsk,
+    TOPK: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,  # intermediate columns per program (gate and up each)
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter: 16-bit / fp8 operands -> fp32 before tl.dot
+    IEEE_DOT: tl.constexpr,  # fp32 operands: full-precision dot, no tf32
+    USE_TMA: tl.constexpr,  # weight tiles through the tensor-memory accelerator (Hopper+)
+    QUANT: tl.constexpr = 0,  # fp8: 0 none; 1 per-row x per-channel scales (tensor/token) in the
+    #                           epilogue; 2 block scales [GROUP_N, GROUP_K] applied per K step
+    GROUP_N: tl.constexpr = 1,
+    GROUP_K: tl.constexpr = 1,  # QUANT 2: a multiple of BLOCK_SIZE_K
+    ZERO_OUT: tl.constexpr = False,
+    WIDE: tl.constexpr = False,  # the wide walk: gate and up tiles as one (BK, 2 BN) tile, one dot
+    QUANT_OUT: tl.constexpr = False,  # store the intermediate as per-tensor fp8 (inter_ptr is fp8)
+    ACT_DTYPE: tl.constexpr = tl.bfloat16,  # QUANT_OUT: the activation dtype it is rounded to first
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
+    MAPPED: tl.constexpr = False,  # expert_ids are global ids, mapped through expert_map (direct_align)
+    A_TMA: tl.constexpr = False,  # WIDE with USE_TMA: A tiles from x_desc (x gathered into sorted order)
+):
+    # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
+    pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
+    # Everything here reads the routing or alignment just before: wait for it (PDL), then let
+    # GEMM2 launch while this kernel runs.
+    pdl_wait(PDL)
+    pdl_release(PDL)
+
+    # GEMM2's accumulator is zeroed here, 1024 elements per program in a grid-stride loop, instead
+    # of by a memset launch of its own; before the early exit, so that every program takes part.
+    if ZERO_OUT:
+        offs_z = tl.arange(0, 1024)
+        for z in range(pid * 1024, zero_numel, tl.num_programs(0) * 1024):
+            tl.store(zero_ptr + z + offs_z, tl.zeros((1024,), tl.float32), mask=z + offs_z < zero_numel)
+
+    # Tile: the block's expert (none past the used length, the padding of the worst-case grid, nor
+    # for a remote expert of a direct alignment: nothing to do), its rows (the pairs; token =
+    # pair // K; sentinel rows load zeros) and the intermediate columns n0 ..
+    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, expert_map_ptr, BLOCK_SIZE_M, False, MAPPED)
+    if expert < 0:
+        return
+    row0 = pid_m * BLOCK_SIZE_M
+    offs_m, pair, row_ok, token = tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
+    n0 = pid_n * BLOCK_SIZE_N
+    offs_n = n0 + tl.arange(0, BLOCK_SIZE_N)
+    col_ok = offs_n < N_INTER
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+
+    # Pointers: A (BM, BK) = x's rows of the pairs' tokens, and their fp8 scales.
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    as_ptrs = a_scale_ptr + token * stride_asm
+    if WIDE:
+        # B (BK, 2 BN): columns 0..BN-1 are gate rows n0.. of w13[expert], BN..2BN-1 the same up
+        # rows I further; each column's fp8 scale follows its row. TMA: the gate rows are in slice
+        # 2e of the (2 E_local, I, H) view, the up rows in slice 2e + 1 (rows past I read zeros).
+        offs_w = tl.arange(0, 2 * BLOCK_SIZE_N)
+        n_w = n0 + offs_w % BLOCK_SIZE_N
+        wcol_ok = n_w < N_INTER
+        rows_w = n_w + (offs_w // BLOCK_SIZE_N) * N_INTER
+        w_ptrs = w13_ptr + expert * stride_we + rows_w[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        ws_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, rows_w, QUANT, GROUP_N)
+        w_slice = (2 * expert).to(tl.int32)
+
+        # K loop: one (BM, 2 BN) dot per step.
+        acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+            k_ok = offs_k < H - k * BLOCK_SIZE_K
+            if A_TMA:  # the block's rows of the sorted copy; past H the descriptor reads zeros
+                a = x_desc.load([row0, k * BLOCK_SIZE_K])
+            elif EVEN_K and not USE_TMA:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if USE_TMA:  # (2, BN, BK) -> (2 BN, BK): rows 0..BN-1 gate, BN..2BN-1 up, as the columns
+                w = tl.reshape(w13_desc.load([w_slice, n0, k * BLOCK_SIZE_K]), (2 * BLOCK_SIZE_N, BLOCK_SIZE_K)).T
+            elif EVEN_K:
+                w = tl.load(w_ptrs, mask=wcol_ok[None, :], other=0.0)
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & wcol_ok[None, :], other=0.0)
+            acc = scaled_mma(a, w, acc, k * BLOCK_SIZE_K, as_ptrs, ws_ptrs, row_ok, wcol_ok, stride_asg, stride_wsk,
+                             QUANT, GROUP_K, UPCAST, IEEE_DOT)
+            a_ptrs += BLOCK_SIZE_K * stride_xk
+            w_ptrs += BLOCK_SIZE_K * stride_wk
+        acc = dequant(acc, as_ptrs, ws_ptrs, row_ok, wcol_ok, QUANT)
+        # (BM, 2 BN) -> (BM, 2, BN) -> (BM, BN, 2) -> gate, up
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1)))
+    else:
+        # B: two (BK, BN) tiles, gate rows n0.. and up rows I + n0.. of w13[expert], and their
+        # scales. TMA: the gate tile's first row in the (E_local * 2I, H) view; rows past I (the last
+        # tile) read the neighbouring rows or zeros, their columns are masked at the store.
+        g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        u_ptrs = g_ptrs + N_INTER * stride_wn
+        g_row = (expert * 2 * N_INTER + n0).to(tl.int32)
+        gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
+        us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
+
+        # K loop: two (BM, BN) dots per step, one A tile for both.
+        acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+            k_ok = offs_k < H - k * BLOCK_SIZE_K
+            if EVEN_K and not USE_TMA:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if USE_TMA:
+                g = w13_desc.load([g_row, k * BLOCK_SIZE_K]).T
+                u = w13_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
+            elif EVEN_K:
+                g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_g = scaled_mma(a, g, acc_g, k * BLOCK_SIZE_K, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                               QUANT, GROUP_K, UPCAST, IEEE_DOT)
+            acc_u = scaled_mma(a, u, acc_u, k * BLOCK_SIZE_K, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                               QUANT, GROUP_K, UPCAST, IEEE_DOT)
+            a_ptrs += BLOCK_SIZE_K * stride_xk
+            g_ptrs += BLOCK_SIZE_K * stride_wk
+            u_ptrs += BLOCK_SIZE_K * stride_wk
+        acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
+        acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
+
+    # Epilogue: SiLU(gate) * up.
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+
+    # Store at the block's sorted rows (sentinel rows hold zeros, which GEMM2 reads).
+    i_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
+    if QUANT_OUT:
+        # Per-tensor fp8 intermediate, quantised here instead of by its own launch: rounded to the
+        # activation dtype first, as the two-step path stores it, then clamp(h / s) to e4m3.
+        h = cast_rne(h, ACT_DTYPE, UPCAST).to(tl.float32)
+        s = tl.full((BLOCK_SIZE_M,), 1.0, tl.float32) * tl.load(out_scale_ptr)
+        quant_group(h, s, i_ptrs, (offs_m >= 0)[:, None] & col_ok[None, :], UPCAST)
+    else:
+        tl.store(i_ptrs, cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST), mask=col_ok[None, :])
+
+
+@triton.jit
+def gemm2_weighted_sum_kernel(
+    inter_ptr,  # (max_padded, I)
+    w2_ptr,  # (E_local, H, I)
+    w2_desc,  # USE_TMA: TMA descriptor of w2 as (E_local * H, I), block (BLOCK_SIZE_N, BLOCK_SIZE_K)
+    ws_ptr,  # (M, H) fp32, zeroed: the sum over top-k, out
+    topk_weights_ptr,  # (M*K,) router weights of the flat pairs
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    expert_map_ptr,  # MAPPED: as in GEMM1
+    ntpp_ptr,
+    a_scale_ptr,  # QUANT: (max_padded, G) fp32 scales of inter's sorted rows (stride 0 over rows: per tensor)
+    w_scale_ptr,  # QUANT: scales of w2
+    num_pairs,
+    H,
+    N_INTER,  # I, the K dimension of this GEMM
+    num_blocks_m,
+    k_per_split,  # multiple of BLOCK_SIZE_K
+    stride_im,
+    stride_ik,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_wsm,
+    stride_wsn,
+    stride_asm,
+    stride_asg,
+    stride_bse,  # w2 scales, as stride_ws* in GEMM1
+    stride_bsn,
+    stride_bsk,
+    TOPK: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr,  # w2's tiles through TMA
+    QUANT: tl.constexpr = 0,  # as in GEMM1
+    GROUP_N: tl.constexpr = 1,
+    GROUP_K: tl.constexpr = 1,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
+    MAPPED: tl.constexpr = False,  # as in GEMM1
+):
+    # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_n = tl.cdiv(H, BLOCK_SIZE_N)
+    pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_SIZE_M)
+
+    # Tile: the block's expert. With PDL this runs while GEMM1 finishes; the alignment (two kernels
+    # back) is complete, since GEMM1 waited for it before letting this kernel launch: read the
+    # block's expert from L2. Nothing GEMM1 writes is touched before pdl_wait.
+    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, expert_map_ptr, BLOCK_SIZE_M, PDL, MAPPED)
+    if expert < 0:  # unused padding block, or a remote expert (direct_align)
+        return
+    pdl_wait(PDL)
+    pdl_release(PDL)
+    # ... its rows (pairs, tokens), hidden columns, and this program's slice of the K dimension:
+    # [k_lo, k_lo + k_per_split) within I.
+    offs_m, pair, row_ok, token = tile_rows(pid_m * BLOCK_SIZE_M, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    col_ok = offs_n < H
+    k_lo = pid_k * k_per_split
+    offs_k = k_lo + tl.arange(0, BLOCK_SIZE_K)
+
+    # Pointers: A = inter's rows of the block (contiguous, sorted order; all rows of a used block
+    # are written, sentinels as zeros); B (BK, BN) = w2[e, n, k]^T (TMA: its first row in the
+    # (E_local * H, I) view); the scales of inter's rows and of w2's output channels n.
+    a_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_k[None, :] * stride_ik
+    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    b_row = (expert * H + pid_n * BLOCK_SIZE_N).to(tl.int32)
+    as_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
+    bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_bse, stride_bsn, offs_n, QUANT, GROUP_N)
+
+    # K loop over this program's slice.
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    k_hi = min(k_lo + k_per_split, N_INTER)
+    for k in range(k_lo, k_hi, BLOCK_SIZE_K):
+        k_ok = offs_k < k_hi - (k - k_lo)
+        if EVEN_K and not USE_TMA:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if USE_TMA:
+            b = w2_desc.load([b_row, k]).T
+        elif EVEN_K:
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = scaled_mma(a, b, acc, k, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_bsk,
+                         QUANT, GROUP_K, UPCAST, IEEE_DOT)
+        a_ptrs += BLOCK_SIZE_K * stride_ik
+        b_ptrs += BLOCK_SIZE_K * stride_wk
+    acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
+
+    # Epilogue: the router weight of each pair.
+    w = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+
+    # Store: the sum over top-k as an fp32 atomic add into the pair's token row (sentinel rows
+    # are masked off).
+    o_ptrs = ws_ptr + token[:, None] * stride_wsm + offs_n[None, :] * stride_wsn
+    tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def sorted_rows_kernel(x_ptr, xs_ptr, sorted_ids_ptr, ntpp_ptr, num_pairs, H, stride_xm, stride_xk, stride_sm,
+                       TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    # Program (r, c): sorted rows r * ROWS .. of the used length, columns c * BLOCK_H ..; a row
+    # holds its pair's token row of x, a sentinel row zeros. Rows past the used length stay unset.
+    row0 = tl.program_id(0) * ROWS
+    if row0 >= tl.load(ntpp_ptr):
+        return
+    offs_m, pair, row_ok, token = tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK, ROWS)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    v = tl.load(x_ptr + token[:, None] * stride_xm + offs_h[None, :] * stride_xk, mask=row_ok[:, None] & h_ok[None, :],
+                other=0.0)
+    tl.store(xs_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_h[None, :], v, mask=h_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _scale_args(scale: torch.Tensor | None, w) -> tuple:
+    """Kernel arguments of the fp8 scales: (a_scale, w_scale, a strides (2), w strides (3)); dummy
+    pointers and zeros without quantisation (the QUANT=0 variant never reads them)."""
+    if not isinstance(w, QuantWeight):
+        return (w, w, 0, 0, 0, 0, 0)
+    return (scale, w.scale, scale.stride(0), scale.stride(1), *w.scale_strides())
+
+
+def _map_arg(align: AlignResult) -> torch.Tensor:
+    """The GEMMs' expert_map pointer: the map of a mapped direct alignment, else a dummy."""
+    return align.expert_map if align.expert_map is not None else align.expert_ids
+
+
+def _flat_weights(topk_weights: torch.Tensor) -> torch.Tensor:
+    """(M, K) router weights -> (M*K,) contiguous fp32, one per flat pair (the kernels' layout)."""
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()
+    return weights
+
+
+def sorted_rows(x: torch.Tensor, align: AlignResult, topk: int) -> torch.Tensor:
+    """x (M, H) -> (max_padded, H): row r = x[sorted_token_ids[r] // topk] for the used rows,
+    zeros for sentinels; rows past num_tokens_post_padded are left unset (no kernel reads them)."""
+    interpreter_compat()
+    rows, h = align.sorted_token_ids.numel(), x.shape[1]
+    xs = torch.empty((rows, h), dtype=x.dtype, device=x.device)
+    r, bh = min(32, align.block_size_m), 256  # up to 16 KB of bf16 per program; r divides every block
+    sorted_rows_kernel[(triton.cdiv(rows, r), triton.cdiv(h, bh))](
+        x, xs, align.sorted_token_ids, align.num_tokens_post_padded, align.num_pairs, h, x.stride(0), x.stride(1),
+        xs.stride(0), TOPK=topk, ROWS=r, BLOCK_H=bh, num_warps=4)
+    return xs
+
+
+def launch_gemm1(
+    x: torch.Tensor,
+    w13,
+    align: AlignResult,
+    topk: int,
+    config: Mapping[str, int],
+    use_tma: bool = False,
+    a_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    zero: torch.Tensor | None = None,
+    wide: bool = False,
+    out_scale: torch.Tensor | None = None,
+    pdl: bool = False,
+    sorted_a: bool = False,
+) -> torch.Tensor:
+    """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
+    The flags are the resolved choices (`gemm1_walk`, `resolve_use_tma`, `resolve_pdl`):
+    use_tma: weight tiles through TMA (16-bit; the caller checks the device, `env.tma_ok`).
+    wide: the wide walk (one tile of gate and up, one dot), else the paired walk.
+    sorted_a: x's rows are first copied into sorted order (`sorted_rows`, one launch) and GEMM1
+    reads its A tiles through TMA from the copy (needs use_tma and wide).
+    pdl: launch with programmatic dependent launch (CUDA, Hopper+).
+    zero: a contiguous fp32 tensor that the kernel also sets to zero (GEMM2's accumulator).
+    out_scale: (1,) fp32 static scale: inter comes back as float8_e4m3fn, bit for bit what
+    `quantize_rows(inter, per-tensor scheme, out_scale)` makes of the out_dtype intermediate.
+
+    fp8: w13 a QuantWeight, x (M, H) float8_e4m3fn with a_scale (M, G) fp32 (any row stride, 0 for
+    per tensor); inter is then in out_dtype (default bf16)."""
+    m, h = x.shape
+    n_inter = w13.shape[1] // 2
+    bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    assert align.block_size_m == bm, "alignment block size differs from BLOCK_SIZE_M"
+    quant = quant_meta(w13)
+    interpreter_compat()
+    upcast = interpreting() and x.dtype != torch.float32
+    num_blocks = align.max_blocks
+    bn1 = max(16, bn // 2)  # BLOCK_SIZE_N columns = half gate, half up
+    act_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else x.dtype
+    inter = torch.empty((num_blocks * bm, n_inter), dtype=FP8_DTYPE if out_scale is not None else act_dtype,
+                        device=x.device)
+    wq = w13.q if quant["QUANT"] else w13
+    desc = wq
+    if use_tma and wide:  # one (2, BN, BK) box: gate rows of slice 2e, up rows of slice 2e + 1
+        desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter, h), [2, bn1, bk])
+    elif use_tma:
+        desc = TensorDescriptor.from_tensor(wq.view(-1, h), [bn1, bk])
+    x_desc = x
+    if sorted_a:
+        if not (use_tma and wide) or quant["QUANT"]:
+            raise MoebenchError("sorted_a needs 16-bit inputs and the wide GEMM1 with TMA weight tiles (use_tma, wide)")
+        x = sorted_rows(x, align, topk)
+        x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+    sc = _scale_args(a_scale, w13)
+    if zero is not None:
+        assert zero.dtype == torch.float32 and zero.is_contiguous()
+    grid1 = (num_blocks * triton.cdiv(n_inter, bn1),)
+    silu_mul_gemm1_kernel[grid1](
+        x, x_desc, wq, desc, inter, align.sorted_token_ids, align.expert_ids, _map_arg(align), align.num_tokens_post_padded,
+        *sc[:2], inter if zero is None else zero, 0 if zero is None else zero.numel(),
+        inter if out_scale is None else out_scale.to(device=x.device, dtype=torch.float32).reshape(1),
+        align.num_pairs, n_inter, h, num_blocks,
+        x.stride(0), x.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), inter.stride(0), inter.stride(1),
+        *sc[2:],
+        TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
+        EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
+        ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
+        MAPPED=align.expert_map is not None, A_TMA=sorted_a, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
+    )
+    return inter
+
+
+def launch_gemm2(
+    inter: torch.Tensor,
+    w2,
+    topk_weights: torch.Tensor,
+    align: AlignResult,
+    topk: int,
+    config: Mapping[str, int],
+    split_k: int = 1,
+    use_tma: bool = False,
+    a_scale: torch.Tensor | None = None,
+    ws: torch.Tensor | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """GEMM2 + router weight on aligned pairs -> ws (M, H) fp32, the sum over top-k done by atomic
+    adds (`ws` given = already zeroed, e.g. by GEMM1; else zeroed here). split_k: K splits (clamped
+    to whole BLOCK_SIZE_K steps). use_tma: w2's tiles through TMA. pdl: launch with programmatic
+    dependent launch (after a launch_gemm1 with pdl).
+
+    fp8: w2 a QuantWeight, inter (max_padded, I) float8_e4m3fn with a_scale (max_padded, G)."""
+    m, k = topk_weights.shape
+    e_local, h, n_inter = w2.shape
+    bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    quant = quant_meta(w2)
+    interpreter_compat()
+    upcast = interpreting() and inter.dtype != torch.float32
+    num_blocks = align.max_blocks
+    if ws is None:
+        ws = torch.zeros((m, h), dtype=torch.float32, device=inter.device)
+    split_k = max(1, min(int(split_k), triton.cdiv(n_inter, bk)))
+    k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
+    split_k = triton.cdiv(n_inter, k_per_split)
+    weights = _flat_weights(topk_weights)
+    wq = w2.q if quant["QUANT"] else w2
+    desc = wq
+    if use_tma:
+        desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter), [bn, bk])
+    sc = _scale_args(a_scale, w2)
+    grid2 = (num_blocks * triton.cdiv(h, bn), split_k)
+    gemm2_weighted_sum_kernel[grid2](
+        inter, wq, desc, ws, weights, align.sorted_token_ids, align.expert_ids, _map_arg(align),
+        align.num_tokens_post_padded, *sc[:2], align.num_pairs, h, n_inter, num_blocks, k_per_split,
+        inter.stride(0), inter.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), ws.stride(0), ws.stride(1),
+        *sc[2:],
+        TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
+        EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
+        IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, MAPPED=align.expert_map is not None,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
+    )
+    return ws
+
+
+def fused_moe_gemms(
+    x: torch.Tensor,
+    w13,
+    w2,
+    topk_weights: torch.Tensor,
+    align: AlignResult,
+    topk: int,
+    config: Mapping[str, int],
+    split_k: int = 1,
+    out: torch.Tensor | None = None,
+    *,
+    a_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    down_config: Mapping[str, Any] | None = None,
+    num_experts: int | None = None,
+    options: TritonOptions | None = None,
+) -> torch.Tensor:
+    """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
+    topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k: GEMM1 (which
+    zeroes GEMM2's fp32 accumulator), [the fp8 quantisation of the intermediate], GEMM2, a cast
+    (none for an fp32 output, which is the accumulator itself).
+
+    options (None: TritonOptions()) resolve to the code paths: TMA weight tiles (`resolve_use_tma`
+    on GEMM1's config, where the device has TMA), GEMM1's walk and sorted_a (`gemm1_walk`; "auto"
+    sizes pairs per expert as M * K / num_experts, None: E_local), PDL (`resolve_pdl`).
+    down_config: GEMM2's own tile config (same BLOCK_SIZE_M as `config`; split_k is GEMM2's for
+    it); its optional USE_TMA decides whether GEMM2 loads w2 through TMA, instead of GEMM1's
+    choice. None: GEMM2 runs with `config`.
+
+    fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
+    in out_dtype (default bf16). The intermediate is quantised with the scheme before GEMM2 (by
+    GEMM1 itself for per-tensor scales, with w2.input_scale), as moebench.quant describes. No TMA."""
+    options = options or TritonOptions()
+    m, h = x.shape
+    scheme = scheme_of(w13)
+    if scheme is not None:
+        out_dtype = out_dtype or torch.bfloat16
+        check_block_config(config, scheme, "triton experts")
+        if a_scale is None or x.dtype != FP8_DTYPE:
+            raise MoebenchError("fp8 triton experts need x as float8_e4m3fn with its a_scale")
+        if scheme.scales == "tensor" and w2.input_scale is None:
+            raise MoebenchError("per-tensor fp8 needs w2.input_scale (moebench.quant.quantize_weights sets it)")
+        use_tma = False
+    else:
+        out_dtype = x.dtype
+        use_tma = resolve_use_tma(options, config, x.dtype)
+    if out is None:
+        out = alloc_output((m, h), out_dtype, x.device)
+    if m == 0:
+        return out
+    use_tma = use_tma and tma_ok(w13) and tma_ok(w2)
+    # GEMM2's fp32 accumulator, zeroed by GEMM1: an fp32 output is the accumulator itself (no cast).
+    acc = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(
+        (m, h), dtype=torch.float32, device=x.device)
+    fuse = scheme is not None and scheme.scales == "tensor"
+    pdl = resolve_pdl(options, x.device, w2.shape[2])
+    wide, sorted_a = gemm1_walk(options, config, x.dtype, scheme is not None, use_tma, w2.shape[2],
+                                m * topk / (num_experts or w13.shape[0]))
+    inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc, wide=wide,
+                         out_scale=w2.input_scale if fuse else None, pdl=pdl, sorted_a=sorted_a)
+    inter_scale = None
+    if fuse:
+        inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
+    elif scheme is not None:
+        # Only rows < num_tokens_post_padded are in use (read on the device).
+        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
+    cfg2, tma2 = config, use_tma
+    if down_config is not None:
+        if down_config["BLOCK_SIZE_M"] != config["BLOCK_SIZE_M"]:
+            raise MoebenchError(f"GEMM2's config has BLOCK_SIZE_M {down_config['BLOCK_SIZE_M']}, GEMM1's "
+                                f"{config['BLOCK_SIZE_M']}: both GEMMs share one alignment")
+        cfg2 = down_config
+        if "USE_TMA" in down_config:
+            tma2 = bool(down_config["USE_TMA"]) and scheme is None and tma_ok(w2)
+    ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, inter_scale, ws=acc, pdl=pdl)
+    if ws is not out:
+        out.copy_(ws)
+    return out

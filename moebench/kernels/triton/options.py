@@ -1,0 +1,261 @@
+"""The choices of moebench's Triton kernels: one frozen `TritonOptions`, and the rules that resolve it.
+
+Every code path the Triton experts can take is chosen here, by an argument, never by module
+state: `TritonExperts(options=TritonOptions(...))`, `fused_moe(..., options=...)`. A benchmark
+that compares two paths builds two options objects; a test names the path it checks. The defaults
+are the measured winners (PERF.md section 3, each field's comment names the measurement); a field
+set to "auto" is decided per call by a rule below, a pure function of the options and the shape,
+config, dtype or device, and the numbers those rules compare against are fields too, so that a
+benchmark can move them.
+
+    resolve_use_tma     weight tiles through TMA descriptors
+    gemm1_walk          GEMM1 as the paired walk (gate and up tiles, two dots per K step) or the
+                        wide walk (one tile of both, one dot), and whether x comes through TMA
+                        from a copy in sorted order (sorted_a; `use_sorted_a`)
+    resolve_pdl         GEMM1 and GEMM2 with programmatic dependent launch
+    wants_direct_align  one block per pair and no alignment kernel (`use_direct_align`)
+    align_kernels       the alignment's kernels: one launch, or two by "scan" or "sort"
+    layer_split_k       GEMM2's K split (`choose_split_k`, `wave_split`: the split-K cost model)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+import torch
+import triton
+
+from moebench.errors import MoebenchError
+from moebench.kernels.triton.env import interpreting
+
+_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align")
+_ALIGN_METHODS = ("auto", "scan", "sort")
+_16BIT = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TritonOptions:
+    """The Triton experts' choices (True / False / "auto" switches, then the thresholds of the
+    "auto" rules). Defaults are what the kernels measured fastest on an H200 (PERF.md section 3)."""
+
+    #: Weight tiles through TMA descriptors where the hardware has them (Hopper+). "auto": 16-bit
+    #: inputs with BLOCK_SIZE_M >= 32 (same-config A/B: 1-13% faster at >= 1024 tokens with 128-row
+    #: tiles; within +-1% at 32 rows; mixed at 16). fp8 never uses TMA.
+    use_tma: bool | str = "auto"
+    #: GEMM1's wide walk: gate and up as one (BK, BLOCK_SIZE_N) tile and one dot per K step (with TMA
+    #: one (2, BN, BK) box of w13), instead of the paired walk's two tiles and two dots. "auto":
+    #: unquantised with BLOCK_SIZE_M >= 64 (1-4% faster layers; -0.1% to +1% at 16 / 32 rows).
+    wide_gemm1: bool | str = "auto"
+    #: GEMM1 takes x's rows through TMA from a copy in sorted order (`sorted_rows`: one gather launch)
+    #: instead of gathering them by pointer loads in its K loop; needs TMA, 16-bit inputs and the wide
+    #: walk. "auto" (`use_sorted_a`): BLOCK_SIZE_M >= 64 and, expected per local expert, at least
+    #: sorted_a_min_rows pairs, or sorted_a_wide_min_rows where I >= sorted_a_wide_inter (the copy's
+    #: share of GEMM1 falls as 1 / I). Mixtral 0.92-0.95 of the layer at 1024 / 4096 tokens;
+    #: DeepSeek-V3's 32 experts 0.93-0.95 at 4096 but 1.01-1.04 at 1024; Qwen3-30B 1.08-1.10 at 1024.
+    sorted_a: bool | str = "auto"
+    sorted_a_min_rows: int = 512
+    sorted_a_wide_inter: int = 4096
+    sorted_a_wide_min_rows: int = 256
+    #: Programmatic dependent launch (Hopper+): the alignment, GEMM1 and GEMM2 launched with
+    #: launch_pdl, each releasing the next as soon as its programs have started. "auto": layers with
+    #: intermediate size I <= pdl_max_inter (0.94-0.998 of the layer at 1-256 tokens of Qwen3-30B
+    #: (I = 768) and Qwen3-Next (512); a loss at 1-4 tokens of Mixtral (14336) and DeepSeek-V3 EP8
+    #: (2048)). Never on other devices or under the interpreter.
+    pdl: bool | str = "auto"
+    pdl_max_inter: int = 1024
+    #: `direct_align`: one block per pair, no alignment kernel. "auto" (`use_direct_align`): where the
+    #: pairs hit nearly distinct experts (one token), for 16-bit weights and per-tensor fp8 (-12% of
+    #: the layer at Qwen3-30B M=1; fp8 with a separate quantisation launch measured slower with it).
+    direct_align: bool | str = "auto"
+    #: The alignment kernels: one launch up to this many pairs (0.96-1.005 of the layer from 2 to 64
+    #: tokens against two launches), above it two launches by align_method: "scan", "sort", or "auto"
+    #: = sort where local experts x pairs >= sort_min_work (Qwen3-30B 4096 tokens 20.1 -> 8.5 us;
+    #: the scan is faster below, E=8: always).
+    one_launch_max_pairs: int = 1024
+    align_method: str = "auto"
+    sort_min_work: int = 1 << 20
+    #: GEMM2's K split where its grid runs in a few waves of long K loops (`wave_split`): a program's
+    #: fixed cost (pipeline fill, epilogue, launch) in K steps of the main loop, fitted to GEMM2's
+    #: times (~0.8 us per 128 x 256 x 64 step, ~6 us per tile): Mixtral 1024 tokens 0.965 of the layer.
+    wave_tile_overhead_steps: int = 7
+    #: batched-triton's default heuristic keeps 64-row tiles up to this many rows per expert where
+    #: the sorted-token heuristic takes 128-row ones (128 x 256 tiles 10-30% faster at 192 and 768
+    #: mean rows per expert, 4-9% slower at 48).
+    batched_wide_rows: int = 128
+
+    def __post_init__(self):
+        for name in _AUTO_FIELDS:
+            v = getattr(self, name)
+            if not (isinstance(v, bool) or v == "auto"):
+                raise MoebenchError(f"TritonOptions.{name} must be True, False or \"auto\", got {v!r}")
+        if self.align_method not in _ALIGN_METHODS:
+            raise MoebenchError(f"TritonOptions.align_method must be one of {', '.join(_ALIGN_METHODS)}, "
+                                f"got {self.align_method!r}")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name not in _AUTO_FIELDS and f.name != "align_method" and (isinstance(v, bool) or v < 0):
+                raise MoebenchError(f"TritonOptions.{f.name} must be a number >= 0, got {v!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM code paths
+
+
+def resolve_use_tma(options: TritonOptions, config: Mapping[str, int], dtype: torch.dtype) -> bool:
+    """options.use_tma for a layer of `dtype` with GEMM1's `config`: "auto" = 16-bit inputs with
+    BLOCK_SIZE_M >= 32. (Whether the device can do TMA is checked where the descriptors are made.)"""
+    if options.use_tma == "auto":
+        return config["BLOCK_SIZE_M"] >= 32 and dtype in _16BIT
+    return bool(options.use_tma)
+
+
+def use_sorted_a(options: TritonOptions, config: Mapping[str, int], dtype: torch.dtype, n_inter: int,
+                 rows_per_expert: float) -> bool:
+    """options.sorted_a for a layer of intermediate size n_inter; rows_per_expert is the expected
+    number of pairs per local expert (M * K / E global). Whether it can run is `gemm1_walk`'s."""
+    if options.sorted_a == "auto":
+        rows = options.sorted_a_wide_min_rows if n_inter >= options.sorted_a_wide_inter else options.sorted_a_min_rows
+        return dtype in _16BIT and config["BLOCK_SIZE_M"] >= 64 and rows_per_expert >= rows
+    return bool(options.sorted_a)
+
+
+def gemm1_walk(options: TritonOptions, config: Mapping[str, int], dtype: torch.dtype, quantized: bool,
+               use_tma: bool, n_inter: int, rows_per_expert: float) -> tuple[bool, bool]:
+    """(wide, sorted_a) that GEMM1 runs with. wide: options.wide_gemm1, "auto" = unquantised with
+    BLOCK_SIZE_M >= 64. sorted_a (`use_sorted_a`) runs only with TMA on (use_tma: resolved and
+    device-checked), unquantised weights and the wide walk, which it then implies; an "auto" that
+    cannot run is off, a True that cannot raises MoebenchError."""
+    wide = options.wide_gemm1
+    if wide == "auto":
+        wide = not quantized and config["BLOCK_SIZE_M"] >= 64
+    sorted_a = use_sorted_a(options, config, dtype, n_inter, rows_per_expert)
+    if sorted_a and (quantized or not use_tma or options.wide_gemm1 is False):
+        if options.sorted_a != "auto":
+            raise MoebenchError("sorted_a needs 16-bit inputs on a device with TMA (use_tma) and the wide GEMM1 "
+                                "(wide_gemm1 not False)")
+        sorted_a = False
+    return bool(wide) or sorted_a, sorted_a
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can use programmatic dependent launch: CUDA devices of compute
+    capability >= 9, not under the interpreter (which cannot run the griddepcontrol PTX)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def resolve_pdl(options: TritonOptions, device: torch.device, inter: int) -> bool:
+    """options.pdl for a layer of intermediate size inter on `device`: "auto" = inter <=
+    options.pdl_max_inter; on only where `pdl_supported`."""
+    pdl = options.pdl
+    if pdl == "auto":
+        pdl = inter <= options.pdl_max_inter
+    return bool(pdl) and pdl_supported(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Alignment
+
+
+def use_direct_align(num_tokens: int, topk: int, num_experts: int) -> bool:
+    """Whether `direct_align` beats the alignment kernels: when the pairs hit (nearly) distinct
+    experts, so one block per pair reads no expert twice. A token's top-k ids are distinct, so
+    always for one token; for more, while the expected share of pairs that repeat an expert of
+    an earlier pair, about M*K / (2E) under uniform routing, stays <= 2.5%."""
+    return num_tokens == 1 or 0 < num_tokens * topk * 20 <= num_experts
+
+
+def wants_direct_align(options: TritonOptions, num_tokens: int, topk: int, num_experts: int, scheme=None) -> bool:
+    """options.direct_align for num_tokens x topk pairs over num_experts global experts with fp8
+    scheme `scheme` (None: 16-bit): "auto" = `use_direct_align`, for 16-bit weights and per-tensor
+    fp8 (whose intermediate GEMM1 quantises itself); other fp8 schemes keep the alignment kernels."""
+    if options.direct_align == "auto":
+        fused = scheme is None or scheme.scales == "tensor"
+        return fused and use_direct_align(num_tokens, topk, num_experts)
+    return bool(options.direct_align)
+
+
+def align_kernels(options: TritonOptions, num_local: int, num_pairs: int) -> str:
+    """The alignment kernels for num_pairs pairs over num_local experts: "one_launch" up to
+    options.one_launch_max_pairs pairs, else options.align_method, "auto" = "sort" where
+    num_local x num_pairs >= options.sort_min_work, else "scan"."""
+    if num_pairs <= options.one_launch_max_pairs:
+        return "one_launch"
+    if options.align_method == "auto":
+        return "sort" if num_local * num_pairs >= options.sort_min_work else "scan"
+    return options.align_method
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM2's K split: the cost model
+
+
+def ctas_per_sm(cfg: Mapping[str, int], elem_bytes: int = 2) -> int:
+    """Programs of a GEMM tile config resident per SM (Hopper: 228 KB shared memory, 64K registers),
+    estimated from the pipeline's shared memory and the accumulator's registers."""
+    bm, bn, bk, warps = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"], cfg["num_warps"]
+    smem = cfg["num_stages"] * (bm + bn) * bk * elem_bytes
+    regs = min(255, bm * bn // (32 * warps) + 48)  # fp32 accumulator + addressing
+    return max(1, min(228 * 1024 // max(smem, 1), 65536 // (32 * warps * regs)))
+
+
+def wave_split(tiles: int, steps: int, slots: int, max_split: int, overhead_steps: int) -> int:
+    """The K split s (1..max_split) that minimises waves x (steps / s + overhead_steps) for `tiles`
+    programs of `steps` K steps on `slots` resident programs; 1 unless it saves >= 3%.
+
+    Example (Mixtral-8x7B, 1024 tokens): about 20 blocks x 16 hidden tiles = 320 programs of 224 K
+    steps, one per SM at the 128 x 256 tile, run as 3 waves of which the last is 40% full; split in
+    2 they are 5 waves of half the steps. Where the per-tile overhead outweighs the idle SMs (short
+    K: Qwen3-30B, DeepSeek-V3) or the grid has many waves (Mixtral 4096) the split stays 1."""
+    def cost(s: int) -> float:
+        return math.ceil(tiles * s / slots) * (triton.cdiv(steps, s) + overhead_steps)
+
+    best = min(range(1, max(1, max_split) + 1), key=lambda s: (cost(s), s))
+    return best if cost(best) < 0.97 * cost(1) else 1
+
+
+def choose_split_k(
+    options: TritonOptions, est_blocks: int, hidden: int, inter: int, cfg: Mapping[str, int], num_sms: int,
+    expected_blocks: float | None = None,
+) -> int:
+    """K splits of GEMM2 so that about 2 programs per SM run when the (block, hidden tile) grid
+    alone is smaller (est_blocks: an upper estimate of the used blocks); each split keeps at least
+    4 BLOCK_SIZE_K steps. A larger grid: 1, or with the expected block count the split `wave_split`
+    picks for its waves (at least 16 steps per split)."""
+    n_tiles = triton.cdiv(hidden, cfg["BLOCK_SIZE_N"])
+    tiles = max(1, est_blocks) * n_tiles
+    want = 2 * num_sms
+    if tiles >= want:
+        if expected_blocks is None:
+            return 1
+        steps = triton.cdiv(inter, cfg["BLOCK_SIZE_K"])
+        return wave_split(max(1, math.ceil(expected_blocks)) * n_tiles, steps, num_sms * ctas_per_sm(cfg),
+                          min(8, steps // 16), options.wave_tile_overhead_steps)
+    max_split = max(1, inter // (4 * cfg["BLOCK_SIZE_K"]))
+    return max(1, min(want // tiles, max_split))
+
+
+def expected_blocks(pairs: int, num_local: int, block_size_m: int) -> float:
+    """Blocks the alignment is expected to use for `pairs` pairs spread evenly over num_local
+    experts: where an expert gets a block or more, its pairs / BLOCK_SIZE_M plus half a block of
+    padding; below that one block per expert hit (Poisson: 1 - exp(-pairs per expert))."""
+    n = pairs / max(num_local, 1)
+    if n >= block_size_m:
+        return num_local * (n / block_size_m + 0.5)
+    return num_local * (1.0 - math.exp(-n))
+
+
+def layer_split_k(options: TritonOptions, m: int, topk: int, num_experts: int, num_local: int, hidden: int,
+                  inter: int, cfg: Mapping[str, int], max_blocks: int, num_sms: int) -> int:
+    """GEMM2's K split for a layer of m tokens, top-k routing over num_experts (num_local here), from
+    the expected pairs per local expert (no host sync: the routing is not read); `choose_split_k`,
+    whose wave rule applies where experts fill their blocks (>= BLOCK_SIZE_M pairs each: the tiles
+    are compute-bound, so an idle SM is lost time; below that the weights' stream sets the pace)."""
+    pairs = triton.cdiv(m * topk * num_local, max(num_experts, 1))
+    bm = cfg["BLOCK_SIZE_M"]
+    est_blocks = min(max_blocks, triton.cdiv(pairs, bm) + min(num_local, pairs))
+    expected = expected_blocks(pairs, num_local, bm) if pairs >= num_local * bm else None
+    return choose_split_k(options, est_blocks, hidden, inter, cfg, num_sms, expected)
