@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.common import grouped_tile, mma
-from moebench.kernels.triton.env import interpreting, num_sms
+from moebench.kernels.triton.env import interpreter_compat, interpreting, num_sms
 from moebench.kernels.triton.gemm import launch_gemm1
 from moebench.kernels.triton.routing import fused_topk_softmax
 
@@ -112,6 +112,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="mixtral,qwen3-30b-a3b,dsv3-ep8-local")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    interpreter_compat()  # before the first launch (a no-op unless TRITON_INTERPRET=1)
     if args.smoke:
         SHAPES.update(SMOKE)
         args.shapes, args.tokens = ",".join(SMOKE), "8"

@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moebench.kernels.triton.align import align_pairs
 from moebench.kernels.triton.common import grouped_tile, mma, tile_rows
-from moebench.kernels.triton.env import interpreting, num_sms
+from moebench.kernels.triton.env import interpreter_compat, interpreting, num_sms
 from moebench.kernels.triton.gemm import launch_gemm1, launch_gemm2
 from moebench.kernels.triton.options import TritonOptions, resolve_use_tma
 from moebench.kernels.triton.routing import fused_topk_softmax
@@ -109,6 +109,7 @@ def main() -> int:
     ap.add_argument("--points", default=POINTS)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    interpreter_compat()  # before the first launch (a no-op unless TRITON_INTERPRET=1)
     if args.smoke:
         SHAPES.update(SMOKE)
         args.points = "tiny:64"

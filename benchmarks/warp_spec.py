@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moebench.kernels.triton.common import grouped_tile, mma
-from moebench.kernels.triton.env import interpreting, num_sms
+from moebench.kernels.triton.env import interpreter_compat, interpreting, num_sms
 
 from bench_common import ON_GPU, script_setup, timed_us, write_rows
 
@@ -134,6 +134,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated variant names: run these only")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    interpreter_compat()  # before the first launch (a no-op unless TRITON_INTERPRET=1)
     only = [v for v in args.only.split(",") if v]
     size, block_m, widths = (256, 64, (64,)) if args.smoke else (8192, 128, (128, 256))
     if args.smoke:

@@ -115,7 +115,8 @@ def test_gemm_path_rules():
     big, mid = dict(CFG, BLOCK_SIZE_M=128), dict(CFG, BLOCK_SIZE_M=32)
     # TMA: 16-bit with BLOCK_SIZE_M >= 32
     assert resolve_use_tma(o, mid, torch.bfloat16) and not resolve_use_tma(o, CFG, torch.bfloat16)
-    assert not resolve_use_tma(o, big, torch.float32) and resolve_use_tma(TritonOptions(use_tma=True), CFG, torch.float32)
+    assert not resolve_use_tma(o, big, torch.float32)
+    assert resolve_use_tma(TritonOptions(use_tma=True), CFG, torch.float32)
     # GEMM1's walk: wide from 64-row tiles when unquantised; sorted_a from 512 pairs per expert
     # (256 where I >= 4096), with TMA only
     assert gemm1_walk(o, CFG, torch.bfloat16, False, False, 768, 1) == (False, False)
@@ -517,7 +518,8 @@ def test_batched_default_config_block_m_by_rows():
     assert batched_default_config(100, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] == 64
     assert batched_default_config(128, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] == 64
     assert batched_default_config(129, 768, 2048, torch.bfloat16)["BLOCK_SIZE_M"] == 128
-    assert batched_default_config(100, 768, 2048, torch.bfloat16, TritonOptions(batched_wide_rows=64))["BLOCK_SIZE_M"] == 128
+    narrow = TritonOptions(batched_wide_rows=64)
+    assert batched_default_config(100, 768, 2048, torch.bfloat16, narrow)["BLOCK_SIZE_M"] == 128
 
 
 def test_batched_config_lookup(tmp_path, monkeypatch):

@@ -149,7 +149,8 @@ def test_quantize_rows_limits(name):
 
 # every scheme in the Standard kernel; the batched kernel's two scale paths (epilogue, per K step)
 # and its static per-tensor quantisation
-@pytest.mark.parametrize("experts,pf,name", [(*KERNELS[0], n) for n in SCHEMES] + [(*KERNELS[1], "tensor"), (*KERNELS[1], "block32")])
+@pytest.mark.parametrize("experts,pf,name", [(*KERNELS[0], n) for n in SCHEMES]
+                         + [(*KERNELS[1], "tensor"), (*KERNELS[1], "block32")])
 def test_fp8_matches_reference(experts, pf, name):
     scheme = SCHEMES[name]
     q13, q2 = _qweights(scheme)
@@ -208,7 +209,8 @@ def test_triton_fp8_one_expert_split_k(name):
     assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
 
 
-@pytest.mark.parametrize("experts,pf,name", [(*KERNELS[0], "tensor"), (*KERNELS[0], "block128"), (*KERNELS[1], "block128")])
+@pytest.mark.parametrize("experts,pf,name", [(*KERNELS[0], "tensor"), (*KERNELS[0], "block128"),
+                                             (*KERNELS[1], "block128")])
 def test_fp8_expert_map_remote(experts, pf, name):
     # 20 global experts, 8 here; every token visits local expert `here` (one full run), token 1
     # routes only to remote experts: its row must be exactly zero.

@@ -202,6 +202,7 @@ def test_gemm2_own_config_gpu(m):
         out = X.fused_moe(x, w13, w2, tw, ti, emap, e, config=cfg, down_config=down)
         assert _rel(out, ref) < 2e-2
 
+
 @pytest.mark.parametrize("shape,m", [("mixtral", 1024), ("qwen3-30b-a3b", 4096), ("dsv3-ep8", 4096),
                                      ("mixtral", 16)])
 def test_sorted_a_gpu(shape, m):

@@ -164,8 +164,10 @@ def silu_mul_gemm1_kernel(
         # K loop: one (BM, 2 BN) dot per step.
         acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+            # A: the block's rows of the sorted copy through TMA (past H the descriptor reads zeros),
+            # or gathered rows, their K tail masked (always beside TMA weight tiles); then B.
             k_ok = offs_k < H - k * BLOCK_SIZE_K
-            if A_TMA:  # the block's rows of the sorted copy; past H the descriptor reads zeros
+            if A_TMA:
                 a = x_desc.load([row0, k * BLOCK_SIZE_K])
             elif EVEN_K and not USE_TMA:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -198,6 +200,7 @@ def silu_mul_gemm1_kernel(
         acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+            # A: gathered rows, their K tail masked (always beside TMA weight tiles); then B.
             k_ok = offs_k < H - k * BLOCK_SIZE_K
             if EVEN_K and not USE_TMA:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -317,6 +320,7 @@ def gemm2_weighted_sum_kernel(
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     k_hi = min(k_lo + k_per_split, N_INTER)
     for k in range(k_lo, k_hi, BLOCK_SIZE_K):
+        # A: inter's rows, the K tail of the slice masked (always beside TMA weight tiles); then B.
         k_ok = offs_k < k_hi - (k - k_lo)
         if EVEN_K and not USE_TMA:
             a = tl.load(a_ptrs)
