@@ -4,7 +4,7 @@
 # rank's experts measured, communication from the fitted model. Ends with the flip factor per token
 # count of every comparison ($OUT/flip.md). PERF.md's figures for the communication model.
 #   PYTHONPATH=. bash benchmarks/device_compare_flip.sh
-#   MODELS="deepseek-v3" WORLDS="8" EXPERTS=triton,batched-triton TOKENS=1,64,4096 ...   (a subset)
+#   MODELS="deepseek-v3" WORLDS="8" EXPERTS=triton,batched-triton TOKENS=1,64,4096 EXTRA=--no-check ...   (a subset)
 # Mixtral-8x22B has 8 experts: EP32 is refused (one-line error, kept in the log) and only its
 # world-8 comparison runs.
 source "$(dirname "$0")/device_env.sh"
@@ -17,7 +17,7 @@ for m in $MODELS; do
   for w in $WORLDS; do
     step "compare $m tp-vs-ep world $w"
     mb compare tp-vs-ep --model "$m" --world-size "$w" --tokens "$TOKENS" --experts "$EXPERTS" \
-       --plot "$OUT/compare-$m-w$w.png" --out "$R/$m-w$w" --reps "${REPS:-20}"
+       --plot "$OUT/compare-$m-w$w.png" --out "$R/$m-w$w" --reps "${REPS:-20}" ${EXTRA:-}
   done
 done
 step "flip factors"

@@ -16,7 +16,7 @@ import pytest
 
 from moebench.errors import MoebenchError
 from moebench.quant import QuantScheme
-from moebench.tuning import configs as C
+from moebench.kernels.triton import configs as C
 from test_cli import ROOT, assert_bad_input, moebench
 
 SIZES = ["--num-experts", "4", "--topk", "2", "--hidden", "64", "--intermediate", "32", "--device", "cpu"]
