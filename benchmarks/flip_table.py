@@ -1,6 +1,6 @@
 """The flip factor per token count of compare tp-vs-ep run folders, as one Markdown table.
 
-    python benchmarks/flip_table.py results/<run>/ [more run folders]
+    python -m benchmarks flip_table results/<run>/ [more run folders]
 
 Per comparison and token count: the winner (or "too close"), both layouts' latency and modeled
 communication, comm_flip_factor (the factor on both layouts' modeled communication at which the
@@ -48,7 +48,3 @@ def main(argv: list[str]) -> int:
     for f in folders:
         print(table(f))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
