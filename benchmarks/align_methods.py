@@ -4,7 +4,7 @@ each chunk sorted by expert and scattered) over chunk sizes, and `auto` (the rul
 TritonOptions' align_method "auto"), on the layer's routing and BLOCK_SIZE_M, CUDA-graph replay.
 Every result is checked against the torch alignment first.
 
-    PYTHONPATH=. python benchmarks/align_methods.py [--tokens 256,1024,4096,16384] [--chunks 256,512,1024,2048] [--smoke]
+    PYTHONPATH=. python -m benchmarks align_methods [--tokens 256,1024,4096,16384] [--chunks 256,512,1024,2048] [--smoke]
 
 Writes align_methods.csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on CPU under
 the Triton interpreter (checks the script; its times mean nothing).
@@ -22,19 +22,19 @@ from moebench.kernels.triton.align import moe_align_block_size, moe_align_block_
 from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.options import TritonOptions
 from moebench.kernels.triton.routing import fused_topk_softmax
-from moebench.report import _markdown
+from moebench.report import markdown
 from moebench.results import atomic_write_text
 
-from bench_common import SHAPES, script_setup, timed_us
+from benchmarks.bench_common import SHAPES, script_setup, timed_us
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,1024,4096,16384")
     ap.add_argument("--chunks", default="256,512,1024,2048")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--smoke", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     out_dir, dev, header = script_setup("alignment: scan vs sort")
     print(header)
     shapes = {n: SHAPES[n] for n in a.shapes.split(",")}
@@ -82,10 +82,6 @@ def main() -> int:
             print(row, flush=True)
     df = pd.DataFrame(rows)
     atomic_write_text(out_dir / "align_methods.csv", df.to_csv(index=False))
-    atomic_write_text(out_dir / "align_methods.md", header + "\n\n" + _markdown(df) + "\n")
-    print(_markdown(df))
+    atomic_write_text(out_dir / "align_methods.md", header + "\n\n" + markdown(df) + "\n")
+    print(markdown(df))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

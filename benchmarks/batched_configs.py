@@ -1,7 +1,7 @@
 """The batched Triton experts with the tuned-config lookup against their default heuristic, in one
 run (issue 3: every launch takes the lookup's config, else the heuristic).
 
-    PYTHONPATH=. python benchmarks/batched_configs.py [--shapes a,b] [--rows 1,16,64,256,1024] [--smoke]
+    PYTHONPATH=. python -m benchmarks batched_configs [--shapes a,b] [--rows 1,16,64,256,1024] [--smoke]
 
 `BatchedTritonExperts` looks up the vLLM-format file of (E_local, I) at the entry nearest to the
 routed token count (PrepareResult.num_tokens; here the count whose pairs per local expert match
@@ -18,7 +18,6 @@ then timed (CUDA-graph replay). Writes batched_configs.csv / .md under $OUT (def
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
@@ -26,7 +25,7 @@ from moebench.kernels.triton.batched import batched_default_config, batched_moe,
 from moebench.kernels.triton.experts import BatchedTritonExperts
 from moebench.kernels.triton.options import TritonOptions
 
-from bench_common import ON_GPU, SHAPES, script_setup, timed_us, write_rows
+from benchmarks.bench_common import ON_GPU, SHAPES, script_setup, timed_us, write_rows
 
 DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8"
 SMOKE = {"tiny": (8, 2, 64, 32, 4)}
@@ -37,12 +36,12 @@ def _cfg_text(cfg: dict) -> str:
                                           "num_warps", "num_stages"))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--rows", default="1,16,64,256,1024", help="rows per expert T of the batched layout")
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         SHAPES.update(SMOKE)
         args.shapes, args.rows = "tiny", "3,20"
@@ -88,7 +87,3 @@ def main() -> int:
         if ON_GPU:
             torch.cuda.empty_cache()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
-"""Set-up shared by the device scripts in benchmarks/ (importable because Python puts a script's
-own folder on sys.path): output folder and header, the layer shapes and their tile config, a timer."""
+"""Set-up shared by the cases of `python -m benchmarks` (benchmarks/__init__.py lists them):
+output folder and header, the layer shapes and their tile config, a timer, the table writer."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import triton
 from moebench.bench.timing import time_cpu, time_cuda
 from moebench.kernels.triton.configs import default_config
 from moebench.kernels.triton.experts import select_config
-from moebench.report import _markdown
+from moebench.report import markdown
 from moebench.results import atomic_write_text
 
 ON_GPU = torch.cuda.is_available()
@@ -67,7 +67,7 @@ def write_rows(rows: list[dict], out_dir: Path, stem: str, head: str) -> None:
     print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     df = pd.DataFrame(rows)
     atomic_write_text(out_dir / f"{stem}.csv", df.to_csv(index=False))
-    atomic_write_text(out_dir / f"{stem}.md", head + "\n\n" + _markdown(df))
+    atomic_write_text(out_dir / f"{stem}.md", head + "\n\n" + markdown(df))
 
 
 def library_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, local_ids: torch.Tensor) -> dict[str, Callable[[], object]]:

@@ -1,6 +1,6 @@
 """Triton experts on one GPU: whole layer, GEMM part, alignment, torch baseline, floors, reference.
 
-    PYTHONPATH=. python benchmarks/bench_triton.py [--tokens 1,16,...] [--shapes a,b] [--sweep]
+    PYTHONPATH=. python -m benchmarks bench_triton [--tokens 1,16,...] [--shapes a,b] [--sweep]
         [--check-best] [--smoke]
 
 For each shape of design.md ("Performance reference points") and token count, in one run:
@@ -41,9 +41,9 @@ import torch
 import triton
 
 import moebench
+from moebench.bench import timing
 from moebench.bench.hardware import read_gbps_candidates
 from moebench.bench.timing import time_cpu
-from moebench.bench.timing import time_cuda as _time_cuda
 from moebench.kernels.triton.align import align_pairs, moe_align_block_size
 from moebench.kernels.triton.configs import default_config
 from moebench.kernels.triton.env import num_sms, tma_ok
@@ -52,7 +52,7 @@ from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1, launch_g
 from moebench.kernels.triton.options import TritonOptions, gemm1_walk, layer_split_k, resolve_use_tma
 from moebench.kernels.triton.routing import fused_topk_softmax
 
-from bench_common import library_gemms, seeded_inputs
+from benchmarks.bench_common import library_gemms, seeded_inputs
 
 # name: (E global, topk, H, I, E local, use expert_map)
 SHAPES = {
@@ -122,7 +122,7 @@ ON_GPU = torch.cuda.is_available()
 
 def time_cuda(fn, reps=30, graph_calls=5, use_graph=True):
     if ON_GPU:
-        return _time_cuda(fn, reps=reps, graph_calls=graph_calls, use_graph=use_graph)
+        return timing.time_cuda(fn, reps=reps, graph_calls=graph_calls, use_graph=use_graph)
     return time_cpu(fn, warmup=1, reps=1)
 
 
@@ -164,7 +164,7 @@ def routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return fused_topk_softmax(logits, k, renormalize=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -172,7 +172,7 @@ def main() -> int:
     ap.add_argument("--check-best", action="store_true", help="also time PREV_BEST configs (GEMM part)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
     ap.add_argument("--budget-s", type=float, default=330, help="skip sweeps once this many seconds passed")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t_start = time.time()
     out_dir = os.environ.get("OUT", "bench-out")
     os.makedirs(out_dir, exist_ok=True)
@@ -358,7 +358,7 @@ def main() -> int:
             out = x = logits = None  # free before the next token count
         w13 = w2 = None  # free this shape's weights before the next shape's
         torch.cuda.empty_cache()
-    md = _markdown(rows, gpu, rbw, rhow, mm)
+    md = table_markdown(rows, gpu, rbw, rhow, mm)
     with open(os.path.join(out_dir, "bench_triton.md"), "w") as f:
         f.write(md)
     print(md)
@@ -377,7 +377,7 @@ def _write_csv(path: str, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def _markdown(rows, gpu, rbw, rhow, mm) -> str:
+def table_markdown(rows, gpu, rbw, rhow, mm) -> str:
     lines = [
         f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}; read ceiling "
         f"{rbw / 1e12:.2f} TB/s ({rhow}), bf16 matmul {mm / 1e12:.0f} TFLOP/s (this run).",
@@ -395,7 +395,3 @@ def _markdown(rows, gpu, rbw, rhow, mm) -> str:
             f"{r['config']} sk{r['split_k']}{' tma' if r['tma'] else ''}{' sorted-a' if r['sorted_a'] else ''} | {sweep} | {known} | {r['max_rel_err']} |"
         )
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Token counts between a tuned file's keys, in one run: the entry the lookup picks (the nearest
 key, as vLLM reads the files) against the neighbouring key's entry and the default heuristic.
 
-    PYTHONPATH=. python benchmarks/between_keys.py [--points mixtral:512,...] [--smoke]
+    PYTHONPATH=. python -m benchmarks between_keys [--points mixtral:512,...] [--smoke]
 
 moebench's shipped H200 files hold 6 token counts (1, 16, 64, 256, 1024, 4096), vLLM's tuner 18.
 Between two keys the lookup takes the nearer one, whose tile may be sized for 2-4x fewer or more
@@ -15,7 +15,6 @@ made-up file (checks the script; its times mean nothing).
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
@@ -23,7 +22,7 @@ from moebench.kernels.triton.configs import TILE_KEYS, default_config, device_na
 from moebench.kernels.triton.experts import fused_moe
 from moebench.kernels.triton.routing import fused_topk_softmax
 
-from bench_common import ON_GPU, SHAPES, script_setup, timed_us, write_rows
+from benchmarks.bench_common import ON_GPU, SHAPES, script_setup, timed_us, write_rows
 
 POINTS = ("dsv3-ep8:32,dsv3-ep8:128,dsv3-ep8:512,dsv3-ep8:2048,mixtral:32,mixtral:128,mixtral:512,mixtral:2048,"
           "qwen3-30b-a3b:32,qwen3-30b-a3b:128,qwen3-30b-a3b:512,qwen3-30b-a3b:2048")
@@ -34,12 +33,12 @@ def _text(cfg: dict) -> str:
     return "/".join(str(cfg[k]) for k in TILE_KEYS)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", default=POINTS)
     ap.add_argument("--rounds", type=int, default=4, help="timings per candidate, alternating the order")
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         SHAPES.update(SMOKE)
         args.points = "tiny:6"
@@ -105,7 +104,3 @@ def main() -> int:
         rows.append(row)
         write_rows(rows, out_dir, "between_keys", head)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

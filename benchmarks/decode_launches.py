@@ -2,7 +2,7 @@
 experts via the modular kernel) with the defaults (`current`) against one TritonOptions field
 changed, on the same routing, CUDA-graph replay.
 
-    PYTHONPATH=. python benchmarks/decode_launches.py [--tokens 1,2,4,16,64] [--shapes a,b] [--fp8] [--smoke]
+    PYTHONPATH=. python -m benchmarks decode_launches [--tokens 1,2,4,16,64] [--shapes a,b] [--fp8] [--smoke]
         [--variants a,b] [--rounds N] [--reps N]
 
 Variants (each a TritonOptions, a split or a config; column `current/<name>` or `<name>/current`):
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 
 import torch
 
@@ -39,7 +38,7 @@ from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.options import TritonOptions, use_direct_align
 from moebench.kernels.triton.routing import fused_topk_softmax
 
-from bench_common import HEURISTIC_ONLY, SHAPES, layer_config, script_setup, seeded_inputs, timed_us, write_rows
+from benchmarks.bench_common import HEURISTIC_ONLY, SHAPES, layer_config, script_setup, seeded_inputs, timed_us, write_rows
 
 DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8,qwen3-next-80b-a3b"
 SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
@@ -56,7 +55,7 @@ RATIOS = (("current", "nodirect"), ("current", "twolaunch"), ("current", "sk1"),
           ("wide", "current"), ("again", "current"))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,16,64")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
@@ -65,7 +64,7 @@ def main() -> int:
     ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, interleaved (median)")
     ap.add_argument("--reps", type=int, default=30, help="graph replays per timing")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     variants = dict(VARIANTS)
     if args.variants:
         keep = set(args.variants.split(",")) | {"current"}
@@ -137,7 +136,3 @@ def main() -> int:
         w13 = w2 = None  # free this shape's weights before the next shape's
     print((out_dir / f"{stem}.md").read_text())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

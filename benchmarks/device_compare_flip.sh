@@ -21,6 +21,6 @@ for m in $MODELS; do
   done
 done
 step "flip factors"
-python3 benchmarks/flip_table.py "$R"/*/*/ 2>&1 | tee "$OUT/flip.md" | tee -a "$log"
+python3 -m benchmarks flip_table "$R"/*/*/ 2>&1 | tee "$OUT/flip.md" | tee -a "$log"
 tar czf "$OUT/results.tgz" -C "$OUT" results 2>/dev/null
 step done

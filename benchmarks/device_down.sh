@@ -2,7 +2,7 @@
 # GEMM2's own tile configs (SGLang's `_down.json`) for one model, in one device call: the GPU tests
 # of the down-config path, `moebench tune --down` against the GEMM1 config the layer looks up (the
 # shipped file), then the layer with and without the new file in one process
-# (decode_launches.py `current/nodown`). The file and the tune report come back in
+# (`python -m benchmarks decode_launches`, `current/nodown`). The file and the tune report come back in
 # $OUT/down.tgz (file names with '=' do not come back as plain files).
 #   PYTHONPATH=. [MODEL=qwen3-30b-a3b] [TOKS=1,2,4,8,16] [BUDGET=N] [CW=12] bash benchmarks/device_down.sh
 TAIL="${TAIL:-12}"
@@ -17,6 +17,6 @@ step "tune --down $MODEL $TOKS"
 mb tune --model "$MODEL" --tokens "$TOKS" --down ${BUDGET:+--budget "$BUDGET"} --compile-workers "${CW:-12}" --out "$D/configs" --results-dir "$D/runs"
 (cd "$D" && tar czf "$OUT/down.tgz" configs $(find runs -name 'report.*') 2>/dev/null)
 step "layer with / without the down file"
-MOEBENCH_CONFIG_DIR="$D/configs" OUT="$OUT" python3 benchmarks/decode_launches.py --shapes "$MODEL" --tokens "$TOKS" \
+MOEBENCH_CONFIG_DIR="$D/configs" OUT="$OUT" python3 -m benchmarks decode_launches --shapes "$MODEL" --tokens "$TOKS" \
   --variants nodown 2>&1 | tail -n 8
 step done

@@ -14,7 +14,7 @@ for s in "${SHAPES[@]}"; do
   mb sweep $s --tokens "$TOK" --experts triton,torch --prepare-finalize no-dpep --reps 20 --routings 4 --out "$R/bf16"
   mb sweep $s --tokens "$TOK" --dtype fp8_w8a8 --block-shape 128,128 --experts triton --prepare-finalize no-dpep --reps 20 --routings 4 --out "$R/fp8-block"
   mb sweep $s --tokens "$TOK" --dtype fp8_w8a8 --scales token --experts triton,torch --prepare-finalize no-dpep --reps 20 --routings 4 --out "$R/fp8-token"
-  python3 benchmarks/fp8_table.py "$R" > "$OUT/fp8_table.md" 2>>"$log"  # after every shape: a cut-off run keeps it
+  python3 -m benchmarks fp8_table "$R" > "$OUT/fp8_table.md" 2>>"$log"  # after every shape: a cut-off run keeps it
 done
 cat "$OUT/fp8_table.md" >> "$log"
 tar czf "$OUT/fp8-sweeps.tgz" -C "$OUT" results 2>/dev/null && rm -rf "$R"

@@ -1,6 +1,6 @@
 """The flip factor per token count of compare tp-vs-ep run folders, as one Markdown table.
 
-    python benchmarks/flip_table.py results/<run>/ [more run folders]
+    python -m benchmarks flip_table results/<run>/ [more run folders]
 
 Per comparison and token count: the winner (or "too close"), both layouts' latency and modeled
 communication, comm_flip_factor (the factor on both layouts' modeled communication at which the
@@ -50,5 +50,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # tests/test_comm_cli.py still runs this file directly
     sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """fp8 vs bf16 table from `moebench sweep` result folders (benchmarks/device_fp8.sh).
 
-    python benchmarks/fp8_table.py RESULTS_DIR > fp8_table.md
+    python -m benchmarks fp8_table RESULTS_DIR > fp8_table.md
 
 One row per (shape, tokens): latency of each (precision, experts) variant, the fp8/bf16 ratio of
 the `triton` experts, the roofline floors (bf16 bytes vs fp8 bytes, measured ceilings) and the
@@ -55,5 +55,8 @@ def table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    print(table(load(Path(sys.argv[1] if len(sys.argv) > 1 else "results"))))
+def main(argv: list[str] | None = None) -> int:
+    """Print the table of the sweep results under argv[0] (default ./results)."""
+    argv = sys.argv[1:] if argv is None else argv
+    print(table(load(Path(argv[0] if argv else "results"))))
+    return 0

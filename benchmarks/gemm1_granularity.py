@@ -2,7 +2,7 @@
 why a decode layer that hits few experts sits further from the memory floor than one that hits
 many).
 
-    PYTHONPATH=. python benchmarks/gemm1_granularity.py [--smoke]
+    PYTHONPATH=. python -m benchmarks gemm1_granularity [--smoke]
 
 At 16 tokens, DeepSeek-V3's EP8 shard (about 9-13 of 32 local experts hit) streams its GEMM1
 weights at ~84% of the read ceiling, the same shard with all 32 experts hit at ~100%, with the same
@@ -19,7 +19,6 @@ the script; its times mean nothing).
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
@@ -27,7 +26,7 @@ from moebench.bench.hardware import read_gbps_candidates
 from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.gemm import launch_gemm1
 
-from bench_common import ON_GPU, script_setup, timed_us, write_rows
+from benchmarks.bench_common import ON_GPU, script_setup, timed_us, write_rows
 
 # name: (E_local, H, I, pairs per hit expert, experts hit to try)
 CASES = {"dsv3-expert": (32, 7168, 2048, 4, (4, 9, 13, 18, 26, 32)),
@@ -39,10 +38,10 @@ CONFIGS = {"n64": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP
            "n128": dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=3)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cases = SMOKE if args.smoke else CASES
     out_dir, dev, head = script_setup("bf16; GEMM1 alone at decode, us and TB/s of w13")
     print("# " + head, flush=True)
@@ -72,7 +71,3 @@ def main() -> int:
         if ON_GPU:
             torch.cuda.empty_cache()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Per-GEMM tile configs: how far is each GEMM of the `triton` layer from its own best config?
 
-    PYTHONPATH=. python benchmarks/gemm_configs.py [--points qwen3-30b-a3b:4096,...] [--gemms 1,2]
+    PYTHONPATH=. python -m benchmarks gemm_configs [--points qwen3-30b-a3b:4096,...] [--gemms 1,2]
         [--budget-s 420] [--smoke]
 
 The layer runs GEMM1 (w13, SiLU-mul) and GEMM2 (w2, router weight, top-k sum) with one tile
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import time
 
 import pandas as pd
@@ -34,10 +33,10 @@ from moebench.kernels.triton.env import num_sms, tma_ok
 from moebench.kernels.triton.gemm import launch_gemm1, launch_gemm2
 from moebench.kernels.triton.options import TritonOptions, gemm1_walk, layer_split_k, resolve_use_tma
 from moebench.kernels.triton.routing import fused_topk_softmax
-from moebench.report import _markdown
+from moebench.report import markdown
 from moebench.results import atomic_write_text
 
-from bench_common import ON_GPU, SHAPES, layer_config, script_setup, seeded_inputs, timed_us
+from benchmarks.bench_common import ON_GPU, SHAPES, layer_config, script_setup, seeded_inputs, timed_us
 
 # Largest layer/floor gaps of the fifth session's final run first (PERF.md section 3).
 POINTS = ("qwen3-30b-a3b:4096,qwen3-30b-a3b:1024,dsv3-ep8-local:1024,mixtral:1024,dsv3-ep8-local:4096,"
@@ -68,7 +67,7 @@ def candidates(base: dict, gemm: int, smoke: bool) -> list[tuple[dict, int]]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", default=POINTS, help="shape:tokens,... (shapes: %s)" % ",".join(SHAPES))
     ap.add_argument("--gemms", default="2,1")
@@ -76,7 +75,7 @@ def main() -> int:
     ap.add_argument("--bm", type=int, default=0,
                     help="BLOCK_SIZE_M of the alignment and both GEMMs instead of the layer's (0: the layer's)")
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t0 = time.time()
     if args.smoke:
         SHAPES.update(SMOKE)
@@ -160,11 +159,7 @@ def main() -> int:
                                 candidates=n_ok, failed=n_fail, elapsed_s=round(time.time() - t0)))
             print(" ".join(f"{a}={b}" for a, b in summary[-1].items()), flush=True)
             atomic_write_text(out_dir / "gemm_configs.csv", pd.DataFrame(rows).to_csv(index=False))
-            atomic_write_text(out_dir / "gemm_configs.md", head + "\n\n" + _markdown(pd.DataFrame(summary)))
+            atomic_write_text(out_dir / "gemm_configs.md", head + "\n\n" + markdown(pd.DataFrame(summary)))
         inter0 = x = logits = None
     print((out_dir / "gemm_configs.md").read_text() if summary else "# nothing timed")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

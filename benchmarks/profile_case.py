@@ -1,6 +1,6 @@
 """Profile one (prepare/finalize, experts) case with torch.profiler: where does the time go?
 
-    PYTHONPATH=. python benchmarks/profile_case.py --model qwen3-30b-a3b --tokens 1 \
+    PYTHONPATH=. python -m benchmarks profile_case --model qwen3-30b-a3b --tokens 1 \
         --experts batched-triton --prepare-finalize batched-local
 """
 
@@ -16,14 +16,14 @@ from moebench.models import get_model
 from moebench.routing import make_routing
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--experts", default="batched-triton")
     ap.add_argument("--prepare-finalize", default="batched-local")
     ap.add_argument("--calls", type=int, default=5)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     s = get_model(a.model)
     dev, dt = "cuda", torch.bfloat16
     w13, w2 = make_weights(range(s.num_experts), s.hidden, s.intermediate, dt, dev, 0)
@@ -39,7 +39,3 @@ def main() -> None:
         torch.cuda.synchronize()
     print(f"{a.model} M={a.tokens} {a.prepare_finalize}+{a.experts}, {a.calls} calls")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Does pairing gate and up rows cost HBM bandwidth? (issue 3: Mixtral M=16 streams w13 at ~4.3 TB/s
 in moebench's GEMM1, vLLM's unfused GEMM1 at ~4.8.)
 
-    PYTHONPATH=. python benchmarks/read_pattern.py [--experts 8 --inter 14336 --hidden 4096]
+    PYTHONPATH=. python -m benchmarks read_pattern [--experts 8 --inter 14336 --hidden 4096]
 
 Reads every expert's w13 (E, 2I, H) bf16 once with the tile walk of the two GEMM1 layouts and no
 MMA: `paired` (moebench: a program takes BLOCK_N/2 gate rows n.. and the same up rows I+n..) and
@@ -44,12 +44,12 @@ def _stream_w13(w_ptr, out_ptr, N_INTER, H, stride_e, stride_n, PAIRED: tl.const
     tl.store(out_ptr + e * tl.num_programs(0) + pid, tl.sum(acc))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--hidden", type=int, default=4096)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     e, i, h = a.experts, a.inter, a.hidden
     w = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16)
     nbytes = w.numel() * w.element_size()
@@ -72,7 +72,3 @@ def main() -> int:
                   f"{t.median_us:8.1f} us  {gbps:7.0f} GB/s")
     print("best: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in best.items()))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

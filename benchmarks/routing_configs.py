@@ -3,7 +3,7 @@ top-k + renormalise in one Triton launch) with ROWS tokens per program and num_w
 current rule (`moebench.kernels.triton.routing.topk_softmax_launch`), per (experts, topk, tokens), CUDA-graph replay of
 10 back-to-back calls. Every variant is checked to give the rule's ids (and its weights to rounding) first.
 
-    PYTHONPATH=. python benchmarks/routing_configs.py [--tokens 1,16,256,4096] [--smoke]
+    PYTHONPATH=. python -m benchmarks routing_configs [--tokens 1,16,256,4096] [--smoke]
 
 Why: the fourth session's final run measured the routing at 6.0 us for Qwen3-30B (128 experts)
 and 7.9 us for DeepSeek-V3 (256) at one token, against 1.8 us for Mixtral (8): a sixth of the
@@ -14,14 +14,13 @@ Qwen3 M=1 layer (33.4 us). Writes routing_configs.csv / .md under $OUT (default 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
 from moebench.bench.timing import time_cpu, time_cuda
 from moebench.kernels.triton.routing import fused_topk_softmax, topk_softmax_launch
 
-from bench_common import script_setup, write_rows
+from benchmarks.bench_common import script_setup, write_rows
 
 ON_GPU = torch.cuda.is_available()
 # name: (experts routed over, topk)
@@ -31,12 +30,12 @@ SMOKE = {"tiny": (16, 2), "tiny-wide": (128, 8)}
 VARIANTS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1), (4, 4), (8, 4), (16, 4), (16, 8))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16,256,4096")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         SHAPES.update(SMOKE)
         args.shapes = ",".join(SMOKE)
@@ -68,7 +67,3 @@ def main() -> int:
             write_rows(rows, out_dir, "routing_configs", head)
     print((out_dir / "routing_configs.md").read_text())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Where `fused_topk_softmax` and torch's softmax + topk pick different experts, by how much do
 the probabilities at those ranks differ? (A near-tie at the k-th place may order either way.)
 
-    PYTHONPATH=. python benchmarks/topk_ties.py [--m 4096 --e 128 --k 8 --seeds 20]
+    PYTHONPATH=. python -m benchmarks topk_ties [--m 4096 --e 128 --k 8 --seeds 20]
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import torch
 from moebench.kernels.triton.routing import fused_topk_softmax
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=4096)
     ap.add_argument("--e", type=int, default=128)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--seeds", type=int, default=20)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     total = 0
     worst = 0.0
@@ -39,7 +39,3 @@ def main() -> None:
                   f"probs at the ranks: kernel {picked[r].tolist()} torch {rw[r].tolist()}")
     print(f"rows differing: {total} of {a.seeds * a.m}; max relative difference of the picked probability "
           f"from torch's at the same rank: {worst:.2e}")
-
-
-if __name__ == "__main__":
-    main()

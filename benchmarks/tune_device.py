@@ -5,7 +5,7 @@ subspace vs the default heuristic, all through `moebench.tuning.tuner.tune` (CUD
 correctness checked once per config). Writes `tune_device.md` / `tune_device.json` and each run's
 journal and report to --out (default $OUT).
 
-    PYTHONPATH=. python benchmarks/tune_device.py [--models mixtral-8x7b,qwen3-30b-a3b]
+    PYTHONPATH=. python -m benchmarks tune_device [--models mixtral-8x7b,qwen3-30b-a3b]
         [--tokens 16,256] [--budget 12] [--max-seconds 280] [--full-halving]
 
 Halving runs before grid in the same process, so kernels halving compiled are cached in memory
@@ -101,7 +101,7 @@ def _write(out: Path, rows: list[dict], args: argparse.Namespace, sub: dict, tot
     print(text, flush=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mixtral-8x7b,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="16,256")
@@ -111,7 +111,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "tune_device_out"))
     ap.add_argument("--device", default="cuda", help="cpu only for a plumbing smoke test (Triton interpreter).")
     ap.add_argument("--subspace", default=None, help="JSON value lists replacing SUBSPACE (smoke tests).")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -168,7 +168,3 @@ def main() -> int:
     _write(out, rows, args, sub, time.perf_counter() - t_start)
     shutil.rmtree(scratch, ignore_errors=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

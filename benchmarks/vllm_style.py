@@ -1,7 +1,7 @@
 """moebench's `triton` experts against a vLLM-style kernel with vLLM's shipped H200 configs, in one
 run on the same routings (issues 3 and 5: design.md's reference table, re-measured here).
 
-    PYTHONPATH=. python benchmarks/vllm_style.py [--tokens 1,16,...] [--routings 4] [--smoke]
+    PYTHONPATH=. python -m benchmarks vllm_style [--tokens 1,16,...] [--routings 4] [--smoke]
 
 The vLLM-style GEMM part is written here from the structure vLLM documents for its Triton
 fused_moe (not its code): one sorted-token grouped GEMM kernel used twice, with
@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -49,7 +48,7 @@ from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1
 from moebench.kernels.triton.options import TritonOptions, layer_split_k, resolve_use_tma
 from moebench.kernels.triton.routing import fused_topk_softmax
-from moebench.report import _markdown
+from moebench.report import markdown
 from moebench.results import atomic_write_text
 
 ON_GPU = torch.cuda.is_available()
@@ -168,13 +167,13 @@ def _time(fn, reps=30):
     return time_cpu(fn, warmup=1, reps=1).median_us
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--routings", type=int, default=4, help="routings (seeds) per point")
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         SHAPES.update(SMOKE_SHAPES)
         REF["tiny"] = REF["mixtral"]
@@ -267,9 +266,5 @@ def _write(out_dir: str, head: str, rows: list[dict]) -> None:
     """csv and markdown, rewritten after every point (atomic renames)."""
     df = pd.DataFrame(rows)
     atomic_write_text(Path(out_dir) / "vllm_style.csv", df.to_csv(index=False))
-    table = _markdown(df.drop(columns=["per_routing_vllm", "per_routing_ours"]))
+    table = markdown(df.drop(columns=["per_routing_vllm", "per_routing_ours"]))
     atomic_write_text(Path(out_dir) / "vllm_style.md", head + "\n\n" + table)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -219,14 +219,14 @@ def _why(win, lose) -> str:
 
 def write_summary(result: CompareResult, folder: Path) -> list[Path]:
     """compare.csv and compare.md (with the recommendation) in the run folder."""
-    from moebench.report import _markdown, export_frame
+    from moebench.report import export_frame, markdown
     from moebench.results import atomic_write_text
 
     csv = folder / "compare.csv"
     export_frame(result.summary, csv, "csv")
     md = folder / "compare.md"
     text = (f"**{result.recommendation}**\n\ncrossover: {result.crossover if result.crossover is not None else 'none'}"
-            f"\n\n{_markdown(result.summary)}")
+            f"\n\n{markdown(result.summary)}")
     atomic_write_text(md, text)
     return [csv, md]
 

@@ -30,7 +30,7 @@ from moebench.results import CORE_COLUMNS, ResultRow, precision_labels, rows_to_
 EXPORT_FORMATS = ("csv", "json", "md", "parquet", "html")
 
 
-def _markdown(df: pd.DataFrame) -> str:
+def markdown(df: pd.DataFrame) -> str:
     """GitHub-flavoured Markdown table, without needing the `tabulate` package."""
     cols = list(df.columns)
     fmt = lambda v: "" if v is None or (isinstance(v, float) and pd.isna(v)) else (  # noqa: E731

@@ -1,12 +1,12 @@
-"""Benchmark scripts that PERF.md quotes: benchmarks/vllm_style.py (the same-run reference of
-section 3; its vLLM-style GEMM part is checked against the float64 reference) and
-benchmarks/decode_launches.py, benchmarks/bench_triton.py, benchmarks/routing_configs.py,
-benchmarks/gemm_configs.py, benchmarks/persistent_gemm2.py, benchmarks/batched_configs.py,
-benchmarks/gemm1_granularity.py, benchmarks/between_keys.py, benchmarks/warp_spec.py and
-benchmarks/topk_ties.py, benchmarks/gemm1_tma.py; each script's smoke mode runs end to end on CPU."""
+"""The benchmark runner (`python -m benchmarks`) and the cases PERF.md quotes: vllm_style (the
+same-run reference of section 3; its vLLM-style GEMM part is checked against the float64
+reference), decode_launches, bench_triton, routing_configs, gemm_configs, batched_configs,
+gemm1_granularity, between_keys and topk_ties; each case's smoke mode runs end to end on CPU,
+through the runner."""
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +18,39 @@ import moebench
 from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.routing import fused_topk_softmax, topk_softmax_launch
 
+from benchmarks import CASES, vllm_style
+from benchmarks.bench_common import library_gemms
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import vllm_style  # noqa: E402
-from bench_common import library_gemms  # noqa: E402
+
+
+def _runner(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m benchmarks ARGS` on CPU (Triton interpreter), the repository on PYTHONPATH."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_list_names_every_case():
+    r = _runner("--list")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == list(CASES) and all(len(ln.split()) > 1 for ln in lines)
+    # every case module is registered, and every registered case is a module with main(argv)
+    modules = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__", "__main__", "bench_common"}
+    assert modules == set(CASES)
+
+
+def test_unknown_case_is_a_one_line_error():
+    r = _runner("no_such_case", "--smoke")
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "no_such_case" in r.stderr
+    assert _runner().returncode == 2  # no case at all: the usage line
+
+
+def test_no_benchmark_imports_a_private_name():
+    src = "\n".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))
+    assert not re.search(r"from moebench\S* import .*\b_", src) and not re.search(r"moebench\.[a-z_.]*\._", src)
 
 
 @pytest.mark.parametrize("bm,bn,bk", [(16, 64, 32), (32, 32, 64)])
@@ -45,18 +74,16 @@ def test_vllm_config_lookup_takes_the_nearest_key():
     assert [vllm_style.vllm_config(table, m) for m in (1, 9, 30, 50, 4096)] == ["a", "b", "b", "c", "c"]
 
 
-def _smoke(script: str, tmp_path: Path, *args: str, csv_name: str | None = None) -> list[dict]:
-    """Run benchmarks/<script> --smoke on CPU (interpreter) with OUT=tmp_path; the rows of its CSV
-    (csv_name, default <script>.csv)."""
-    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
-                       env=env, capture_output=True, text=True, timeout=300)
+def _smoke(case: str, tmp_path: Path, *args: str, csv_name: str | None = None) -> list[dict]:
+    """`python -m benchmarks CASE --smoke ARGS` with OUT=tmp_path; the rows of its CSV (csv_name,
+    default CASE.csv)."""
+    r = _runner(case, "--smoke", *args, env={"OUT": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
-    return list(csv.DictReader(open(tmp_path / (csv_name or script.replace(".py", ".csv")))))
+    return list(csv.DictReader(open(tmp_path / (csv_name or f"{case}.csv"))))
 
 
 def test_smoke_run_writes_its_table(tmp_path):
-    rows = _smoke("vllm_style.py", tmp_path, "--tokens", "1,16", "--routings", "1")
+    rows = _smoke("vllm_style", tmp_path, "--tokens", "1,16", "--routings", "1")
     assert [int(r["tokens"]) for r in rows] == [1, 16]
     assert all(float(r["vllm_style_err"]) < 3e-2 for r in rows)  # bf16, truncating interpreter stores
     assert all(float(r["wide_vs_paired_err"]) < 1e-2 for r in rows)
@@ -66,7 +93,7 @@ def test_smoke_run_writes_its_table(tmp_path):
 def test_decode_launches_smoke(tmp_path):
     # every variant (a TritonOptions each) correct against the reference, table written
     variants = ("nodirect", "twolaunch", "sk4", "nopdl", "nodown", "wide")
-    rows = _smoke("decode_launches.py", tmp_path, "--tokens", "1,3", "--variants", ",".join(variants + ("sorted",)))
+    rows = _smoke("decode_launches", tmp_path, "--tokens", "1,3", "--variants", ",".join(variants + ("sorted",)))
     assert len(rows) == 4 and [r["direct_rule"] for r in rows[:2]] == ["True", "False"]
     assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows for v in ("current",) + variants)
     assert all(float(r["sk4/current"]) > 0 and float(r["current/nopdl"]) > 0 for r in rows)
@@ -74,7 +101,7 @@ def test_decode_launches_smoke(tmp_path):
 
 def test_bench_triton_smoke(tmp_path):
     # PERF.md section 3's table: runs end to end, every point correct
-    rows = _smoke("bench_triton.py", tmp_path, "--tokens", "1", "--check-best")
+    rows = _smoke("bench_triton", tmp_path, "--tokens", "1", "--check-best")
     assert [r["shape"] for r in rows] == ["tiny", "tiny-map"]
     assert all(float(r["max_rel_err"]) < 2e-2 for r in rows) and rows[0]["best_known_us"]
     # the library bound ran on both shapes (grouped_mm and per-expert mm both time)
@@ -93,17 +120,10 @@ def test_library_gemms_agree():
     assert library_gemms(x, w13, w2, torch.full((5, 2), -1)) == {}
 
 
-def test_gemm1_tma_smoke(tmp_path):
-    # the TMA probe of GEMM1: every variant matches the shipped GEMM1 (a wrong one leaves an error text)
-    rows = _smoke("gemm1_tma.py", tmp_path)
-    assert len(rows) == 1
-    for v in ("paired_tma", "tma", "tma_p", "tma_s3", "tma_p_s3"):
-        float(rows[0][f"{v}_us"])
-
 
 def test_decode_launches_fp8_smoke(tmp_path):
     # per-tensor fp8 weights, all correct; timed in two interleaved rounds (median and spread per variant)
-    rows = _smoke("decode_launches.py", tmp_path, "--tokens", "1", "--fp8", "--variants", "nodirect,again",
+    rows = _smoke("decode_launches", tmp_path, "--tokens", "1", "--fp8", "--variants", "nodirect,again",
                   "--rounds", "2", csv_name="decode_launches_fp8.csv")
     assert len(rows) == 2 and all(float(r[f"{v}_err"]) < 3e-2 for r in rows for v in ("current", "nodirect"))
     assert all(float(r[f"{v}_spread"]) >= 1 and float(r[f"{v}_us"]) > 0 for r in rows for v in ("current", "nodirect", "again"))
@@ -111,7 +131,7 @@ def test_decode_launches_fp8_smoke(tmp_path):
 
 def test_routing_configs_smoke(tmp_path):
     # every launch shape gives the rule's result (the script raises otherwise); the rule is timed
-    rows = _smoke("routing_configs.py", tmp_path)
+    rows = _smoke("routing_configs", tmp_path)
     assert [(r["shape"], r["tokens"]) for r in rows] == [("tiny", "1"), ("tiny", "5"), ("tiny-wide", "1"), ("tiny-wide", "5")]
     assert all(float(r["rule_us"]) > 0 and r["best"] for r in rows)
 
@@ -119,41 +139,34 @@ def test_routing_configs_smoke(tmp_path):
 def test_gemm_configs_smoke(tmp_path):
     # per-GEMM candidates at the layer's BLOCK_SIZE_M: each checked against the current config's
     # output before it is timed (a wrong one would be recorded with a note, not a time)
-    rows = _smoke("gemm_configs.py", tmp_path)
+    rows = _smoke("gemm_configs", tmp_path)
     assert {(r["shape"], r["gemm"]) for r in rows} == {("tiny", "1"), ("tiny", "2"), ("tiny-map", "1"), ("tiny-map", "2")}
     assert all(r["us"] and not r["note"] for r in rows)
     assert "best_over_current" in (tmp_path / "gemm_configs.md").read_text()
 
 
-def test_persistent_gemm2_smoke(tmp_path):
-    # every persistent variant gives the shipped GEMM2's sums (the script checks before timing)
-    rows = _smoke("persistent_gemm2.py", tmp_path)
-    assert len(rows) == 1 and all(float(rows[0][f"{v}/shipped"]) > 0 for v in ("p1", "p1s3", "p1f3", "p1f", "p2"))
-
 
 def test_batched_configs_smoke(tmp_path):
     # both configs run and agree on the written rows (the script stops if they do not)
-    rows = _smoke("batched_configs.py", tmp_path)
+    rows = _smoke("batched_configs", tmp_path)
     assert [int(r["rows_per_expert"]) for r in rows] == [3, 20]
     assert all(r["lookup_source"] == "default heuristic" and float(r["max_rel_diff"]) < 2e-2 for r in rows)
 
 
 def test_gemm1_granularity_smoke(tmp_path):
-    rows = _smoke("gemm1_granularity.py", tmp_path)
+    rows = _smoke("gemm1_granularity", tmp_path)
     assert [int(r["experts_hit"]) for r in rows] == [1, 4] and all(float(r["n64_us"]) > 0 for r in rows)
 
 
 def test_between_keys_smoke(tmp_path):
     # heuristic, nearest and other-key entries of a made-up two-key file, all agreeing
-    rows = _smoke("between_keys.py", tmp_path, "--rounds", "2")
+    rows = _smoke("between_keys", tmp_path, "--rounds", "2")
     assert len(rows) == 1 and rows[0]["key"] == "1" and rows[0]["other_key"] == "16"
     assert all(float(rows[0][f"{n}_us"]) > 0 for n in ("heuristic", "nearest", "other"))
 
 
 def test_topk_ties_smoke():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "topk_ties.py"), "--m", "40", "--e", "16", "--k", "4",
-                        "--seeds", "2"], env=env, capture_output=True, text=True, timeout=300)
+    r = _runner("topk_ties", "--m", "40", "--e", "16", "--k", "4", "--seeds", "2")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "rows differing: 0 of 80" in r.stdout
 
@@ -175,12 +188,3 @@ def test_routing_launch_rule_shapes(e):
         rows, warps = topk_softmax_launch(m, e)
         assert rows & (rows - 1) == 0 and warps & (warps - 1) == 0 and warps <= rows <= 16
         assert rows <= max(1, 2 * m - 1)  # never more tokens per program than the next power of two of m
-
-
-def test_warp_spec_smoke(tmp_path):
-    # the dense probe of PERF.md's ninth-session table: every default variant checked and timed
-    # (the one that hangs on the GPU only with --only)
-    rows = _smoke("warp_spec.py", tmp_path, csv_name="warp_spec_dense.csv")
-    names = [c[:-3] for c in rows[0] if c.endswith("_us") and c != "torch_us"]
-    assert names == ["host_plain_n64_s3", "host_plain_n64_s4", "dev_plain_n64_s3", "dev_ws_n64_s3", "dev_ws_n64_s4"]
-    assert all(float(rows[0][f"{n}_us"]) > 0 for n in names)
