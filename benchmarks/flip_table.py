@@ -48,7 +48,3 @@ def main(argv: list[str]) -> int:
     for f in folders:
         print(table(f))
     return 0
-
-
-if __name__ == "__main__":  # tests/test_comm_cli.py still runs this file directly
-    sys.exit(main(sys.argv[1:]))

@@ -42,8 +42,8 @@ def test_compare_past_one_node(tmp_path):
         text = (run / "compare.md").read_text()
         assert ("wins" in text) or ("too close to call" in text)
         # the device script's table of flip factors reads the run folder
-        table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "flip_table.py"), str(run)],
-                               capture_output=True, text=True, timeout=120)
+        table = subprocess.run([sys.executable, "-m", "benchmarks", "flip_table", str(run)], cwd=ROOT,
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
         assert table.returncode == 0, table.stderr
         assert "| 32 |" in table.stdout and "| 1024 |" in table.stdout and "flip factor" in table.stdout
     assert subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "device_compare_flip.sh")]).returncode == 0
