@@ -334,7 +334,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
     from moebench.kernels.registry import prepare_finalize_names
     from moebench.layout import ParallelLayout
-    from moebench.report import EXPORT_FORMATS, print_rows
+    from moebench.report import EXPORT_FORMATS, print_rows, write_exports
     from moebench.results import RunStore, ensure_writable_dir, new_run_id
     from moebench.routing import parse_routing
     from moebench.sweep import SweepSpec, default_experts, resolve_names
@@ -428,11 +428,11 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
                 store = run(spec, store, mode, link=link, on_progress=tick)
     except KeyboardInterrupt:
         store = RunStore(folder)
-        store.finish(fmts)
+        write_exports(store, fmts)
         err_console.print(f"interrupted: {len(store.rows)} finished rows kept in {folder} (continue with --resume {folder})")
         owner.close()
         sys.exit(130)
-    written = store.finish(fmts)
+    written = write_exports(store, fmts)
     owner.close()
     print_rows(store.rows, console, show_skipped=show_skipped)
     if store.rows and not any(r.status == "ok" for r in store.rows):
@@ -467,6 +467,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     from moebench.bench.hardware import datasheet_ceilings, device_summary
     from moebench.compare import layouts, run_compare, write_summary
     from moebench.plots import compare_plot
+    from moebench.report import write_exports
     from moebench.results import RunStore, check_output_file, ensure_writable_dir, new_run_id
     from moebench.routing import parse_routing
     from moebench.runtime.simulate import DEFAULT_TARGET_GPU, link_for
@@ -529,7 +530,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
                              check_ranks=check_ranks, gpus_per_node=gpus_per_node,
                              on_progress=lambda r: r.status == "skipped" or prog.update(
                                  task, advance=1, description=f"M={r.tokens} {r.prepare_finalize}+{r.experts}"))
-    RunStore(folder).finish(["csv", "json", "md"])
+    write_exports(RunStore(folder), ["csv", "json", "md"])
     written = write_summary(result, folder)
     _print_compare(result, world_size)
     if not result.summary.empty:
