@@ -11,6 +11,7 @@ count, then the detail).
 from __future__ import annotations
 
 import html as _html
+import importlib.util
 import json
 import math
 import re
@@ -25,7 +26,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from moebench.results import CORE_COLUMNS, ResultRow, precision_labels, rows_to_frame
+from moebench.fileio import atomic_write_with
+from moebench.results import CORE_COLUMNS, ResultRow, RunStore, precision_labels, rows_to_frame
 
 EXPORT_FORMATS = ("csv", "json", "md", "parquet", "html")
 
@@ -71,6 +73,23 @@ def frame(rows: Iterable[ResultRow]) -> pd.DataFrame:
     df = rows_to_frame(rows)
     first = [c for c in CORE_COLUMNS if c in df.columns]
     return df[first + [c for c in df.columns if c not in first]]
+
+
+
+def write_exports(store: RunStore, formats: Iterable[str] = ("csv", "json", "md")) -> list[Path]:
+    """Write the run folder's exports (results.<fmt>) from the store's rows; returns the paths
+    written (none for a store that does not write)."""
+    if not store.write:
+        return []
+    df = frame(store.rows)
+    written = []
+    for fmt in formats:
+        path = store.folder / f"results.{fmt}"
+        if fmt == "parquet" and importlib.util.find_spec("pyarrow") is None:
+            continue  # the CLI refuses --format parquet without pyarrow; the API skips it
+        atomic_write_with(path, lambda tmp, fmt=fmt: export_frame(df, tmp, fmt))
+        written.append(path)
+    return written
 
 
 # -- tables that fit the console -----------------------------------------------------------------

@@ -1,14 +1,14 @@
 """One result-row type that every export, table and plot reads, and the run folder that holds them.
 
 Rows are appended to `rows.jsonl` as they are measured (flushed and fsynced), so an interrupted
-run loses no finished row; `finish()` writes CSV / JSON / Markdown / Parquet through atomic renames.
+run loses no finished row; `moebench.report.write_exports` writes CSV / JSON / Markdown / Parquet
+through atomic renames.
 A run folder can be reopened to resume: rows already there are skipped by key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import datetime as _dt
 import json
 import math
@@ -318,7 +318,8 @@ def read_run_metadata(folder: str | os.PathLike, command: str) -> dict[str, Any]
 
 
 class RunStore:
-    """A run folder: metadata.json, rows.jsonl (incremental), and exports written on finish.
+    """A run folder: metadata.json, rows.jsonl (incremental); moebench.report.write_exports writes
+    its exports.
 
     Opening a folder with rows reads them (resume); a torn last line left by an interrupted write is
     dropped from the file first, so the next row starts on a line of its own (`notices` says so).
@@ -389,22 +390,6 @@ class RunStore:
             f.write(json.dumps(row.as_dict(), default=str) + "\n")
             f.flush()
             os.fsync(f.fileno())
-
-    def finish(self, formats: Iterable[str] = ("csv", "json", "md")) -> list[Path]:
-        """Write the exports; returns the paths written."""
-        if not self.write:
-            return []
-        from moebench.report import export_frame, frame  # report formats; here we only place files
-
-        df = frame(self.rows)
-        written = []
-        for fmt in formats:
-            path = self.folder / f"results.{fmt}"
-            if fmt == "parquet" and importlib.util.find_spec("pyarrow") is None:
-                continue  # the CLI refuses --format parquet without pyarrow; the API skips it
-            atomic_write_with(path, lambda tmp, fmt=fmt: export_frame(df, tmp, fmt))
-            written.append(path)
-        return written
 
 
 def run_files(folder: Path) -> list[Path]:

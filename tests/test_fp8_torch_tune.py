@@ -26,9 +26,9 @@ from moebench.quant import QuantScheme, quantize_activation, quantize_weights
 from moebench.kernels.triton import configs as C
 from moebench.tuning import space as SP
 from moebench.tuning import tuner as T
-from moebench.tuning.commands import configs as configs_group
-from moebench.tuning.commands import parse_config_name
-from moebench.tuning.commands import tune as tune_command
+from moebench.cli.tune import configs as configs_group
+from moebench.cli.tune import parse_config_name
+from moebench.cli.tune import tune as tune_command
 from test_tune import _journal_lines, assert_vllm_loadable
 
 TENSOR = QuantScheme("fp8_w8a8", "tensor")

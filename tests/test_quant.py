@@ -9,6 +9,7 @@ import torch
 from moebench.bench import metrics
 from moebench.errors import MoebenchError, UnsupportedError
 from moebench.inputs import make_weights
+from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.reference import reference_moe
 from moebench.kernels.registry import check_combination, make_kernel
 from moebench.quant import (
@@ -17,7 +18,6 @@ from moebench.quant import (
     QuantScheme,
     dequantize_activation,
     fake_quant,
-    maybe_quantize,
     pack_rows,
     parse_quant,
     quantize_activation,

@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from moebench.errors import MoebenchError
+from moebench.report import write_exports
 from moebench.results import CORE_COLUMNS, ResultRow, RunStore, load_rows
 
 
@@ -36,7 +37,7 @@ def test_exports_have_the_design_columns_first(tmp_path):
     store = RunStore(tmp_path / "run")
     store.add(_row(1))
     store.add(_row(4, status="skipped", reason="format mismatch", latency_us=None, correct=None))
-    written = store.finish(["csv", "json", "md", "html"])
+    written = write_exports(store, ["csv", "json", "md", "html"])
     assert {p.suffix for p in written} == {".csv", ".json", ".md", ".html"}
     df = pd.read_csv(tmp_path / "run" / "results.csv")
     assert list(df.columns[: len(CORE_COLUMNS)]) == CORE_COLUMNS

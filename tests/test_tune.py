@@ -21,9 +21,9 @@ from moebench.kernels.triton import configs as C
 from moebench.tuning import search as S
 from moebench.tuning import space as SP
 from moebench.tuning import tuner as T
-from moebench.tuning.commands import configs as configs_group
-from moebench.tuning.commands import diff_tables, parse_config_name
-from moebench.tuning.commands import tune as tune_command
+from moebench.cli.tune import configs as configs_group
+from moebench.cli.tune import diff_tables, parse_config_name
+from moebench.cli.tune import tune as tune_command
 
 SHAPE = custom_shape(4, 2, 64, 32, name="tiny")
 TINY_SPACE = {"BLOCK_SIZE_M": [16, 32], "BLOCK_SIZE_N": [64], "BLOCK_SIZE_K": [64], "GROUP_SIZE_M": [1, 16],

@@ -150,13 +150,14 @@ def test_compare_plot_in_a_read_only_folder_fails_before_the_run(tmp_path, read_
 
 @pytest.fixture
 def results_folder(tmp_path):
+    from moebench.report import write_exports
     from moebench.results import ResultRow, RunStore
 
     store = RunStore(tmp_path / "run")
     for m, lat in ((1, 10.0), (4, 20.0)):
         store.add(ResultRow("tiny", 4, 2, 16, 8, m, 1, 1, 1, 1, "no-dpep", "torch", "Standard", "fp32", "cpu",
                             "uniform", latency_us=lat, correct=True))
-    store.finish(["csv", "json", "md"])
+    write_exports(store, ["csv", "json", "md"])
     return tmp_path / "run"
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moebench.errors import MoebenchError, UnsupportedError
+from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.modular import (
     ActivationFormat,
     PrepareAndFinalize,
@@ -35,7 +36,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.registry import register_prepare_finalize
 from moebench.kernels.token_layout import batched_slots, scatter_to_batched
-from moebench.quant import maybe_quantize, pack_rows, unpack_rows
+from moebench.quant import pack_rows, unpack_rows
 from moebench.layout import ParallelLayout
 from moebench.runtime.distributed import group_rank_world
 

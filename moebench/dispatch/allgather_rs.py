@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.modular import (
     ActivationFormat,
     PrepareAndFinalize,
@@ -28,7 +29,7 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceContiguous,
 )
 from moebench.kernels.registry import register_prepare_finalize
-from moebench.quant import maybe_quantize, pack_rows, unpack_rows
+from moebench.quant import pack_rows, unpack_rows
 from moebench.runtime.distributed import all_gather_single, group_rank_world, reduce_scatter_single
 
 

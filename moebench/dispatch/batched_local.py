@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.modular import (
     ActivationFormat,
     PrepareAndFinalize,
@@ -15,7 +16,6 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.registry import register_prepare_finalize
 from moebench.kernels.token_layout import batched_slots, local_topk_ids, scatter_to_batched
-from moebench.quant import maybe_quantize
 
 
 @register_prepare_finalize

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.modular import (
     ActivationFormat,
     PrepareAndFinalize,
@@ -13,7 +14,6 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceContiguous,
 )
 from moebench.kernels.registry import register_prepare_finalize
-from moebench.quant import maybe_quantize
 
 
 @register_prepare_finalize

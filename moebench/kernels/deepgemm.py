@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from moebench.errors import MoebenchError, UnsupportedError
+from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
@@ -57,7 +58,7 @@ from moebench.kernels.modular import (
 from moebench.kernels.reference import silu_and_mul
 from moebench.kernels.registry import register_experts
 from moebench.kernels.token_layout import local_topk_ids, sort_by_expert
-from moebench.quant import FP8_DTYPE, ActQuant, QuantScheme, QuantWeight, maybe_quantize
+from moebench.quant import FP8_DTYPE, ActQuant, QuantScheme, QuantWeight
 
 #: The only fp8 block DeepGEMM's sm90 grouped GEMMs take: 1 x 128 activation groups, 128 x 128
 #: weight blocks (its recipe (1, 128, 128)).

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
+from moebench.cases import base_row, fill_metrics, one_line, plan
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits, make_tokens, rank_weights
@@ -49,8 +50,6 @@ def _all_reduce(t: torch.Tensor, ctx: RankContext, op=dist.ReduceOp.SUM) -> torc
 def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = True) -> int:
     """Run the sweep's cases on this rank; rank 0 appends rows to the run folder. Returns the
     number of rows written (rank 0) or 0."""
-    from moebench.sweep import base_row, fill_metrics, one_line, plan
-
     main = is_main(ctx)
     s, lay = spec.shape, spec.layout
     spec.device = ctx.device.type

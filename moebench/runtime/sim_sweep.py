@@ -24,6 +24,7 @@ import torch
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
+from moebench.cases import base_row, one_line, plan
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits, make_tokens, rank_weights
@@ -59,8 +60,6 @@ def run_simulated_sweep(spec, store: RunStore, link, on_progress=None, experts_m
     datasheet profile) = model the experts time as the roofline floor of the rank's work on that
     GPU (how a CPU machine answers a GPU question; the rows say so). The share is still computed
     and checked against the reference here."""
-    from moebench.sweep import base_row, one_line, plan
-
     pairs = plan(spec)
     link = as_comm_model(link)
     ceilings = get_ceilings(spec.device)

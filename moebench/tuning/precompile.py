@@ -26,7 +26,7 @@ _STATE: dict[str, Any] = {}
 
 def _init(spec_json: dict[str, Any], device: str) -> None:
     """Worker start: the tuning settings and device; weights are built on first use."""
-    from moebench.tuning.tuner import TuneSpec
+    from moebench.tuning.spec import TuneSpec
 
     if torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))
@@ -36,7 +36,7 @@ def _init(spec_json: dict[str, Any], device: str) -> None:
 def _compile_one(task: tuple[int, dict[str, int]]) -> str:
     """Run the layer once with config `cfg` at `tokens`: 'ok', or the one-line error."""
     from moebench.tuning.search import LayerWeights, _one_line
-    from moebench.tuning.tuner import layer_bench
+    from moebench.tuning.spec import layer_bench
 
     tokens, cfg = task
     spec, device = _STATE["spec"], _STATE["device"]
@@ -57,7 +57,7 @@ def _compile_one(task: tuple[int, dict[str, int]]) -> str:
 
 class Precompiler:
     """`workers` spawned processes on `device` that compile configs for the run `spec`
-    (a tuner.TuneSpec). Use as a context manager, or call `close`."""
+    (a moebench.tuning.spec.TuneSpec). Use as a context manager, or call `close`."""
 
     def __init__(self, spec, device: str, workers: int):
         if workers < 1:

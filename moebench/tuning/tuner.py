@@ -49,10 +49,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from moebench.errors import MoebenchError
-from moebench.inputs import dtype_name, parse_dtype
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
-from moebench.quant import QuantScheme, precision_text
+from moebench.quant import QuantScheme
 from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.kernels.triton import configs as C
 from moebench.tuning.precompile import Precompiler
@@ -64,103 +63,22 @@ from moebench.tuning.search import (
     Timer,
     run_search,
 )
-from moebench.tuning.space import SPACE, Problem, PruneReport, dtype_bytes, full_space, key_str, prune, smem_limit
+from moebench.tuning.space import SPACE, Problem, PruneReport, full_space, key_str, prune, smem_limit
+from moebench.tuning.spec import (  # noqa: F401  (re-exported: the tuner's API, as before)
+    TuneSpec,
+    file_shape,
+    gemm1_config,
+    layer_bench,
+    quant_from_json,
+    quant_to_json,
+)
 
 JOURNAL = "measurements.jsonl"
 SETTINGS = "tune.json"
 
 
 # ---------------------------------------------------------------------------------------------
-# Settings of a run
-
-
-@dataclass
-class TuneSpec:
-    """Everything that decides what a tuning run measures (saved in tune.json for --resume).
-
-    space: value lists per parameter (None = the full SPACE). reps / final_reps: timer
-    repetitions of the screening and final stages (None = device default). quant: the fp8 scheme
-    (moebench.quant.QuantScheme) of the weights, None for unquantised; `dtype` is then the
-    activation dtype (bf16).
-    """
-
-    shape: MoEShape
-    layout: ParallelLayout
-    tokens: list[int]
-    dtype: torch.dtype
-    device: str
-    strategy: str = "halving"
-    budget: int | None = None
-    seed: int = 0
-    routing: str = "uniform"
-    reps: int | None = None
-    final_reps: int | None = None
-    space: dict[str, list[int]] | None = None
-    quant: QuantScheme | None = None
-    down: bool = False  # tune GEMM2's own config (the `_down.json` file) against GEMM1's
-
-    def to_json(self) -> dict[str, Any]:
-        shape = {k: v for k, v in self.shape.__dict__.items() if k != "aliases"}
-        return {
-            "shape": shape, "layout": {"tp": self.layout.tp, "dp": self.layout.dp, "enable_ep": self.layout.enable_ep},
-            "tokens": list(self.tokens), "dtype": dtype_name(self.dtype), "device": self.device,
-            "strategy": self.strategy, "budget": self.budget, "seed": self.seed, "routing": self.routing,
-            "reps": self.reps, "final_reps": self.final_reps, "space": self.space,
-            "quant": quant_to_json(self.quant), "down": self.down,
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "TuneSpec":
-        return cls(
-            shape=MoEShape(**d["shape"]), layout=ParallelLayout(**d["layout"]), tokens=[int(t) for t in d["tokens"]],
-            dtype=parse_dtype(d["dtype"]), device=d["device"], strategy=d["strategy"], budget=d.get("budget"),
-            seed=int(d.get("seed", 0)), routing=d.get("routing", "uniform"), reps=d.get("reps"),
-            final_reps=d.get("final_reps"), space=d.get("space"), quant=quant_from_json(d.get("quant")),
-            down=bool(d.get("down", False)),
-        )
-
-    @property
-    def precision(self) -> str:
-        """'bf16', or 'fp8_w8a8 block[128,128] (bf16 activations)'."""
-        return precision_text(dtype_name(self.dtype), self.quant)
-
-    @property
-    def elem_bytes(self) -> int:
-        """Bytes per GEMM operand element (shared memory estimate): 1 for fp8."""
-        return 1 if self.quant is not None else dtype_bytes(self.dtype)
-
-    @property
-    def local_experts(self) -> int:
-        """E of the file name: experts on one rank (all of them without EP)."""
-        return file_shape(self.shape, self.layout)[0]
-
-    @property
-    def inter_per_rank(self) -> int:
-        """N of the file name: I / tp."""
-        return file_shape(self.shape, self.layout)[1]
-
-    def screen_reps(self) -> tuple[int, int]:
-        cuda = torch.device(self.device).type == "cuda"
-        return (self.reps or (20 if cuda else 2), self.final_reps or (50 if cuda else 3))
-
-    def identity(self) -> dict[str, Any]:
-        """The fields a resumed run must agree on."""
-        d = self.to_json()
-        d["shape"] = {k: d["shape"][k] for k in ("num_experts", "topk", "hidden", "intermediate")}
-        return d
-
-
-def quant_to_json(q: QuantScheme | None) -> dict[str, Any] | None:
-    if q is None:
-        return None
-    return {"name": q.name, "scales": q.scales, "block_shape": list(q.block_shape) if q.block_shape else None}
-
-
-def quant_from_json(d: Mapping[str, Any] | None) -> QuantScheme | None:
-    if not d:
-        return None
-    bs = d.get("block_shape")
-    return QuantScheme(d.get("name", "fp8_w8a8"), d["scales"], tuple(int(b) for b in bs) if bs else None)
+# Settings of a run (TuneSpec itself: moebench.tuning.spec)
 
 
 def _load_settings(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -335,17 +253,6 @@ class TokenResult:
         return asdict(self)
 
 
-def gemm1_config(spec: TuneSpec, tokens: int) -> tuple[dict[str, int], str]:
-    """GEMM1's config at `tokens` as the layer looks it up on spec.device (tuned file along the
-    lookup order, else the default heuristic), and where it came from: what a `--down` run tunes
-    GEMM2 against."""
-    cfg, src = C.layer_config(
-        tokens, local_experts=spec.local_experts, inter=spec.inter_per_rank, hidden=spec.shape.hidden,
-        topk=spec.shape.topk, num_experts=spec.shape.num_experts, dtype=spec.dtype,
-        device_name=C.device_name(spec.device), quant=spec.quant)
-    return dict(cfg), src
-
-
 def _space_for(spec: TuneSpec, tokens: int) -> PruneReport:
     space = dict(spec.space or SPACE)
     if spec.down:  # GEMM2 runs on GEMM1's alignment: its BLOCK_SIZE_M is GEMM1's
@@ -367,14 +274,6 @@ def default_for(spec: TuneSpec, tokens: int) -> dict[str, int]:
         return gemm1_config(spec, tokens)[0]
     return dict(C.heuristic_config(tokens, spec.shape.num_experts, spec.inter_per_rank, spec.shape.hidden,
                                    spec.shape.topk, spec.dtype, spec.quant))
-
-
-def layer_bench(spec: TuneSpec, weights: LayerWeights, tokens: int, device: str, timer: Timer | None = None,
-                worker: int = 0, n_routings: int | None = None) -> LayerBench:
-    """The LayerBench of `spec` at `tokens` (with GEMM1's config fixed for a `--down` run)."""
-    kw = {} if n_routings is None else {"n_routings": n_routings}
-    return LayerBench(spec.shape, weights, tokens, spec.dtype, device, spec.seed, spec.routing, timer, worker=worker,
-                      quant=spec.quant, gemm1=gemm1_config(spec, tokens)[0] if spec.down else None, **kw)
 
 
 def prune_counts(spec: TuneSpec) -> dict[int, PruneReport]:
@@ -753,13 +652,6 @@ def _run_torchrun(spec, run_dir, ctx, cache_limit_mb, timer, on_measure, on_toke
 
 # ---------------------------------------------------------------------------------------------
 # Outputs
-
-
-def file_shape(shape: MoEShape, layout: ParallelLayout) -> tuple[int, int]:
-    """(E, N) of the tuned-config file one rank of `layout` looks up: its local experts (all of
-    them without EP) and I / tp."""
-    e = len(layout.local_experts(0, shape.num_experts)) if layout.enable_ep else shape.num_experts
-    return e, layout.intermediate_per_rank(shape.intermediate)
 
 
 def deploy_layout(name: str) -> tuple[ParallelLayout, str]:

@@ -1,4 +1,4 @@
-"""Click commands `tune` and `configs` (list, show, diff, commit); the main group attaches them.
+"""Click commands `tune` and `configs` (list, show, diff, commit); moebench.cli attaches them.
 
     moebench tune --model NAME [--tp N] [--ep N] [--tokens ...] [--search grid|random|halving]
                   [--budget N] [--gpus all|0,1] [--compile-workers N] [--resume RUN_DIR] [--out DIR] [--device]
@@ -18,15 +18,20 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from moebench.cli.options import (
+    console,
+    err_console,
+    model_options,
+    parse_tokens,
+    resolve_device,
+    resolve_precision,
+    resolve_shape,
+)
 from moebench.errors import MoebenchError
 from moebench.fileio import atomic_write_bytes
 from moebench.kernels.triton import configs as C
-
-console = Console()
-err_console = Console(stderr=True)
 
 TUNE_TOKENS_CPU = [1, 4]
 TUNE_TOKENS_CUDA = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]
@@ -44,11 +49,7 @@ def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
 
 
 @click.command("tune")
-@click.option("--model", default=None, help="Preset name (see `moebench models`) or a local HuggingFace config.json.")
-@click.option("--num-experts", "num_experts", type=int, default=None, help="E, for a custom shape.")
-@click.option("--topk", type=int, default=None, help="Experts per token, for a custom shape.")
-@click.option("--hidden", type=int, default=None, help="H, for a custom shape.")
-@click.option("--intermediate", type=int, default=None, help="MoE intermediate size I, for a custom shape.")
+@model_options
 @click.option("--tokens", default=None, help="Comma list of token counts per rank [cpu: 1,4; cuda: vLLM's 18 counts 1..4096].")
 @click.option("--tp", type=int, default=None, help="Tensor-parallel size: N of the file = I / tp.")
 @click.option("--dp", type=int, default=None, help="Data-parallel size (with --ep).")
@@ -87,7 +88,6 @@ def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
 def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, block_shape, scales, routing,
          seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps, final_reps, dry_run, down):
     """Find the fastest Triton tile config per token count; write the vLLM-format file."""
-    from moebench.cli import parse_tokens, resolve_device, resolve_shape
     from moebench.inputs import dtype_name
     from moebench.layout import ParallelLayout
     from moebench.results import new_run_id
@@ -114,7 +114,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             saved = spec.quant.name if spec.quant is not None else dtype_name(spec.dtype)
             if not (spec.quant is not None and dtype in (None, spec.quant.name) and block_shape is None
                     and scales is None):  # a bare --dtype fp8_w8a8 keeps the saved scheme
-                spec.dtype, spec.quant = _precision(dtype or saved, block_shape, scales, dtype_name(spec.dtype))
+                spec.dtype, spec.quant = resolve_precision(dtype or saved, block_shape, scales, spec.device,
+                                                           dtype_name(spec.dtype))
         if tokens is not None:
             spec.tokens = parse_tokens(tokens)
         if down:
@@ -128,7 +129,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             out = T.load_run_out_dir(resume)  # the folder the run was started with
     else:
         dev = resolve_device(device)
-        act_dtype, quant = _precision(dtype, block_shape, scales, "bf16" if dev == "cuda" else "fp32")
+        act_dtype, quant = resolve_precision(dtype, block_shape, scales, dev, "bf16" if dev == "cuda" else "fp32")
         spec = T.TuneSpec(
             shape=resolve_shape(model, num_experts, topk, hidden, intermediate),
             layout=ParallelLayout.from_args(tp, dp, ep),
@@ -192,20 +193,6 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         console.print(f"wrote {outcome.config_path}")
     else:
         raise MoebenchError(f"no token count found a working config; see {outcome.run_dir / 'report.md'}")
-
-
-def _precision(dtype: str | None, block_shape: str | None, scales: str | None, default: str):
-    """--dtype/--block-shape/--scales -> (activation dtype, fp8 QuantScheme or None); fp8_w8a8
-    keeps bf16 activations. Errors are MoebenchError (one line, exit 2)."""
-    from moebench.inputs import parse_dtype
-    from moebench.quant import parse_quant
-
-    import torch
-
-    quant = parse_quant(dtype, block_shape, scales)
-    if quant is not None:
-        return torch.bfloat16, quant
-    return parse_dtype(dtype or default), None
 
 
 def torch_device_is_cpu(device: str) -> bool:

@@ -1,0 +1,151 @@
+"""What a sweep is made of, shared by its case runners (moebench.sweep for one process,
+moebench.runtime for real and simulated ranks): the SweepSpec, the pairs it plans, the row each
+case starts from and the metrics it ends with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moebench.bench import metrics
+from moebench.errors import MoebenchError
+from moebench.inputs import dtype_name
+from moebench.kernels.registry import (
+    check_combination,
+    experts_names,
+    get_experts_class,
+    get_prepare_finalize_class,
+    prepare_finalize_names,
+)
+from moebench.layout import ParallelLayout
+from moebench.models import MoEShape
+from moebench.quant import QuantScheme, precision_text
+from moebench.results import ResultRow, RunStore
+
+
+@dataclass
+class SweepSpec:
+    shape: MoEShape
+    tokens: list[int]
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    experts: list[str] = field(default_factory=lambda: default_experts())
+    prepare_finalize: list[str] = field(default_factory=lambda: prepare_finalize_names())
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+    routing: str = "uniform"
+    seed: int = 0
+    check: bool = True
+    warmup: int | None = None
+    reps: int | None = None
+    #: Distinct routings the timed calls cycle through (1 = the checked routing every call). With
+    #: N > 1 every CUDA-graph replay runs N different routings, as vLLM's tuner does, so hot
+    #: experts' weights do not stay in L2 from one call to the next.
+    routings: int = 1
+    #: False: `tokens` are per rank (a DP rank brings M tokens, M * world in all). True: `tokens`
+    #: are the whole batch, split over the DP ranks (how tp-vs-ep compares equal work).
+    tokens_are_global: bool = False
+    #: fp8 scheme (weights and activations quantised; `dtype` is then the activation and output
+    #: dtype); None = unquantised.
+    quant: QuantScheme | None = None
+
+    @property
+    def dtype_label(self) -> str:
+        """The `dtype` column: 'fp8_w8a8' for quantised runs, else 'bf16' / 'fp16' / 'fp32'."""
+        return self.quant.name if self.quant is not None else dtype_name(self.dtype)
+
+    @property
+    def quant_label(self) -> str:
+        """The `quant` column: 'per-tensor', 'per-token', 'block[128,128]' or ''."""
+        return self.quant.scales_label if self.quant is not None else ""
+
+    @property
+    def precision(self) -> str:
+        """'bf16', or 'fp8_w8a8 block[128,128] (bf16 activations)'."""
+        return precision_text(dtype_name(self.dtype), self.quant)
+
+    @property
+    def act_bytes(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    def batch_tokens(self, m: int, moves_tokens: bool) -> int:
+        """Tokens of the whole batch for a case of `m` tokens."""
+        if moves_tokens and not self.tokens_are_global:
+            return m * self.layout.world_size
+        return m
+
+    def timing_kwargs(self) -> dict:
+        if self.device == "cuda":
+            return {"warmup": self.warmup or 3, "reps": self.reps or 50}
+        return {"warmup": self.warmup if self.warmup is not None else 1, "reps": self.reps or 3}
+
+
+def default_experts() -> list[str]:
+    """Every experts backend that competes (the float64 reference only checks)."""
+    return [n for n in experts_names() if n != "reference"]
+
+
+def resolve_names(value: str, valid: list[str], kind: str, default: list[str]) -> list[str]:
+    """'all' or a comma list -> names, each checked against the registry."""
+    if value in ("all", "", None):
+        return list(default)
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    getter = get_experts_class if kind == "experts" else get_prepare_finalize_class
+    for n in names:
+        if n not in valid:
+            getter(n)  # raises the "unknown ..., valid: ..." error with a suggestion
+    return names
+
+
+def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
+    """(prepare_finalize, experts, skip reason or None) for every pair, in a stable order."""
+    out = []
+    for pf in spec.prepare_finalize:
+        for ex in spec.experts:
+            reason = check_combination(
+                pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep, quant=spec.quant
+            )
+            if reason is None and spec.layout.dp > 1 and not get_prepare_finalize_class(pf).communicates:
+                reason = (f"prepare/finalize '{pf}' keeps tokens where they are, so dp {spec.layout.dp} > 1 "
+                          f"needs a token exchange: use allgather-rs or all2all-ll")
+            out.append((pf, ex, reason))
+    return out
+
+
+def cases_to_run(spec: SweepSpec, store: RunStore | None = None, modeled: bool = False) -> int:
+    """How many (tokens, pair) cases of `spec` will be measured: the pairs `plan` does not skip,
+    less those whose rows `store` already holds (a resumed run). What a progress bar counts."""
+    runnable = [(pf, ex) for pf, ex, reason in plan(spec) if reason is None]
+    n = 0
+    for m in spec.tokens:
+        for pf, ex in runnable:
+            row = base_row(spec, m, pf, ex)
+            row.modeled = modeled
+            n += store is None or not store.has(row.key())
+    return n
+
+
+def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
+    s, lay = spec.shape, spec.layout
+    try:
+        fmt = str(get_experts_class(ex).activation_format)
+    except MoebenchError:
+        fmt = "?"
+    return ResultRow(
+        model=s.name, num_experts=s.num_experts, topk=s.topk, hidden=s.hidden, intermediate=s.intermediate,
+        tokens=tokens, tp=lay.tp, dp=lay.dp, ep=lay.ep_size, world_size=lay.world_size,
+        prepare_finalize=pf, experts=ex, activation_format=fmt, dtype=spec.dtype_label,
+        device=spec.device, routing=spec.routing, quant=spec.quant_label,
+    )
+
+
+def one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+
+
+def fill_metrics(row: ResultRow, flops: float, nbytes: float, ceilings) -> None:
+    m = metrics.metrics(row.latency_us, flops, nbytes, ceilings, dtype=row.dtype)
+    row.tflops, row.gbps, row.roofline_frac = m["tflops"], m["gbps"], m.get("roofline_frac")
+    row.floor_us = m.get("floor_us")
+    row.ceilings_source = getattr(ceilings, "source", "") if ceilings is not None else "none"

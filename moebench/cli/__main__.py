@@ -1,0 +1,5 @@
+"""`python -m moebench.cli`: the same as the `moebench` command."""
+
+from moebench.cli import main
+
+main()

@@ -1,0 +1,138 @@
+"""`compare tp-vs-ep`: both layouts, breakdown, crossover, recommendation."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from moebench.cli.options import (
+    _command_line,
+    _progress,
+    cluster_options,
+    comm_model,
+    console,
+    parse_tokens,
+    resolve_device,
+    resolve_precision,
+    resolve_shape,
+    shape_options,
+)
+from moebench.errors import MoebenchError
+
+
+@click.group()
+def compare():
+    """Compare layouts (tp-vs-ep)."""
+
+
+@compare.command("tp-vs-ep")
+@shape_options
+@click.option("--experts", "experts", default="all", show_default=True, help="Experts backends to consider.")
+@click.option("--link", "link_name", default=None, help="Link profile (h200-nvlink, a100-nvlink, pcie-gen5, ib-400g, ...).")
+@click.option("--link-gbps", type=float, default=None, help="Override the link bandwidth (GB/s per direction).")
+@click.option("--target-gpu", default=None,
+              help="Model the experts time as this GPU's roofline floor (datasheet) instead of timing it here; "
+                   "default on CPU: H200.")
+@click.option("--no-check", is_flag=True, help="Skip the reference checks (simulated share and real ranks).")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="PNG file for the plots.")
+@click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
+@cluster_options
+def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype,
+             block_shape, scales, routing, seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path, reps,
+             gpus_per_node, rdma_name):
+    """TP (all-reduce) vs EP (dispatch/combine) over --world-size ranks: breakdown, crossover, advice."""
+    from moebench.bench.hardware import datasheet_ceilings, device_summary
+    from moebench.compare import layouts, run_compare, write_summary
+    from moebench.plots import compare_plot
+    from moebench.report import write_exports
+    from moebench.results import RunStore, check_output_file, ensure_writable_dir, new_run_id
+    from moebench.routing import parse_routing
+    from moebench.runtime.simulate import DEFAULT_TARGET_GPU, link_for
+    from moebench.sweep import SweepSpec, cases_to_run, default_experts, resolve_names
+
+    if tp is not None or dp is not None or ep is not None:
+        raise MoebenchError("compare tp-vs-ep builds both layouts itself: give --world-size N, not --tp/--dp/--ep")
+    if world_size is None or world_size < 2:
+        raise MoebenchError("compare tp-vs-ep needs --world-size N with N >= 2")
+    device = resolve_device(device)
+    shape = resolve_shape(model, num_experts, topk, hidden, intermediate)
+    from moebench.runtime.comm_model import check_world
+
+    check_world(world_size, gpus_per_node)
+    for lay in layouts(world_size, gpus_per_node).values():
+        lay.validate_shape(shape.num_experts, shape.intermediate)
+    tok = parse_tokens(tokens) if tokens is not None else [1, 4, 16, 64, 256, 1024, 4096]
+    parse_routing(routing)
+    dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16")
+    experts_model = None
+    gpu = target_gpu or (DEFAULT_TARGET_GPU if device == "cpu" else None)
+    if gpu is not None:
+        experts_model = datasheet_ceilings(gpu)
+        if experts_model is None:
+            raise MoebenchError(f"no datasheet profile for GPU '{gpu}'; try H200, H100, A100, B200, MI300X")
+    dev_name = gpu or device_summary(device).get("name")
+    link, link_why = link_for(device, device_summary(device).get("name"), link_name, link_gbps, requested_gpu=target_gpu)
+    # a measurement of this machine's links stands in only when its GPUs are the target
+    link = comm_model(link, rdma_name, gpus_per_node,
+                      device_summary(device).get("name") if device == "cuda" and target_gpu is None else dev_name)
+    spec = SweepSpec(shape=shape, tokens=tok, experts=resolve_names(experts, default_experts(), "experts", default_experts()),
+                     dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, quant=quant)
+    if plot_path is not None:
+        check_output_file(plot_path, "--plot")
+    folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)
+    meta = {"command": "compare tp-vs-ep", "argv": sys.argv[1:], "shape": shape.to_dict(), "world_size": world_size,
+            "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label, "device": device, "routing": routing,
+            "seed": seed,
+            "link": link.as_dict(), "link_why": link_why,
+            "experts_model": None if experts_model is None else experts_model.as_dict(),
+            "device_summary": device_summary(device)}
+    store = RunStore(folder, metadata=meta, lock=True, command=_command_line())
+    how = (f"experts time = {experts_model.device_name} roofline floor (datasheet), not measured"
+           if experts_model is not None else f"experts time measured on {dev_name}")
+    check_ranks = device == "cpu" and not no_check and world_size <= gpus_per_node
+    console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {spec.precision}, "
+                  f"routing {routing}: simulated ({how}; communication: {link.describe()})")
+    console.print(f"link: {link_why}", markup=False, highlight=False)
+    if check_ranks:
+        console.print("correctness also checked on real gloo ranks")
+    if world_size > gpus_per_node:
+        console.print("past one node TP is one TP replica per node on its share of the batch; correctness is "
+                      "checked on the simulated share only")
+    from moebench.compare import layout_specs
+
+    with _progress() as prog:  # counts the simulated cases that run (skipped pairs are not counted)
+        task = prog.add_task("compare", total=sum(cases_to_run(s, store, modeled=True)
+                                                  for s in layout_specs(spec, world_size, gpus_per_node).values()))
+        result = run_compare(spec, world_size, store, link, experts_model=experts_model,
+                             check_ranks=check_ranks, gpus_per_node=gpus_per_node,
+                             on_progress=lambda r: r.status == "skipped" or prog.update(
+                                 task, advance=1, description=f"M={r.tokens} {r.prepare_finalize}+{r.experts}"))
+    write_exports(RunStore(folder), ["csv", "json", "md"])
+    written = write_summary(result, folder)
+    _print_compare(result, world_size)
+    if not result.summary.empty:
+        names = " vs ".join(layouts(world_size, gpus_per_node))
+        png = compare_plot(result.summary, result.crossover, f"{shape.name}: {names} ({how})",
+                           plot_path or folder / "compare.png")
+        written.append(png)
+    console.print(f"wrote {', '.join(str(p) for p in written)}")
+
+
+def _print_compare(result, n: int) -> None:
+    from moebench.report import compare_table, print_table, say
+
+    if result.summary.empty:
+        say(console, result.recommendation, "bold")
+        return
+    left = print_table(console, compare_table(result.summary, "TP vs EP (simulated: experts of one rank + modeled communication)"))
+    say(console, result.recommendation, "bold")
+    notes = ["* = the faster layout at that token count; other = total minus the parts shown; band = the layer "
+             "under the fastest and the slowest published transport for this link; flip x = the factor on the "
+             "modeled communication at which the winner would flip (close: the band covers it, too close to call)."]
+    if left:
+        notes.append(f"not shown at {console.width} columns: {', '.join(left)} (compare.csv holds every column).")
+    for note in notes:
+        say(console, note, "dim")

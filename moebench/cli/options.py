@@ -1,0 +1,225 @@
+"""What the commands share, declared once: the consoles, the option blocks (shape, cluster), the
+parsing of tokens, device, shape and precision, the progress bar and --resume's saved options."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from moebench.errors import MoebenchError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+# -- shared option parsing ---------------------------------------------------------------------
+
+def parse_tokens(value: str) -> list[int]:
+    """'1,16,64' -> [1, 16, 64]; each a non-negative integer."""
+    out = []
+    for part in str(value).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            n = int(part)
+        except ValueError:
+            raise MoebenchError(f"--tokens: '{part}' is not an integer; give a comma list like 1,16,64") from None
+        if n < 0:
+            raise MoebenchError(f"--tokens: {n} is negative; token counts are >= 0")
+        out.append(n)
+    if not out:
+        raise MoebenchError("--tokens is empty; give a comma list like 1,16,64")
+    return out
+
+
+def resolve_device(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MoebenchError("--device cuda asked for, but no CUDA GPU is visible here; use --device cpu")
+    return device
+
+
+def resolve_shape(model, num_experts, topk, hidden, intermediate):
+    from moebench.models import custom_shape, get_model
+
+    sizes = (num_experts, topk, hidden, intermediate)
+    if model is not None:
+        if any(v is not None for v in sizes):
+            raise MoebenchError("give either --model or the four size flags (--num-experts --topk --hidden --intermediate), not both")
+        return get_model(model)
+    if all(v is None for v in sizes):
+        return get_model("qwen3-30b-a3b")
+    if any(v is None for v in sizes):
+        missing = [f for f, v in zip(("--num-experts", "--topk", "--hidden", "--intermediate"), sizes) if v is None]
+        raise MoebenchError(f"a custom shape needs all four size flags; missing {' '.join(missing)}")
+    return custom_shape(num_experts, topk, hidden, intermediate)
+
+
+#: --model or the four size flags: the shape (resolve_shape), the same for every command.
+MODEL_OPTIONS = [
+    click.option("--model", default=None, help="Preset name (see `moebench models`) or a local HuggingFace config.json."),
+    click.option("--num-experts", "num_experts", type=int, default=None, help="E, for a custom shape."),
+    click.option("--topk", type=int, default=None, help="Experts per token, for a custom shape."),
+    click.option("--hidden", type=int, default=None, help="H, for a custom shape."),
+    click.option("--intermediate", type=int, default=None, help="MoE intermediate size I, for a custom shape."),
+]
+
+
+def model_options(f):
+    """--model, --num-experts, --topk, --hidden, --intermediate (tune takes these alone)."""
+    for o in reversed(MODEL_OPTIONS):
+        f = o(f)
+    return f
+
+
+def shape_options(f):
+    """Options every command that runs kernels takes (design.md)."""
+    opts = [
+        *MODEL_OPTIONS,
+        click.option("--tokens", default=None, help="Comma list of token counts per rank [cpu: 1,16,64; cuda: 1..4096]."),
+        click.option("--tp", type=int, default=None, help="Tensor-parallel size."),
+        click.option("--dp", type=int, default=None, help="Data-parallel size."),
+        click.option("--ep", type=int, default=None, help="Expert parallelism over N ranks (N = dp * tp)."),
+        click.option("--world-size", "world_size", type=int, default=None, help="Ranks to run (spawned processes)."),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present."),
+        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_w8a8"]), default=None,
+                     help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations, bf16 output."),
+        click.option("--block-shape", "block_shape", default=None,
+                     help="fp8_w8a8 block-quantised weights, e.g. 128,128 (activations: 1 x 128 groups)."),
+        click.option("--scales", type=click.Choice(["tensor", "token", "block"]), default=None,
+                     help="fp8_w8a8 scales: tensor (static per tensor) | token (per token x per channel) | block "
+                          "[tensor; block with --block-shape]."),
+        click.option("--routing", default="uniform", show_default=True, help="uniform | zipf:S | hot:F | file:PATH"),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True, help="Results folder."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def cluster_options(f):
+    """Node size and inter-node link of a simulated cluster (sweep --simulate, compare)."""
+    f = click.option("--rdma", "rdma_name", default="rdma-400g", show_default=True,
+                     help="RDMA link between nodes, per GPU: rdma-400g (50 GB/s) | rdma-800g (100 GB/s).")(f)
+    f = click.option("--gpus-per-node", "gpus_per_node", type=int, default=8, show_default=True,
+                     help="GPUs per node: past one node EP traffic to other nodes goes over RDMA; TP stays inside a node.")(f)
+    return f
+
+
+def comm_model(link, rdma_name: str, gpus_per_node: int, device_name: str | None):
+    """The communication model over the chosen NVLink profile (published fits; measured fits of
+    `device_name` where `moebench env --calibrate-link` wrote them)."""
+    from moebench.runtime.comm_model import CommModel
+
+    return CommModel.from_link(link, rdma=rdma_name, gpus_per_node=gpus_per_node, device_name=device_name)
+
+
+def resolve_precision(dtype: str | None, block_shape: str | None, scales: str | None, device: str,
+                      default: str) -> tuple[torch.dtype, object]:
+    """--dtype/--block-shape/--scales -> (activation dtype, fp8 QuantScheme or None). fp8_w8a8 keeps
+    bf16 activations around the quantised GEMMs (and as the output)."""
+    from moebench.inputs import parse_dtype
+    from moebench.quant import parse_quant
+
+    quant = parse_quant(dtype, block_shape, scales)
+    if quant is not None:
+        return torch.bfloat16, quant
+    return parse_dtype(dtype or default), None
+
+
+def _progress() -> Progress:
+    """A transient progress bar; off where stdout is not a terminal (a log keeps only the results)."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=not console.is_terminal)
+
+
+def _command_line() -> str:
+    """This process's command, as a user would type it (names the holder of a run folder's lock)."""
+    return shlex.join(["moebench", *sys.argv[1:]])
+
+
+def _run_options(ctx: click.Context, **resolved) -> dict:
+    """The options of this command as given (defaults filled in), with `resolved` values replacing
+    those that depend on the machine (device, default token counts): saved in metadata.json, they
+    rebuild the run on --resume."""
+    opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items() if k != "resume"}
+    opts.update(resolved)
+    return opts
+
+
+def _saved_options(ctx: click.Context, meta: dict, folder: Path) -> dict:
+    """The options a run folder was started with: metadata.json's "options", or, in folders written
+    before those were saved, its argv parsed again (device and token counts as the run resolved them)."""
+    if isinstance(meta.get("options"), dict):
+        return meta["options"]
+    argv = meta.get("argv")
+    if not (isinstance(argv, list) and argv and argv[0] == ctx.command.name):
+        raise MoebenchError(f"--resume {folder}: metadata.json does not say how the run was started (no options, no argv)")
+    old = ctx.command.make_context(ctx.command.name, [str(a) for a in argv[1:]], resilient_parsing=True)
+    resolved = {"device": meta["device"]} if meta.get("device") else {}
+    if isinstance(meta.get("tokens"), list):
+        resolved["tokens"] = ",".join(str(t) for t in meta["tokens"])
+    return _run_options(old, **resolved)
+
+
+def _resume_defaults(ctx: click.Context, param: click.Parameter, value):
+    """--resume DIR (processed before the other options): the options DIR was started with become
+    the defaults of this command, so the run continues as it began (checked by `_check_resumed`)."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    from moebench.results import read_run_metadata
+
+    saved = _saved_options(ctx, read_run_metadata(value, ctx.command.name), value)
+    ctx.default_map = {**(ctx.default_map or {}), **saved}
+    ctx.meta["moebench.saved_options"] = saved
+    return value
+
+
+#: Options that shape only what is printed or exported, not what is measured: free on --resume.
+_OUTPUT_ONLY_OPTIONS = frozenset({"show_skipped", "formats"})
+
+
+def _check_resumed(ctx: click.Context, folder: Path) -> None:
+    """Options given beside --resume must agree with the saved ones (except those that shape only
+    the output); an error names those that do not."""
+    saved = ctx.meta.get("moebench.saved_options", {})
+
+    def norm(name, v):
+        if v is None:
+            return None
+        if name == "tokens":
+            return parse_tokens(v)
+        if isinstance(v, Path):
+            return str(v)
+        if isinstance(v, str):
+            return [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    bad = []
+    for p in ctx.command.params:
+        if p.name == "resume" or p.name in _OUTPUT_ONLY_OPTIONS or p.name not in saved:
+            continue
+        if ctx.get_parameter_source(p.name) not in (click.core.ParameterSource.COMMANDLINE,
+                                                     click.core.ParameterSource.ENVIRONMENT):
+            continue
+        given = ctx.params[p.name]
+        was = None if saved[p.name] is None else p.type_cast_value(ctx, saved[p.name])
+        if norm(p.name, given) == norm(p.name, was):
+            continue
+        opt = p.opts[0] if getattr(p, "opts", None) else p.name
+        if getattr(p, "is_flag", False):
+            bad.append(f"{opt} (the saved run {'had' if was else 'did not have'} it)")
+        else:
+            bad.append(f"{opt} {given} (saved: {'none' if was is None else was})")
+    if bad:
+        raise MoebenchError(f"--resume {folder}: {'; '.join(bad)} contradict{'s' if len(bad) == 1 else ''} the saved "
+                            f"settings; resume with the same options or none (they are read from {folder / 'metadata.json'})")

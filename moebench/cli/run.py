@@ -1,0 +1,251 @@
+"""`env`, `models`, `sweep`: the machine, the shape presets, a sweep over (tokens, pair)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+import torch
+from rich.table import Table
+
+from moebench.cli.options import (
+    _check_resumed,
+    _command_line,
+    _progress,
+    _resume_defaults,
+    _run_options,
+    cluster_options,
+    comm_model,
+    console,
+    err_console,
+    parse_tokens,
+    resolve_device,
+    resolve_precision,
+    resolve_shape,
+    shape_options,
+)
+from moebench.errors import MoebenchError
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--calibrate", is_flag=True, help="Measure memory and matmul ceilings on this device and cache them.")
+@click.option("--calibrate-link", is_flag=True,
+              help="Measure NCCL all-reduce, all-to-all and the dispatch/combine backends between --world-size real "
+                   "ranks and fit the communication model; simulated runs on these GPUs then use the fits.")
+@click.option("--world-size", "world_size", type=int, default=None, help="Ranks for --calibrate-link [GPUs; cpu: 2].")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None)
+def env(as_json: bool, calibrate: bool, calibrate_link: bool, world_size: int | None, device: str | None):
+    """What this machine has: device, versions, ceilings, and which backends can run (and why not)."""
+    from moebench.bench.hardware import calibrate as do_calibrate, device_summary, get_ceilings
+    from moebench.kernels.registry import backend_infos
+
+    device = resolve_device(device)
+    link_line = _calibrate_link(device, world_size) if calibrate_link else None
+    world = torch.cuda.device_count() if device == "cuda" else 1
+    ceilings = do_calibrate(device) if calibrate else get_ceilings(device)
+    info = {
+        "device": device_summary(device),
+        "ceilings": ceilings.as_dict() if ceilings is not None else None,
+        "backends": [b.as_dict() for b in backend_infos(device, max(world, 1))],
+    }
+    if link_line is not None:
+        info["link"] = link_line
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    t = Table(title="device", show_header=False)
+    for k, v in info["device"].items():
+        t.add_row(k, str(v))
+    if ceilings is not None:
+        for k, v in ceilings.describe_lines():
+            t.add_row(k, v)
+    else:
+        t.add_row("ceilings", "none known; run `moebench env --calibrate`")
+    console.print(t)
+    bt = Table(title="backends")
+    for c in ("kind", "name", "format", "dtypes", "devices", "usable", "reason"):
+        bt.add_column(c)
+    for b in info["backends"]:
+        bt.add_row(b["kind"], b["name"], b["activation_format"], b["dtypes"], b["devices"],
+                   "[green]yes[/]" if b["usable"] else "[red]no[/]", b["reason"])
+    console.print(bt)
+    if link_line is not None:
+        console.print(link_line)
+
+
+def _calibrate_link(device: str, world_size: int | None) -> str:
+    import datetime
+
+    from moebench.bench.hardware import device_summary
+    from moebench.runtime.link_calibration import measure_link
+    from moebench.runtime.simulate import write_measured_link
+
+    n = world_size or (torch.cuda.device_count() if device == "cuda" else 2)
+    if n < 2:
+        raise MoebenchError(f"--calibrate-link needs at least 2 ranks (have {n} on {device}); the link is between GPUs")
+    link, raw = measure_link(n, device)
+    name = device_summary(device).get("name") if device == "cuda" else "cpu"
+    path = write_measured_link(link, device_name=name, world_size=n, device=device,
+                              measured_at=datetime.datetime.now().isoformat(timespec="seconds"),
+                              method="per transport: message-size sweep, slowest rank, median; alpha + bytes / GB/s "
+                                     "fitted on relative error", **raw)
+    note = "" if device == "cuda" else " (gloo on CPU: a plumbing check, not a GPU link)"
+    fits = "; ".join(f"{k} {v['alpha_us']:g} us + bytes / {v['gbps']:g} GB/s (worst x{v['worst_ratio']:g})"
+                     for k, v in raw["transports"].items())
+    skipped = "".join(f"; {k} not measured: {why}" for k, why in raw["skipped"].items())
+    return (f"link over {n} ranks: all-to-all {link.bandwidth_gbps:g} GB/s per direction, {link.latency_us:g} us "
+            f"per call{note}; fits: {fits}{skipped} -> {path}")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True)
+def models(as_json: bool):
+    """MoE shape presets (E, topk, hidden, moe intermediate)."""
+    from moebench.models import list_models
+
+    ms = list_models()
+    if as_json:
+        click.echo(json.dumps([m.__dict__ for m in ms], indent=2, default=str))
+        return
+    t = Table(title="MoE presets (pass --model NAME, or --model path/to/config.json)")
+    for c in ("name", "experts", "topk", "hidden", "intermediate"):
+        t.add_column(c, justify="left" if c == "name" else "right")
+    for m in ms:
+        t.add_row(m.name, str(m.num_experts), str(m.topk), str(m.hidden), str(m.intermediate))
+    console.print(t)
+
+
+@click.command()
+@shape_options
+@click.option("--experts", "experts", default="all", show_default=True, help="Comma list of experts backends, or all.")
+@click.option("--prepare-finalize", "prepare_finalize", default="all", show_default=True, help="Comma list, or all.")
+@click.option("--simulate", is_flag=True, help="Compute one rank's share on one device; model communication.")
+@click.option("--link", "link_name", default=None, help="Link profile for --simulate (h200-nvlink, a100-nvlink, pcie-gen5, ib-400g, ...).")
+@click.option("--link-gbps", type=float, default=None, help="Override the link bandwidth (GB/s per direction) for --simulate.")
+@click.option("--format", "formats", default="csv,json,md", show_default=True, help="Exports: csv,json,md,parquet,html.")
+@click.option("--no-check", is_flag=True, help="Skip the float64 reference check.")
+@click.option("--resume", "resume", type=click.Path(path_type=Path), default=None, is_eager=True, callback=_resume_defaults,
+              help="Continue an interrupted run folder with the settings it was started with.")
+@click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
+@click.option("--routings", type=int, default=1, show_default=True,
+              help="Distinct routings cycled through the timed calls (fresh routing per call, as vLLM's tuner).")
+@click.option("--show-skipped", is_flag=True, help="List every skipped pair with its reason (default: a count by reason).")
+@cluster_options
+def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, block_shape,
+          scales, routing, seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps,
+          routings, show_skipped, gpus_per_node, rdma_name):
+    """Run every valid prepare/finalize x experts pair; check, time, and write results."""
+    from moebench.kernels.registry import prepare_finalize_names
+    from moebench.layout import ParallelLayout
+    from moebench.report import EXPORT_FORMATS, print_rows, write_exports
+    from moebench.results import RunStore, ensure_writable_dir, new_run_id
+    from moebench.routing import parse_routing
+    from moebench.sweep import SweepSpec, default_experts, resolve_names
+
+    if resume is not None:
+        _check_resumed(click.get_current_context(), resume)
+    device = resolve_device(device)
+    shape = resolve_shape(model, num_experts, topk, hidden, intermediate)
+    tok = parse_tokens(tokens) if tokens is not None else ([1, 16, 64] if device == "cpu" else [1, 16, 64, 256, 1024, 4096])
+    layout = ParallelLayout.from_args(tp, dp, ep, world_size)
+    layout.validate_shape(shape.num_experts, shape.intermediate)
+    parse_routing(routing)
+    fmts = [f.strip() for f in formats.split(",") if f.strip()]
+    bad = [f for f in fmts if f not in EXPORT_FORMATS]
+    if bad:
+        raise MoebenchError(f"--format: unknown {', '.join(bad)}; valid: {', '.join(EXPORT_FORMATS)}")
+    if "parquet" in fmts and importlib.util.find_spec("pyarrow") is None:
+        raise MoebenchError("--format parquet needs pyarrow (pip install pyarrow), or drop parquet from --format")
+    dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16" if device == "cuda" else "fp32")
+    if reps is not None and reps < 1:
+        raise MoebenchError("--reps must be >= 1")
+    if routings < 1:
+        raise MoebenchError("--routings must be >= 1")
+    spec = SweepSpec(
+        shape=shape, tokens=tok, layout=layout,
+        experts=resolve_names(experts, default_experts() + ["reference"], "experts", default_experts()),
+        prepare_finalize=resolve_names(prepare_finalize, prepare_finalize_names(), "prepare_finalize", prepare_finalize_names()),
+        dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, routings=routings,
+        quant=quant,
+    )
+    from moebench.bench.hardware import device_summary
+    from moebench.runtime.distributed import is_main, join_torchrun, leave_torchrun
+    from moebench.sweep import choose_mode, run, run_multirank
+
+    ctx = join_torchrun() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+    mode, notice = choose_mode(layout, device, simulate, world_size, ctx)
+    if notice:
+        console.print(f"[yellow]notice:[/] {notice}")
+    link = link_why = None
+    if mode == "simulate":
+        from moebench.runtime.simulate import link_for
+
+        from moebench.runtime.comm_model import check_tp, check_world
+
+        dev_name = device_summary(device).get("name") if device == "cuda" else None
+        link, link_why = link_for(device, dev_name, link_name, link_gbps)
+        check_world(layout.world_size, gpus_per_node)
+        if not layout.enable_ep:
+            check_tp(layout.moe_tp_size, gpus_per_node)
+        link = comm_model(link, rdma_name, gpus_per_node, dev_name)
+    elif link_gbps is not None or link_name:
+        raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
+    main_rank = ctx is None or is_main(ctx)
+    if not main_rank:  # rank 0 owns the run folder; the others only compute
+        run_multirank(spec, out, ctx=ctx)
+        leave_torchrun(ctx)
+        return
+    folder = resume if resume is not None else ensure_writable_dir(out) / new_run_id("sweep", shape.name)
+    meta = {"command": "sweep", "argv": sys.argv[1:],
+            "options": _run_options(click.get_current_context(), device=device, tokens=",".join(map(str, tok))),
+            "mode": mode, "shape": shape.to_dict(),
+            "layout": layout.__dict__, "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label,
+            "activation_dtype": str(dt), "device": device, "routing": routing,
+            "seed": seed, "link": None if link is None else link.as_dict(), "link_why": link_why,
+            "device_summary": device_summary(device)}
+    # One writer per folder, for the whole sweep (a resume never rewrites the saved settings).
+    store = owner = RunStore(folder, metadata=None if resume is not None else meta, lock=True, command=_command_line())
+    if resume is not None:
+        store.record_resume(sys.argv[1:])
+    for n in store.notices:
+        err_console.print(f"notice: {n}", markup=False, highlight=False, soft_wrap=True)
+    from moebench.sweep import cases_to_run
+
+    n_total = cases_to_run(spec, store, modeled=mode == "simulate")  # skipped pairs are not counted
+    console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, H={shape.hidden}, "
+                  f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {spec.precision}, "
+                  f"routing {routing} -> {folder}")
+    if link is not None:
+        console.print(f"communication: {link.describe()}; link: {link_why}", markup=False, highlight=False)
+    try:
+        if mode in ("spawn", "torchrun"):  # rank 0 shows the progress bar
+            store = run(spec, store, mode, ctx=ctx)
+        else:
+            with _progress() as prog:
+                task = prog.add_task("sweep", total=n_total)
+
+                def tick(row):
+                    if row.status != "skipped":  # the bar counts and names only what runs
+                        prog.update(task, advance=1, description=f"M={row.tokens} {row.prepare_finalize}+{row.experts}")
+
+                store = run(spec, store, mode, link=link, on_progress=tick)
+    except KeyboardInterrupt:
+        store = RunStore(folder)
+        write_exports(store, fmts)
+        err_console.print(f"interrupted: {len(store.rows)} finished rows kept in {folder} (continue with --resume {folder})")
+        owner.close()
+        sys.exit(130)
+    written = write_exports(store, fmts)
+    owner.close()
+    print_rows(store.rows, console, show_skipped=show_skipped)
+    if store.rows and not any(r.status == "ok" for r in store.rows):
+        hint = (" On a CPU, `TRITON_INTERPRET=1 moebench sweep ...` runs the Triton experts under the interpreter"
+                " (slowly; for correctness)." if device == "cpu" and "TRITON_INTERPRET" not in os.environ else "")
+        console.print(f"[yellow]notice:[/] no pair could run here; the reasons are listed above.{hint}")
+    console.print(f"wrote {', '.join(str(p) for p in written)}")
+    leave_torchrun(ctx)
