@@ -14,7 +14,7 @@ from __future__ import annotations
 #: case name (= module name): what it measures, one line. Kept here, not read from the modules,
 #: so that `--list` imports neither torch nor triton.
 CASES: dict[str, str] = {
-    "bench_triton": "Triton experts per layer point: layer, GEMMs, alignment, routing, torch, floors (PERF.md section 3)",
+    "bench_triton": "Triton experts per layer point: layer, GEMMs, alignment, routing, torch, floors (PERF.md)",
     "vllm_style": "triton GEMMs against a vLLM-style kernel with vLLM's H200 configs, same routings",
     "decode_launches": "the triton layer's code paths (TritonOptions variants) A/B at decode and prefill",
     "gemm_configs": "each GEMM of the triton layer against its own best tile config",

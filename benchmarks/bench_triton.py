@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             # time is launches, not a roofline: no floor (nan), not the activations' few ns.
             floor = max(mem_floor, cmp_floor) if hit else float("nan")
             # A plain read of this point's weight bytes in one launch (the read-ceiling probe over a
-            # buffer of that size): below ~1 GB it runs below the 4 GiB ceiling (PERF.md section 3).
+            # buffer of that size): below ~1 GB it runs below the 4 GiB ceiling (PERF.md).
             size_read = float("nan")
             if ON_GPU and hit and m <= 256:
                 size_read = max(read_gbps_candidates(dev, nbytes)[0].values()) * 1e9

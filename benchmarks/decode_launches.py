@@ -9,7 +9,7 @@ Variants (each a TritonOptions, a split or a config; column `current/<name>` or 
 `nodirect`: the alignment kernels also where the direct alignment is the default (one token;
 direct_align=False); `twolaunch`: the two-launch alignment also up to 1024 pairs
 (one_launch_max_pairs=0); `sk1` / `sk2` / `sk4`: GEMM2 split 1 / 2 / 4 ways over K instead of the
-split rule's choice (`sk1` = no wave split; PERF.md section 3 measured `sk2` / `sk4` a loss at
+split rule's choice (`sk1` = no wave split; PERF.md measured `sk2` / `sk4` a loss at
 decode); `nopdl`: without programmatic dependent launch (pdl=False), `pdl`: PDL forced on, also where
 "auto" leaves it off (`pdl/nopdl`); `nodown`: GEMM2 with GEMM1's config even where a `_down.json`
 file is found (the looked-up GEMM1 config given explicitly; point $MOEBENCH_CONFIG_DIR at the

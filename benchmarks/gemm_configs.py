@@ -38,7 +38,7 @@ from moebench.results import atomic_write_text
 
 from benchmarks.bench_common import ON_GPU, SHAPES, layer_config, script_setup, seeded_inputs, timed_us
 
-# Largest layer/floor gaps of the fifth session's final run first (PERF.md section 3).
+# Largest layer/floor gaps of the 2026-11-29 kernel table first (PERF.md).
 POINTS = ("qwen3-30b-a3b:4096,qwen3-30b-a3b:1024,dsv3-ep8-local:1024,mixtral:1024,dsv3-ep8-local:4096,"
           "mixtral:4096,qwen3-30b-a3b:1,dsv3-ep8-local:256,mixtral:256,qwen3-30b-a3b:256,dsv3-ep8:16,"
           "qwen3-30b-a3b:16,mixtral:16")

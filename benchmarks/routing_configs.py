@@ -5,7 +5,7 @@ current rule (`moebench.kernels.triton.routing.topk_softmax_launch`), per (exper
 
     PYTHONPATH=. python -m benchmarks routing_configs [--tokens 1,16,256,4096] [--smoke]
 
-Why: the fourth session's final run measured the routing at 6.0 us for Qwen3-30B (128 experts)
+Why: an earlier run (2026-11-29) measured the routing at 6.0 us for Qwen3-30B (128 experts)
 and 7.9 us for DeepSeek-V3 (256) at one token, against 1.8 us for Mixtral (8): a sixth of the
 Qwen3 M=1 layer (33.4 us). Writes routing_configs.csv / .md under $OUT (default ./bench-out).
 --smoke: tiny shapes on CPU under the Triton interpreter (checks the script; its times mean nothing).

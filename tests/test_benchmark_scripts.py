@@ -100,7 +100,7 @@ def test_decode_launches_smoke(tmp_path):
 
 
 def test_bench_triton_smoke(tmp_path):
-    # PERF.md section 3's table: runs end to end, every point correct
+    # PERF.md's table: runs end to end, every point correct
     rows = _smoke("bench_triton", tmp_path, "--tokens", "1", "--check-best")
     assert [r["shape"] for r in rows] == ["tiny", "tiny-map"]
     assert all(float(r["max_rel_err"]) < 2e-2 for r in rows) and rows[0]["best_known_us"]

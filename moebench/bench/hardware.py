@@ -544,7 +544,7 @@ def read_reduce(x: torch.Tensor, partial: torch.Tensor, block_size: int, iters: 
 
 #: Read-kernel variants tried by `read_gbps_candidates`: the 1-D stream (BLOCK_SIZE, ITERS, warps)
 #: and the 2-D tile walk over 8 KiB rows (BLOCK_R, BLOCK_C, warps, stages); on an H200 the walk
-#: reached 4.58 TB/s where the stream stayed at 4.37-4.56 (PERF.md section 3).
+#: reached 4.58 TB/s where the stream stayed at 4.37-4.56 (PERF.md).
 READ_STREAM_CONFIGS = ((4096, 1, 4), (8192, 1, 8), (16384, 1, 8), (4096, 8, 8), (8192, 4, 16))
 READ_WALK_COLS = 2048
 READ_WALK_CONFIGS = ((128, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4))

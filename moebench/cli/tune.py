@@ -410,7 +410,7 @@ def configs_coverage(device, as_shards, as_fill, as_json):
     if n_sparse:
         console.print(f"{n_sparse} file(s) hold fewer than vLLM's {full} token counts: between counts the "
                       "nearest entry was up to 1.18x slower than the default heuristic on an H200 "
-                      "(PERF.md section 6); `configs coverage --fill` prints the tunes that add them.")
+                      "(PERF.md section 2); `configs coverage --fill` prints the tunes that add them.")
 
 
 @configs.command("commit")

@@ -64,7 +64,7 @@ GRAPH_CALLS = 8  # calls (and routings) per CUDA graph replay
 #: Without --budget, halving / random measure this share of the pruned space, within
 #: [MIN_BUDGET, MAX_BUDGET] configs per token count. A grid costs about the same per config
 #: (compile + a few reps) as halving's screening rounds, and halving re-times its survivors, so a
-#: 5% pool keeps the search under a tenth of the grid's time (PERF.md section 6).
+#: 5% pool keeps the search under a tenth of the grid's time (PERF.md section 2).
 DEFAULT_BUDGET_SHARE = 0.05
 MIN_BUDGET, MAX_BUDGET = 6, 48
 DEFAULT_BUDGET = "auto"

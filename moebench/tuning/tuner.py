@@ -236,7 +236,7 @@ class TokenResult:
     default_us: float | None = None
     speedup: float | None = None  # default_us / winner_us
     candidates: int = 0  # distinct configs measured
-    measured: int = 0  # measurements made in this session
+    measured: int = 0  # measurements made by this process (a resumed run counts only its own)
     reused: int = 0  # measurements answered from the journal
     failed: int = 0
     wrong: int = 0

@@ -220,7 +220,7 @@ def batched_default_config(rows: int, n_inter: int, hidden: int, dtype: torch.dt
     """The Standard kernel's default heuristic with tokens per expert = rows (the routed pairs per
     local expert when the P/F says how many tokens it routed, else the buffer's rows: an upper
     bound), with 64-row tiles instead of 128-row ones up to options.batched_wide_rows rows
-    (PERF.md section 3, batched-triton's configs)."""
+    (PERF.md, batched-triton's configs)."""
     cfg = default_config(rows, 1, n_inter, hidden, 1, dtype)
     if cfg["BLOCK_SIZE_M"] > 64 and rows <= (options or TritonOptions()).batched_wide_rows:
         cfg = TileConfig(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=4)

@@ -453,7 +453,7 @@ def default_config(M: int, E: int, N: int, H: int, topk: int, dtype: torch.dtype
     neighbouring row blocks (the same expert when it has several) on the same weight tile one
     after the other, so those re-reads mostly hit L2. Bands, from a sweep of 20 configs at the
     18 points of design.md's table on an H200 (bf16; benchmarks/bench_triton.py --sweep, results
-    in PERF.md section 3):
+    in PERF.md):
 
     | T (tokens/expert) | M  | N   | K       | GROUP | warps | stages | regime |
     |---|---|---|---|---|---|---|---|
@@ -463,7 +463,7 @@ def default_config(M: int, E: int, N: int, H: int, topk: int, dtype: torch.dtype
     | > 48              | 128| 256 | 64      | 8  | 8 | 4   | compute-bound: large wgmma tiles, deep pipeline |
 
     K = 256 (3 stages) in the first band when both H and N are >= 2048 (long K loops), else 128
-    (4 stages). Measured on an H200 (2026-11-29, PERF.md section 3): at the 24 points
+    (4 stages). Measured on an H200 (2026-11-29, PERF.md): at the 24 points
     (3 shapes of design.md + a DeepSeek EP8 shard with expert_map, tokens 1..4096) these bands
     were within 1.05x (median 1.007x) of the best of a 20-config sweep. BLOCK_SIZE_N is the width of one program's output tile;
     in GEMM1 the moebench kernel splits it evenly into gate and up columns (the register budget

@@ -252,7 +252,7 @@ class BatchedTritonExperts(Experts):
         last_config_source says which.
 
         vLLM's batched experts key the lookup on the buffer's rows per expert instead; an H200
-        run (PERF.md section 3) measured that 1.4-3.4x slower than the heuristic at 64-256 rows
+        run (PERF.md) measured that 1.4-3.4x slower than the heuristic at 64-256 rows
         per expert (it picks the entries tuned for 64-256 tokens in all)."""
         if self.config is not None:
             self.last_config_source = "explicit"

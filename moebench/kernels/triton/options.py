@@ -3,7 +3,7 @@
 Every code path the Triton experts can take is chosen here, by an argument, never by module
 state: `TritonExperts(options=TritonOptions(...))`, `fused_moe(..., options=...)`. A benchmark
 that compares two paths builds two options objects; a test names the path it checks. The defaults
-are the measured winners (PERF.md section 3, each field's comment names the measurement); a field
+are the measured winners (PERF.md, each field's comment names the measurement); a field
 set to "auto" is decided per call by a rule below, a pure function of the options and the shape,
 config, dtype or device, and the numbers those rules compare against are fields too, so that a
 benchmark can move them.
@@ -38,7 +38,7 @@ _16BIT = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class TritonOptions:
     """The Triton experts' choices (True / False / "auto" switches, then the thresholds of the
-    "auto" rules). Defaults are what the kernels measured fastest on an H200 (PERF.md section 3)."""
+    "auto" rules). Defaults are what the kernels measured fastest on an H200 (PERF.md)."""
 
     #: Weight tiles through TMA descriptors where the hardware has them (Hopper+). "auto": 16-bit
     #: inputs with BLOCK_SIZE_M >= 32 (same-config A/B: 1-13% faster at >= 1024 tokens with 128-row

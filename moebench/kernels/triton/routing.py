@@ -72,7 +72,7 @@ def topk_softmax_launch(m: int, e: int) -> tuple[int, int]:
 
     About 512 logits per program, one warp per token up to 4 warps, never more tokens per
     program than m, twice the tokens from 1024 on (up to 256 experts). From a sweep of 10 launch
-    shapes on an H200 (benchmarks/routing_configs.py, PERF.md section 3): within 1.17x (0.3 us,
+    shapes on an H200 (benchmarks/routing_configs.py, PERF.md): within 1.17x (0.3 us,
     Mixtral) of the best shape at every point, and 0.63-0.78x the time of the earlier fixed 2048
     logits / 4 warps for 128-512 experts up to 256 tokens (Qwen3-30B M=1: 4.13 -> 2.68 us)."""
     block_e = max(16, triton.next_power_of_2(e))
@@ -93,7 +93,7 @@ def fused_topk_softmax(
     rows (tokens per program) and num_warps: powers of two; None = `topk_softmax_launch`.
     release (None: on where `pdl_supported`, Hopper+): a kernel launched next with programmatic
     dependent launch (GEMM1, the alignment) may start while this one runs; it waits for it before
-    reading (PERF.md section 3, the routing and alignment in the PDL chain)."""
+    reading (PERF.md, the routing and alignment in the PDL chain)."""
     m, e = logits.shape
     weights = torch.empty((m, topk), dtype=torch.float32, device=logits.device)
     ids = torch.empty((m, topk), dtype=torch.int32, device=logits.device)
