@@ -104,8 +104,8 @@ def test_resume_alone_finishes_the_saved_custom_sweep(tmp_path):
 
 def test_resume_after_a_real_ctrl_c(tmp_path):
     out = tmp_path / "out"
-    # reference rows with many repetitions take a while each: the interrupt lands part-way
-    proc = _start("sweep", *CUSTOM, "--reps", "40", "--out", str(out))
+    # torch rows with many repetitions take a while each: the interrupt lands part-way
+    proc = _start("sweep", *CUSTOM, "--reps", "1000", "--out", str(out))
     try:
         _wait_for(lambda: out.exists() and any(_n_lines(r) >= 1 for r in out.iterdir()), 120, "a first row", proc)
         proc.send_signal(signal.SIGSTOP)
@@ -196,8 +196,8 @@ def test_resume_drops_a_torn_last_line(tmp_path):
 
 def test_a_second_writer_is_refused_and_a_killed_holders_lock_taken_over(tmp_path):
     out = tmp_path / "out"
-    args = [*SHAPE, "--tokens", "1,2,3,4", "--experts", "reference", "--prepare-finalize", "no-dpep",
-            "--reps", "40", "--device", "cpu"]
+    args = [*SHAPE, "--tokens", "1,2,3,4", "--experts", "torch", "--prepare-finalize", "no-dpep",
+            "--reps", "1000", "--device", "cpu"]  # rows slow enough to stop it part-way
     holder = _start("sweep", *args, "--out", str(out))
     try:
         _wait_for(lambda: out.exists() and any(_n_lines(r) >= 1 for r in out.iterdir()), 120, "a first row", holder)
