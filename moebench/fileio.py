@@ -44,18 +44,7 @@ def atomic_write_with(path: str | os.PathLike, writer: Callable[[str], object]) 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` through a temporary file in the same folder and rename it into place."""
-    path = Path(path)
-    fd, tmp = _create_temp(path)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
+    atomic_write_with(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
