@@ -2,7 +2,7 @@
 
 from moebench.kernels.modular import ActivationFormat, FusedMoEKernel
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import check_combination, make_kernel
+from moebench.backends import check_combination, make_kernel
 from moebench.layout import ParallelLayout
 from moebench.quant import QuantScheme, QuantWeight, quantize_weights
 

@@ -5,13 +5,14 @@ case starts from and the metrics it ends with."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from moebench.bench import metrics
 from moebench.errors import MoebenchError
 from moebench.inputs import dtype_name
-from moebench.kernels.registry import (
+from moebench.backends import (
     check_combination,
     experts_names,
     get_experts_class,
@@ -137,6 +138,77 @@ def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
         prepare_finalize=pf, experts=ex, activation_format=fmt, dtype=spec.dtype_label,
         device=spec.device, routing=spec.routing, quant=spec.quant_label,
     )
+
+
+class CaseRunner:
+    """How the cases of a sweep run in one mode (one process, real ranks, simulated ranks).
+    `run_cases` drives every mode through the same loop; a runner only fills a row.
+
+    modeled: its rows are modeled (simulated communication); writes: this process writes rows."""
+
+    modeled: bool = False
+    writes: bool = True
+
+    def done_keys(self, store: RunStore) -> set[tuple]:
+        """Rows already in the run (a resumed run): the loop skips them."""
+        return store.keys()
+
+    def start(self, spec: SweepSpec, runnable: list[tuple[str, str]]) -> None:
+        """Set up what every case shares (weights...), before the first case; `runnable`: the
+        pairs that will run."""
+
+    def inputs(self, m: int, pf: str):
+        """The inputs of a case of `m` tokens through `pf` (tokens, routing...), made before the
+        case runs: an error here is the user's input (a routing file that cannot be read) and ends
+        the run, where an error of the case itself only fails its row."""
+        return None
+
+    def run_case(self, row: ResultRow, m: int, pf: str, ex: str, inputs) -> None:
+        """Check and time the pair `pf + ex` at `m` tokens on `inputs`, filling `row`. An
+        exception becomes a failed row."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """After the last case."""
+
+
+def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,
+              on_progress: Callable[[ResultRow], None] | None = None) -> list[ResultRow]:
+    """The sweep loop of every mode: each (tokens, pair) of `plan(spec)` not already in `store`
+    becomes a row: skipped (with the plan's reason), run by `runner`, or failed (the exception's
+    first line). Rows go to `store` as they are made (when the runner writes); returns them in
+    plan order. `on_progress` sees each row that ran."""
+    pairs = plan(spec)
+    done = runner.done_keys(store)
+    runner.start(spec, [(pf, ex) for pf, ex, reason in pairs if reason is None])
+    rows: list[ResultRow] = []
+    try:
+        for m in spec.tokens:
+            for pf, ex, reason in pairs:
+                row = base_row(spec, m, pf, ex)
+                row.modeled = runner.modeled
+                if row.key() in done:
+                    continue
+                if reason is not None:
+                    row.status, row.reason = "skipped", reason
+                else:
+                    inputs = runner.inputs(m, pf)
+                    try:
+                        runner.run_case(row, m, pf, ex, inputs)
+                    except MoebenchError as e:
+                        row.status, row.reason = "failed", str(e)
+                    except Exception as e:  # any backend failure (compile error, out of resources, OOM)
+                        if spec.device == "cuda":
+                            torch.cuda.synchronize()
+                        row.status, row.reason = "failed", one_line(e)
+                if runner.writes:
+                    store.add(row)
+                rows.append(row)
+                if on_progress is not None and reason is None:
+                    on_progress(row)
+    finally:
+        runner.finish()
+    return rows
 
 
 def one_line(e: BaseException) -> str:

@@ -23,11 +23,23 @@ from pathlib import Path
 import pandas as pd
 
 from moebench import robustness
+from moebench.backends import get_prepare_finalize_class, prepare_finalize_names
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow, RunStore
 from moebench.sweep import SweepSpec, default_experts, run_multirank, run_simulated
 
-EP_PREPARE_FINALIZE = ["allgather-rs", "all2all-ll", "deepep-ll"]
+
+
+def layout_prepare_finalize(moves_tokens: bool) -> list[str]:
+    """The prepare/finalize backends of one side of the comparison, from what each declares:
+    those that move tokens between ranks (EP: each rank brings its own tokens), or those that keep
+    them in place and run on many ranks (TP)."""
+    out = []
+    for name in prepare_finalize_names():
+        cls = get_prepare_finalize_class(name)
+        if cls.communicates == moves_tokens and (cls.max_world_size is None or cls.max_world_size > 1):
+            out.append(name)
+    return out
 
 
 @dataclass
@@ -65,7 +77,7 @@ def layout_specs(base: SweepSpec, world_size: int, gpus_per_node: int | None = N
     specs = {}
     for name, lay in layouts(world_size, gpus_per_node).items():
         spec = replace(base, layout=lay, tokens_are_global=True,
-                       prepare_finalize=["no-dpep"] if name.startswith("TP") else EP_PREPARE_FINALIZE)
+                       prepare_finalize=layout_prepare_finalize(moves_tokens=not name.startswith("TP")))
         if name.startswith("TP") and n > 1:
             spec = replace(spec, tokens=sorted({math.ceil(m / n) for m in spec.tokens}))
         specs[name] = spec

@@ -378,6 +378,10 @@ class RunStore:
             "git_revision": git_revision(), "host": platform.node()})
         atomic_write_text(p, json.dumps(meta, indent=2, default=str))
 
+    def keys(self) -> set[tuple]:
+        """The keys of the rows the run holds."""
+        return set(self._keys)
+
     def has(self, row_key: tuple) -> bool:
         return row_key in self._keys
 

@@ -10,7 +10,8 @@ import torch
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import time_fn
-from moebench.cases import (  # noqa: F401  (re-exported: the sweep's API, as before)
+from moebench.cases import (  # noqa: F401  (re-exported: the sweep's API)
+    CaseRunner,
     SweepSpec,
     base_row,
     cases_to_run,
@@ -19,13 +20,14 @@ from moebench.cases import (  # noqa: F401  (re-exported: the sweep's API, as be
     one_line,
     plan,
     resolve_names,
+    run_cases,
 )
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits, make_tokens, rank_weights
 from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import make_kernel
+from moebench.backends import make_kernel
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow, RunStore
 from moebench.routing import load_imbalance, make_routing
@@ -40,42 +42,51 @@ def run_sweep(
     (a resumed run) are skipped. Returns the rows of this sweep, in plan order."""
     if spec.layout.world_size > 1:
         raise MoebenchError("a multi-rank layout runs through run_multirank or run_simulated (CLI: --world-size / --simulate)")
-    s = spec.shape
-    pairs = plan(spec)
-    runnable = [p for p in pairs if p[2] is None]
-    rows: list[ResultRow] = []
-    ceilings = get_ceilings(spec.device)
-    qw13 = qw2 = unquantized = None
-    if runnable:
-        check_fits(s.num_experts, s.hidden, s.intermediate, max(spec.tokens, default=0), s.topk, spec.dtype, spec.device)
-        # fp8: the kernels run on the quantised weights; the unquantised ones stay for err_vs_unquantized.
-        (qw13, qw2), unquantized = rank_weights(spec, 0, keep_unquantized=spec.check)
-    for m in spec.tokens:
+    return run_cases(spec, store, LocalRunner(), on_progress)
+
+
+class LocalRunner(CaseRunner):
+    """One process holds every expert: each token count's inputs and float64 reference are made
+    once and shared by the pairs."""
+
+    def start(self, spec: SweepSpec, runnable: list[tuple[str, str]]) -> None:
+        self.spec = spec
+        self.ceilings = get_ceilings(spec.device)
+        self.weights = self.unquantized = None
+        self.m = None
+        if runnable:
+            s = spec.shape
+            check_fits(s.num_experts, s.hidden, s.intermediate, max(spec.tokens, default=0), s.topk, spec.dtype,
+                       spec.device)
+            # fp8: the kernels run on the quantised weights; the unquantised ones stay for err_vs_unquantized.
+            self.weights, self.unquantized = rank_weights(spec, 0, keep_unquantized=spec.check)
+
+    def inputs(self, m: int, pf: str) -> None:
+        """The inputs of token count `m`, shared by its pairs (made on its first case)."""
+        if self.m == m:
+            return
+        spec, s = self.spec, self.spec.shape
+        qw13, qw2 = self.weights
         x = make_tokens(m, s.hidden, spec.dtype, spec.device, spec.seed + m)
-        topk_weights, topk_ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
-        imbalance = load_imbalance(topk_ids, s.num_experts)
-        ref = ref_unq = None
-        flops = metrics.layer_flops(m, s.topk, s.hidden, s.intermediate)
-        nbytes = metrics.layer_bytes(topk_ids, s.num_experts, s.hidden, s.intermediate, spec.act_bytes, m, spec.quant)
-        for pf, ex, reason in pairs:
-            row = base_row(spec, m, pf, ex)
-            row.imbalance = imbalance
-            if store.has(row.key()):
-                continue
-            if reason is not None:
-                row.status, row.reason = "skipped", reason
-            else:
-                if ref is None and spec.check:
-                    ref = reference_moe(x, qw13, qw2, topk_weights, topk_ids)
-                    if unquantized is not None:
-                        ref_unq = reference_moe(x, *unquantized, topk_weights, topk_ids)
-                _measure(spec, row, pf, ex, (x, qw13, qw2, topk_weights, topk_ids), ref, flops, nbytes, ceilings,
-                         variants=routing_variants(spec, m, x, qw13, qw2), ref_unquantized=ref_unq)
-            store.add(row)
-            rows.append(row)
-            if on_progress:
-                on_progress(row)
-    return rows
+        topk_weights, topk_ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m,
+                                              device=spec.device)
+        self.m = m
+        self.args = (x, qw13, qw2, topk_weights, topk_ids)
+        self.imbalance = load_imbalance(topk_ids, s.num_experts)
+        self.flops = metrics.layer_flops(m, s.topk, s.hidden, s.intermediate)
+        self.nbytes = metrics.layer_bytes(topk_ids, s.num_experts, s.hidden, s.intermediate, spec.act_bytes, m,
+                                          spec.quant)
+        self.variants = routing_variants(spec, m, x, qw13, qw2)
+        self.ref = self.ref_unquantized = None
+        if spec.check:
+            self.ref = reference_moe(*self.args)
+            if self.unquantized is not None:
+                self.ref_unquantized = reference_moe(x, *self.unquantized, topk_weights, topk_ids)
+
+    def run_case(self, row: ResultRow, m: int, pf: str, ex: str, inputs) -> None:
+        row.imbalance = self.imbalance
+        _measure(self.spec, row, pf, ex, self.args, self.ref, self.flops, self.nbytes, self.ceilings,
+                 variants=self.variants, ref_unquantized=self.ref_unquantized)
 
 
 def routing_variants(spec: SweepSpec, m: int, x, w13, w2) -> list[tuple]:
@@ -107,32 +118,22 @@ def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings, variants: li
     """Check `pf + ex` on `args` against `ref`, then time it (cycling through `args` and
     `variants`, other routings of the same distribution); fills `row` in place. fp8 rows also
     get their error against `ref_unquantized` (the reference without quantisation)."""
-    try:
-        kernel = make_kernel(ex, pf)
-        if spec.check:
-            with poisoned_outputs():
-                out = kernel.apply(*args)
-            row.max_rel_err = relative_error(out, ref)
-            row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
-            if ref_unquantized is not None:
-                row.err_vs_unquantized = relative_error(out, ref_unquantized)
-        else:
-            kernel.apply(*args)
-        # Backends that pick a tile config say where it came from (tuned file or default heuristic).
-        row.config_source = kernel.experts.last_config_source or ""
-        if not kernel.experts.timed:
-            row.reason = "correctness only (not timed)"
-            return
-        t = time_fn(cycling(kernel, [args, *variants]), spec.device, **spec.timing_kwargs())
-
-    except MoebenchError as e:
-        row.status, row.reason = "failed", str(e)
+    kernel = make_kernel(ex, pf)
+    if spec.check:
+        with poisoned_outputs():
+            out = kernel.apply(*args)
+        row.max_rel_err = relative_error(out, ref)
+        row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
+        if ref_unquantized is not None:
+            row.err_vs_unquantized = relative_error(out, ref_unquantized)
+    else:
+        kernel.apply(*args)
+    # Backends that pick a tile config say where it came from (tuned file or default heuristic).
+    row.config_source = kernel.experts.last_config_source or ""
+    if not kernel.experts.timed:
+        row.reason = "correctness only (not timed)"
         return
-    except Exception as e:  # any backend failure (compile error, out of resources, OOM) becomes a failed row
-        if spec.device == "cuda":
-            torch.cuda.synchronize()
-        row.status, row.reason = "failed", one_line(e)
-        return
+    t = time_fn(cycling(kernel, [args, *variants]), spec.device, **spec.timing_kwargs())
     row.latency_us, row.p10_us, row.p90_us, row.timing_method = t.median_us, t.p10_us, t.p90_us, t.method
     if variants:
         row.timing_method += f", {1 + len(variants)} routings cycled"
@@ -144,7 +145,7 @@ def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=No
     """Real ranks: join the torchrun group `ctx`, or spawn `world_size` processes (gloo on CPU,
     NCCL with one GPU each). Rank 0 appends rows to `folder`; returns the rows it wrote."""
     from moebench.runtime.distributed import spawn
-    from moebench.runtime.rank_sweep import sweep_on_rank
+    from moebench.runtime.rank_sweep import sweep_on_rank  # rank 0 writes; each rank runs its RankRunner
 
     if ctx is not None:
         return sweep_on_rank(ctx, spec, str(folder))
@@ -154,9 +155,9 @@ def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=No
 def run_simulated(spec: SweepSpec, store: RunStore, link, on_progress=None, experts_model=None) -> list[ResultRow]:
     """One device computes one rank's share; communication comes from the cost model (`link`);
     with `experts_model` (Ceilings), the experts time is that GPU's roofline floor instead."""
-    from moebench.runtime.sim_sweep import run_simulated_sweep
+    from moebench.runtime.sim_sweep import SimulatedRunner
 
-    return run_simulated_sweep(spec, store, link, on_progress, experts_model)
+    return run_cases(spec, store, SimulatedRunner(link, experts_model), on_progress)
 
 
 def choose_mode(layout: ParallelLayout, device: str, simulate: bool = False, world_size: int | None = None,

@@ -25,7 +25,7 @@ from moebench.kernels.deepgemm import (
 )
 from moebench.kernels.modular import FusedMoEKernel
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import check_combination, make_prepare_finalize
+from moebench.backends import check_combination, make_prepare_finalize
 from moebench.quant import QuantScheme, quantize_weights
 
 BLOCK = QuantScheme("fp8_w8a8", "block", (128, 128))

@@ -9,7 +9,7 @@ import torch
 
 from moebench.kernels.modular import FusedMoEKernel, poisoned_outputs
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import make_experts, make_prepare_finalize
+from moebench.backends import make_experts, make_prepare_finalize
 from moebench.layout import ParallelLayout
 from moebench.quant import FP8_DTYPE, QuantScheme, quantize_weights
 from moebench.runtime.distributed import RankContext, spawn

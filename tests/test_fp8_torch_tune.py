@@ -19,7 +19,7 @@ from moebench.errors import MoebenchError, UnsupportedError
 from moebench.kernels import torch_experts as TE
 from moebench.kernels.modular import PrepareResult
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import check_combination
+from moebench.backends import check_combination
 from moebench.layout import ParallelLayout
 from moebench.models import custom_shape, get_model
 from moebench.quant import QuantScheme, quantize_activation, quantize_weights

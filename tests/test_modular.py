@@ -11,7 +11,7 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceContiguous,
     poisoned_outputs,
 )
-from moebench.kernels.registry import check_combination, make_kernel
+from moebench.backends import check_combination, make_kernel
 from moebench.kernels.token_layout import batched_slots, sort_by_expert
 from moebench.correctness import TOLERANCE, relative_error
 

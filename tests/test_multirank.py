@@ -17,7 +17,7 @@ import torch.distributed as dist
 from moebench.errors import MoebenchError
 from moebench.kernels.modular import FusedMoEKernel, poisoned_outputs
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import make_experts, make_prepare_finalize
+from moebench.backends import make_experts, make_prepare_finalize
 from moebench.layout import ParallelLayout
 from moebench.runtime.distributed import RankContext, RankFailedError, join_torchrun, single_context, spawn
 from moebench.runtime.rank_case import run_rank_case, token_split
@@ -338,7 +338,7 @@ def test_token_split():
 
 def test_capabilities_say_why_not():
     from moebench.dispatch.deepep_ll import DeepEPLLPrepareAndFinalize
-    from moebench.kernels.registry import check_combination
+    from moebench.backends import check_combination
 
     assert "needs at least 2 ranks" in check_combination("allgather-rs", "torch", "cpu", world_size=1)
     assert check_combination("allgather-rs", "torch", "cpu", world_size=2) is None

@@ -11,7 +11,7 @@ from moebench.errors import MoebenchError, UnsupportedError
 from moebench.inputs import make_weights
 from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import check_combination, make_kernel
+from moebench.backends import check_combination, make_kernel
 from moebench.quant import (
     FP8_DTYPE,
     ActQuant,

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from moebench.kernels.registry import prepare_finalize_names
+from moebench.backends import prepare_finalize_names
 from test_cli import ROOT, assert_bad_input, moebench
 
 SHAPE = ["--num-experts", "6", "--topk", "2", "--hidden", "24", "--intermediate", "16"]

@@ -2,7 +2,7 @@
 
 import torch
 
-from moebench.kernels import registry
+from moebench import backends as registry
 from moebench.kernels.modular import ActivationFormat, Experts, TopKWeightAndReduceNoOp
 from moebench.models import custom_shape
 from moebench.results import RunStore
@@ -21,8 +21,7 @@ class BrokenExperts(Experts):
 
 
 def test_failing_backend_is_a_failed_row(tmp_path, monkeypatch):
-    monkeypatch.setitem(registry._EXPERTS_MODULES, BrokenExperts.name, __name__)
-    monkeypatch.setitem(registry._EXPERTS, BrokenExperts.name, BrokenExperts)
+    monkeypatch.setitem(registry._discover().experts, BrokenExperts.name, BrokenExperts)
     spec = SweepSpec(shape=custom_shape(6, 2, 16, 8), tokens=[3], experts=["broken-for-test", "torch"],
                      prepare_finalize=["no-dpep"], dtype=torch.float32, device="cpu")
     rows = run_sweep(spec, RunStore(tmp_path / "run"))
@@ -38,8 +37,7 @@ def test_wrong_result_is_not_correct(tmp_path, monkeypatch):
         def apply(self, prep, w13, w2):
             return torch.zeros_like(prep.a)  # plausible shape, wrong values
 
-    monkeypatch.setitem(registry._EXPERTS_MODULES, WrongExperts.name, __name__)
-    monkeypatch.setitem(registry._EXPERTS, WrongExperts.name, WrongExperts)
+    monkeypatch.setitem(registry._discover().experts, WrongExperts.name, WrongExperts)
     spec = SweepSpec(shape=custom_shape(6, 2, 16, 8), tokens=[3], experts=["wrong-for-test"],
                      prepare_finalize=["no-dpep"], dtype=torch.float32, device="cpu")
     (row,) = run_sweep(spec, RunStore(tmp_path / "run"))
@@ -59,8 +57,7 @@ def test_timed_calls_cycle_through_routings(tmp_path, monkeypatch):
 
             return reference_moe(prep.a, w13, w2, prep.topk_weights, prep.topk_ids).to(prep.a.dtype)
 
-    monkeypatch.setitem(registry._EXPERTS_MODULES, Recording.name, __name__)
-    monkeypatch.setitem(registry._EXPERTS, Recording.name, Recording)
+    monkeypatch.setitem(registry._discover().experts, Recording.name, Recording)
     spec = SweepSpec(shape=custom_shape(16, 2, 16, 8), tokens=[6], experts=["recording-for-test"],
                      prepare_finalize=["no-dpep"], dtype=torch.float32, device="cpu", routings=3, reps=6, warmup=0)
     (row,) = run_sweep(spec, RunStore(tmp_path / "run"))

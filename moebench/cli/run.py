@@ -42,7 +42,7 @@ from moebench.errors import MoebenchError
 def env(as_json: bool, calibrate: bool, calibrate_link: bool, world_size: int | None, device: str | None):
     """What this machine has: device, versions, ceilings, and which backends can run (and why not)."""
     from moebench.bench.hardware import calibrate as do_calibrate, device_summary, get_ceilings
-    from moebench.kernels.registry import backend_infos
+    from moebench.backends import backend_infos
 
     device = resolve_device(device)
     link_line = _calibrate_link(device, world_size) if calibrate_link else None
@@ -140,7 +140,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
           scales, routing, seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps,
           routings, show_skipped, gpus_per_node, rdma_name):
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
-    from moebench.kernels.registry import prepare_finalize_names
+    from moebench.backends import prepare_finalize_names
     from moebench.layout import ParallelLayout
     from moebench.report import EXPORT_FORMATS, print_rows, write_exports
     from moebench.results import RunStore, ensure_writable_dir, new_run_id

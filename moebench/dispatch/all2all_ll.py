@@ -34,7 +34,6 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceBatched,
     TopKWeightAndReduceContiguous,
 )
-from moebench.kernels.registry import register_prepare_finalize
 from moebench.kernels.token_layout import batched_slots, scatter_to_batched
 from moebench.quant import pack_rows, unpack_rows
 from moebench.layout import ParallelLayout
@@ -60,7 +59,6 @@ class All2AllHandle:
     topk: int
 
 
-@register_prepare_finalize
 class AllToAllLLPrepareAndFinalize(PrepareAndFinalize):
     name = "all2all-ll"
     activation_format = ActivationFormat.BATCHED
@@ -68,6 +66,7 @@ class AllToAllLLPrepareAndFinalize(PrepareAndFinalize):
     needs_expert_parallel = True
     #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
     communicates = True
+    comm_pattern = "all-to-all"
 
     def __init__(self, group: Any = None, max_tokens_per_rank: int = 256, layout: ParallelLayout | None = None):
         """group: ProcessGroup over the EP ranks (None = default group).

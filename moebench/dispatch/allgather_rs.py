@@ -28,7 +28,6 @@ from moebench.kernels.modular import (
     TopKWeightAndReduce,
     TopKWeightAndReduceContiguous,
 )
-from moebench.kernels.registry import register_prepare_finalize
 from moebench.quant import pack_rows, unpack_rows
 from moebench.runtime.distributed import all_gather_single, group_rank_world, reduce_scatter_single
 
@@ -43,7 +42,6 @@ class AllGatherHandle:
     pad: int
 
 
-@register_prepare_finalize
 class AllGatherReduceScatterPrepareAndFinalize(PrepareAndFinalize):
     name = "allgather-rs"
     activation_format = ActivationFormat.STANDARD
@@ -51,6 +49,7 @@ class AllGatherReduceScatterPrepareAndFinalize(PrepareAndFinalize):
     needs_expert_parallel = True
     #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
     communicates = True
+    comm_pattern = "all-gather"
 
     def __init__(self, group: Any = None):
         """group: a torch.distributed ProcessGroup over the DP ranks, None = the default group."""

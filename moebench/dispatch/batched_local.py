@@ -14,11 +14,9 @@ from moebench.kernels.modular import (
     TopKWeightAndReduce,
     TopKWeightAndReduceBatched,
 )
-from moebench.kernels.registry import register_prepare_finalize
 from moebench.kernels.token_layout import batched_slots, local_topk_ids, scatter_to_batched
 
 
-@register_prepare_finalize
 class BatchedLocalPrepareAndFinalize(PrepareAndFinalize):
     name = "batched-local"
     activation_format = ActivationFormat.BATCHED

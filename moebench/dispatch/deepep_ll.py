@@ -35,7 +35,6 @@ from moebench.kernels.modular import (
     PrepareResult,
     TopKWeightAndReduce,
 )
-from moebench.kernels.registry import register_prepare_finalize
 from moebench.runtime.distributed import group_rank_world
 
 _IMPORT_ERROR: list[str | None] = []  # cached: [None] when deep_ep imports, [reason] otherwise
@@ -83,7 +82,6 @@ class DeepEPHandle:
     topk_ids: torch.Tensor  # (M, K) int64, as dispatched
 
 
-@register_prepare_finalize
 class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     name = "deepep-ll"
     activation_format = ActivationFormat.BATCHED
@@ -92,6 +90,7 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     needs_expert_parallel = True
     #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
     communicates = True
+    comm_pattern = "all-to-all"
     #: DeepEP-LL quantises inside its dispatch (use_fp8): per-token 1x128 groups, i.e. the
     #: activation side of block scales with bk = 128.
     supported_quant = ("block",)

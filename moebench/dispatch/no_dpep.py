@@ -13,10 +13,8 @@ from moebench.kernels.modular import (
     TopKWeightAndReduce,
     TopKWeightAndReduceContiguous,
 )
-from moebench.kernels.registry import register_prepare_finalize
 
 
-@register_prepare_finalize
 class NoDPEPPrepareAndFinalize(PrepareAndFinalize):
     name = "no-dpep"
     activation_format = ActivationFormat.STANDARD

@@ -13,10 +13,8 @@ from moebench.kernels.modular import (
     PrepareResult,
     TopKWeightAndReduceNoOp,
 )
-from moebench.kernels.registry import register_experts
 
 
-@register_experts
 class AiterExperts(Experts):
     name = "aiter"
     activation_format = ActivationFormat.STANDARD

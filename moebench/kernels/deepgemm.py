@@ -56,7 +56,6 @@ from moebench.kernels.modular import (
     alloc_output,
 )
 from moebench.kernels.reference import silu_and_mul
-from moebench.kernels.registry import register_experts
 from moebench.kernels.token_layout import local_topk_ids, sort_by_expert
 from moebench.quant import FP8_DTYPE, ActQuant, QuantScheme, QuantWeight
 
@@ -294,7 +293,6 @@ class _DeepGemmBackend(Experts):
 # Standard: the contiguous layout
 
 
-@register_experts
 class DeepGemmExperts(_DeepGemmBackend):
     """Standard: (token, k) pairs placed by expert into DeepGEMM's contiguous layout (psum or
     m-indices grouped layout), two grouped GEMMs, SiLU-and-mul on the pairs' rows only. Returns
@@ -373,7 +371,6 @@ class DeepGemmExperts(_DeepGemmBackend):
 # BatchedExperts: the masked layout
 
 
-@register_experts
 class BatchedDeepGemmExperts(_DeepGemmBackend):
     """BatchedExperts: masked grouped GEMMs over (E_local, T, H), SiLU-and-mul on the valid rows
     only. Returns (E_local, T, H) unweighted; rows past expert_num_tokens are not meaningful."""

@@ -170,7 +170,7 @@ class TopKWeightAndReduceDelegate(TopKWeightAndReduce):
 
 # ---------------------------------------------------------------------------------------------
 # The two halves. Each backend declares its capabilities as class attributes; the registry
-# combines them (moebench.kernels.registry.check_combination) to say yes or no with a reason.
+# combines them (moebench.backends.check_combination) to say yes or no with a reason.
 
 
 class PrepareAndFinalize(ABC):
@@ -185,6 +185,11 @@ class PrepareAndFinalize(ABC):
     #: True when it moves tokens between ranks (each rank brings its own tokens: the DP path);
     #: False when tokens stay put (the TP path: same tokens on every rank, all-reduce after).
     communicates: ClassVar[bool] = False
+    #: The collective a layer with it pays (what the communication model times): "all-reduce"
+    #: (tokens stay; the TP shards' partial outputs are summed), "all-gather" (every rank gathers
+    #: all tokens, outputs are reduce-scattered back) or "all-to-all" (each (token, expert) pair
+    #: travels to its expert's rank and back: dispatch and combine).
+    comm_pattern: ClassVar[str] = "all-reduce"
     #: fp8 scale kinds (moebench.quant.SCALES) prepare can quantise activations with, before
     #: any dispatch (so fp8 travels); () = it cannot quantise.
     supported_quant: ClassVar[tuple[str, ...]] = SCALES

@@ -10,7 +10,6 @@ from moebench.kernels.modular import (
     PrepareResult,
     TopKWeightAndReduceNoOp,
 )
-from moebench.kernels.registry import register_experts
 from moebench.kernels.token_layout import local_topk_ids
 from moebench.quant import SCALES, as_float, fake_quant, scheme_of
 
@@ -55,7 +54,6 @@ def reference_moe(
     return out
 
 
-@register_experts
 class ReferenceExperts(Experts):
     """float64 loop over experts (Standard); output (M, H) already weighted and summed."""
 

@@ -39,7 +39,6 @@ from moebench.kernels.modular import (
     alloc_output,
 )
 from moebench.kernels.reference import silu_and_mul
-from moebench.kernels.registry import register_experts
 from moebench.kernels.token_layout import local_topk_ids, sort_by_expert
 from moebench.quant import FP8_DTYPE, QuantScheme, QuantWeight, quantize_activation
 
@@ -191,7 +190,6 @@ def torch_fp8_moe(
     return out.view(m, k, h)
 
 
-@register_experts
 class TorchExperts(Experts):
     """Standard: grouped GEMM on expert-sorted tokens. Returns (M, K, H), remote pairs zero.
 
@@ -252,7 +250,6 @@ class TorchExperts(Experts):
         return torch_fp8_moe(prep.a, prep.a_scale, prep.topk_ids, prep.expert_map, w13, w2, out_dtype)
 
 
-@register_experts
 class BatchedTorchExperts(Experts):
     """BatchedExperts: bmm over (E_local, T, H). Returns (E_local, T, H) unweighted; rows past
     expert_num_tokens are not meaningful (the finalize only reads valid slots)."""

@@ -91,7 +91,7 @@ def _collectives(ctx: RankContext, sizes: list[int], reps: int) -> dict[str, lis
 
 def _dispatch_combine(ctx: RankContext, name: str, tokens: list[int], shape: dict, reps: int) -> dict:
     """(bytes, us) of prepare and finalize of prepare/finalize `name` at each token count per rank."""
-    from moebench.kernels.registry import make_prepare_finalize
+    from moebench.backends import make_prepare_finalize
     from moebench.routing import make_routing
     from moebench.runtime.comm_model import ep_link_rows
     from moebench.runtime.rank_case import token_split
@@ -128,7 +128,7 @@ def _dispatch_combine(ctx: RankContext, name: str, tokens: list[int], shape: dic
 
 
 def _measure_on_rank(ctx: RankContext, reps: int, sizes: list[int] | None, tokens: list[int] | None) -> dict:
-    from moebench.kernels.registry import get_prepare_finalize_class
+    from moebench.backends import get_prepare_finalize_class
 
     kind = "cuda" if ctx.device.type == "cuda" else "cpu"
     pts = _collectives(ctx, sizes or SIZES[kind], reps)

@@ -19,13 +19,12 @@ import torch.distributed as dist
 
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
-from moebench.cases import base_row, fill_metrics, one_line, plan
+from moebench.cases import CaseRunner, base_row, fill_metrics, run_cases
 from moebench.correctness import is_correct, relative_error
-from moebench.errors import MoebenchError
 from moebench.inputs import check_fits, make_tokens, rank_weights
 from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import get_prepare_finalize_class, make_kernel
+from moebench.backends import get_prepare_finalize_class, make_kernel
 from moebench.results import RunStore
 from moebench.routing import load_imbalance, make_routing
 from moebench.runtime.distributed import RankContext, is_main
@@ -50,99 +49,109 @@ def _all_reduce(t: torch.Tensor, ctx: RankContext, op=dist.ReduceOp.SUM) -> torc
 def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = True) -> int:
     """Run the sweep's cases on this rank; rank 0 appends rows to the run folder. Returns the
     number of rows written (rank 0) or 0."""
-    main = is_main(ctx)
-    s, lay = spec.shape, spec.layout
     spec.device = ctx.device.type
-    store = RunStore(folder, write=main)
-    done = [sorted(store._keys)] if main else [None]
-    if ctx.distributed and ctx.world_size > 1:
-        dist.broadcast_object_list(done, src=0, group=ctx.group)
-    done_keys = set(map(tuple, done[0]))
-    pairs = plan(spec)
-    ceilings = get_ceilings(spec.device) if main else None
-    e_local = len(lay.local_experts(ctx.rank, s.num_experts)) if lay.enable_ep else s.num_experts
-    i_local = lay.intermediate_per_rank(s.intermediate)
-    check_fits(e_local, s.hidden, i_local, spec.batch_tokens(max(spec.tokens), True), s.topk, spec.dtype, spec.device)
-    (w13, w2), unquantized = rank_weights(spec, ctx.rank, keep_unquantized=spec.check)
-    emap = lay.expert_map(ctx.rank, s.num_experts)
-    el = spec.act_bytes
-    # The bar counts and names only the cases that run (not skipped pairs, not resumed rows).
-    todo = sum(reason is None and base_row(spec, m, pf, ex).key() not in done_keys
-               for m in spec.tokens for pf, ex, reason in pairs)
-    progress = _RankProgress(todo, main and show_progress)
-    written = 0
-    for m in spec.tokens:
-        for pf, ex, reason in pairs:
-            row = base_row(spec, m, pf, ex)
-            if row.key() in done_keys:
-                continue
-            if reason is None:
-                _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metrics, one_line, unquantized)
-            else:
-                row.status, row.reason = "skipped", reason
-            if main:
-                store.add(row)
-                written += 1
-            if reason is None:
-                progress.advance(row)
-    progress.close()
-    return written
+    main = is_main(ctx)
+    runner = RankRunner(ctx, show_progress)
+    rows = run_cases(spec, RunStore(folder, write=main), runner, on_progress=runner.advance)
+    return len(rows) if main else 0
 
 
-def _run_case(ctx, spec, row, pf, ex, m, w13, w2, emap, ceilings, el, fill_metrics, one_line, unquantized=None) -> None:
-    s, lay = spec.shape, spec.layout
-    moves_tokens = get_prepare_finalize_class(pf).communicates
-    m_full = spec.batch_tokens(m, moves_tokens)
-    dev = ctx.device
-    x_full = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
-    wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
-    row.imbalance = load_imbalance(ids, s.num_experts)
-    try:
+class RankRunner(CaseRunner):
+    """Every rank runs the same cases on its own shard, in step (the collectives inside a case
+    need every rank); rank 0 writes the rows and shows the progress."""
+
+    def __init__(self, ctx: RankContext, show_progress: bool = True):
+        self.ctx = ctx
+        self.writes = is_main(ctx)
+        self.show_progress = show_progress
+
+    def done_keys(self, store: RunStore) -> set[tuple]:
+        """Rank 0's resumed rows, known to every rank (all skip the same cases)."""
+        done = [sorted(store.keys())] if self.writes else [None]
+        if self.ctx.distributed and self.ctx.world_size > 1:
+            dist.broadcast_object_list(done, src=0, group=self.ctx.group)
+        self.done = set(map(tuple, done[0]))
+        return self.done
+
+    def start(self, spec, runnable: list[tuple[str, str]]) -> None:
+        ctx, s, lay = self.ctx, spec.shape, spec.layout
+        self.spec = spec
+        self.ceilings = get_ceilings(spec.device) if self.writes else None
+        e_local = len(lay.local_experts(ctx.rank, s.num_experts)) if lay.enable_ep else s.num_experts
+        check_fits(e_local, s.hidden, lay.intermediate_per_rank(s.intermediate),
+                   spec.batch_tokens(max(spec.tokens), True), s.topk, spec.dtype, spec.device)
+        (self.w13, self.w2), self.unquantized = rank_weights(spec, ctx.rank, keep_unquantized=spec.check)
+        self.emap = lay.expert_map(ctx.rank, s.num_experts)
+        # The bar counts and names only the cases that run (not skipped pairs, not resumed rows).
+        todo = sum(base_row(spec, m, pf, ex).key() not in self.done for m in spec.tokens for pf, ex in runnable)
+        self.progress = _RankProgress(todo, self.writes and self.show_progress)
+
+    def advance(self, row) -> None:
+        self.progress.advance(row)
+
+    def finish(self) -> None:
+        if hasattr(self, "progress"):
+            self.progress.close()
+
+    def inputs(self, m: int, pf: str):
+        """The whole batch of the case (identical on every rank, from the seed)."""
+        spec, s = self.spec, self.spec.shape
+        m_full = spec.batch_tokens(m, get_prepare_finalize_class(pf).communicates)
+        x_full = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
+        wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
+        return m_full, x_full, wts, ids
+
+    def run_case(self, row, m: int, pf: str, ex: str, inputs) -> None:
+        ctx, spec = self.ctx, self.spec
+        s, lay = spec.shape, spec.layout
+        moves_tokens = get_prepare_finalize_class(pf).communicates
+        m_full, x_full, wts, ids = inputs
+        dev = ctx.device
+        row.imbalance = load_imbalance(ids, s.num_experts)
+        # A backend that fails to build or launch fails on every rank alike (inputs are identical);
+        # a failure on one rank only leaves its peers in a collective, which times out and ends
+        # the run with its message.
         kernel = make_kernel(ex, pf, prepare_finalize_kwargs=prepare_finalize_kwargs(pf, ctx, lay, m))
-        inp = rank_inputs(ctx, kernel.prepare_finalize, x_full, w13, w2, s.num_experts, wts, ids, lay)
+        inp = rank_inputs(ctx, kernel.prepare_finalize, x_full, self.w13, self.w2, s.num_experts, wts, ids, lay)
         with poisoned_outputs(spec.check):
             out = run_inputs(ctx, kernel, inp).out
-        timed = run_inputs(ctx, kernel, inp, time_phases=True, warmup=spec.timing_kwargs()["warmup"],
-                           reps=spec.timing_kwargs()["reps"])
-    except MoebenchError as e:  # raised the same way on every rank (inputs are identical)
-        row.status, row.reason = "failed", str(e)
-        return
-    except Exception as e:  # any backend failure (compile error, out of resources, OOM) becomes a failed row
-        # A backend that fails to build or launch fails on every rank alike; a failure on one rank
-        # only leaves its peers in a collective, which times out and ends the run with its message.
-        row.status, row.reason = "failed", one_line(e)
-        return
-    if spec.check:
-        lo, hi = inp.rows
-        refs = [(w13, w2)] + ([unquantized] if unquantized is not None else [])
-        errs = []
-        for r13, r2 in refs:  # the kernels' weights; then (fp8) the unquantised ones
-            ref = reference_moe(x_full.to(dev), r13, r2, wts.to(dev), ids.to(dev), None if emap is None else emap.to(dev))
-            ref = _all_reduce(ref, ctx)  # TP: partial sums of the shards
-            err = torch.tensor([relative_error(out, ref[lo:hi]) if hi > lo else 0.0], dtype=torch.float64, device=dev)
-            errs.append(float(_all_reduce(err, ctx, dist.ReduceOp.MAX).item()))
-        row.max_rel_err = errs[0]
-        row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
-        if len(errs) > 1:
-            row.err_vs_unquantized = errs[1]
-    ph = timed.phases
-    total = ph["total"]
-    row.latency_us, row.p10_us, row.p90_us, row.timing_method = total.median_us, total.p10_us, total.p90_us, total.method
-    for name in ("dispatch", "experts", "combine", "allreduce"):
-        if name in ph:
-            setattr(row, f"{name}_us", ph[name].median_us)
-    row.rank_tokens = ",".join(map(str, inp.tokens_per_rank))
-    row.rank_imbalance = timed.load_imbalance
-    # this rank's tile config source (every rank looks up the same token count: M' or M_r x world)
-    row.config_source = kernel.experts.last_config_source or ""
-    row.extra["pairs_per_rank"] = ",".join(map(str, inp.pairs_per_rank))
-    # Per-rank averages of the whole layer's work.
-    flops = metrics.layer_flops(m_full, s.topk, s.hidden, s.intermediate) / lay.world_size
-    nbytes = metrics.layer_bytes(ids, s.num_experts, s.hidden, s.intermediate, el, m_full, spec.quant) / lay.world_size
-    if ceilings is not None:
-        fill_metrics(row, flops, nbytes, ceilings)
-    if moves_tokens:
-        set_comm_gbps(row, ids, s.hidden, el, lay.world_size, spec.quant)
+        timing = spec.timing_kwargs()
+        timed = run_inputs(ctx, kernel, inp, time_phases=True, warmup=timing["warmup"], reps=timing["reps"])
+        if spec.check:
+            lo, hi = inp.rows
+            refs = [(self.w13, self.w2)] + ([self.unquantized] if self.unquantized is not None else [])
+            emap = None if self.emap is None else self.emap.to(dev)
+            errs = []
+            for r13, r2 in refs:  # the kernels' weights; then (fp8) the unquantised ones
+                ref = reference_moe(x_full.to(dev), r13, r2, wts.to(dev), ids.to(dev), emap)
+                ref = _all_reduce(ref, ctx)  # TP: partial sums of the shards
+                err = torch.tensor([relative_error(out, ref[lo:hi]) if hi > lo else 0.0], dtype=torch.float64,
+                                   device=dev)
+                errs.append(float(_all_reduce(err, ctx, dist.ReduceOp.MAX).item()))
+            row.max_rel_err = errs[0]
+            row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
+            if len(errs) > 1:
+                row.err_vs_unquantized = errs[1]
+        ph = timed.phases
+        total = ph["total"]
+        row.latency_us, row.p10_us, row.p90_us, row.timing_method = (total.median_us, total.p10_us, total.p90_us,
+                                                                     total.method)
+        for name in ("dispatch", "experts", "combine", "allreduce"):
+            if name in ph:
+                setattr(row, f"{name}_us", ph[name].median_us)
+        row.rank_tokens = ",".join(map(str, inp.tokens_per_rank))
+        row.rank_imbalance = timed.load_imbalance
+        # this rank's tile config source (every rank looks up the same token count: M' or M_r x world)
+        row.config_source = kernel.experts.last_config_source or ""
+        row.extra["pairs_per_rank"] = ",".join(map(str, inp.pairs_per_rank))
+        # Per-rank averages of the whole layer's work.
+        flops = metrics.layer_flops(m_full, s.topk, s.hidden, s.intermediate) / lay.world_size
+        nbytes = metrics.layer_bytes(ids, s.num_experts, s.hidden, s.intermediate, spec.act_bytes, m_full,
+                                     spec.quant) / lay.world_size
+        if self.ceilings is not None:
+            fill_metrics(row, flops, nbytes, self.ceilings)
+        if moves_tokens:
+            set_comm_gbps(row, ids, s.hidden, spec.act_bytes, lay.world_size, spec.quant)
 
 
 def set_comm_gbps(row, ids_full: torch.Tensor, hidden: int, el: int, world: int, quant=None) -> None:

@@ -24,15 +24,14 @@ import torch
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
-from moebench.cases import base_row, one_line, plan
+from moebench.cases import CaseRunner
 from moebench.correctness import is_correct, relative_error
-from moebench.errors import MoebenchError
 from moebench.inputs import check_fits, make_tokens, rank_weights
-from moebench.kernels.modular import ActivationFormat, poisoned_outputs
+from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import get_prepare_finalize_class, make_kernel
+from moebench.backends import get_prepare_finalize_class, make_kernel, prepare_finalize_names
+from moebench.errors import MoebenchError
 from moebench.kernels.token_layout import local_topk_ids
-from moebench.results import RunStore
 from moebench.routing import load_imbalance, make_routing
 from moebench.runtime import simulate as sim
 from moebench.runtime.comm_model import CommModel, CommResult
@@ -41,9 +40,14 @@ from moebench.runtime.rank_sweep import set_comm_gbps
 
 
 def _stand_in(pf_name: str) -> str:
-    """The communication-free prepare/finalize that lays tokens out as `pf_name` would on a rank."""
+    """The communication-free prepare/finalize that lays tokens out as `pf_name` would on a rank
+    (the first one declaring the same activation format that keeps tokens in place)."""
     fmt = get_prepare_finalize_class(pf_name).activation_format
-    return "batched-local" if fmt == ActivationFormat.BATCHED else "no-dpep"
+    for name in prepare_finalize_names():
+        cls = get_prepare_finalize_class(name)
+        if cls.activation_format == fmt and not cls.communicates:
+            return name
+    raise MoebenchError(f"no prepare/finalize without communication lays tokens out as {fmt} ({pf_name} does)")
 
 
 def as_comm_model(link) -> CommModel:
@@ -52,40 +56,37 @@ def as_comm_model(link) -> CommModel:
     return link if isinstance(link, CommModel) else CommModel.from_link(link, use_measurement=False)
 
 
-def run_simulated_sweep(spec, store: RunStore, link, on_progress=None, experts_model=None) -> list:
-    """Simulated rows for every (tokens, pair) of `spec`; written to `store` as they are made.
+class SimulatedRunner(CaseRunner):
+    """Simulated rows: one rank's share computed on this device, its communication modeled.
     link: a CommModel, or a simulate.LinkProfile (see `as_comm_model`).
 
     experts_model: None = time the rank's experts on this device; a Ceilings (e.g. an H200
     datasheet profile) = model the experts time as the roofline floor of the rank's work on that
     GPU (how a CPU machine answers a GPU question; the rows say so). The share is still computed
     and checked against the reference here."""
-    pairs = plan(spec)
-    link = as_comm_model(link)
-    ceilings = get_ceilings(spec.device)
-    el = spec.act_bytes
-    weights_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-    rows = []
-    for m in spec.tokens:
-        for pf, ex, reason in pairs:
-            row = base_row(spec, m, pf, ex)
-            row.modeled = True
-            if store.has(row.key()):
-                continue
-            if reason is not None:
-                row.status, row.reason = "skipped", reason
-            else:
-                try:
-                    _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, experts_model)
-                except MoebenchError as e:
-                    row.status, row.reason = "failed", str(e)
-                except Exception as e:  # any backend failure (compile error, out of resources, OOM) becomes a failed row
-                    row.status, row.reason = "failed", one_line(e)
-            store.add(row)
-            rows.append(row)
-            if on_progress:
-                on_progress(row)
-    return rows
+
+    modeled = True
+
+    def __init__(self, link, experts_model=None):
+        self.link = as_comm_model(link)
+        self.experts_model = experts_model
+        self.weights_cache: dict[tuple, tuple] = {}
+
+    def start(self, spec, runnable: list[tuple[str, str]]) -> None:
+        self.spec = spec
+        self.ceilings = get_ceilings(spec.device)
+
+    def inputs(self, m: int, pf: str):
+        """The whole batch of the case (what every rank together holds)."""
+        spec, s = self.spec, self.spec.shape
+        m_full = spec.batch_tokens(m, get_prepare_finalize_class(pf).communicates)
+        x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
+        wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
+        return m_full, x, wts, ids
+
+    def run_case(self, row, m: int, pf: str, ex: str, inputs) -> None:
+        _simulate_case(self.spec, row, pf, ex, m, inputs, self.link, self.ceilings, self.spec.act_bytes,
+                       self.weights_cache, self.experts_model)
 
 
 def _weights(spec, rank: int, cache: dict) -> tuple[tuple, tuple | None]:
@@ -114,14 +115,12 @@ def _link_label(link, world: int) -> str:
     return label
 
 
-def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, experts_model) -> None:
+def _simulate_case(spec, row, pf, ex, m, inputs, link, ceilings, el, weights_cache, experts_model) -> None:
     s, lay = spec.shape, spec.layout
     world = lay.world_size
     row.extra["link"] = _link_label(link, world)  # the x_link column reports group by
     moves_tokens = get_prepare_finalize_class(pf).communicates
-    m_full = spec.batch_tokens(m, moves_tokens)
-    x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
-    wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
+    m_full, x, wts, ids = inputs
     row.imbalance = load_imbalance(ids, s.num_experts)
     if lay.enable_ep:
         share = sim.busiest_rank_share(ids.cpu(), lay, s.num_experts)
@@ -171,7 +170,7 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, expe
     if not moves_tokens:
         res = link.allreduce(m * s.hidden * el, world) if world > 1 else CommResult(allreduce_us=0.0)
         row.allreduce_us = res.allreduce_us
-    elif pf == "allgather-rs":
+    elif get_prepare_finalize_class(pf).comm_pattern == "all-gather":
         res = link.allgather_rs(m_full * (drow + s.topk * 8), m_full * s.hidden * el, world)
         row.dispatch_us, row.combine_us = res.dispatch_us, res.combine_us
     else:

@@ -41,7 +41,7 @@ from moebench.errors import MoebenchError
 from moebench.inputs import make_tokens, make_weights
 from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import make_kernel
+from moebench.backends import make_kernel
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
 from moebench.quant import QuantScheme

@@ -477,7 +477,7 @@ def _validate(spec: TuneSpec) -> None:
         for k, vals in spec.space.items():
             if k not in SPACE or not vals:
                 raise MoebenchError(f"search space: unknown parameter or empty list {k!r}")
-    from moebench.kernels.registry import check_combination
+    from moebench.backends import check_combination
 
     dev_type = torch.device(spec.device).type
     reason = check_combination("no-dpep", "triton", dev_type, spec.dtype, quant=spec.quant)

@@ -10,7 +10,7 @@ import torch
 from moebench.correctness import is_correct, relative_error
 from moebench.kernels.modular import FusedMoEKernel
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.registry import make_experts, make_prepare_finalize
+from moebench.backends import make_experts, make_prepare_finalize
 from moebench.quant import QuantScheme, quantize_weights
 
 pytestmark = pytest.mark.gpu

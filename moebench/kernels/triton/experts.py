@@ -41,7 +41,6 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceNoOp,
     alloc_output,
 )
-from moebench.kernels.registry import register_experts
 from moebench.kernels.triton.align import align_pairs
 from moebench.kernels.triton.batched import batched_default_config, batched_moe, mean_rows
 from moebench.kernels.triton.configs import (
@@ -147,7 +146,6 @@ def fused_moe(
     )
 
 
-@register_experts
 class TritonExperts(Experts):
     """Sorted-token fused MoE (Standard). Returns (M, H), weighted and summed over top-k.
 
@@ -212,7 +210,6 @@ class TritonExperts(Experts):
         )
 
 
-@register_experts
 class BatchedTritonExperts(Experts):
     """BatchedExperts: (E_local, T, H) -> (E_local, T, H) unweighted; weights applied by the P/F.
 

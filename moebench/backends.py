@@ -1,14 +1,19 @@
-"""Registry of backends: every experts and prepare/finalize class, their declared capabilities,
-and the one place that says whether a pair can run here (and why not).
+"""The backends: every experts and prepare/finalize class, their declared capabilities, and the
+one place that says whether a pair can run here (and why not).
 
-Adding a backend = one new file that decorates its class with `register_experts` or
-`register_prepare_finalize`, plus its module name in the list below.
+Backends are discovered, not listed: every module below `moebench.kernels` and
+`moebench.dispatch` is imported once, and each class defined there that subclasses `Experts` or
+`PrepareAndFinalize` and sets its own `name` is a backend. Adding a backend = one new file. A
+module that fails to import (say, its own dependency missing) is reported with its import error;
+it never hides the others.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
+import pkgutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,82 +22,90 @@ import torch
 from moebench.errors import MoebenchError, UnsupportedError
 from moebench.kernels.modular import Experts, FusedMoEKernel, PrepareAndFinalize
 
-# Modules that register backends. A module that fails to import (say, Triton missing) makes its
-# backends unusable with the import error as the reason; it never hides the others.
-_EXPERTS_MODULES = {
-    "reference": "moebench.kernels.reference",
-    "torch": "moebench.kernels.torch_experts",
-    "batched-torch": "moebench.kernels.torch_experts",
-    "triton": "moebench.kernels.triton.experts",
-    "batched-triton": "moebench.kernels.triton.experts",
-    "deepgemm": "moebench.kernels.deepgemm",
-    "batched-deepgemm": "moebench.kernels.deepgemm",
-    "aiter": "moebench.kernels.aiter",
-}
-_PF_MODULES = {
-    "no-dpep": "moebench.dispatch.no_dpep",
-    "batched-local": "moebench.dispatch.batched_local",
-    "allgather-rs": "moebench.dispatch.allgather_rs",
-    "all2all-ll": "moebench.dispatch.all2all_ll",
-    "deepep-ll": "moebench.dispatch.deepep_ll",
-}
-
-_EXPERTS: dict[str, type[Experts]] = {}
-_PFS: dict[str, type[PrepareAndFinalize]] = {}
-_IMPORT_ERRORS: dict[str, str] = {}
+#: The packages whose modules hold the backends: GEMMs, and the communication around them.
+BACKEND_PACKAGES = ("moebench.kernels", "moebench.dispatch")
 
 
-def register_experts(cls: type[Experts]) -> type[Experts]:
-    _EXPERTS[cls.name] = cls
-    return cls
+@dataclass
+class _Found:
+    experts: dict[str, type[Experts]]
+    prepare_finalize: dict[str, type[PrepareAndFinalize]]
+    import_errors: dict[str, str]  # module -> why it could not be imported
 
 
-def register_prepare_finalize(cls: type[PrepareAndFinalize]) -> type[PrepareAndFinalize]:
-    _PFS[cls.name] = cls
-    return cls
+_found: _Found | None = None
 
 
-def _load(name: str, modules: dict[str, str], table: dict) -> type | None:
-    if name not in table and name not in _IMPORT_ERRORS:
-        try:
-            importlib.import_module(modules[name])
-        except ImportError as e:  # a backend module whose own dependency is missing
-            _IMPORT_ERRORS[name] = f"cannot import {modules[name]}: {e}"
-        if name not in table and name not in _IMPORT_ERRORS:
-            _IMPORT_ERRORS[name] = f"{modules[name]} does not register '{name}'"
-    return table.get(name)
+def _module_names(package: str) -> list[str]:
+    pkg = importlib.import_module(package)
+    return sorted(m.name for m in pkgutil.walk_packages(pkg.__path__, prefix=package + "."))
+
+
+def _discover() -> _Found:
+    global _found
+    if _found is not None:
+        return _found
+    experts: dict[str, type[Experts]] = {}
+    pfs: dict[str, type[PrepareAndFinalize]] = {}
+    errors: dict[str, str] = {}
+    for package in BACKEND_PACKAGES:
+        for modname in _module_names(package):
+            try:
+                module = importlib.import_module(modname)
+            except ImportError as e:  # a backend module whose own dependency is missing
+                errors[modname] = f"cannot import {modname}: {e}"
+                continue
+            # Classes in the order the module defines them.
+            classes = sorted((c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == modname),
+                             key=lambda c: inspect.getsourcelines(c)[1])
+            for cls in classes:
+                if "name" not in vars(cls) or inspect.isabstract(cls):
+                    continue
+                if issubclass(cls, Experts):
+                    experts[cls.name] = cls
+                elif issubclass(cls, PrepareAndFinalize):
+                    pfs[cls.name] = cls
+    # Listing order: the float64 reference first, then the backends that run anywhere, then the
+    # GPU-only ones; the prepare/finalize backends that keep tokens in place before those that move them.
+    experts = dict(sorted(experts.items(), key=lambda kv: (kv[1].timed, "cpu" not in kv[1].supported_devices)))
+    pfs = dict(sorted(pfs.items(), key=lambda kv: kv[1].communicates))
+    _found = _Found(experts, pfs, errors)
+    return _found
 
 
 def experts_names() -> list[str]:
-    return list(_EXPERTS_MODULES)
+    return list(_discover().experts)
 
 
 def prepare_finalize_names() -> list[str]:
-    return list(_PF_MODULES)
+    return list(_discover().prepare_finalize)
+
+
+def import_errors() -> dict[str, str]:
+    """Backend modules that could not be imported, with why (what `moebench env` reports)."""
+    return dict(_discover().import_errors)
 
 
 def _unknown(kind: str, name: str, valid: list[str]) -> MoebenchError:
     near = difflib.get_close_matches(name, valid, n=1)
     hint = f" (did you mean '{near[0]}'?)" if near else ""
-    return MoebenchError(f"unknown {kind} '{name}'{hint}; valid: {', '.join(valid)}")
+    errors = import_errors()
+    missing = f"; not importable: {'; '.join(errors.values())}" if errors else ""
+    return MoebenchError(f"unknown {kind} '{name}'{hint}; valid: {', '.join(valid)}{missing}")
 
 
 def get_experts_class(name: str) -> type[Experts]:
-    if name not in _EXPERTS_MODULES:
+    table = _discover().experts
+    if name not in table:
         raise _unknown("experts backend", name, experts_names())
-    cls = _load(name, _EXPERTS_MODULES, _EXPERTS)
-    if cls is None:
-        raise UnsupportedError(f"experts '{name}' is unusable: {_IMPORT_ERRORS[name]}")
-    return cls
+    return table[name]
 
 
 def get_prepare_finalize_class(name: str) -> type[PrepareAndFinalize]:
-    if name not in _PF_MODULES:
+    table = _discover().prepare_finalize
+    if name not in table:
         raise _unknown("prepare/finalize backend", name, prepare_finalize_names())
-    cls = _load(name, _PF_MODULES, _PFS)
-    if cls is None:
-        raise UnsupportedError(f"prepare/finalize '{name}' is unusable: {_IMPORT_ERRORS[name]}")
-    return cls
+    return table[name]
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -118,11 +131,7 @@ class BackendInfo:
 def backend_infos(device: str, world_size: int = 1) -> list[BackendInfo]:
     rows = []
     for name in experts_names():
-        try:
-            cls = get_experts_class(name)
-        except UnsupportedError as e:
-            rows.append(BackendInfo("experts", name, "?", "?", "?", False, str(e)))
-            continue
+        cls = get_experts_class(name)
         reason = _experts_reason(cls, device, None)
         fp8_here, fp8_not = _quant_here(cls, device)
         rows.append(
@@ -134,11 +143,7 @@ def backend_infos(device: str, world_size: int = 1) -> list[BackendInfo]:
             )
         )
     for name in prepare_finalize_names():
-        try:
-            cls = get_prepare_finalize_class(name)
-        except UnsupportedError as e:
-            rows.append(BackendInfo("prepare_finalize", name, "?", "-", "?", False, str(e)))
-            continue
+        cls = get_prepare_finalize_class(name)
         reason = _pf_reason(cls, device, world_size, None)
         rows.append(
             BackendInfo(
@@ -146,6 +151,8 @@ def backend_infos(device: str, world_size: int = 1) -> list[BackendInfo]:
                 reason is None, reason or "",
             )
         )
+    for module, why in import_errors().items():  # a module that could not be imported: its backends unknown
+        rows.append(BackendInfo("module", module.rsplit(".", 1)[-1], "?", "?", "?", False, why))
     return rows
 
 
