@@ -25,6 +25,7 @@ _EXPERTS_MODULES = {
     "batched-torch": "moebench.kernels.torch_experts",
     "triton": "moebench.kernels.triton.experts",
     "batched-triton": "moebench.kernels.triton.experts",
+    "vllm-triton": "moebench.kernels.vllm_triton",
     "deepgemm": "moebench.kernels.deepgemm",
     "batched-deepgemm": "moebench.kernels.deepgemm",
     "aiter": "moebench.kernels.aiter",
