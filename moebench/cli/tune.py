@@ -82,13 +82,18 @@ def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
 @click.option("--reps", type=int, default=None, help="Timer repetitions while screening [cuda 20, cpu 2].")
 @click.option("--final-reps", "final_reps", type=int, default=None, help="Repetitions of the final stage [cuda 50, cpu 3].")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Only show the search space after pruning, per token count.")
+@click.option("--kernel", "kernel", type=str, default=None,
+              help="Whose kernel the configs are for: moebench (the triton experts, moebench's file) | vllm | sglang "
+                   "(the vllm-triton experts: vLLM's kernel structure; the engine's file in results/configs/<kernel>/) "
+                   "[moebench].")
 @click.option("--down", is_flag=True,
               help="Tune GEMM2's own config against the GEMM1 config the layer looks up (tuned file or default "
                    "heuristic; same BLOCK_SIZE_M) and write SGLang's ..._down.json file next to it.")
 def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, block_shape, scales, routing,
-         seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps, final_reps, dry_run, down):
+         seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps, final_reps, dry_run, kernel, down):
     """Find the fastest Triton tile config per token count; write the vLLM-format file."""
     from moebench.inputs import dtype_name
+    from moebench.kernels.engine_configs import check_kernel
     from moebench.layout import ParallelLayout
     from moebench.results import new_run_id
     from moebench.routing import parse_routing
@@ -99,6 +104,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             raise MoebenchError(f"{name} must be >= 1, got {v}")
     if compile_workers < 0:
         raise MoebenchError(f"--compile-workers must be >= 0, got {compile_workers}")
+    if kernel is not None:
+        check_kernel(kernel)
     sizes_given = model is not None or any(v is not None for v in (num_experts, topk, hidden, intermediate))
     if resume is not None:
         spec = T.load_run_spec(resume)
@@ -120,6 +127,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             spec.tokens = parse_tokens(tokens)
         if down:
             spec.down = True  # the saved run must have been a --down run (checked against it)
+        if kernel is not None:
+            spec.kernel = kernel  # must be the saved one (checked against it)
         for attr, v in (("routing", routing), ("seed", seed), ("strategy", strategy), ("budget", budget),
                         ("reps", reps), ("final_reps", final_reps)):
             if v is not None:
@@ -129,14 +138,17 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             out = T.load_run_out_dir(resume)  # the folder the run was started with
     else:
         dev = resolve_device(device)
-        act_dtype, quant = resolve_precision(dtype, block_shape, scales, dev, "bf16" if dev == "cuda" else "fp32")
+        kernel = kernel or "moebench"
+        # the engines' kernel takes 16-bit activations only: bf16 on a CPU too
+        act_dtype, quant = resolve_precision(dtype, block_shape, scales, dev,
+                                             "bf16" if dev == "cuda" or kernel != "moebench" else "fp32")
         spec = T.TuneSpec(
             shape=resolve_shape(model, num_experts, topk, hidden, intermediate),
             layout=ParallelLayout.from_args(tp, dp, ep),
             tokens=parse_tokens(tokens) if tokens is not None else (TUNE_TOKENS_CUDA if dev == "cuda" else TUNE_TOKENS_CPU),
             dtype=act_dtype, device=dev,
             strategy=strategy or "halving", budget=budget, seed=seed or 0, routing=routing or "uniform",
-            reps=reps, final_reps=final_reps, quant=quant, down=down,
+            reps=reps, final_reps=final_reps, quant=quant, down=down, kernel=kernel,
         )
         run_dir = Path(results_dir) / new_run_id("tune", spec.shape.name)
     parse_routing(spec.routing)
@@ -144,7 +156,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
     T._validate(spec)
     s = spec.shape
     console.print(f"[bold]moebench tune[/] {s.name} (E={s.num_experts}, topk={s.topk}, H={s.hidden}, I={s.intermediate}) "
-                  f"{spec.layout.describe()}, {spec.precision} -> {T.config_path_for(spec, out).name} on {spec.device}, "
+                  f"{spec.layout.describe()}, {spec.precision}, kernel {spec.kernel} -> {T.config_path_for(spec, out)} "
+                  f"on {spec.device}, "
                   f"search {spec.strategy}" + (" (GEMM2 against GEMM1's config)" if spec.down else ""))
     counts = T.prune_counts(spec)
     pt = Table(title="search space after pruning")
@@ -178,6 +191,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                 resume, gpus, run_dir=run_dir, results_dir=results_dir, seed=spec.seed, routing=spec.routing,
                 reps=spec.reps, final_reps=spec.final_reps, space=spec.space, on_measure=on_measure,
                 on_tokens=on_tokens, quant=spec.quant, compile_workers=compile_workers, down=spec.down,
+                kernel=spec.kernel,
             )
     except KeyboardInterrupt:
         err_console.print(f"interrupted: finished measurements are kept in {run_dir} "
