@@ -812,7 +812,7 @@ def write_metadata(run_dir: Path, spec: TuneSpec, config_path: Path | None) -> P
     import triton
 
     meta = {"command": "tune", "kernel": spec.kernel, "experts": spec.experts, "timed": spec.timed_text,
-            "config_file": str(config_path) if config_path else None, "triton_version": triton.__version__,
+            "config_file": str(Path(config_path).resolve()) if config_path else None, "triton_version": triton.__version__,
             "torch_version": torch.__version__, "device": C.device_name(spec.device), "precision": spec.precision,
             "git_revision": git_revision(), "spec": spec.to_json()}
     p = Path(run_dir) / "metadata.json"
