@@ -58,10 +58,10 @@ from moebench.kernels.modular import (
 from moebench.kernels.registry import register_experts
 from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.common import grouped_tile
-from moebench.kernels.triton.configs import TILE_KEYS, device_name, validate_tile_config
+from moebench.kernels.triton.configs import device_name, validate_tile_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting, triton_unavailable_reason
 from moebench.kernels.triton.quant import quantize_rows
-from moebench.quant import FP8_DTYPE, QuantScheme, scheme_of
+from moebench.quant import FP8_DTYPE, QuantScheme, scheme_of  # noqa: F401 (QuantScheme: annotations)
 
 #: vLLM's per-pair path: taken when M * K * PER_PAIR_SPARSITY <= E (and no expert_map).
 PER_PAIR_SPARSITY = 4
@@ -337,27 +337,39 @@ def vllm_fused_experts(
         return alloc_output((0, h), x.dtype, x.device)
     per_pair = use_per_pair(options, m, topk, num_experts, expert_map)
     blocks = vllm_align(topk_ids, config["BLOCK_SIZE_M"], num_experts, expert_map, per_pair)
+    return vllm_gemms(x, w13, w2, topk_weights, blocks, topk, config, options, zero_remote=expert_map is not None)
+
+
+def vllm_gemm1(x: torch.Tensor, w13, blocks: PairBlocks, topk: int, config: Mapping[str, int],
+               options: VllmTritonOptions | None = None) -> torch.Tensor:
+    """GEMM1 alone (x quantised first for fp8): -> (M*K, 2I) in x's dtype, rows by pair."""
+    quant = scheme_of(w13)
     a1, a1_scale = (x, None) if quant is None else quantize_rows(x.contiguous(), quant)
-    c1 = torch.empty(m * topk, 2 * n_inter, dtype=x.dtype, device=x.device)
+    c1 = torch.empty(x.shape[0] * topk, w13.shape[1], dtype=x.dtype, device=x.device)
     launch_gemm(a1, a1_scale, w13, c1, blocks, topk, config, options=options)
+    return c1
+
+
+def vllm_gemms(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, blocks: PairBlocks, topk: int,
+               config: Mapping[str, int], options: VllmTritonOptions | None = None,
+               zero_remote: bool = False) -> torch.Tensor:
+    """Everything after the alignment (`vllm_align`): quantise x (fp8), GEMM1, SiLU-and-mul,
+    quantise (fp8), GEMM2 with the router weight, top-k sum -> (M, H) in x's dtype.
+    zero_remote: GEMM2's buffer starts as zeros (vLLM does so under an expert map)."""
+    quant = scheme_of(w13)
+    m, h = x.shape
+    n_inter = w2.shape[2]
+    c1 = vllm_gemm1(x, w13, blocks, topk, config, options)
     act = torch.empty(m * topk, n_inter, dtype=x.dtype, device=x.device)
     if interpreting():
         interpreter_compat()
     silu_and_mul_kernel[(m * topk, triton.cdiv(n_inter, 1024))](c1, act, n_inter, BLOCK=1024)
     a2, a2_scale = (act, None) if quant is None else quantize_rows(act, quant)
-    c2 = (torch.zeros if expert_map is not None else torch.empty)(m * topk, h, dtype=x.dtype, device=x.device)
+    c2 = (torch.zeros if zero_remote else torch.empty)(m * topk, h, dtype=x.dtype, device=x.device)
     launch_gemm(a2, a2_scale, w2, c2, blocks, 1, config, topk_weights.reshape(-1).to(torch.float32).contiguous(),
                 options=options)
     out = alloc_output((m, h), x.dtype, x.device)
     topk_sum_kernel[(m, triton.cdiv(h, 1024))](c2, out, h, TOP_K=topk, BLOCK=1024)
-    return out
-
-
-def fit_block_config(cfg: Mapping[str, int], quant: QuantScheme | None) -> dict[str, int]:
-    """The config as the launch runs it: fp8 block cuts BLOCK_SIZE_K to min(BLOCK_SIZE_K, bn, bk)."""
-    out = {k: int(cfg[k]) for k in TILE_KEYS}
-    if quant is not None and quant.block_shape is not None:
-        out["BLOCK_SIZE_K"] = min(out["BLOCK_SIZE_K"], *quant.block_shape)
     return out
 
 
