@@ -188,3 +188,22 @@ def test_routing_launch_rule_shapes(e):
         rows, warps = topk_softmax_launch(m, e)
         assert rows & (rows - 1) == 0 and warps & (warps - 1) == 0 and warps <= rows <= 16
         assert rows <= max(1, 2 * m - 1)  # never more tokens per program than the next power of two of m
+
+
+def test_vllm_kernel_smoke(tmp_path):
+    # both tables written, every layer checked against the reference (no wrong column)
+    rows = _smoke("vllm_kernel", tmp_path, "--tokens", "1,5", "--precisions", "bf16,fp8", csv_name="vllm_kernel_files.csv")
+    assert [(r["precision"], int(r["tokens"])) for r in rows] == [("bf16", 1), ("bf16", 5), ("fp8", 1), ("fp8", 5)]
+    assert all(r["wrong"] == "-" and float(r["new_over_vllm"]) > 0 for r in rows)
+    tri = list(csv.DictReader(open(tmp_path / "vllm_kernel_triton.csv")))
+    assert len(tri) == 4 and all(r["engine_file"] in ("vllm", "sglang") and r["wrong"] == "-" for r in tri)
+    assert "| tiny | fp8 | 5 |" in (tmp_path / "vllm_kernel_files.md").read_text()
+
+
+def test_engine_h200_data_files_hold_the_four_shapes():
+    from benchmarks.vllm_kernel import SHAPES, engine_table
+
+    for e, _, _, n in SHAPES.values():
+        assert engine_table("vllm", e, n, None) is not None or (e, n) == (256, 256)  # vLLM ships no bf16 E=256,N=256
+    assert sorted(engine_table("sglang", 256, 256, object())) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512,
+                                                                   1024, 1536, 2048, 3072, 4096]

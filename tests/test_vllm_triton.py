@@ -198,3 +198,25 @@ def test_bad_kernel_input_is_one_line_exit_2(tmp_path, args, words):
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], p.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", [None, BLOCK])
+def test_gpu_paths_against_reference(quant):
+    # every code path on the device: sorted and per-pair blocks, swap-AB both ways (fp8), an expert map
+    w13, w2 = make_weights(range(64), 2000, 192, torch.bfloat16, "cuda", 0, quant=quant)  # H, I not multiples of 128
+    for m, per_pair, swap, emap in ((3, "auto", False, None), (3, False, True, None), (200, "auto", "auto", None),
+                                    (40, "auto", False, "ep")):
+        x = torch.randn(m, 2000, dtype=torch.bfloat16, device="cuda")
+        tw, ids = make_routing("uniform", m, 128 if emap else 64, 8, seed=m, device="cuda")
+        mp = None
+        ww13, ww2 = w13, w2
+        if emap:
+            mp = torch.full((128,), -1, dtype=torch.int32, device="cuda")
+            mp[64:] = torch.arange(64, dtype=torch.int32, device="cuda")
+        opts = VllmTritonOptions(per_pair=per_pair, swap_ab=swap)
+        for cfg in (CFG, dict(CFG, BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, num_warps=8, num_stages=3)):
+            out = vllm_fused_experts(x, ww13, ww2, tw, ids, cfg, mp, 128 if emap else 64, options=opts)
+            err = relative_error(out, moebench.reference_moe(x, ww13, ww2, tw, ids, mp))
+            assert is_correct(err, torch.bfloat16, quant), (m, per_pair, swap, emap, cfg, err)
