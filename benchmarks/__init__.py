@@ -15,7 +15,8 @@ from __future__ import annotations
 #: so that `--list` imports neither torch nor triton.
 CASES: dict[str, str] = {
     "bench_triton": "Triton experts per layer point: layer, GEMMs, alignment, routing, torch, floors (PERF.md)",
-    "vllm_style": "triton GEMMs against a vLLM-style kernel with vLLM's H200 configs, same routings",
+    "vllm_style": "triton GEMMs against the vllm-triton experts with vLLM's H200 configs, same routings",
+    "vllm_kernel": "engine files (new, vLLM's, SGLang's) in the vllm-triton experts; triton layer vs the best of them",
     "decode_launches": "the triton layer's code paths (TritonOptions variants) A/B at decode and prefill",
     "gemm_configs": "each GEMM of the triton layer against its own best tile config",
     "routing_configs": "launch shape of the routing kernel against its rule",

@@ -3,15 +3,14 @@ run on the same routings (issues 3 and 5: design.md's reference table, re-measur
 
     PYTHONPATH=. python -m benchmarks vllm_style [--tokens 1,16,...] [--routings 4] [--smoke]
 
-The vLLM-style GEMM part is written here from the structure vLLM documents for its Triton
-fused_moe (not its code): one sorted-token grouped GEMM kernel used twice, with
+The vLLM-style GEMM part is the `vllm-triton` experts (moebench.kernels.vllm_triton: vLLM's
+fused-MoE kernel structure): one sorted-token grouped GEMM kernel used twice, with
   GEMM1   rows of x gathered by pair // topk, a program walks BLOCK_SIZE_N *consecutive* rows of
           w13 (E, 2I, H), output (M*topk, 2I) written at the pair's row
   act     SiLU(gate) * up as its own launch -> (M*topk, I)
   GEMM2   rows of the activation by pair, times the router weight -> (M*topk, H)
-  sum     over top-k (a torch sum) -> (M, H)
-on the same block alignment (moebench's moe_align_block_size; vLLM's has the same output format),
-with the tile configs of vLLM's `E=8,N=14336` and `E=128,N=768` H200 files (benchmarks/
+  sum     over top-k (its own launch) -> (M, H)
+on vLLM's alignment (`vllm_align`, the sorted path), with the tile configs of vLLM's `E=8,N=14336` and `E=128,N=768` H200 files (benchmarks/
 vllm_h200_configs.json: the six fields as lists in KEYS order; nearest token key, as vLLM looks them up). moebench's `triton` GEMM part
 (fused SiLU-mul epilogue, paired gate/up walk, atomic top-k sum) is timed with its shipped tuned
 file and with vLLM's config, so kernel and config effects separate (`ours`, `ours_vcfg`: the default
@@ -37,17 +36,16 @@ from pathlib import Path
 import pandas as pd
 import torch
 import triton
-import triton.language as tl
 
 import moebench
 from moebench.bench.timing import time_cpu, time_cuda
 from moebench.kernels.triton.align import moe_align_block_size
-from moebench.kernels.triton.common import grouped_tile, mma
-from moebench.kernels.triton.env import interpreter_compat, interpreting, num_sms
+from moebench.kernels.triton.env import num_sms
 from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1
 from moebench.kernels.triton.options import TritonOptions, layer_split_k, resolve_use_tma
 from moebench.kernels.triton.routing import fused_topk_softmax
+from moebench.kernels.vllm_triton import vllm_align, vllm_gemm1, vllm_gemms
 from moebench.report import markdown
 from moebench.results import atomic_write_text
 
@@ -60,99 +58,15 @@ TOKENS = [1, 16, 64, 256, 1024, 4096]
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 
 
-@triton.jit
-def _sorted_gemm_kernel(
-    a_ptr,  # (rows, K): x (GEMM1, row = pair // TOPK) or the activation (GEMM2, row = pair)
-    b_ptr,  # (E, N, K)
-    c_ptr,  # (M * TOPK, N) out, row = pair
-    w_ptr,  # (M * TOPK,) router weights (MUL_WEIGHT only)
-    sorted_ids_ptr,
-    expert_ids_ptr,
-    ntpp_ptr,
-    num_pairs,
-    N,
-    K,
-    num_blocks_m,
-    stride_am,
-    stride_be,
-    stride_bn,
-    stride_cm,
-    A_ROW_DIV: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
-    BLOCK_SIZE_M: tl.constexpr,
-    BLOCK_SIZE_N: tl.constexpr,
-    BLOCK_SIZE_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_SIZE_N), GROUP_SIZE_M)
-    if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M))
-    row_ok = pair < num_pairs
-    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    # A: gathered rows; B: BLOCK_SIZE_N consecutive rows of the expert's (N, K) matrix, transposed.
-    a_ptrs = a_ptr + (pair // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
-    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
-        k_ok = offs_k < K - k * BLOCK_SIZE_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-        acc = mma(a, b, acc, UPCAST, False)
-        a_ptrs += BLOCK_SIZE_K
-        b_ptrs += BLOCK_SIZE_K
-    if MUL_WEIGHT:
-        acc *= tl.load(w_ptr + pair, mask=row_ok, other=0.0)[:, None]
-    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
+def vllm_style_gemm1(x, w13, blocks, topk, cfg) -> torch.Tensor:
+    """The vllm-triton experts' GEMM1 alone: x (M, H), w13 (E, 2I, H) -> (M*topk, 2I), rows by pair."""
+    return vllm_gemm1(x, w13, blocks, topk, cfg)
 
 
-@triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, N_INTER, BLOCK: tl.constexpr):
-    # one program per (row, column block): y[r, n] = silu(x[r, n]) * x[r, I + n]
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N_INTER
-    g = tl.load(x_ptr + row * 2 * N_INTER + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * 2 * N_INTER + N_INTER + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * N_INTER + offs, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=ok)
-
-
-def _gemm(a, b, c, w, align, a_row_div: int, cfg) -> None:
-    n, k = b.shape[1], b.shape[2]
-    nb = align.max_blocks
-    grid = (nb * triton.cdiv(n, cfg["BLOCK_SIZE_N"]),)
-    if interpreting():
-        interpreter_compat()
-    _sorted_gemm_kernel[grid](
-        a, b, c, w, align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded, align.num_pairs,
-        n, k, nb, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=w is not None, BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"],
-        BLOCK_SIZE_N=cfg["BLOCK_SIZE_N"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
-        UPCAST=interpreting() and a.dtype != torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-
-
-def vllm_style_gemm1(x, w13, align, topk, cfg) -> torch.Tensor:
-    """x (M, H), w13 (E, 2I, H) -> (M*topk, 2I), rows by pair; rows of no local pair stay unwritten."""
-    c1 = torch.empty(x.shape[0] * topk, w13.shape[1], dtype=x.dtype, device=x.device)
-    _gemm(x, w13, c1, None, align, topk, cfg)
-    return c1
-
-
-def vllm_style_moe(x, w13, w2, topk_weights, align, topk, cfg) -> torch.Tensor:
-    """The vLLM-style GEMM part (4 launches): -> (M, H) in x's dtype. Every pair must be local."""
-    m, h = x.shape
-    n_inter = w2.shape[2]
-    c1 = vllm_style_gemm1(x, w13, align, topk, cfg)
-    act = torch.empty(m * topk, n_inter, dtype=x.dtype, device=x.device)
-    _silu_mul_kernel[(m * topk, triton.cdiv(n_inter, 1024))](c1, act, n_inter, BLOCK=1024)
-    c2 = torch.empty(m * topk, h, dtype=x.dtype, device=x.device)
-    _gemm(act, w2, c2, topk_weights.reshape(-1), align, 1, cfg)
-    return c2.view(m, topk, h).sum(dim=1)
+def vllm_style_moe(x, w13, w2, topk_weights, blocks, topk, cfg) -> torch.Tensor:
+    """The vllm-triton experts after the alignment (4 launches: GEMM1, SiLU-and-mul, GEMM2, top-k
+    sum) -> (M, H) in x's dtype; blocks from `vllm_align`."""
+    return vllm_gemms(x, w13, w2, topk_weights, blocks, topk, cfg)
 
 
 def vllm_config(table: dict[str, dict], m: int) -> dict[str, int]:
@@ -203,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.randn(m, h, dtype=dt, device=dev, generator=g)
                 tw, ids = fused_topk_softmax(torch.randn(m, e, device=dev, generator=g), k, renormalize=True)
                 hits.append(int(torch.unique(ids).numel()))
-                va = moe_align_block_size(ids, vcfg["BLOCK_SIZE_M"], e)
+                va = vllm_align(ids, vcfg["BLOCK_SIZE_M"], e, None, per_pair=False)
+                va_ours = moe_align_block_size(ids, vcfg["BLOCK_SIZE_M"], e)  # moebench's kernels at vLLM's config
                 oa = moe_align_block_size(ids, ocfg["BLOCK_SIZE_M"], e)
                 opts = TritonOptions()
                 split = layer_split_k(opts, m, k, e, e, h, inter, ocfg, oa.max_blocks, num_sms(dev))  # as the layer splits
@@ -218,20 +133,20 @@ def main(argv: list[str] | None = None) -> int:
                     del ref, got
                 per["vllm"].append(_time(lambda: vllm_style_moe(x, w13, w2, tw, va, k, vcfg)))
                 per["ours"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, oa, k, ocfg, split)))
-                per["ours_vcfg"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1)))
+                per["ours_vcfg"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va_ours, k, vcfg, 1)))
                 # GEMM1 variants of moebench's kernel at vLLM's config: the paired walk with TMA weight
                 # loads as the default says and without TMA, and the wide single-dot walk
-                per["ours_vcfg_paired"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, options=paired)))
-                per["ours_vcfg_notma"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, options=notma)))
-                per["ours_vcfg_wide"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, options=wide)))
+                per["ours_vcfg_paired"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va_ours, k, vcfg, 1, options=paired)))
+                per["ours_vcfg_notma"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va_ours, k, vcfg, 1, options=notma)))
+                per["ours_vcfg_wide"].append(_time(lambda: fused_moe_gemms(x, w13, w2, tw, va_ours, k, vcfg, 1, options=wide)))
                 per["vllm_g1"].append(_time(lambda: vllm_style_gemm1(x, w13, va, k, vcfg), reps=20))
                 per["ours_g1"].append(_time(lambda: launch_gemm1(x, w13, oa, k, ocfg, otma), reps=20))
-                per["ours_vcfg_g1"].append(_time(lambda: launch_gemm1(x, w13, va, k, vcfg, vtma), reps=20))
-                per["ours_vcfg_g1_notma"].append(_time(lambda: launch_gemm1(x, w13, va, k, vcfg, False), reps=20))
-                per["ours_vcfg_g1_wide"].append(_time(lambda: launch_gemm1(x, w13, va, k, vcfg, False, wide=True), reps=20))
+                per["ours_vcfg_g1"].append(_time(lambda: launch_gemm1(x, w13, va_ours, k, vcfg, vtma), reps=20))
+                per["ours_vcfg_g1_notma"].append(_time(lambda: launch_gemm1(x, w13, va_ours, k, vcfg, False), reps=20))
+                per["ours_vcfg_g1_wide"].append(_time(lambda: launch_gemm1(x, w13, va_ours, k, vcfg, False, wide=True), reps=20))
                 if r == 0:  # the wide walk gives the paired walk's result
-                    got = fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, options=wide)
-                    ref = fused_moe_gemms(x, w13, w2, tw, va, k, vcfg, 1, options=paired)
+                    got = fused_moe_gemms(x, w13, w2, tw, va_ours, k, vcfg, 1, options=wide)
+                    ref = fused_moe_gemms(x, w13, w2, tw, va_ours, k, vcfg, 1, options=paired)
                     errs.append(((got.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item())
             med = {n: statistics.median(v) for n, v in per.items()}
             ratio = statistics.median(o / v for o, v in zip(per["ours"], per["vllm"]))

@@ -3,7 +3,8 @@
     moebench tune --model NAME [--tp N] [--ep N] [--tokens ...] [--search grid|random|halving]
                   [--budget N] [--gpus all|0,1] [--compile-workers N] [--resume RUN_DIR] [--out DIR] [--device]
                   [--dtype bf16|fp16|fp32|fp8_w8a8] [--block-shape BN,BK] [--scales tensor|token|block]
-    moebench configs list | show FILE|E,N | diff A B | commit FILE...
+                  [--kernel moebench|vllm|sglang]
+    moebench configs list | show FILE|E,N | diff A B | commit [--kernel moebench|vllm|sglang] FILE...
                   (show / diff of E,N: --dtype fp8_w8a8 [--block-shape BN,BK] pick the fp8 file)
 
 Commands parse and print; the work is in `moebench.tuning.tuner` and `moebench.kernels.triton.configs`.
@@ -82,13 +83,18 @@ def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
 @click.option("--reps", type=int, default=None, help="Timer repetitions while screening [cuda 20, cpu 2].")
 @click.option("--final-reps", "final_reps", type=int, default=None, help="Repetitions of the final stage [cuda 50, cpu 3].")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Only show the search space after pruning, per token count.")
+@click.option("--kernel", "kernel", type=str, default=None,
+              help="Whose kernel the configs are for: moebench (the triton experts, moebench's file) | vllm | sglang "
+                   "(the vllm-triton experts: vLLM's kernel structure; the engine's file in results/configs/<kernel>/) "
+                   "[moebench].")
 @click.option("--down", is_flag=True,
               help="Tune GEMM2's own config against the GEMM1 config the layer looks up (tuned file or default "
                    "heuristic; same BLOCK_SIZE_M) and write SGLang's ..._down.json file next to it.")
 def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, block_shape, scales, routing,
-         seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps, final_reps, dry_run, down):
+         seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps, final_reps, dry_run, kernel, down):
     """Find the fastest Triton tile config per token count; write the vLLM-format file."""
     from moebench.inputs import dtype_name
+    from moebench.kernels.engine_configs import check_kernel
     from moebench.layout import ParallelLayout
     from moebench.results import new_run_id
     from moebench.routing import parse_routing
@@ -99,6 +105,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             raise MoebenchError(f"{name} must be >= 1, got {v}")
     if compile_workers < 0:
         raise MoebenchError(f"--compile-workers must be >= 0, got {compile_workers}")
+    if kernel is not None:
+        check_kernel(kernel)
     sizes_given = model is not None or any(v is not None for v in (num_experts, topk, hidden, intermediate))
     if resume is not None:
         spec = T.load_run_spec(resume)
@@ -120,6 +128,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             spec.tokens = parse_tokens(tokens)
         if down:
             spec.down = True  # the saved run must have been a --down run (checked against it)
+        if kernel is not None:
+            spec.kernel = kernel  # must be the saved one (checked against it)
         for attr, v in (("routing", routing), ("seed", seed), ("strategy", strategy), ("budget", budget),
                         ("reps", reps), ("final_reps", final_reps)):
             if v is not None:
@@ -129,14 +139,17 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             out = T.load_run_out_dir(resume)  # the folder the run was started with
     else:
         dev = resolve_device(device)
-        act_dtype, quant = resolve_precision(dtype, block_shape, scales, dev, "bf16" if dev == "cuda" else "fp32")
+        kernel = kernel or "moebench"
+        # the engines' kernel takes 16-bit activations only: bf16 on a CPU too
+        act_dtype, quant = resolve_precision(dtype, block_shape, scales, dev,
+                                             "bf16" if dev == "cuda" or kernel != "moebench" else "fp32")
         spec = T.TuneSpec(
             shape=resolve_shape(model, num_experts, topk, hidden, intermediate),
             layout=ParallelLayout.from_args(tp, dp, ep),
             tokens=parse_tokens(tokens) if tokens is not None else (TUNE_TOKENS_CUDA if dev == "cuda" else TUNE_TOKENS_CPU),
             dtype=act_dtype, device=dev,
             strategy=strategy or "halving", budget=budget, seed=seed or 0, routing=routing or "uniform",
-            reps=reps, final_reps=final_reps, quant=quant, down=down,
+            reps=reps, final_reps=final_reps, quant=quant, down=down, kernel=kernel,
         )
         run_dir = Path(results_dir) / new_run_id("tune", spec.shape.name)
     parse_routing(spec.routing)
@@ -144,7 +157,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
     T._validate(spec)
     s = spec.shape
     console.print(f"[bold]moebench tune[/] {s.name} (E={s.num_experts}, topk={s.topk}, H={s.hidden}, I={s.intermediate}) "
-                  f"{spec.layout.describe()}, {spec.precision} -> {T.config_path_for(spec, out).name} on {spec.device}, "
+                  f"{spec.layout.describe()}, {spec.precision}, kernel {spec.kernel} -> {T.config_path_for(spec, out)} "
+                  f"on {spec.device}, "
                   f"search {spec.strategy}" + (" (GEMM2 against GEMM1's config)" if spec.down else ""))
     counts = T.prune_counts(spec)
     pt = Table(title="search space after pruning")
@@ -178,6 +192,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                 resume, gpus, run_dir=run_dir, results_dir=results_dir, seed=spec.seed, routing=spec.routing,
                 reps=spec.reps, final_reps=spec.final_reps, space=spec.space, on_measure=on_measure,
                 on_tokens=on_tokens, quant=spec.quant, compile_workers=compile_workers, down=spec.down,
+                kernel=spec.kernel,
             )
     except KeyboardInterrupt:
         err_console.print(f"interrupted: finished measurements are kept in {run_dir} "
@@ -243,26 +258,35 @@ def _cfg_text(cfg) -> str:
 @click.option("--dir", "dirs", multiple=True, type=click.Path(path_type=Path), help="Extra folder(s) to list.")
 @click.option("--json", "as_json", is_flag=True)
 def configs_list(dirs, as_json):
-    """Config files along the lookup order ($MOEBENCH_CONFIG_DIR, results/configs, moebench/configs)."""
+    """Config files along the lookup order ($MOEBENCH_CONFIG_DIR, results/configs, moebench/configs),
+    with the kernel each is for: moebench (the folder itself), vllm (its vllm/), sglang (its
+    sglang/triton_X_Y_Z/)."""
+    from moebench.kernels import engine_configs as EC
+
     rows = []
     seen: set[Path] = set()
     for order, d in enumerate([*C.config_search_dirs(), *map(Path, dirs)]):
         if not d.is_dir() or d.resolve() in seen:
             continue
         seen.add(d.resolve())
-        for f in d.glob("*.json"):
+        # moebench's files in the root, the engines' in vllm/ and sglang/triton_X_Y_Z/
+        found = [("moebench", d, f) for f in d.glob("*.json")]
+        found += [("vllm", d / "vllm", f) for f in (d / "vllm").glob("*.json")]
+        found += [("sglang", f.parent, f) for f in (d / "sglang").glob("triton_*/*.json")]
+        for kernel, folder, f in found:
             parts = parse_config_name(f.name)
             if parts is None:
                 continue
             try:
-                table = C.load_config_file(f)
+                table = C.load_config_file(f) if kernel == "moebench" else EC.load_engine_file(f)
                 toks, status = list(table), "ok"
             except MoebenchError as e:
                 toks, status = [], f"invalid: {e}"
-            rows.append({"dir": str(d), "file": f.name, **parts, "tokens": toks, "status": status, "_order": order})
+            rows.append({"dir": str(folder), "file": f.name, "kernel": kernel, **parts, "tokens": toks,
+                         "status": status, "_order": order})
     # by E, then N, as numbers; the same file's folders next to each other, in lookup order
     rows.sort(key=lambda r: (r["E"], r["N"], r["device"], r["dtype"] or "", r["block_shape"] or "",
-                             r["per_channel_quant"], r["down"], r["_order"]))
+                             r["per_channel_quant"], r["down"], r["kernel"], r["_order"]))
     for r in rows:
         del r["_order"]
     if as_json:
@@ -272,10 +296,10 @@ def configs_list(dirs, as_json):
         console.print("no tuned-config files in " + ", ".join(str(d) for d in C.config_search_dirs()))
         return
     t = Table(title="tuned configs (first folder wins at lookup)")
-    for c in ("folder", "E", "N", "device", "dtype", "block_shape", "GEMM", "token counts", "status"):
+    for c in ("folder", "kernel", "E", "N", "device", "dtype", "block_shape", "GEMM", "token counts", "status"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["dir"], str(r["E"]), str(r["N"]), str(r["device"]),
+        t.add_row(r["dir"], r["kernel"], str(r["E"]), str(r["N"]), str(r["device"]),
                   (r["dtype"] or "-") + (" per-channel" if r["per_channel_quant"] else ""),
                   f"[{r['block_shape']}]" if r["block_shape"] else "-", "2 (down)" if r["down"] else "1 (2 too without _down)",
                   ",".join(map(str, r["tokens"])), r["status"])
@@ -415,9 +439,15 @@ def configs_coverage(device, as_shards, as_fill, as_json):
 
 @configs.command("commit")
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
-def configs_commit(files):
-    """Validate FILES and copy them into the package's moebench/configs/ (shipped with moebench)."""
-    dest_dir = Path(C.PACKAGE_CONFIG_DIR)
+@click.option("--kernel", "kernel", default="moebench", show_default=True,
+              help="Whose kernel the files are for: moebench -> moebench/configs/; vllm -> moebench/configs/vllm/; "
+                   "sglang -> moebench/configs/sglang/triton_X_Y_Z/ (the file's own triton_X_Y_Z folder, else the "
+                   "installed Triton's).")
+def configs_commit(files, kernel):
+    """Validate FILES and copy them into the package's config folder of KERNEL (shipped with moebench)."""
+    from moebench.kernels import engine_configs as EC
+
+    EC.check_kernel(kernel)
     checked = []
     for f in files:
         if not f.is_file():
@@ -425,10 +455,24 @@ def configs_commit(files):
         if parse_config_name(f.name) is None:
             raise MoebenchError(f"{f.name} is not a vLLM config file name "
                                 f"(E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json)")
-        C.load_config_file(f)  # raises with the file and entry named
-        checked.append(f)
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    for f in checked:
+        if kernel == "moebench":
+            C.load_config_file(f)  # raises with the file and entry named
+            dest_dir = Path(C.PACKAGE_CONFIG_DIR)
+        else:
+            parts = parse_config_name(f.name)
+            if parts["down"] or parts["per_channel_quant"]:
+                raise MoebenchError(f"{f.name}: --kernel {kernel} files have no _down / per_channel_quant part "
+                                    "(the vllm-triton experts run one config for both GEMMs, fp8 block scales only)")
+            spaced = ", " in f.name
+            if (kernel == "vllm") == spaced and parts["block_shape"]:
+                want = "block_shape=[bn,bk] (vLLM's)" if kernel == "vllm" else "block_shape=[bn, bk] (SGLang's)"
+                raise MoebenchError(f"{f.name} is not named as {kernel} names its files: {want}")
+            EC.load_engine_file(f)
+            folder = f.parent.resolve().name
+            dest_dir = EC.package_dir(kernel, folder if kernel == "sglang" and EC._TRITON_DIR_RE.match(folder) else None)
+        checked.append((f, dest_dir))
+    for f, dest_dir in checked:
+        dest_dir.mkdir(parents=True, exist_ok=True)
         dest = dest_dir / f.name
         if dest.exists() and filecmp.cmp(f, dest, shallow=False):
             console.print(f"unchanged {dest}")

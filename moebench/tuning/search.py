@@ -161,6 +161,8 @@ class LayerBench:
     from `routing`; the float64 reference of the first routing, computed on first use.
     quant: the fp8 scheme of the weights (None = unquantised); it picks the check's tolerance.
     gemm1: GEMM1's config, fixed: the measured config is then GEMM2's own (a `--down` tune).
+    kernel: "moebench" (the `triton` experts) or an engine ("vllm", "sglang": the `vllm-triton`
+    experts with that engine's code paths, moebench.kernels.vllm_triton).
     """
 
     def __init__(
@@ -177,6 +179,7 @@ class LayerBench:
         worker: int = 0,
         quant: QuantScheme | None = None,
         gemm1: Mapping[str, int] | None = None,
+        kernel: str = "moebench",
     ):
         if tokens < 1:
             raise MoebenchError(f"token count {tokens} cannot be tuned; give counts >= 1")
@@ -185,6 +188,7 @@ class LayerBench:
         self.worker = worker
         self.quant = quant
         self.gemm1 = dict(gemm1) if gemm1 is not None else None
+        self.kernel = kernel
         self.x = make_tokens(tokens, shape.hidden, dtype, device, seed + tokens)
         self.routings = [
             make_routing(routing, tokens, shape.num_experts, shape.topk, seed=seed * 7919 + tokens * 31 + i, device=device)
@@ -193,6 +197,11 @@ class LayerBench:
         self._ref: torch.Tensor | None = None
 
     def _kernel(self, cfg: Mapping[str, int]):
+        if self.kernel != "moebench":  # an engine's kernel structure: the vllm-triton experts
+            from moebench.kernels.vllm_triton import VllmTritonOptions
+
+            kw = {"config": dict(cfg), "options": VllmTritonOptions(engine=self.kernel)}
+            return make_kernel(experts="vllm-triton", prepare_finalize="no-dpep", experts_kwargs=kw)
         kw = {"config": dict(cfg)} if self.gemm1 is None else {"config": self.gemm1, "down_config": dict(cfg)}
         return make_kernel(experts="triton", prepare_finalize="no-dpep", experts_kwargs=kw)
 

@@ -41,6 +41,9 @@ class TuneSpec:
     space: dict[str, list[int]] | None = None
     quant: QuantScheme | None = None
     down: bool = False  # tune GEMM2's own config (the `_down.json` file) against GEMM1's
+    #: whose kernel is tuned: "moebench" (the `triton` experts, moebench's files) or an engine's
+    #: ("vllm", "sglang": the `vllm-triton` experts, the engine's file name and folder)
+    kernel: str = "moebench"
 
     def to_json(self) -> dict[str, Any]:
         shape = {k: v for k, v in self.shape.__dict__.items() if k != "aliases"}
@@ -49,7 +52,7 @@ class TuneSpec:
             "tokens": list(self.tokens), "dtype": dtype_name(self.dtype), "device": self.device,
             "strategy": self.strategy, "budget": self.budget, "seed": self.seed, "routing": self.routing,
             "reps": self.reps, "final_reps": self.final_reps, "space": self.space,
-            "quant": quant_to_json(self.quant), "down": self.down,
+            "quant": quant_to_json(self.quant), "down": self.down, "kernel": self.kernel,
         }
 
     @classmethod
@@ -59,13 +62,26 @@ class TuneSpec:
             dtype=parse_dtype(d["dtype"]), device=d["device"], strategy=d["strategy"], budget=d.get("budget"),
             seed=int(d.get("seed", 0)), routing=d.get("routing", "uniform"), reps=d.get("reps"),
             final_reps=d.get("final_reps"), space=d.get("space"), quant=quant_from_json(d.get("quant")),
-            down=bool(d.get("down", False)),
+            down=bool(d.get("down", False)), kernel=d.get("kernel", "moebench"),
         )
 
     @property
     def precision(self) -> str:
         """'bf16', or 'fp8_w8a8 block[128,128] (bf16 activations)'."""
         return precision_text(dtype_name(self.dtype), self.quant)
+
+    @property
+    def experts(self) -> str:
+        """The experts backend the run times: `triton` (kernel moebench) or `vllm-triton`."""
+        return "triton" if self.kernel == "moebench" else "vllm-triton"
+
+    @property
+    def timed_text(self) -> str:
+        """Which kernel the measurements timed, in words (report, metadata)."""
+        if self.kernel == "moebench":
+            return "moebench's `triton` experts"
+        return (f"moebench's `vllm-triton` experts ({self.kernel}'s fused-MoE kernel structure, "
+                f"moebench's implementation; {self.kernel} itself not run)")
 
     @property
     def elem_bytes(self) -> int:
@@ -129,4 +145,5 @@ def layer_bench(spec: TuneSpec, weights: LayerWeights, tokens: int, device: str,
     """The LayerBench of `spec` at `tokens` (with GEMM1's config fixed for a `--down` run)."""
     kw = {} if n_routings is None else {"n_routings": n_routings}
     return LayerBench(spec.shape, weights, tokens, spec.dtype, device, spec.seed, spec.routing, timer, worker=worker,
-                      quant=spec.quant, gemm1=gemm1_config(spec, tokens)[0] if spec.down else None, **kw)
+                      quant=spec.quant, gemm1=gemm1_config(spec, tokens)[0] if spec.down else None,
+                      kernel=spec.kernel, **kw)

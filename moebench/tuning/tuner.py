@@ -10,6 +10,13 @@ Run folder (`results/<run-id>/`, or the folder given to `resume`):
                                `cache_limit_mb` (compiled kernels stay cached in memory)
     report.md, report.csv      per token count: winner, latency, runner-up, default heuristic's
                                latency, speed-up over the default, cost of the search
+    metadata.json              which kernel the file is for (`kernel`), what was timed, the file,
+                               Triton / torch versions, device, git revision
+
+`kernel` (TuneSpec.kernel): "moebench" tunes the `triton` experts and writes moebench's file;
+"vllm" / "sglang" tune the `vllm-triton` experts (the engines' own kernel structure) and write
+the engine's file, by default into results/configs/vllm/ or results/configs/sglang/triton_X_Y_Z/
+(moebench.kernels.engine_configs), never next to moebench's files.
 
 The config file goes to `out_dir` (default `results/configs/`, the second folder of the lookup
 order; a resumed run keeps the folder saved in its tune.json) as `E={E_local},N={I/tp},device_name=...json`
@@ -269,9 +276,13 @@ def _space_for(spec: TuneSpec, tokens: int) -> PruneReport:
 def default_for(spec: TuneSpec, tokens: int) -> dict[str, int]:
     """The config a run without the tuned file uses at `tokens`: the default heuristic's (fitted
     to the fp8 scale block for block-quantised weights); for a `--down` run GEMM1's config, which
-    GEMM2 runs with when there is no `_down.json` file."""
+    GEMM2 runs with when there is no `_down.json` file; for an engine's kernel vLLM's default config."""
     if spec.down:
         return gemm1_config(spec, tokens)[0]
+    if spec.kernel != "moebench":  # what the engine runs without a file
+        from moebench.kernels.engine_configs import vllm_default_config
+
+        return dict(vllm_default_config(tokens, spec.local_experts, spec.quant))
     return dict(C.heuristic_config(tokens, spec.shape.num_experts, spec.inter_per_rank, spec.shape.hidden,
                                    spec.shape.topk, spec.dtype, spec.quant))
 
@@ -477,13 +488,17 @@ def _validate(spec: TuneSpec) -> None:
         for k, vals in spec.space.items():
             if k not in SPACE or not vals:
                 raise MoebenchError(f"search space: unknown parameter or empty list {k!r}")
+    from moebench.kernels.engine_configs import check_kernel
     from moebench.backends import check_combination
 
+    check_kernel(spec.kernel)
+    if spec.down and spec.kernel != "moebench":
+        raise MoebenchError(f"--down tunes moebench's own GEMM2 file; --kernel {spec.kernel} runs one config for both GEMMs")
     dev_type = torch.device(spec.device).type
-    reason = check_combination("no-dpep", "triton", dev_type, spec.dtype, quant=spec.quant)
-    if reason is not None:  # the reason `sweep` gives for the triton experts (e.g. no GPU, no interpreter)
-        what = spec.quant.describe() if spec.quant is not None else f"the triton experts ({spec.precision})"
-        raise MoebenchError(f"cannot tune {what} on {dev_type}: {reason}")
+    reason = check_combination("no-dpep", spec.experts, dev_type, spec.dtype, quant=spec.quant)
+    if reason is not None:  # the reason `sweep` gives for these experts (e.g. no GPU, no interpreter, a dtype)
+        what = spec.quant.describe() if spec.quant is not None else f"the {spec.experts} experts ({spec.precision})"
+        raise MoebenchError(f"cannot tune {what} for --kernel {spec.kernel} on {dev_type}: {reason}")
 
 
 def tune(
@@ -512,6 +527,7 @@ def tune(
     quant: QuantScheme | None = None,
     compile_workers: int = 0,
     down: bool = False,
+    kernel: str = "moebench",
 ) -> TuneOutcome:
     """Tune the tile config of the `triton` experts for `shape` on rank 0 of `layout` (N = I/tp,
     E = local experts under EP) at each token count; write the vLLM file and the report.
@@ -525,7 +541,10 @@ def tune(
     processes per tuning worker that compile each batch of configs before it is timed
     (moebench.tuning.precompile; 0 = compile while timing). down: tune GEMM2's own config against
     the GEMM1 config the layer looks up, and write the `..._down.json` file (SGLang's name) instead
-    of the vLLM file. out_dir None: results/configs, or on `resume` the folder saved in the run's
+    of the vLLM file. kernel: "moebench" (the `triton` experts) or an engine ("vllm", "sglang": the
+    `vllm-triton` experts, the engine's file in its own folder, moebench.kernels.engine_configs).
+    out_dir None: results/configs (engines: results/configs/vllm, results/configs/sglang/triton_X_Y_Z),
+    or on `resume` the folder saved in the run's
     tune.json. The folder is checked before anything is measured and the file is updated as each
     token count finishes. Returns the run folder, the config file (None on ranks other than 0) and
     one TokenResult per token count.
@@ -533,7 +552,7 @@ def tune(
     spec = TuneSpec(shape=shape, layout=layout, tokens=sorted(set(int(t) for t in tokens)), dtype=dtype,
                     device=device, strategy=strategy, budget=budget, seed=seed, routing=routing, reps=reps,
                     final_reps=final_reps, space={k: list(v) for k, v in space.items()} if space else None,
-                    quant=quant, down=down)
+                    quant=quant, down=down, kernel=kernel)
     _validate(spec)
     if resume is not None:
         run_dir = Path(resume)
@@ -566,7 +585,8 @@ def tune(
         if not (run_dir / SETTINGS).exists():
             from moebench.bench.hardware import device_summary
 
-            meta = {"spec": spec.to_json(), "out_dir": str(config_path.parent.resolve()), "argv": sys.argv[1:],
+            meta = {"spec": spec.to_json(), "kernel": spec.kernel, "timed": spec.timed_text,
+                    "out_dir": str(config_path.parent.resolve()), "argv": sys.argv[1:],
                     "git_revision": git_revision(),
                     "device_summary": device_summary(device),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -591,6 +611,7 @@ def tune(
     results.sort(key=lambda r: r.tokens)
     config_path = write_results(spec, results, config_path.parent, run_dir)
     files = write_report(run_dir, spec, results, config_path)
+    files.append(write_metadata(run_dir, spec, config_path))
     if ctx is not None and ctx.world_size > 1:
         leave_torchrun(ctx)
     return TuneOutcome(run_dir, config_path, results, spec, files)
@@ -668,7 +689,14 @@ def deploy_layout(name: str) -> tuple[ParallelLayout, str]:
 def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None) -> Path:
     """Where the vLLM file goes: out_dir (default results/configs) / E=..,N=..,device_name=..
     [,dtype=fp8_w8a8[,block_shape=[bn,bk]]][,per_channel_quant=True][_down].json (`_down`: a --down
-    run; per_channel_quant: per-token scales; both SGLang's names)."""
+    run; per_channel_quant: per-token scales; both SGLang's names). An engine's kernel: its own
+    name, by default in results/configs/<engine>[/triton_X_Y_Z] (moebench.kernels.engine_configs)."""
+    if spec.kernel != "moebench":
+        from moebench.kernels import engine_configs as EC
+
+        folder = Path(out_dir) if out_dir is not None else EC.default_out_dir(spec.kernel)
+        return folder / EC.engine_file_name(spec.kernel, spec.local_experts, spec.inter_per_rank,
+                                            C.device_name(spec.device), spec.quant)
     folder = Path(out_dir) if out_dir is not None else Path("results") / "configs"
     name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device),
                               *C.name_parts(spec.dtype, spec.quant), down=spec.down,
@@ -680,15 +708,22 @@ def update_config_file(spec: TuneSpec, path: Path, entries: Mapping[int, Mapping
                        run_dir: str | os.PathLike | None = None) -> Path:
     """Merge `entries` into the config file at `path` (moebench.kernels.triton.configs.merge_config_file:
     atomic rename, refused for a file of another scheme). With `run_dir`, under an exclusive lock
-    on a file there, so the workers of one run never drop each other's entries."""
+    on a file there, so the workers of one run never drop each other's entries. An engine's file is
+    written in the engine's format (token keys only)."""
+    if spec.kernel != "moebench":
+        from moebench.kernels.engine_configs import merge_engine_file
+
+        merge = lambda: merge_engine_file(path, entries)  # noqa: E731
+    else:
+        merge = lambda: C.merge_config_file(path, entries, spec.dtype, spec.quant)  # noqa: E731
     if run_dir is None:
-        return C.merge_config_file(path, entries, spec.dtype, spec.quant)
+        return merge()
     import fcntl
 
     with open(Path(run_dir) / ".config-file.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return C.merge_config_file(path, entries, spec.dtype, spec.quant)
+            return merge()
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -753,6 +788,9 @@ def write_report(run_dir: Path, spec: TuneSpec, results: Sequence[TokenResult], 
         f"{spec.layout.describe()}",
         "",
         f"- file: `{config_path}`" if config_path else "- file: none (no token count found a working config)",
+        f"- tuned for kernel `{spec.kernel}`: timed {spec.timed_text}"
+        + ("" if spec.kernel == "moebench" else f"; the file is for {spec.kernel}'s fused-MoE Triton kernel, "
+           "not for moebench's `triton` experts"),
         f"- E={spec.local_experts} local experts, N={spec.inter_per_rank}, dtype {spec.precision}, "
         f"device {C.device_name(spec.device)}, search `{spec.strategy}`, budget {spec.budget or 'auto (5% of the pruned space, 6-48 configs)'}",
         *(["- GEMM2's own configs (`--down`): each token count's search keeps GEMM1's config fixed (column "
@@ -767,6 +805,19 @@ def write_report(run_dir: Path, spec: TuneSpec, results: Sequence[TokenResult], 
         md.append("| " + " | ".join(r[c] for c in REPORT_COLUMNS[:10]) + f" | {r['search_s']} |")
     atomic_write_text(run_dir / "report.md", "\n".join(md) + "\n")
     return [run_dir / "report.csv", run_dir / "report.md"]
+
+
+def write_metadata(run_dir: Path, spec: TuneSpec, config_path: Path | None) -> Path:
+    """metadata.json of the run folder: which kernel the file is for and what was timed."""
+    import triton
+
+    meta = {"command": "tune", "kernel": spec.kernel, "experts": spec.experts, "timed": spec.timed_text,
+            "config_file": str(Path(config_path).resolve()) if config_path else None, "triton_version": triton.__version__,
+            "torch_version": torch.__version__, "device": C.device_name(spec.device), "precision": spec.precision,
+            "git_revision": git_revision(), "spec": spec.to_json()}
+    p = Path(run_dir) / "metadata.json"
+    atomic_write_text(p, json.dumps(meta, indent=2, default=str) + "\n")
+    return p
 
 
 def rich_table(results: Sequence[TokenResult], title: str = "tuning report"):

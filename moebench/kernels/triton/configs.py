@@ -141,7 +141,7 @@ def scheme_text(dtype_tag_: str | None, block_shape: list[int] | tuple[int, ...]
 
 _NAME_RE = re.compile(
     r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<device>[^,]+?)"
-    r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=\[(?P<block>[\d,]*)\])?(?P<pc>,per_channel_quant=True)?"
+    r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=\[(?P<block>[\d, ]*)\])?(?P<pc>,per_channel_quant=True)?"
     r"(?P<down>_down)?\.json$"
 )
 
@@ -153,7 +153,8 @@ def parse_file_name(name: str | os.PathLike) -> dict[str, Any] | None:
     m = _NAME_RE.match(Path(name).name)
     if not m:
         return None
-    return {"E": int(m["E"]), "N": int(m["N"]), "device": m["device"], "dtype": m["dtype"], "block_shape": m["block"],
+    return {"E": int(m["E"]), "N": int(m["N"]), "device": m["device"], "dtype": m["dtype"],
+            "block_shape": m["block"].replace(" ", "") if m["block"] is not None else None,
             "per_channel_quant": m["pc"] is not None, "down": m["down"] is not None}
 
 

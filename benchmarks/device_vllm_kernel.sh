@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One device call (< 9 minutes on one H200) for the vllm-triton experts and engine config files:
+#  (a) GPU check: tests/test_vllm_triton.py (its gpu tests: every code path against the reference)
+#  (b) `moebench tune --kernel vllm` for Mixtral-8x7B TP8, Qwen3-30B-A3B, Qwen3-235B-A22B TP8 and
+#      DeepSeek-V3 TP8, bf16 and fp8 block [128,128], at vLLM's 18 token counts, until the call's
+#      time is spent: run folders in $VK_DIR (default .gpu-out/vllmk, ignored by git, kept on a warm
+#      machine), each resumed (--resume) by the next call; the files go to $VK_DIR/configs/vllm
+#  (c)+(d) once every tune is done (or TABLES=1): `python -m benchmarks vllm_kernel` (same run:
+#      new file vs vLLM's and SGLang's shipped files in the vllm-triton experts; the triton layer vs
+#      the faster engine file), tables vllm_kernel_files.md / vllm_kernel_triton.md (+ .csv)
+# $OUT gets log.txt, gpu-tests.txt, the four tables, vllmk.tgz (config files and tune reports:
+# names with '=' or ',' do not come back as plain files). Call it again until the log says
+# "all 8 tunes done"; at about 4-6 minutes per tune with CW=12 that is 4-6 calls.
+#   PYTHONPATH=. [BUDGET_S=480] [CW=12] [TUNE_BUDGET=24] [TABLE_TOKENS=1,16,64,256,1024,4096] bash benchmarks/device_vllm_kernel.sh
+TAIL="${TAIL:-8}"
+source "$(dirname "$0")/device_env.sh"
+START=$(date +%s)
+END=$((START + ${BUDGET_S:-480}))
+VK="${VK_DIR:-.gpu-out/vllmk}"
+mkdir -p "$VK/runs" "$VK/configs/vllm"
+left() { echo $((END - $(date +%s))); }
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+  step "(a) gpu tests of the vllm-triton experts"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_vllm_triton.py > "$OUT/gpu-tests.txt" 2>&1
+  tail -n 3 "$OUT/gpu-tests.txt" | tee -a "$log"
+fi
+
+TOKS=1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096
+ITEMS=("mixtral-8x7b:--tp 8" "qwen3-30b-a3b:" "qwen3-235b-a22b:--tp 8" "deepseek-v3:--tp 8")
+done_count=0
+for item in "${ITEMS[@]}"; do
+  model=${item%%:*}; lay=${item#*:}
+  for prec in bf16 fp8; do
+    name="$model${lay// /}-$prec"; run="$VK/runs/$name"
+    if [ -f "$run/DONE" ]; then done_count=$((done_count + 1)); continue; fi
+    budget=$(( $(left) - ${TABLE_RESERVE:-30} ))
+    if [ "$budget" -lt 60 ]; then step "no time left for $name (next call resumes)"; continue; fi
+    pq=(); [ "$prec" = fp8 ] && pq=(--dtype fp8_w8a8 --block-shape 128,128)
+    if [ -f "$run/tune.json" ]; then
+      args=(tune --resume "$run" --compile-workers "${CW:-12}")
+    else
+      args=(tune --model "$model" $lay --kernel vllm --tokens "$TOKS" "${pq[@]}" --budget "${TUNE_BUDGET:-24}"
+            --compile-workers "${CW:-12}" --out "$VK/configs/vllm" --results-dir "$VK/runs/.new")
+    fi
+    rm -rf "$VK/runs/.new"
+    step "(b) tune $name (${budget}s left for it)"
+    t0=$(date +%s)
+    timeout "$budget" python3 -m moebench.cli "${args[@]}" 2>&1 | tail -n "$TAIL" | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    # a new run's folder is created under .new/: give it its stable name for the next call's --resume
+    if [ ! -d "$run" ]; then new=$(ls -d "$VK/runs/.new"/*-tune-* 2>/dev/null | head -n 1); [ -n "$new" ] && mv "$new" "$run"; fi
+    echo "tune $name: exit $rc after $(( $(date +%s) - t0 ))s" | tee -a "$log"
+    if [ "$rc" = 0 ]; then touch "$run/DONE"; done_count=$((done_count + 1)); fi
+  done
+done
+step "$done_count of 8 tunes done"
+[ "$done_count" = 8 ] && echo "all 8 tunes done" | tee -a "$log"
+
+if [ "$done_count" = 8 ] || [ -n "${TABLES:-}" ]; then
+  step "(c)+(d) engine files in the vllm-triton experts; triton layer vs the faster engine file"
+  OUT="$OUT" timeout $(( $(left) > 30 ? $(left) : 30 )) python3 -m benchmarks vllm_kernel --tuned "$VK/configs/vllm" \
+    --tokens "${TABLE_TOKENS:-1,16,64,256,1024,4096}" --routings "${ROUTINGS:-2}" 2>&1 | tail -n 4 | tee -a "$log"
+fi
+OUT_ABS=$(cd "$OUT" && pwd)
+(cd "$VK" && tar czf "$OUT_ABS/vllmk.tgz" configs $(find runs -name 'report.md' -o -name 'metadata.json'))
+step done

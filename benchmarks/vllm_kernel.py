@@ -1,0 +1,150 @@
+"""Engine config files in the engines' kernel, and moebench's `triton` layer against it, in one run.
+
+    PYTHONPATH=. python -m benchmarks vllm_kernel [--shapes ...] [--precisions bf16,fp8] [--tokens ...]
+                                                  [--tuned DIR] [--routings 3] [--smoke]
+
+Per shape, precision and token count, on the same routings (CUDA-graph replay, median over
+routings; each layer is first checked against the float64 reference):
+
+  files   the `vllm-triton` experts (vLLM's kernel structure: alignment, fp8 activation
+          quantisation, GEMM1, SiLU-and-mul, GEMM2, top-k sum, as vLLM runs them) with each file's
+          nearest entry: `new` (the file `tune --kernel vllm` wrote into --tuned, if there),
+          vLLM's shipped file (benchmarks/vllm_h200_configs.json), SGLang's
+          (benchmarks/sglang_h200_configs.json); ratios new / vllm, new / sglang
+  triton  moebench's `triton` experts (its own lookup: moebench's shipped files, alignment and
+          activation quantisation included) against the faster of vLLM's / SGLang's file in the
+          vllm-triton experts: ratio triton / engine
+
+Writes vllm_kernel_files.{csv,md} and vllm_kernel_triton.{csv,md} under $OUT. A point without a
+file for a column shows "-" (vLLM ships no H200 file for E=256,N=256 bf16, SGLang's set is
+smaller: the JSON files say which). --smoke: a tiny shape on a CPU under the interpreter (checks
+the script; its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+import moebench
+from benchmarks.bench_common import script_setup, timed_us, write_rows
+from moebench.correctness import is_correct, relative_error
+from moebench.inputs import make_weights
+from moebench.kernels.engine_configs import engine_file_name
+from moebench.kernels.triton.configs import TILE_KEYS, load_config_file, nearest_entry
+from moebench.kernels.triton.experts import fused_moe, select_config
+from moebench.kernels.triton.routing import fused_topk_softmax
+from moebench.kernels.vllm_triton import vllm_fused_experts
+from moebench.quant import QuantScheme
+
+#: name: (E, topk, H, I per rank), the engines' file being E=..,N=I
+SHAPES = {"mixtral-tp8": (8, 2, 4096, 1792), "qwen3-30b-a3b": (128, 8, 2048, 768),
+          "qwen3-235b-tp8": (128, 8, 4096, 192), "deepseek-v3-tp8": (256, 8, 7168, 256)}
+SMOKE_SHAPES = {"tiny": (8, 2, 200, 64)}
+TOKENS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]
+BLOCK = QuantScheme("fp8_w8a8", "block", (128, 128))
+HERE = Path(__file__).parent
+
+
+def engine_table(name: str, e: int, n: int, quant) -> dict[int, dict] | None:
+    """The engine's shipped H200 entries for (E, N, scheme) from benchmarks/<name>_h200_configs.json."""
+    key = f"E={e},N={n}" + (",dtype=fp8_w8a8,block_shape=[128,128]" if quant is not None else "")
+    data = json.loads((HERE / f"{name}_h200_configs.json").read_text())
+    if key not in data:
+        return None
+    return {int(t): dict(zip(TILE_KEYS, v)) for t, v in data[key].items()}
+
+
+def tuned_table(folder: Path | None, e: int, n: int, quant) -> dict[int, dict] | None:
+    """The file `tune --kernel vllm` wrote for this shape on an H200, if it is in `folder`."""
+    if folder is None:
+        return None
+    p = folder / engine_file_name("vllm", e, n, "NVIDIA_H200", quant)
+    return {k: dict(v) for k, v in load_config_file(p).items()} if p.is_file() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="vllm_kernel")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--precisions", default="bf16,fp8")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--tuned", type=Path, default=None, help="folder of the files `tune --kernel vllm` wrote")
+    ap.add_argument("--routings", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    shapes = dict(SHAPES)
+    if args.smoke:
+        shapes = SMOKE_SHAPES
+        args.shapes, args.routings = "tiny", 1
+    out_dir, dev, head = script_setup(f"{args.routings} routings per point")
+    head = "# " + head
+    files_rows, triton_rows = [], []
+    for shape in args.shapes.split(","):
+        e, k, h, n = shapes[shape]
+        for prec in args.precisions.split(","):
+            quant = BLOCK if prec == "fp8" else None
+            tables = {"new": tuned_table(args.tuned, e, n, quant), "vllm": engine_table("vllm", e, n, quant),
+                      "sglang": engine_table("sglang", e, n, quant)}
+            if args.smoke:  # the real files are for real shapes: stand-ins that exercise every column
+                small = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+                tables = {"new": {1: small}, "vllm": {1: dict(small, BLOCK_SIZE_N=32)}, "sglang": None}
+            w13, w2 = make_weights(range(e), h, n, torch.bfloat16, str(dev), 0, quant=quant)
+            for m in [int(t) for t in args.tokens.split(",")]:
+                per: dict[str, list[float]] = {c: [] for c in ("new", "vllm", "sglang", "triton")}
+                errs: dict[str, float] = {}
+                for r in range(args.routings):
+                    g = torch.Generator(device=dev).manual_seed(1000 * r + m)
+                    x = torch.randn(m, h, dtype=torch.bfloat16, device=dev, generator=g)
+                    tw, ids = fused_topk_softmax(torch.randn(m, e, device=dev, generator=g), k, renormalize=True)
+                    ref = moebench.reference_moe(x, w13, w2, tw, ids) if r == 0 else None
+                    for col, table in tables.items():
+                        if table is None:
+                            continue
+                        cfg = nearest_entry(table, m)[1]
+                        fn = lambda cfg=cfg: vllm_fused_experts(x, w13, w2, tw, ids, cfg)  # noqa: E731
+                        if ref is not None:
+                            errs[col] = relative_error(fn(), ref)
+                        per[col].append(timed_us(fn, reps=20, graph_calls=4))
+                    tfn = lambda: fused_moe(x, w13, w2, tw, ids)  # noqa: E731
+                    if ref is not None:
+                        errs["triton"] = relative_error(tfn(), ref)
+                    per["triton"].append(timed_us(tfn, reps=20, graph_calls=4))
+                    del ref
+                bad = [c for c, v in errs.items() if not is_correct(v, torch.bfloat16, quant)]
+                med = {c: statistics.median(v) if v else None for c, v in per.items()}
+
+                def ratio(a, b):
+                    return round(med[a] / med[b], 3) if med[a] and med[b] else "-"
+
+                us = {c: round(v, 1) if v is not None else "-" for c, v in med.items()}
+                files_rows.append(dict(
+                    shape=shape, precision=prec, tokens=m, new_us=us["new"], vllm_file_us=us["vllm"],
+                    sglang_file_us=us["sglang"], new_over_vllm=ratio("new", "vllm"), new_over_sglang=ratio("new", "sglang"),
+                    new_cfg=_cfg(tables["new"], m), vllm_cfg=_cfg(tables["vllm"], m), sglang_cfg=_cfg(tables["sglang"], m),
+                    max_err=f"{max(errs.values()):.2e}", wrong=",".join(bad) or "-"))
+                write_rows(files_rows, out_dir, "vllm_kernel_files", head + "; engine files in the vllm-triton experts")
+                eng = min((c for c in ("vllm", "sglang") if med[c]), key=lambda c: med[c], default=None)
+                triton_cfg = select_config(m, k, w13, w2, e, torch.bfloat16)
+                triton_rows.append(dict(
+                    shape=shape, precision=prec, tokens=m, triton_us=us["triton"],
+                    engine_us=us[eng] if eng else "-", engine_file=eng or "-",
+                    triton_over_engine=ratio("triton", eng) if eng else "-",
+                    triton_cfg="/".join(str(triton_cfg[0][kk]) for kk in TILE_KEYS), triton_cfg_source=triton_cfg[1],
+                    wrong=",".join(bad) or "-"))
+                write_rows(triton_rows, out_dir, "vllm_kernel_triton",
+                           head + "; moebench's triton layer vs the faster engine file in the vllm-triton experts")
+            w13 = w2 = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return 0
+
+
+def _cfg(table, m) -> str:
+    if table is None:
+        return "-"
+    cfg = nearest_entry(table, m)[1]
+    return "/".join(str(cfg[k]) for k in TILE_KEYS)
