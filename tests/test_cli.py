@@ -1,5 +1,8 @@
-"""End-to-end: run the CLI as a user would (a subprocess of the installed entry point's module)."""
+"""End-to-end: run the CLI as a user would (a subprocess of the installed entry point's module;
+bad-input cases through the same entry point in this process, which skips a second start-up)."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -16,6 +19,28 @@ def moebench(*args, cwd=None, timeout=300):
     env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
     return subprocess.run([sys.executable, "-m", "moebench.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=timeout)
+
+
+def moebench_inproc(*args, cwd=None, timeout=None):
+    """`moebench *args` through its entry point (`moebench.cli.main`) in this process: the exit
+    status, stdout and stderr a user sees. An uncaught exception (what would print a traceback)
+    propagates and fails the test."""
+    from moebench.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv, here, code = sys.argv, os.getcwd(), 0
+    sys.argv = ["moebench", *map(str, args)]
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+    return subprocess.CompletedProcess(["moebench", *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_bad_input(res, *needles):
@@ -49,22 +74,22 @@ SMALL = ["--num-experts", "6", "--topk", "2", "--hidden", "24", "--intermediate"
     (SMALL + ["--format", "csv,xls"], ["xls"]),
 ])
 def test_bad_input_one_line_exit_2(args, needles):
-    assert_bad_input(moebench("sweep", *args), *needles)
+    assert_bad_input(moebench_inproc("sweep", *args), *needles)
 
 
 def test_malformed_config_json(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
-    assert_bad_input(moebench("sweep", "--model", str(bad)), "config.json")
+    assert_bad_input(moebench_inproc("sweep", "--model", str(bad)), "config.json")
     not_moe = tmp_path / "dense.json"
     not_moe.write_text(json.dumps({"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32}))
-    assert_bad_input(moebench("sweep", "--model", str(not_moe)), "dense.json")
+    assert_bad_input(moebench_inproc("sweep", "--model", str(not_moe)), "dense.json")
 
 
 def test_unwritable_output_folder(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert_bad_input(moebench("sweep", *SMALL, "--out", str(blocker / "sub")), "cannot write")
+    assert_bad_input(moebench_inproc("sweep", *SMALL, "--out", str(blocker / "sub")), "cannot write")
 
 
 def test_too_large_for_memory():
@@ -75,8 +100,8 @@ def test_too_large_for_memory():
 
 
 def test_click_usage_error_is_one_line():
-    assert_bad_input(moebench("sweep", "--tp", "x"), "--tp")
-    assert_bad_input(moebench("nonsense"), "nonsense")
+    assert_bad_input(moebench_inproc("sweep", "--tp", "x"), "--tp")
+    assert_bad_input(moebench_inproc("nonsense"), "nonsense")
 
 
 def test_sweep_end_to_end(tmp_path):

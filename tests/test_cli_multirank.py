@@ -4,7 +4,7 @@ import json
 
 import pandas as pd
 
-from test_cli import assert_bad_input, moebench
+from test_cli import assert_bad_input, moebench, moebench_inproc
 
 SHAPE = ["--num-experts", "10", "--topk", "3", "--hidden", "40", "--intermediate", "24"]
 
@@ -91,9 +91,9 @@ def test_simulated_tp_link_override(tmp_path):
 
 
 def test_multirank_bad_input():
-    assert_bad_input(moebench("sweep", *SHAPE, "--tokens", "1", "--world-size", "3", "--tp", "2"), "does not match")
-    assert_bad_input(moebench("sweep", *SHAPE, "--tokens", "1", "--link-gbps", "5"), "--simulate")
-    assert_bad_input(moebench("sweep", *SHAPE, "--tokens", "1", "--ep", "4", "--simulate", "--link", "carrier-pigeon"),
+    assert_bad_input(moebench_inproc("sweep", *SHAPE, "--tokens", "1", "--world-size", "3", "--tp", "2"), "does not match")
+    assert_bad_input(moebench_inproc("sweep", *SHAPE, "--tokens", "1", "--link-gbps", "5"), "--simulate")
+    assert_bad_input(moebench_inproc("sweep", *SHAPE, "--tokens", "1", "--ep", "4", "--simulate", "--link", "carrier-pigeon"),
                      "unknown link profile")
 
 

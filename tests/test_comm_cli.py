@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from test_cli import ROOT, assert_bad_input, moebench
+from test_cli import ROOT, assert_bad_input, moebench, moebench_inproc
 
 SHAPE = ["--num-experts", "64", "--topk", "4", "--hidden", "128", "--intermediate", "64"]
 
@@ -94,10 +94,10 @@ def test_sweep_simulated_ep16(tmp_path):
 
 def test_bad_cluster_input(tmp_path):
     base = ["compare", "tp-vs-ep", *SHAPE, "--tokens", "4", "--no-check", "--out", str(tmp_path)]
-    assert_bad_input(moebench(*base, "--world-size", "12"), "not a multiple of --gpus-per-node 8")
-    assert_bad_input(moebench(*base, "--world-size", "8", "--link", "nvlink9"), "unknown link profile")
-    assert_bad_input(moebench(*base, "--world-size", "8", "--rdma", "rdma-9000g"), "unknown RDMA link")
-    assert_bad_input(moebench(*base, "--world-size", "8", "--gpus-per-node", "0"), "--gpus-per-node")
+    assert_bad_input(moebench_inproc(*base, "--world-size", "12"), "not a multiple of --gpus-per-node 8")
+    assert_bad_input(moebench_inproc(*base, "--world-size", "8", "--link", "nvlink9"), "unknown link profile")
+    assert_bad_input(moebench_inproc(*base, "--world-size", "8", "--rdma", "rdma-9000g"), "unknown RDMA link")
+    assert_bad_input(moebench_inproc(*base, "--world-size", "8", "--gpus-per-node", "0"), "--gpus-per-node")
     sweep = ["sweep", *SHAPE, "--tokens", "4", "--simulate", "--out", str(tmp_path)]
-    assert_bad_input(moebench(*sweep, "--tp", "16"), "TP stays inside a node")
-    assert_bad_input(moebench(*sweep, "--ep", "12"), "not a multiple of --gpus-per-node")
+    assert_bad_input(moebench_inproc(*sweep, "--tp", "16"), "TP stays inside a node")
+    assert_bad_input(moebench_inproc(*sweep, "--ep", "12"), "not a multiple of --gpus-per-node")

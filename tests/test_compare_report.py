@@ -7,7 +7,7 @@ from matplotlib import image as mpimg
 
 from moebench.compare import summarize
 from moebench.results import ResultRow
-from test_cli import assert_bad_input, moebench
+from test_cli import assert_bad_input, moebench, moebench_inproc
 
 
 def _png_has_content(path, min_w=600, min_h=300):
@@ -56,12 +56,12 @@ def test_compare_world_size_4_qwen3_routing(tmp_path):
 
 
 def test_compare_bad_input():
-    assert_bad_input(moebench("compare", "tp-vs-ep", "--model", "mixtral-8x7b"), "--world-size")
-    assert_bad_input(moebench("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "4", "--tp", "4"),
+    assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "mixtral-8x7b"), "--world-size")
+    assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "4", "--tp", "4"),
                      "--world-size N")
-    assert_bad_input(moebench("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "16"),
+    assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "16"),
                      "larger than the number of experts")
-    assert_bad_input(moebench("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "2",
+    assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "2",
                               "--target-gpu", "toaster"), "datasheet")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from tests.test_cli import assert_bad_input, moebench
+from tests.test_cli import assert_bad_input, moebench, moebench_inproc
 
 SHAPE = ["--num-experts", "8", "--topk", "2", "--hidden", "80", "--intermediate", "48"]
 
@@ -24,7 +24,7 @@ def _rows(out_dir) -> pd.DataFrame:
     (["--dtype", "fp8_w8a8", "--block-shape", "128,128", "--scales", "token"], ["--block-shape"]),
 ])
 def test_bad_fp8_options(args, needles):
-    assert_bad_input(moebench("sweep", *SHAPE, "--tokens", "1", *args), *needles)
+    assert_bad_input(moebench_inproc("sweep", *SHAPE, "--tokens", "1", *args), *needles)
 
 
 def test_sweep_fp8_block_single_rank(tmp_path):
