@@ -80,6 +80,10 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
                       device_summary(device).get("name") if device == "cuda" and target_gpu is None else dev_name)
     spec = SweepSpec(shape=shape, tokens=tok, experts=resolve_names(experts, default_experts(), "experts", default_experts()),
                      dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, quant=quant)
+    if experts not in (None, "", "all"):
+        from moebench.kernels.registry import check_named_experts_quant
+
+        check_named_experts_quant(spec.experts, quant)
     if plot_path is not None:
         check_output_file(plot_path, "--plot")
     folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)

@@ -174,6 +174,10 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, routings=routings,
         quant=quant,
     )
+    if experts not in (None, "", "all"):
+        from moebench.kernels.registry import check_named_experts_quant
+
+        check_named_experts_quant(spec.experts, quant)
     from moebench.bench.hardware import device_summary
     from moebench.runtime.distributed import is_main, join_torchrun, leave_torchrun
     from moebench.sweep import choose_mode, run, run_multirank

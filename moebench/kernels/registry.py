@@ -240,6 +240,20 @@ def check_combination(
             or _quant_reason(pf_cls, ex_cls, device, quant))
 
 
+def check_named_experts_quant(names: list[str], quant) -> None:
+    """Experts backends named explicitly (`--experts a,b`) must declare a weight-only scheme they
+    are asked to run (`supported_quant`): else a one-line MoebenchError naming those that do. (In
+    `--experts all` such pairs are skipped rows with the reason instead.)"""
+    if quant is None or not quant.weight_only:
+        return
+    bad = [n for n in names if quant.kind not in get_experts_class(n).supported_quant]
+    if bad:
+        ok = [n for n in experts_names() if quant.kind in get_experts_class(n).supported_quant
+              and get_experts_class(n).timed]
+        raise MoebenchError(f"experts {', '.join(bad)} cannot run {quant.describe()} (weight-only); "
+                            f"use --experts {','.join(ok)} or another --dtype")
+
+
 def make_experts(name: str, **kwargs: Any) -> Experts:
     return get_experts_class(name)(**kwargs)
 
