@@ -505,6 +505,11 @@ def quantize_weight_only(w: torch.Tensor, scheme: QuantScheme, act_dtype: torch.
     if act_dtype not in (torch.bfloat16, torch.float16) or (scheme.name == "mxfp4" and act_dtype != torch.bfloat16):
         ok = "bf16" if scheme.name == "mxfp4" else "bf16 or fp16"
         raise MoebenchError(f"{scheme.name} keeps {ok} activations, not {act_dtype}; drop the fp32 dtype")
+    if w.shape[0] > 1:  # one expert at a time: the temporaries stay one expert's size
+        parts = [quantize_weight_only(w[j : j + 1], scheme, act_dtype) for j in range(w.shape[0])]
+        zeros = torch.cat([p.zeros for p in parts]) if scheme.zero_points else None
+        return QuantWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), scheme,
+                           zeros=zeros, k=parts[0].k)
     e, n, k = w.shape
     wf = w.float()
     if scheme.name == "int8_w8a16":

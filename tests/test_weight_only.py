@@ -312,6 +312,11 @@ def test_sweep_int4_end_to_end(tmp_path):
         if hit is not None:
             want = 2 * metrics.expert_weight_bytes(100, 40, 2, scheme) + 2 * 100 * 2
             assert abs(r.gbps * r.latency_us * 1e3 - want) / want < 1e-6
+    # the device script's table reads these rows (no bf16 rows here: its bf16 columns stay empty)
+    from benchmarks.weight_only_table import load, table
+
+    lines = table(load(tmp_path, "triton")).splitlines()
+    assert len(lines) == 4 and all("int4_w4a16 group[64]+zp" in ln and "| True |" in ln for ln in lines[2:])
 
 
 @pytest.mark.parametrize("args,needles", [
