@@ -29,5 +29,6 @@ CASES: dict[str, str] = {
     "profile_case": "torch.profiler table of one (prepare/finalize, experts) case",
     "tune_device": "moebench tune on a device: halving vs grid vs the default heuristic",
     "fp8_table": "fp8 vs bf16 table from moebench sweep result folders",
+    "weight_only_table": "weight-only (int8_w8a16 / int4_w4a16 / mxfp4) vs bf16 table from sweep result folders",
     "flip_table": "flip factor per token count of compare tp-vs-ep run folders",
 }

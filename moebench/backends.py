@@ -157,29 +157,39 @@ def backend_infos(device: str, world_size: int = 1) -> list[BackendInfo]:
 
 
 def _dtypes_text(cls: type[Experts], quant: tuple[str, ...] | None = None) -> str:
-    """'fp32,fp16,bf16' plus 'fp8_w8a8(tensor/token/block)' for the fp8 scales it takes (`quant`:
-    those that run on the device at hand; default: every one it declares)."""
+    """'fp32,fp16,bf16' plus 'fp8_w8a8(tensor/token/block)' for the fp8 scales it takes and the
+    weight-only schemes by name ('int8_w8a16,int4_w4a16,mxfp4') (`quant`: the kinds that run on the
+    device at hand; default: every one it declares)."""
+    from moebench.quant import WEIGHT_ONLY
+
     text = ",".join(_dtype_name(d) for d in cls.supported_dtypes)
     quant = cls.supported_quant if quant is None else quant
-    if quant:
-        text += ",fp8_w8a8(" + "/".join(quant) + ")"
-    return text
+    fp8 = [q for q in quant if q not in WEIGHT_ONLY]
+    if fp8:
+        text += ",fp8_w8a8(" + "/".join(fp8) + ")"
+    return ",".join([text] + [q for q in quant if q in WEIGHT_ONLY])
 
 
 def _quant_here(cls: type[Experts], device: str) -> tuple[tuple[str, ...], str]:
-    """The fp8 scales of `cls` that run on `device`, and why the others do not: the check a sweep
-    makes for each pair (`Experts.quant_unavailable_reason`), so env and sweep agree."""
-    from moebench.quant import QuantScheme
+    """The quantisation kinds of `cls` (fp8 scales, weight-only schemes) that run on `device`, and
+    why the others do not: the check a sweep makes for each pair (`Experts.quant_unavailable_reason`),
+    so env and sweep agree."""
+    from moebench.quant import WEIGHT_ONLY, QuantScheme
 
     here, why = [], {}
-    for sc in cls.supported_quant:
-        scheme = QuantScheme("fp8_w8a8", sc, (128, 128) if sc == "block" else None)
+    for kind in cls.supported_quant:
+        if kind in WEIGHT_ONLY:
+            scheme = QuantScheme(kind)
+        else:
+            scheme = QuantScheme("fp8_w8a8", kind, (128, 128) if kind == "block" else None)
         reason = cls.quant_unavailable_reason(device, scheme)
         if reason is None:
-            here.append(sc)
+            here.append(kind)
         else:
-            why.setdefault(reason, []).append(sc)
-    return tuple(here), "; ".join(f"fp8_w8a8 {'/'.join(scs)}: {r}" for r, scs in why.items())
+            why.setdefault(reason, []).append(kind)
+    return tuple(here), "; ".join(
+        f"{'/'.join(k for k in kinds)}: {r}" if kinds[0] in WEIGHT_ONLY else f"fp8_w8a8 {'/'.join(kinds)}: {r}"
+        for r, kinds in why.items())
 
 
 def _experts_reason(cls: type[Experts], device: str, dtype: torch.dtype | None) -> str | None:
@@ -205,9 +215,9 @@ def _pf_reason(cls: type[PrepareAndFinalize], device: str, world_size: int, enab
 def _quant_reason(pf_cls: type[PrepareAndFinalize], ex_cls: type[Experts], device: str, quant) -> str | None:
     if quant is None:
         return None
-    if quant.scales not in ex_cls.supported_quant:
+    if quant.kind not in ex_cls.supported_quant:
         return f"experts '{ex_cls.name}' do not support {quant.describe()}"
-    if not ex_cls.quantizes_input and quant.scales not in pf_cls.supported_quant:
+    if not quant.weight_only and not ex_cls.quantizes_input and quant.scales not in pf_cls.supported_quant:
         return f"prepare/finalize '{pf_cls.name}' cannot quantise activations as {quant.describe()}"
     return ex_cls.quant_unavailable_reason(device, quant)
 
@@ -235,6 +245,20 @@ def check_combination(
         )
     return (_pf_reason(pf_cls, device, world_size, enable_ep) or _experts_reason(ex_cls, device, dtype)
             or _quant_reason(pf_cls, ex_cls, device, quant))
+
+
+def check_named_experts_quant(names: list[str], quant) -> None:
+    """Experts backends named explicitly (`--experts a,b`) must declare a weight-only scheme they
+    are asked to run (`supported_quant`): else a one-line MoebenchError naming those that do. (In
+    `--experts all` such pairs are skipped rows with the reason instead.)"""
+    if quant is None or not quant.weight_only:
+        return
+    bad = [n for n in names if quant.kind not in get_experts_class(n).supported_quant]
+    if bad:
+        ok = [n for n in experts_names() if quant.kind in get_experts_class(n).supported_quant
+              and get_experts_class(n).timed]
+        raise MoebenchError(f"experts {', '.join(bad)} cannot run {quant.describe()} (weight-only); "
+                            f"use --experts {','.join(ok)} or another --dtype")
 
 
 def make_experts(name: str, **kwargs: Any) -> Experts:

@@ -1,7 +1,7 @@
 """Compile moebench's Triton GEMM, alignment and routing kernels for Hopper (sm_90) without a GPU.
 
-Lowers every kernel (the unquantised GEMMs, their fp8 variants and the fp8 activation
-quantisation) through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the
+Lowers every kernel (the unquantised GEMMs, their fp8 and weight-only variants and the fp8
+activation quantisation) through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the
 ptxas Triton ships), so a kernel change that would fail to build on the H200 fails here, on a CPU
 machine, first. Prints one line per kernel variant; exit status 1 on the first failure.
 
@@ -113,6 +113,31 @@ def main() -> int:
             if fp8:
                 ptrs.update({p: "*fp8e4nv" for p in fp8_ptrs})
             print(compile_kernel(jit, {k: v for k, v in c.items() if k in params}, ptrs))
+    # Weight-only schemes (moebench.kernels.triton.wquant): int8 per channel, int4 with and without
+    # zero points, mxfp4; a decode tile (BLOCK_SIZE_K 128 = int4's group: one scale column per tile)
+    # and a prefill one whose BLOCK_SIZE_K (64) spans two mxfp4 groups (one scale per K index),
+    # GEMM1 in both walks, GEMM2 and the batched GEMMs
+    wq_variants = [(dict(WQ=1, WQ_GROUP=1, WQ_ZP=False, WQ_PACK=1), "*i8", "*bf16"),
+                   (dict(WQ=2, WQ_GROUP=128, WQ_ZP=False, WQ_PACK=2), "*u8", "*bf16"),
+                   (dict(WQ=2, WQ_GROUP=128, WQ_ZP=True, WQ_PACK=2), "*u8", "*bf16"),
+                   (dict(WQ=3, WQ_GROUP=32, WQ_ZP=False, WQ_PACK=2), "*u8", "*u8")]
+    for wq, wtype, stype in wq_variants:
+        for bm, bn, bk in ((16, 64, 128), (64, 128, 64)):
+            c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=False,
+                     UPCAST=False, IEEE_DOT=False, USE_TMA=False, **no_quant, **wq)
+            wp = dict(std_ptrs, w13_ptr=wtype, w2_ptr=wtype, w_scale_ptr=stype, wz_ptr="*u8")
+            for wide in (False, True):
+                print(compile_kernel(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=True, WIDE=wide),
+                                     dict(wp, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+            print(compile_kernel(T.gemm2_weighted_sum_kernel, c, wp, ("w2_desc",)))
+            for name in ("batched_silu_mul_gemm1_kernel", "batched_gemm2_kernel"):
+                jit = getattr(B, name)
+                params = set(inspect.signature(jit.fn).parameters)
+                ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16")
+                        for p in params if p.endswith("_ptr")}
+                ptrs.update(w13_ptr=wtype, w2_ptr=wtype, w_scale_ptr=stype, wz_ptr="*u8")
+                print(compile_kernel(jit, {k: v for k, v in c.items() if k in params},
+                                     {k: v for k, v in ptrs.items() if k in params}))
     # GEMM1 also zeroing GEMM2's fp32 accumulator (decode tile)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant)

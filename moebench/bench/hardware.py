@@ -128,7 +128,8 @@ class Ceilings:
 
 def _dtype_key(dtype: str | torch.dtype) -> str:
     """bf16 / fp16 / fp32 / fp8 key of matmul_tflops for a torch dtype or a dtype name
-    (fp8_w8a8, the moebench.quant scheme name, and the float8 e4m3 / e5m2 dtypes map to "fp8")."""
+    (fp8_w8a8, the moebench.quant scheme name, and the float8 e4m3 / e5m2 dtypes map to "fp8"; the
+    weight-only schemes int8_w8a16 / int4_w4a16 / mxfp4, whose dots are 16-bit, to "bf16")."""
     if isinstance(dtype, torch.dtype):
         known = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
         for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"):
@@ -140,6 +141,8 @@ def _dtype_key(dtype: str | torch.dtype) -> str:
         d = d[len("torch."):]
     if d.startswith("float8") or d.startswith("fp8"):
         return "fp8"
+    if d in ("int8_w8a16", "int4_w4a16", "mxfp4"):
+        return "bf16"  # weight-only: dequantised tiles, 16-bit dots
     return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(d, d)
 
 

@@ -2,7 +2,9 @@
 
 Layer (design.md "Timing and metrics"):
     flops = 2 * tokens * topk * 3 * H * I            (GEMM1: 2I x H, GEMM2: H x I, per (token, k))
-    bytes = experts_hit * 3 * H * I * dtype_bytes    (w13 + w2 of every expert that gets a token)
+    bytes = experts_hit * 3 * H * I * dtype_bytes    (w13 + w2 of every expert that gets a token;
+                                                      quantised: the packed bytes and scales,
+                                                      `expert_weight_bytes`)
           + 2 * tokens * H * dtype_bytes             (activations in and out)
     floor = max(bytes / read bandwidth, flops / matmul peak);  roofline_frac = floor / latency
 
@@ -46,19 +48,17 @@ def experts_hit(topk_ids: torch.Tensor, num_experts: int) -> int:
 
 
 def expert_weight_bytes(hidden: int, intermediate: int, dtype_bytes: int | float, quant=None) -> float:
-    """Bytes of one expert's w13 + w2 (3 * H * I elements). With an fp8 QuantScheme: one byte
-    per element plus the fp32 scales (tensor: 2 per expert; token: one per output channel,
-    2I + H; block: one per [bn, bk] block of each matrix)."""
+    """Bytes of one expert's w13 (2I x H) + w2 (H x I) as stored (`QuantScheme.weight_bytes` of
+    each; dtype_bytes: the activation dtype's). Unquantised: 3 * H * I * dtype_bytes. fp8: one byte
+    per element plus the fp32 scales (tensor: 2 per expert; token: one per output channel, 2I + H;
+    block: one per [bn, bk] block of each matrix). int8_w8a16: one byte per element plus a scale
+    per output channel (activation dtype); int4_w4a16: half a byte per element of the K padded to
+    whole groups, a scale per group (activation dtype) and, with zero points, half a byte per
+    group; mxfp4: half a byte per element plus one e8m0 byte per 32."""
     if quant is None:
         return 3 * hidden * intermediate * dtype_bytes
-    if quant.scales == "tensor":
-        n_scales = 2
-    elif quant.scales == "token":
-        n_scales = 2 * intermediate + hidden
-    else:
-        bn, bk = quant.block_shape
-        n_scales = math.ceil(2 * intermediate / bn) * math.ceil(hidden / bk) + math.ceil(hidden / bn) * math.ceil(intermediate / bk)
-    return 3 * hidden * intermediate + 4 * n_scales
+    return (quant.weight_bytes(2 * intermediate, hidden, dtype_bytes)
+            + quant.weight_bytes(hidden, intermediate, dtype_bytes))
 
 
 def layer_bytes(
@@ -121,8 +121,9 @@ def metrics(
 
 def packed_row_bytes(hidden: int, dtype_bytes: int, quant=None) -> int:
     """Bytes of one token row as moebench's dispatch sends it: hidden * dtype_bytes, or with an
-    fp8 QuantScheme the payload plus one fp32 scale per group (moebench.quant.pack_rows)."""
-    if quant is None:
+    fp8 QuantScheme the payload plus one fp32 scale per group (moebench.quant.pack_rows); the
+    weight-only schemes send the unquantised rows."""
+    if quant is None or quant.weight_only:
         return hidden * dtype_bytes
     return hidden + 4 * quant.num_groups(hidden)
 

@@ -41,7 +41,7 @@ def compare():
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
 @cluster_options
 def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype,
-             block_shape, scales, routing, seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path, reps,
+             block_shape, scales, group_size, zero_points, routing, seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path, reps,
              gpus_per_node, rdma_name):
     """TP (all-reduce) vs EP (dispatch/combine) over --world-size ranks: breakdown, crossover, advice."""
     from moebench.bench.hardware import datasheet_ceilings, device_summary
@@ -66,7 +66,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         lay.validate_shape(shape.num_experts, shape.intermediate)
     tok = parse_tokens(tokens) if tokens is not None else [1, 4, 16, 64, 256, 1024, 4096]
     parse_routing(routing)
-    dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16")
+    dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16", group_size, zero_points)
     experts_model = None
     gpu = target_gpu or (DEFAULT_TARGET_GPU if device == "cpu" else None)
     if gpu is not None:
@@ -80,6 +80,10 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
                       device_summary(device).get("name") if device == "cuda" and target_gpu is None else dev_name)
     spec = SweepSpec(shape=shape, tokens=tok, experts=resolve_names(experts, default_experts(), "experts", default_experts()),
                      dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, quant=quant)
+    if experts not in (None, "", "all"):
+        from moebench.backends import check_named_experts_quant
+
+        check_named_experts_quant(spec.experts, quant)
     if plot_path is not None:
         check_output_file(plot_path, "--plot")
     folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)

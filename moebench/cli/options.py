@@ -63,6 +63,25 @@ def resolve_shape(model, num_experts, topk, hidden, intermediate):
     return custom_shape(num_experts, topk, hidden, intermediate)
 
 
+#: --dtype's choices: the float dtypes and the quantised schemes (moebench.quant.QUANT_DTYPES).
+DTYPE_CHOICES = ["bf16", "fp16", "fp32", "fp8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4"]
+
+#: The weight-only scheme's options beside --dtype (int4_w4a16), for every command that takes --dtype.
+WEIGHT_ONLY_OPTIONS = [
+    click.option("--group-size", "group_size", type=int, default=None,
+                 help="int4_w4a16: values per scale along K, 32 | 64 | 128 [128]."),
+    click.option("--zero-points", "zero_points", is_flag=True, default=False,
+                 help="int4_w4a16: a uint4 zero point per group (asymmetric, GPTQ/AWQ style)."),
+]
+
+
+def weight_only_options(f):
+    """--group-size and --zero-points (tune declares its own --dtype and takes these beside it)."""
+    for o in reversed(WEIGHT_ONLY_OPTIONS):
+        f = o(f)
+    return f
+
+
 #: --model or the four size flags: the shape (resolve_shape), the same for every command.
 MODEL_OPTIONS = [
     click.option("--model", default=None, help="Preset name (see `moebench models`) or a local HuggingFace config.json."),
@@ -90,13 +109,15 @@ def shape_options(f):
         click.option("--ep", type=int, default=None, help="Expert parallelism over N ranks (N = dp * tp)."),
         click.option("--world-size", "world_size", type=int, default=None, help="Ranks to run (spawned processes)."),
         click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present."),
-        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_w8a8"]), default=None,
-                     help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations, bf16 output."),
+        click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
+                     help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations, bf16 output; "
+                          "int8_w8a16 / int4_w4a16 / mxfp4: weight-only quantised, bf16 activations."),
         click.option("--block-shape", "block_shape", default=None,
                      help="fp8_w8a8 block-quantised weights, e.g. 128,128 (activations: 1 x 128 groups)."),
         click.option("--scales", type=click.Choice(["tensor", "token", "block"]), default=None,
                      help="fp8_w8a8 scales: tensor (static per tensor) | token (per token x per channel) | block "
                           "[tensor; block with --block-shape]."),
+        *WEIGHT_ONLY_OPTIONS,
         click.option("--routing", default="uniform", show_default=True, help="uniform | zipf:S | hot:F | file:PATH"),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True, help="Results folder."),
@@ -124,13 +145,15 @@ def comm_model(link, rdma_name: str, gpus_per_node: int, device_name: str | None
 
 
 def resolve_precision(dtype: str | None, block_shape: str | None, scales: str | None, device: str,
-                      default: str) -> tuple[torch.dtype, object]:
-    """--dtype/--block-shape/--scales -> (activation dtype, fp8 QuantScheme or None). fp8_w8a8 keeps
-    bf16 activations around the quantised GEMMs (and as the output)."""
+                      default: str, group_size: int | None = None,
+                      zero_points: bool = False) -> tuple[torch.dtype, object]:
+    """--dtype/--block-shape/--scales/--group-size/--zero-points -> (activation dtype, QuantScheme
+    or None). fp8_w8a8 keeps bf16 activations around the quantised GEMMs (and as the output); the
+    weight-only schemes (int8_w8a16, int4_w4a16, mxfp4) keep bf16 activations throughout."""
     from moebench.inputs import parse_dtype
     from moebench.quant import parse_quant
 
-    quant = parse_quant(dtype, block_shape, scales)
+    quant = parse_quant(dtype, block_shape, scales, group_size, zero_points)
     if quant is not None:
         return torch.bfloat16, quant
     return parse_dtype(dtype or default), None

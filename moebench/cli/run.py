@@ -137,7 +137,7 @@ def models(as_json: bool):
 @click.option("--show-skipped", is_flag=True, help="List every skipped pair with its reason (default: a count by reason).")
 @cluster_options
 def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, block_shape,
-          scales, routing, seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps,
+          scales, group_size, zero_points, routing, seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps,
           routings, show_skipped, gpus_per_node, rdma_name):
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
     from moebench.backends import prepare_finalize_names
@@ -161,7 +161,8 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         raise MoebenchError(f"--format: unknown {', '.join(bad)}; valid: {', '.join(EXPORT_FORMATS)}")
     if "parquet" in fmts and importlib.util.find_spec("pyarrow") is None:
         raise MoebenchError("--format parquet needs pyarrow (pip install pyarrow), or drop parquet from --format")
-    dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16" if device == "cuda" else "fp32")
+    dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16" if device == "cuda" else "fp32",
+                                  group_size, zero_points)
     if reps is not None and reps < 1:
         raise MoebenchError("--reps must be >= 1")
     if routings < 1:
@@ -173,6 +174,10 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, routings=routings,
         quant=quant,
     )
+    if experts not in (None, "", "all"):
+        from moebench.backends import check_named_experts_quant
+
+        check_named_experts_quant(spec.experts, quant)
     from moebench.bench.hardware import device_summary
     from moebench.runtime.distributed import is_main, join_torchrun, leave_torchrun
     from moebench.sweep import choose_mode, run, run_multirank

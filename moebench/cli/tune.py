@@ -22,6 +22,7 @@ import click
 from rich.table import Table
 
 from moebench.cli.options import (
+    DTYPE_CHOICES,
     console,
     err_console,
     model_options,
@@ -29,6 +30,7 @@ from moebench.cli.options import (
     resolve_device,
     resolve_precision,
     resolve_shape,
+    weight_only_options,
 )
 from moebench.errors import MoebenchError
 from moebench.fileio import atomic_write_bytes
@@ -56,13 +58,15 @@ def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
 @click.option("--dp", type=int, default=None, help="Data-parallel size (with --ep).")
 @click.option("--ep", type=int, default=None, help="Expert parallelism over N ranks: E of the file = local experts.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_w8a8"]), default=None,
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
               help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations (bf16 around them); "
-                   "writes the ...,dtype=fp8_w8a8[,block_shape=[BN,BK]][,per_channel_quant=True].json file.")
+                   "writes the ...,dtype=fp8_w8a8[,block_shape=[BN,BK]][,per_channel_quant=True].json file. "
+                   "int8_w8a16 / int4_w4a16 / mxfp4: weight-only (bf16 activations), ...,dtype=<name>.json.")
 @click.option("--block-shape", "block_shape", default=None,
               help="fp8_w8a8 block-quantised weights, e.g. 128,128 (prunes BLOCK_SIZE_K/N to divide it).")
 @click.option("--scales", type=click.Choice(["tensor", "token", "block"]), default=None,
               help="fp8_w8a8 scales: tensor | token | block [tensor; block with --block-shape].")
+@weight_only_options
 @click.option("--routing", default=None, help="uniform | zipf:S | hot:F | file:PATH  [uniform]")
 @click.option("--seed", type=int, default=None, help="Inputs and sampling seed [0].")
 @click.option("--search", "strategy", type=click.Choice(["grid", "random", "halving"]), default=None,
@@ -90,8 +94,9 @@ def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
 @click.option("--down", is_flag=True,
               help="Tune GEMM2's own config against the GEMM1 config the layer looks up (tuned file or default "
                    "heuristic; same BLOCK_SIZE_M) and write SGLang's ..._down.json file next to it.")
-def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, block_shape, scales, routing,
-         seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps, final_reps, dry_run, kernel, down):
+def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, block_shape, scales,
+         group_size, zero_points, routing, seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps,
+         final_reps, dry_run, kernel, down):
     """Find the fastest Triton tile config per token count; write the vLLM-format file."""
     from moebench.inputs import dtype_name
     from moebench.kernels.engine_configs import check_kernel
@@ -118,12 +123,13 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             spec.device = resolve_device(device)
         else:
             resolve_device(spec.device)
-        if any(v is not None for v in (dtype, block_shape, scales)):
+        if any(v is not None for v in (dtype, block_shape, scales, group_size)) or zero_points:
             saved = spec.quant.name if spec.quant is not None else dtype_name(spec.dtype)
             if not (spec.quant is not None and dtype in (None, spec.quant.name) and block_shape is None
-                    and scales is None):  # a bare --dtype fp8_w8a8 keeps the saved scheme
+                    and scales is None and group_size is None
+                    and not zero_points):  # a bare --dtype fp8_w8a8 keeps the saved scheme
                 spec.dtype, spec.quant = resolve_precision(dtype or saved, block_shape, scales, spec.device,
-                                                           dtype_name(spec.dtype))
+                                                           dtype_name(spec.dtype), group_size, zero_points)
         if tokens is not None:
             spec.tokens = parse_tokens(tokens)
         if down:
@@ -142,7 +148,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         kernel = kernel or "moebench"
         # the engines' kernel takes 16-bit activations only: bf16 on a CPU too
         act_dtype, quant = resolve_precision(dtype, block_shape, scales, dev,
-                                             "bf16" if dev == "cuda" or kernel != "moebench" else "fp32")
+                                             "bf16" if dev == "cuda" or kernel != "moebench" else "fp32",
+                                             group_size, zero_points)
         spec = T.TuneSpec(
             shape=resolve_shape(model, num_experts, topk, hidden, intermediate),
             layout=ParallelLayout.from_args(tp, dp, ep),

@@ -243,7 +243,8 @@ class Experts(ABC):
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     #: False for correctness-only backends (the float64 reference): never timed as a contender.
     timed: ClassVar[bool] = True
-    #: fp8 scale kinds (moebench.quant.SCALES) the experts take quantised weights with; () = none.
+    #: Quantisation kinds (moebench.quant.QUANT_KINDS: the fp8 scale kinds and the weight-only
+    #: scheme names, `QuantScheme.kind`) the experts take quantised weights with; () = none.
     supported_quant: ClassVar[tuple[str, ...]] = ()
     #: With quantised weights: True = the experts want unquantised activations and quantise them
     #: themselves; False = prepare quantises (before dispatch) and hands over fp8 + scales.
@@ -303,8 +304,10 @@ class FusedMoEKernel:
             raise UnsupportedError("w13 and w2 must be quantised with the same scheme (or both not at all)")
         if quant is None:
             return None
-        if quant.scales not in self.experts.supported_quant:
+        if quant.kind not in self.experts.supported_quant:
             raise UnsupportedError(f"experts '{self.experts.name}' do not support {quant.describe()}")
+        if quant.weight_only:
+            return quant  # activations stay unquantised: nothing for prepare to do
         if not self.experts.quantizes_input and quant.scales not in self.prepare_finalize.supported_quant:
             raise UnsupportedError(
                 f"prepare/finalize '{self.prepare_finalize.name}' cannot quantise activations as {quant.describe()}"
@@ -318,7 +321,8 @@ class FusedMoEKernel:
             num_experts = expert_map.shape[0] if expert_map is not None else w13.shape[0]
         quant = self.check_quant(w13, w2)
         # Which side quantises the activations is the experts' declaration, never a guess.
-        pf_quant = None if quant is None or self.experts.quantizes_input else ActQuant(quant, w13.input_scale)
+        pf_quant = (None if quant is None or quant.weight_only or self.experts.quantizes_input
+                    else ActQuant(quant, w13.input_scale))
         prep = self.prepare_finalize.prepare(
             x, topk_weights, topk_ids, num_experts, w13.shape[0], expert_map, quant=pf_quant
         )

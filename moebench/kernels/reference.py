@@ -11,7 +11,7 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceNoOp,
 )
 from moebench.kernels.token_layout import local_topk_ids
-from moebench.quant import SCALES, as_float, fake_quant, scheme_of
+from moebench.quant import QUANT_KINDS, as_float, fake_quant, scheme_of
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -36,8 +36,12 @@ def reference_moe(
     Quantised weights (moebench.quant.QuantWeight) are dequantised, and the activations go through
     the scheme's rounding points exactly as the kernels see them (x quantised; the intermediate
     stored in x's dtype, then quantised), so the check measures the kernel, not fp8 itself.
+    Weight-only schemes quantise no activation: the reference runs on x and the dequantised
+    weights (`QuantWeight.dequantize`: the values the kernels dot).
     """
     quant = scheme_of(w13)
+    if quant is not None and quant.weight_only:
+        quant = None  # activations unquantised; as_float dequantises the weights
     xd = x.double() if quant is None else fake_quant(x, quant, x.dtype, w13.input_scale)
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     local = local_topk_ids(topk_ids, expert_map)
@@ -60,7 +64,7 @@ class ReferenceExperts(Experts):
     name = "reference"
     activation_format = ActivationFormat.STANDARD
     timed = False
-    supported_quant = SCALES
+    supported_quant = QUANT_KINDS
     quantizes_input = True  # takes x unquantised and emulates the scheme itself
 
     def weight_and_reduce(self):

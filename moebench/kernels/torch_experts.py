@@ -209,7 +209,7 @@ class TorchExperts(Experts):
     @classmethod
     def quant_unavailable_reason(cls, device: str, scheme: QuantScheme) -> str | None:
         """None when `scheme` runs on `device` ("cpu", "cuda", "cuda:N"), else why not."""
-        if scheme.scales not in cls.supported_quant:
+        if scheme.kind not in cls.supported_quant:
             return (f"experts '{cls.name}' do not support {scheme.describe()} (torch's scaled grouped GEMM "
                     f"takes per-tensor / per-row scales only)")
         return fp8_grouped_mm_unavailable_reason(device)

@@ -158,7 +158,7 @@ def set_comm_gbps(row, ids_full: torch.Tensor, hidden: int, el: int, world: int,
     """Dispatch / combine GB/s per rank, counting bytes per (token, expert) pair as DeepEP does
     (fp8 dispatch: payload + scales + header; combine sends the activation dtype)."""
     per_rank = {
-        "dispatch": metrics.dispatch_bytes(ids_full, hidden, fp8=quant is not None, dtype_bytes=el) / world,
+        "dispatch": metrics.dispatch_bytes(ids_full, hidden, fp8=quant is not None and not quant.weight_only, dtype_bytes=el) / world,
         "combine": metrics.dispatch_bytes(ids_full, hidden, dtype_bytes=el) / world,
     }
     for name in ("dispatch", "combine"):

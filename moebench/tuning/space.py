@@ -12,6 +12,9 @@ cannot run or cannot win, and counts each reason:
     fp8 block       block-quantised fp8 weights ([bn, bk] scale blocks): BLOCK_SIZE_K must divide
                     bk (one scale column per K step, as vLLM's tuner prunes); BLOCK_SIZE_N is free
                     (both kernels read one weight scale per output column)
+    weight-only group  int4 / mxfp4 weights: BLOCK_SIZE_K must divide the K group or be a
+                    multiple of it (the kernels read one scale column per tile, or one per K
+                    index; moebench.kernels.triton.wquant); powers of two always are
     shared memory   num_stages * (BM*BK + BK*BN) * dtype bytes > the device's per-block limit
                     (fp8: 1 byte per element)
                     (both GEMMs stage an A tile (BM, BK) and B tiles totalling (BK, BN) per stage;
@@ -61,6 +64,7 @@ ConfigKey = tuple[int, int, int, int, int, int]
 
 #: Pruning reason of a config whose tile does not fit inside the fp8 scale block.
 FP8_BLOCK_REASON = "BLOCK_SIZE_K not dividing the fp8 scale block"
+WQ_GROUP_REASON = "BLOCK_SIZE_K not aligned with the weight-only group"
 
 
 def config_key(cfg: Mapping[str, int]) -> ConfigKey:
@@ -121,7 +125,8 @@ class Problem:
     tokens: M on this rank; num_experts: E global (routing spreads over these); local_experts:
     experts on this rank (w13.shape[0]); hidden: H; inter: I per rank (w2.shape[2]);
     elem_bytes: bytes per GEMM operand element (1 for fp8); quant_block: (bn, bk) of
-    block-quantised fp8 weights, else None; block_m_fixed: BLOCK_SIZE_M is given (GEMM2's configs
+    block-quantised fp8 weights, else None; wq_group: the K group of weight-only int4 / mxfp4
+    weights (None: none); block_m_fixed: BLOCK_SIZE_M is given (GEMM2's configs
     take GEMM1's), so the BLOCK_SIZE_M rule does not apply.
     """
 
@@ -134,6 +139,7 @@ class Problem:
     elem_bytes: int = 2
     smem_limit: int = DEFAULT_SMEM_BYTES
     quant_block: tuple[int, int] | None = None
+    wq_group: int | None = None
     block_m_fixed: bool = False
 
     @property
@@ -169,6 +175,8 @@ def prune_reason(cfg: Mapping[str, int], p: Problem) -> str | None:
     bm, bn, bk = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     if p.quant_block is not None and p.quant_block[1] % bk:
         return FP8_BLOCK_REASON
+    if p.wq_group is not None and bk % p.wq_group and p.wq_group % bk:
+        return WQ_GROUP_REASON
     if smem_bytes(cfg, p.elem_bytes) > p.smem_limit:
         return "shared memory"
     if not p.block_m_fixed and bm > max(16, 2 * _next_pow2(p.tokens_per_expert)):

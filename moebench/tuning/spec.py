@@ -12,7 +12,7 @@ from moebench.inputs import dtype_name, parse_dtype
 from moebench.kernels.triton import configs as C
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
-from moebench.quant import QuantScheme, precision_text
+from moebench.quant import WEIGHT_ONLY, QuantScheme, precision_text
 from moebench.tuning.search import LayerBench, LayerWeights, Timer
 from moebench.tuning.space import dtype_bytes
 
@@ -85,8 +85,10 @@ class TuneSpec:
 
     @property
     def elem_bytes(self) -> int:
-        """Bytes per GEMM operand element (shared memory estimate): 1 for fp8."""
-        return 1 if self.quant is not None else dtype_bytes(self.dtype)
+        """Bytes per GEMM operand element (shared memory estimate): 1 for fp8; the activation
+        dtype's for weight-only schemes (their A tiles are 16-bit; the packed B tiles are smaller,
+        so the estimate is an upper bound)."""
+        return 1 if self.quant is not None and not self.quant.weight_only else dtype_bytes(self.dtype)
 
     @property
     def local_experts(self) -> int:
@@ -112,14 +114,20 @@ class TuneSpec:
 def quant_to_json(q: QuantScheme | None) -> dict[str, Any] | None:
     if q is None:
         return None
-    return {"name": q.name, "scales": q.scales, "block_shape": list(q.block_shape) if q.block_shape else None}
+    d = {"name": q.name, "scales": q.scales, "block_shape": list(q.block_shape) if q.block_shape else None}
+    if q.weight_only:
+        d.update(group_size=q.group_size, zero_points=q.zero_points)
+    return d
 
 
 def quant_from_json(d: Mapping[str, Any] | None) -> QuantScheme | None:
     if not d:
         return None
     bs = d.get("block_shape")
-    return QuantScheme(d.get("name", "fp8_w8a8"), d["scales"], tuple(int(b) for b in bs) if bs else None)
+    name = d.get("name", "fp8_w8a8")
+    if name in WEIGHT_ONLY:
+        return QuantScheme(name, group_size=d.get("group_size"), zero_points=bool(d.get("zero_points")))
+    return QuantScheme(name, d["scales"], tuple(int(b) for b in bs) if bs else None)
 
 
 def file_shape(shape: MoEShape, layout: ParallelLayout) -> tuple[int, int]:

@@ -268,6 +268,7 @@ def _space_for(spec: TuneSpec, tokens: int) -> PruneReport:
         tokens=tokens, num_experts=spec.shape.num_experts, local_experts=spec.local_experts, topk=spec.shape.topk,
         hidden=spec.shape.hidden, inter=spec.inter_per_rank, elem_bytes=spec.elem_bytes,
         smem_limit=smem_limit(spec.device), quant_block=spec.quant.block_shape if spec.quant else None,
+        wq_group=spec.quant.group_size if spec.quant is not None and spec.quant.weight_only else None,
         block_m_fixed=spec.down,
     )
     return prune(full_space(space), problem)

@@ -33,6 +33,7 @@ from moebench.kernels.triton.configs import TileConfig, default_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.kernels.triton.options import TritonOptions
 from moebench.kernels.triton.quant import check_block_config, quant_meta, quantize_rows
+from moebench.kernels.triton.wquant import check_wq_config, wq_load, wq_meta, wq_zero_args
 from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
 
 
@@ -62,6 +63,10 @@ def batched_silu_mul_gemm1_kernel(
     stride_wse,  # w13 scale of (expert, row n, K group): e * stride_wse + n' * stride_wsn + g * stride_wsk,
     stride_wsn,  # n' = n (QUANT 1) or n // GROUP_N (QUANT 2); 0 for broadcast dimensions
     stride_wsk,
+    wz_ptr,  # WQ_ZP: int4 zero points of w13 (moebench.kernels.triton.wquant)
+    stride_wze,
+    stride_wzn,
+    stride_wzk,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,  # intermediate columns per program (gate and up each)
     BLOCK_SIZE_K: tl.constexpr,
@@ -73,6 +78,11 @@ def batched_silu_mul_gemm1_kernel(
     #                           epilogue; 2 block scales [GROUP_N, GROUP_K] applied per K step
     GROUP_N: tl.constexpr = 1,
     GROUP_K: tl.constexpr = 1,  # QUANT 2: a multiple of BLOCK_SIZE_K
+    WQ: tl.constexpr = 0,  # weight-only w13 (wquant.wq_load): 0 none, 1 int8, 2 int4, 3 mxfp4; scales
+    #                        through w_scale_ptr / stride_ws*
+    WQ_GROUP: tl.constexpr = 1,
+    WQ_ZP: tl.constexpr = False,
+    WQ_PACK: tl.constexpr = 1,  # weight codes per byte along K
 ):
     # Axis 1 = expert; axis 0 -> (row tile, intermediate tile), grouped for L2 reuse.
     expert = tl.program_id(1).to(tl.int64)
@@ -96,7 +106,7 @@ def batched_silu_mul_gemm1_kernel(
     # Pointers: A = the expert's rows, B = gate rows n.. and up rows I + n.. of w13[e], their scales.
     a_ptrs = a_ptr + expert * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
-    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
     u_ptrs = g_ptrs + N_INTER * stride_wn
     gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
     us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
@@ -107,11 +117,20 @@ def batched_silu_mul_gemm1_kernel(
     for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < H - k * BLOCK_SIZE_K)[None, :], other=0.0)
+        if WQ != 0:
+            g = wq_load(g_ptrs, k * BLOCK_SIZE_K, H, offs_n, col_ok, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+                        wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, not EVEN_K,
+                        BLOCK_SIZE_K, a_ptr.dtype.element_ty, UPCAST)
+            u = wq_load(u_ptrs, k * BLOCK_SIZE_K, H, offs_n + N_INTER, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                        stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
+                        not EVEN_K, BLOCK_SIZE_K, a_ptr.dtype.element_ty, UPCAST)
+        elif EVEN_K:
             g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < H - k * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc_g = scaled_mma(a, g, acc_g, k * BLOCK_SIZE_K, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
@@ -119,8 +138,8 @@ def batched_silu_mul_gemm1_kernel(
         acc_u = scaled_mma(a, u, acc_u, k * BLOCK_SIZE_K, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
                            QUANT, GROUP_K, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ak
-        g_ptrs += BLOCK_SIZE_K * stride_wk
-        u_ptrs += BLOCK_SIZE_K * stride_wk
+        g_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
+        u_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
     acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
     acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
 
@@ -157,6 +176,10 @@ def batched_gemm2_kernel(
     stride_wse,  # as in GEMM1, for w2
     stride_wsn,
     stride_wsk,
+    wz_ptr,  # WQ_ZP: int4 zero points of w2, as in GEMM1
+    stride_wze,
+    stride_wzn,
+    stride_wzk,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -167,6 +190,10 @@ def batched_gemm2_kernel(
     QUANT: tl.constexpr = 0,
     GROUP_N: tl.constexpr = 1,
     GROUP_K: tl.constexpr = 1,
+    WQ: tl.constexpr = 0,  # weight-only w2, as in GEMM1
+    WQ_GROUP: tl.constexpr = 1,
+    WQ_ZP: tl.constexpr = False,
+    WQ_PACK: tl.constexpr = 1,
 ):
     # Axis 1 = expert; axis 0 -> (row tile, hidden tile), grouped as in GEMM1.
     expert = tl.program_id(1).to(tl.int64)
@@ -188,7 +215,7 @@ def batched_gemm2_kernel(
 
     # Pointers: A = inter's rows of the expert, B (BK, BN) = w2[e, n, k]^T, and their scales.
     a_ptrs = inter_ptr + expert * stride_ie + offs_m[:, None] * stride_im + offs_k[None, :] * stride_ik
-    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
     bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
 
@@ -197,15 +224,21 @@ def batched_gemm2_kernel(
     for k in range(0, tl.cdiv(N_INTER, BLOCK_SIZE_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < N_INTER - k * BLOCK_SIZE_K)[None, :], other=0.0)
+        if WQ != 0:
+            b = wq_load(b_ptrs, k * BLOCK_SIZE_K, N_INTER, offs_n, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                        stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
+                        not EVEN_K, BLOCK_SIZE_K, inter_ptr.dtype.element_ty, UPCAST)
+        elif EVEN_K:
             b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < N_INTER - k * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = scaled_mma(a, b, acc, k * BLOCK_SIZE_K, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
                          QUANT, GROUP_K, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik
-        b_ptrs += BLOCK_SIZE_K * stride_wk
+        b_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
 
     acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
 
@@ -238,9 +271,12 @@ def mean_rows(t: int, tokens: int | None, topk: int | None, num_experts: int | N
 
 
 def _scale_args(scale: torch.Tensor | None, w) -> tuple:
-    """(a_scale, w_scale) pointers and (a strides (3), w strides (3)); dummies without fp8."""
+    """(a_scale, w_scale) pointers and (a strides (3), w strides (3)); dummies without fp8; the
+    weight scales alone for the weight-only schemes."""
     if not isinstance(w, QuantWeight):
         return (w, w), (0, 0, 0, 0, 0, 0)
+    if w.scheme.weight_only:
+        return (w.scale, w.scale), (0, 0, 0, *w.scale_strides())
     return (scale, w.scale), (*scale.stride(), *w.scale_strides())
 
 
@@ -266,7 +302,13 @@ def batched_moe(
     if scheme_of(w2) != scheme:
         raise MoebenchError("w13 and w2 must be quantised with the same scheme (or both not at all)")
     counts = expert_num_tokens.to(device=a.device, dtype=torch.int32)
-    if scheme is not None:
+    if scheme is not None and scheme.weight_only:
+        check_wq_config(config, scheme, "batched-triton experts")
+        if a.dtype != w13.act_dtype or a_scale is not None:
+            raise MoebenchError(f"{scheme.name} batched-triton experts take unquantised {w13.act_dtype} activations "
+                                f"(the dtype its weights were quantised for), got {a.dtype}")
+        out_dtype = a.dtype
+    elif scheme is not None:
         check_block_config(config, scheme, "batched-triton experts")
         if scheme.scales == "tensor" and w2.input_scale is None:
             raise MoebenchError("per-tensor fp8 needs w2.input_scale (moebench.quant.quantize_weights sets it)")
@@ -290,6 +332,7 @@ def batched_moe(
     bm, bn, bk, g = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"], config["GROUP_SIZE_M"]
     meta = dict(num_warps=config["num_warps"], num_stages=config["num_stages"], **quant_meta(w13))
     w13q, w2q = (w13.q, w2.q) if scheme is not None else (w13, w2)
+    wq13, wq2 = wq_meta(w13), wq_meta(w2)
 
     bn1 = max(16, bn // 2)
     inter = torch.empty((e_local, t, n_inter), dtype=out_dtype, device=a.device)
@@ -298,12 +341,12 @@ def batched_moe(
     batched_silu_mul_gemm1_kernel[grid1](
         a, w13q, inter, counts, *ptrs, t, n_inter, h,
         a.stride(0), a.stride(1), a.stride(2), w13q.stride(0), w13q.stride(1), w13q.stride(2),
-        inter.stride(0), inter.stride(1), inter.stride(2), *strides,
+        inter.stride(0), inter.stride(1), inter.stride(2), *strides, *wq_zero_args(w13),
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
-        EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta,
+        EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta, **wq13,
     )
     inter_scale = None
-    if scheme is not None:
+    if scheme is not None and not scheme.weight_only:
         # Rows past each expert's count are skipped (counts read on the device).
         inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, batch_counts=counts)
     ptrs, strides = _scale_args(inter_scale, w2)
@@ -311,8 +354,8 @@ def batched_moe(
     batched_gemm2_kernel[grid2](
         inter, w2q, out, counts, *ptrs, t, h, n_inter,
         inter.stride(0), inter.stride(1), inter.stride(2), w2q.stride(0), w2q.stride(1), w2q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), *strides,
+        out.stride(0), out.stride(1), out.stride(2), *strides, *wq_zero_args(w2),
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
-        EVEN_K=n_inter % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta,
+        EVEN_K=n_inter % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta, **wq2,
     )
     return out

@@ -6,7 +6,9 @@ File name (as vLLM's and SGLang's `get_config_file_name`):
 
 E = experts on this rank (w2.shape[0]), N = intermediate size per rank (w2.shape[2]), device =
 `torch.cuda.get_device_name()` with spaces as underscores ("cpu" without CUDA). The dtype part is
-only there for quantised kernels (e.g. "fp8_w8a8"); fp32/fp16/bf16 files carry none. fp8 with
+only there for quantised kernels ("fp8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4"); fp32/fp16/bf16
+files carry none. int4_w4a16 files carry no group size (vLLM's names): one file per layer whatever
+the group; mxfp4 has no vLLM fused_moe file name, moebench writes `,dtype=mxfp4`. fp8 with
 per-token activation x per-channel weight scales (`--scales token`) adds SGLang's
 `,per_channel_quant=True`, so its entries never share a file with the per-tensor ones.
 
@@ -116,8 +118,11 @@ def config_file_name(
 
 
 def name_parts(dtype: torch.dtype | str | None, quant: "QuantScheme | None") -> tuple:
-    """(dtype tag, block_shape) of a file name: the fp8 scheme's name and scale block when quant
-    is given, else (dtype, None). The per-channel part: `per_channel_quant(quant)`."""
+    """(dtype tag, block_shape) of a file name: the scheme's name and (fp8) scale block when quant
+    is given, else (dtype, None). The per-channel part: `per_channel_quant(quant)`. Weight-only
+    schemes name no block_shape (vLLM's int4_w4a16 block_shape [0, group] drops out of its name:
+    `,dtype=int4_w4a16.json` whatever the group size or zero points; `,dtype=int8_w8a16.json`);
+    mxfp4, which vLLM's fused_moe files do not name, is `,dtype=mxfp4.json`."""
     if quant is not None:
         return quant.name, quant.file_block_shape
     return dtype, None
@@ -126,7 +131,7 @@ def name_parts(dtype: torch.dtype | str | None, quant: "QuantScheme | None") -> 
 def per_channel_quant(quant: "QuantScheme | None") -> bool:
     """Whether a file name carries `,per_channel_quant=True`: fp8 per-token activation x
     per-channel weight scales (SGLang's per_channel_quant)."""
-    return quant is not None and quant.scales == "token"
+    return quant is not None and not quant.weight_only and quant.scales == "token"
 
 
 def scheme_text(dtype_tag_: str | None, block_shape: list[int] | tuple[int, ...] | None, per_channel: bool) -> str:
@@ -134,6 +139,10 @@ def scheme_text(dtype_tag_: str | None, block_shape: list[int] | tuple[int, ...]
     the scheme a file name stands for (from its dtype, block_shape and per_channel_quant parts)."""
     if not dtype_tag_:
         return "unquantised"
+    from moebench.quant import WEIGHT_ONLY
+
+    if dtype_tag_ in WEIGHT_ONLY:
+        return dtype_tag_
     if block_shape:
         return f"{dtype_tag_} block[{','.join(str(int(b)) for b in block_shape)}]"
     return f"{dtype_tag_} {'per-token' if per_channel else 'per-tensor'}"
@@ -424,7 +433,11 @@ def lookup_down_config(
 def quant_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
     """A 16-bit default config adapted to fp8: twice the BLOCK_SIZE_K (fp8 elements are half the
     bytes, so a pipeline stage holds as many bytes, and block scales are multiplied in half as
-    often), then fitted inside the scale block (`fit_to_quant_block`)."""
+    often), then fitted inside the scale block (`fit_to_quant_block`). Weight-only schemes keep the
+    16-bit config (their A tiles and dots are 16-bit; `wq_load` takes any power-of-two
+    BLOCK_SIZE_K against the group)."""
+    if quant.weight_only:
+        return TileConfig(**cfg)  # type: ignore[typeddict-item]
     out = TileConfig(**{**cfg, "BLOCK_SIZE_K": min(2 * cfg["BLOCK_SIZE_K"], 256)})  # type: ignore[typeddict-item]
     if quant.block_shape is not None:
         # block scales: the per-K-step scaled partial product doubles the live accumulators;

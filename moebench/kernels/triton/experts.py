@@ -23,7 +23,8 @@ the sum over top-k to the prepare/finalize.
 
 fp8_w8a8 weights (every scale kind of moebench.quant) take the activations prepare quantised
 (prep.a fp8 + prep.a_scale); the output is in prep.out_dtype. `fused_moe` also quantises a 16-bit
-x itself.
+x itself. Weight-only weights (int8_w8a16, int4_w4a16, mxfp4) take the 16-bit activations as they
+are; the GEMMs dequantise the packed weight tiles (moebench.kernels.triton.wquant).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from moebench.kernels.triton.env import num_sms, triton_unavailable_reason
 from moebench.kernels.triton.gemm import fused_moe_gemms
 from moebench.kernels.triton.options import TritonOptions, layer_split_k, resolve_pdl
 from moebench.kernels.triton.quant import quantize_rows
-from moebench.quant import FP8_DTYPE, SCALES, QuantScheme, scheme_of
+from moebench.quant import FP8_DTYPE, QUANT_KINDS, QuantScheme, scheme_of
 
 
 def select_config(
@@ -109,14 +110,16 @@ def fused_moe(
       - x float8_e4m3fn with a_scale (M, G) fp32 (as prepare makes them); the output is in
         out_dtype (default bf16), or
       - x bf16/fp16/fp32: quantised here (`quantize_rows`, w13.input_scale for per tensor); the
-        output is in x's dtype (or out_dtype)."""
+        output is in x's dtype (or out_dtype).
+    Weight-only (int8_w8a16, int4_w4a16, mxfp4 QuantWeights): x stays in its 16-bit dtype (the one
+    the weights were quantised for); the GEMMs dequantise the weight tiles; the output is in x's dtype."""
     options = options or TritonOptions()
     m, k = topk_ids.shape
     e_local = w13.shape[0]
     scheme = scheme_of(w13)
     if scheme_of(w2) != scheme:
         raise MoebenchError("w13 and w2 must be quantised with the same scheme (or both not at all)")
-    if scheme is None:
+    if scheme is None or scheme.weight_only:
         if a_scale is not None:
             raise MoebenchError("a_scale is for fp8 weights (moebench.quant.QuantWeight) only")
         out_dtype = x.dtype
@@ -158,7 +161,7 @@ class TritonExperts(Experts):
 
     name = "triton"
     activation_format = ActivationFormat.STANDARD
-    supported_quant = SCALES
+    supported_quant = QUANT_KINDS
     quantizes_input = False
 
     def __init__(
@@ -200,7 +203,8 @@ class TritonExperts(Experts):
         m, k = prep.topk_ids.shape
         out_dtype = None
         dtype = x.dtype
-        if scheme_of(w13) is not None:
+        scheme = scheme_of(w13)
+        if scheme is not None and not scheme.weight_only:
             out_dtype = prep.out_dtype or (torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype)
             dtype = out_dtype
         cfg, down = self.config_for(m, k, w13, w2, prep.num_experts, dtype)
@@ -222,7 +226,7 @@ class BatchedTritonExperts(Experts):
 
     name = "batched-triton"
     activation_format = ActivationFormat.BATCHED
-    supported_quant = SCALES
+    supported_quant = QUANT_KINDS
     quantizes_input = False
 
     @classmethod
@@ -270,7 +274,7 @@ class BatchedTritonExperts(Experts):
         scheme = scheme_of(w13)
         out_dtype = None
         dtype = a.dtype
-        if scheme is not None:
+        if scheme is not None and not scheme.weight_only:
             out_dtype = prep.out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
             dtype = out_dtype
         cfg = self.config_for(a.shape[1], a.shape[0], w2.shape[2], a.shape[2], dtype, scheme, a.device.type,

@@ -60,6 +60,7 @@ from moebench.kernels.triton.common import (
 from moebench.kernels.triton.env import interpreter_compat, interpreting, tma_ok
 from moebench.kernels.triton.options import TritonOptions, gemm1_walk, resolve_pdl, resolve_use_tma
 from moebench.kernels.triton.quant import check_block_config, quant_group, quant_meta, quantize_rows
+from moebench.kernels.triton.wquant import check_wq_config, wq_load, wq_meta, wq_zero_args
 from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
 
 
@@ -96,6 +97,10 @@ def silu_mul_gemm1_kernel(
     stride_wse,  # w13 scale of (expert, row n, K group): e * stride_wse + n' * stride_wsn + g * stride_wsk,
     stride_wsn,  # n' = n (QUANT 1) or n // GROUP_N (QUANT 2); 0 for broadcast dimensions
     stride_wsk,
+    wz_ptr,  # WQ_ZP: int4 zero points of w13 (E_local, ceil(2I/2), G) uint8 (moebench.kernels.triton.wquant)
+    stride_wze,
+    stride_wzn,
+    stride_wzk,
     TOPK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,  # intermediate columns per program (gate and up each)
@@ -116,6 +121,11 @@ def silu_mul_gemm1_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
     MAPPED: tl.constexpr = False,  # expert_ids are global ids, mapped through expert_map (direct_align)
     A_TMA: tl.constexpr = False,  # WIDE with USE_TMA: A tiles from x_desc (x gathered into sorted order)
+    WQ: tl.constexpr = 0,  # weight-only w13 (wquant.wq_load): 0 none, 1 int8, 2 int4, 3 mxfp4; scales
+    #                        through w_scale_ptr / stride_ws* (expert, row, K group)
+    WQ_GROUP: tl.constexpr = 1,  # values per weight scale along K
+    WQ_ZP: tl.constexpr = False,  # int4 zero points at wz_ptr
+    WQ_PACK: tl.constexpr = 1,  # weight codes per byte along K (2: int4 / mxfp4)
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -157,7 +167,7 @@ def silu_mul_gemm1_kernel(
         n_w = n0 + offs_w % BLOCK_SIZE_N
         wcol_ok = n_w < N_INTER
         rows_w = n_w + (offs_w // BLOCK_SIZE_N) * N_INTER
-        w_ptrs = w13_ptr + expert * stride_we + rows_w[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        w_ptrs = w13_ptr + expert * stride_we + rows_w[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
         ws_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, rows_w, QUANT, GROUP_N)
         w_slice = (2 * expert).to(tl.int32)
 
@@ -175,6 +185,10 @@ def silu_mul_gemm1_kernel(
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if USE_TMA:  # (2, BN, BK) -> (2 BN, BK): rows 0..BN-1 gate, BN..2BN-1 up, as the columns
                 w = tl.reshape(w13_desc.load([w_slice, n0, k * BLOCK_SIZE_K]), (2 * BLOCK_SIZE_N, BLOCK_SIZE_K)).T
+            elif WQ != 0:
+                w = wq_load(w_ptrs, k * BLOCK_SIZE_K, H, rows_w, wcol_ok, w_scale_ptr, stride_wse, stride_wsn,
+                            stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
+                            not EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
             elif EVEN_K:
                 w = tl.load(w_ptrs, mask=wcol_ok[None, :], other=0.0)
             else:
@@ -182,7 +196,7 @@ def silu_mul_gemm1_kernel(
             acc = scaled_mma(a, w, acc, k * BLOCK_SIZE_K, as_ptrs, ws_ptrs, row_ok, wcol_ok, stride_asg, stride_wsk,
                              QUANT, GROUP_K, UPCAST, IEEE_DOT)
             a_ptrs += BLOCK_SIZE_K * stride_xk
-            w_ptrs += BLOCK_SIZE_K * stride_wk
+            w_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
         acc = dequant(acc, as_ptrs, ws_ptrs, row_ok, wcol_ok, QUANT)
         # (BM, 2 BN) -> (BM, 2, BN) -> (BM, BN, 2) -> gate, up
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1)))
@@ -190,7 +204,7 @@ def silu_mul_gemm1_kernel(
         # B: two (BK, BN) tiles, gate rows n0.. and up rows I + n0.. of w13[expert], and their
         # scales. TMA: the gate tile's first row in the (E_local * 2I, H) view; rows past I (the last
         # tile) read the neighbouring rows or zeros, their columns are masked at the store.
-        g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
         u_ptrs = g_ptrs + N_INTER * stride_wn
         g_row = (expert * 2 * N_INTER + n0).to(tl.int32)
         gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
@@ -209,6 +223,13 @@ def silu_mul_gemm1_kernel(
             if USE_TMA:
                 g = w13_desc.load([g_row, k * BLOCK_SIZE_K]).T
                 u = w13_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
+            elif WQ != 0:
+                g = wq_load(g_ptrs, k * BLOCK_SIZE_K, H, offs_n, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                            stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
+                            not EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
+                u = wq_load(u_ptrs, k * BLOCK_SIZE_K, H, offs_n + N_INTER, col_ok, w_scale_ptr, stride_wse,
+                            stride_wsn, stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP,
+                            WQ_ZP, not EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
             elif EVEN_K:
                 g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
                 u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
@@ -220,8 +241,8 @@ def silu_mul_gemm1_kernel(
             acc_u = scaled_mma(a, u, acc_u, k * BLOCK_SIZE_K, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
                                QUANT, GROUP_K, UPCAST, IEEE_DOT)
             a_ptrs += BLOCK_SIZE_K * stride_xk
-            g_ptrs += BLOCK_SIZE_K * stride_wk
-            u_ptrs += BLOCK_SIZE_K * stride_wk
+            g_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
+            u_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
         acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
         acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
 
@@ -270,6 +291,10 @@ def gemm2_weighted_sum_kernel(
     stride_bse,  # w2 scales, as stride_ws* in GEMM1
     stride_bsn,
     stride_bsk,
+    wz_ptr,  # WQ_ZP: int4 zero points of w2, as in GEMM1
+    stride_wze,
+    stride_wzn,
+    stride_wzk,
     TOPK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
@@ -284,6 +309,10 @@ def gemm2_weighted_sum_kernel(
     GROUP_K: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_wait)
     MAPPED: tl.constexpr = False,  # as in GEMM1
+    WQ: tl.constexpr = 0,  # weight-only w2, as in GEMM1 (scales through w_scale_ptr / stride_bs*)
+    WQ_GROUP: tl.constexpr = 1,
+    WQ_ZP: tl.constexpr = False,
+    WQ_PACK: tl.constexpr = 1,
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -311,7 +340,7 @@ def gemm2_weighted_sum_kernel(
     # are written, sentinels as zeros); B (BK, BN) = w2[e, n, k]^T (TMA: its first row in the
     # (E_local * H, I) view); the scales of inter's rows and of w2's output channels n.
     a_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_k[None, :] * stride_ik
-    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
     b_row = (expert * H + pid_n * BLOCK_SIZE_N).to(tl.int32)
     as_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
     bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_bse, stride_bsn, offs_n, QUANT, GROUP_N)
@@ -328,6 +357,10 @@ def gemm2_weighted_sum_kernel(
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         if USE_TMA:
             b = w2_desc.load([b_row, k]).T
+        elif WQ != 0:
+            b = wq_load(b_ptrs, k, k_hi, offs_n, col_ok, w_scale_ptr, stride_bse, stride_bsn, stride_bsk, wz_ptr,
+                        stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, not EVEN_K, BLOCK_SIZE_K,
+                        inter_ptr.dtype.element_ty, UPCAST)
         elif EVEN_K:
             b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
         else:
@@ -335,7 +368,7 @@ def gemm2_weighted_sum_kernel(
         acc = scaled_mma(a, b, acc, k, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_bsk,
                          QUANT, GROUP_K, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik
-        b_ptrs += BLOCK_SIZE_K * stride_wk
+        b_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
     acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
 
     # Epilogue: the router weight of each pair.
@@ -372,10 +405,13 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 
 def _scale_args(scale: torch.Tensor | None, w) -> tuple:
-    """Kernel arguments of the fp8 scales: (a_scale, w_scale, a strides (2), w strides (3)); dummy
-    pointers and zeros without quantisation (the QUANT=0 variant never reads them)."""
+    """Kernel arguments of the scales: (a_scale, w_scale, a strides (2), w strides (3)); dummy
+    pointers and zeros without quantisation (the QUANT=0 variant never reads them); weight-only
+    schemes: the weight scales alone (no activation scale)."""
     if not isinstance(w, QuantWeight):
         return (w, w, 0, 0, 0, 0, 0)
+    if w.scheme.weight_only:
+        return (w.scale, w.scale, 0, 0, *w.scale_strides())
     return (scale, w.scale, scale.stride(0), scale.stride(1), *w.scale_strides())
 
 
@@ -445,7 +481,7 @@ def launch_gemm1(
     act_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else x.dtype
     inter = torch.empty((num_blocks * bm, n_inter), dtype=FP8_DTYPE if out_scale is not None else act_dtype,
                         device=x.device)
-    wq = w13.q if quant["QUANT"] else w13
+    wq = w13.q if isinstance(w13, QuantWeight) else w13
     desc = wq
     if use_tma and wide:  # one (2, BN, BK) box: gate rows of slice 2e, up rows of slice 2e + 1
         desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter, h), [2, bn1, bk])
@@ -467,12 +503,12 @@ def launch_gemm1(
         inter if out_scale is None else out_scale.to(device=x.device, dtype=torch.float32).reshape(1),
         align.num_pairs, n_inter, h, num_blocks,
         x.stride(0), x.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), inter.stride(0), inter.stride(1),
-        *sc[2:],
+        *sc[2:], *wq_zero_args(w13),
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
         MAPPED=align.expert_map is not None, A_TMA=sorted_a, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
+        num_stages=config["num_stages"], **quant, **wq_meta(w13), **pdl_launch_args(pdl),
     )
     return inter
 
@@ -509,7 +545,7 @@ def launch_gemm2(
     k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
     split_k = triton.cdiv(n_inter, k_per_split)
     weights = _flat_weights(topk_weights)
-    wq = w2.q if quant["QUANT"] else w2
+    wq = w2.q if isinstance(w2, QuantWeight) else w2
     desc = wq
     if use_tma:
         desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter), [bn, bk])
@@ -519,11 +555,12 @@ def launch_gemm2(
         inter, wq, desc, ws, weights, align.sorted_token_ids, align.expert_ids, _map_arg(align),
         align.num_tokens_post_padded, *sc[:2], align.num_pairs, h, n_inter, num_blocks, k_per_split,
         inter.stride(0), inter.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), ws.stride(0), ws.stride(1),
-        *sc[2:],
+        *sc[2:], *wq_zero_args(w2),
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, MAPPED=align.expert_map is not None,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **pdl_launch_args(pdl),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **wq_meta(w2),
+        **pdl_launch_args(pdl),
     )
     return ws
 
@@ -563,7 +600,16 @@ def fused_moe_gemms(
     options = options or TritonOptions()
     m, h = x.shape
     scheme = scheme_of(w13)
-    if scheme is not None:
+    if scheme is not None and scheme.weight_only:
+        check_wq_config(config, scheme, "triton experts")
+        if down_config is not None:
+            check_wq_config(down_config, scheme, "triton experts (GEMM2)")
+        if x.dtype != w13.act_dtype or a_scale is not None:
+            raise MoebenchError(f"{scheme.name} triton experts take unquantised {w13.act_dtype} x (the dtype its "
+                                f"weights were quantised for), got {x.dtype}")
+        out_dtype = x.dtype
+        use_tma = False
+    elif scheme is not None:
         out_dtype = out_dtype or torch.bfloat16
         check_block_config(config, scheme, "triton experts")
         if a_scale is None or x.dtype != FP8_DTYPE:
@@ -582,7 +628,8 @@ def fused_moe_gemms(
     # GEMM2's fp32 accumulator, zeroed by GEMM1: an fp32 output is the accumulator itself (no cast).
     acc = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(
         (m, h), dtype=torch.float32, device=x.device)
-    fuse = scheme is not None and scheme.scales == "tensor"
+    fp8 = scheme is not None and not scheme.weight_only
+    fuse = fp8 and scheme.scales == "tensor"
     pdl = resolve_pdl(options, x.device, w2.shape[2])
     wide, sorted_a = gemm1_walk(options, config, x.dtype, scheme is not None, use_tma, w2.shape[2],
                                 m * topk / (num_experts or w13.shape[0]))
@@ -591,7 +638,7 @@ def fused_moe_gemms(
     inter_scale = None
     if fuse:
         inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
-    elif scheme is not None:
+    elif fp8:
         # Only rows < num_tokens_post_padded are in use (read on the device).
         inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
     cfg2, tma2 = config, use_tma

@@ -170,10 +170,11 @@ def use_direct_align(num_tokens: int, topk: int, num_experts: int) -> bool:
 
 def wants_direct_align(options: TritonOptions, num_tokens: int, topk: int, num_experts: int, scheme=None) -> bool:
     """options.direct_align for num_tokens x topk pairs over num_experts global experts with fp8
-    scheme `scheme` (None: 16-bit): "auto" = `use_direct_align`, for 16-bit weights and per-tensor
-    fp8 (whose intermediate GEMM1 quantises itself); other fp8 schemes keep the alignment kernels."""
+    scheme `scheme` (None: 16-bit): "auto" = `use_direct_align`, for 16-bit activations (unquantised
+    or weight-only weights) and per-tensor fp8 (whose intermediate GEMM1 quantises itself); other
+    fp8 schemes keep the alignment kernels."""
     if options.direct_align == "auto":
-        fused = scheme is None or scheme.scales == "tensor"
+        fused = scheme is None or scheme.weight_only or scheme.scales == "tensor"
         return fused and use_direct_align(num_tokens, topk, num_experts)
     return bool(options.direct_align)
 

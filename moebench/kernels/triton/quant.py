@@ -235,9 +235,10 @@ def quantize_rows(
 def quant_meta(w) -> dict[str, int]:
     """The GEMM kernels' fp8 constexprs for a weight: QUANT 0 = unquantised, 1 = tensor / token
     scales (applied in the epilogue), 2 = block scales (applied per K step); GROUP_N, GROUP_K =
-    the block shape (1 otherwise)."""
+    the block shape (1 otherwise). Weight-only schemes quantise no activation: QUANT 0 (their
+    constexprs: moebench.kernels.triton.wquant.wq_meta)."""
     scheme = scheme_of(w)
-    if scheme is None:
+    if scheme is None or scheme.weight_only:
         return dict(QUANT=0, GROUP_N=1, GROUP_K=1)
     if scheme.block_shape is None:
         return dict(QUANT=1, GROUP_N=1, GROUP_K=1)
