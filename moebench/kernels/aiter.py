@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from moebench.activation import SILU
 from moebench.errors import UnsupportedError
 from moebench.kernels.modular import (
     ActivationFormat,
@@ -14,6 +15,7 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceNoOp,
 )
 from moebench.kernels.registry import register_experts
+from moebench.quant import scheme_of
 
 
 @register_experts
@@ -36,7 +38,8 @@ class AiterExperts(Experts):
     def weight_and_reduce(self):
         return TopKWeightAndReduceNoOp()
 
-    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor, *, activation=SILU, bias=None) -> torch.Tensor:
+        self.check_activation(activation, bias, scheme_of(w13))
         from aiter.fused_moe import fused_moe
 
         if prep.expert_map is not None:
