@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moebench.activation import SILU, Activation
 from moebench.bench import metrics
 from moebench.errors import MoebenchError
 from moebench.inputs import dtype_name
@@ -48,6 +49,11 @@ class SweepSpec:
     #: fp8 scheme (weights and activations quantised; `dtype` is then the activation and output
     #: dtype); None = unquantised.
     quant: QuantScheme | None = None
+    #: the experts' activation and biases (moebench.activation; from the model unless overridden)
+    activation: Activation = SILU
+    bias: bool = False
+    #: the shared experts' form in the timed layer: "none", "fused" or "separate" (moebench.kernels.layer)
+    shared: str = "none"
 
     @property
     def dtype_label(self) -> str:
@@ -103,7 +109,8 @@ def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
     for pf in spec.prepare_finalize:
         for ex in spec.experts:
             reason = check_combination(
-                pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep, quant=spec.quant
+                pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep, quant=spec.quant,
+                activation=spec.activation, bias=spec.bias,
             )
             if reason is None and spec.layout.dp > 1 and not get_prepare_finalize_class(pf).communicates:
                 reason = (f"prepare/finalize '{pf}' keeps tokens where they are, so dp {spec.layout.dp} > 1 "
@@ -135,7 +142,8 @@ def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
         model=s.name, num_experts=s.num_experts, topk=s.topk, hidden=s.hidden, intermediate=s.intermediate,
         tokens=tokens, tp=lay.tp, dp=lay.dp, ep=lay.ep_size, world_size=lay.world_size,
         prepare_finalize=pf, experts=ex, activation_format=fmt, dtype=spec.dtype_label,
-        device=spec.device, routing=spec.routing, quant=spec.quant_label,
+        device=spec.device, routing=spec.routing, quant=spec.quant_label, activation=spec.activation.name,
+        expert_bias=spec.bias, shared_experts=spec.shared,
     )
 
 

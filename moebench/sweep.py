@@ -22,9 +22,10 @@ from moebench.cases import (  # noqa: F401  (re-exported: the sweep's API, as be
 )
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
-from moebench.inputs import check_fits, make_tokens, rank_weights
+from moebench.inputs import check_fits, make_tokens
+from moebench.kernels.layer import MoELayer, layer_args, layer_bytes_extra, layer_reference, make_rank_layer, \
+    shared_gate_values
 from moebench.kernels.modular import poisoned_outputs
-from moebench.kernels.reference import reference_moe
 from moebench.kernels.registry import make_kernel
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow, RunStore
@@ -45,18 +46,20 @@ def run_sweep(
     runnable = [p for p in pairs if p[2] is None]
     rows: list[ResultRow] = []
     ceilings = get_ceilings(spec.device)
-    qw13 = qw2 = unquantized = None
+    lw = None
     if runnable:
         check_fits(s.num_experts, s.hidden, s.intermediate, max(spec.tokens, default=0), s.topk, spec.dtype, spec.device)
         # fp8: the kernels run on the quantised weights; the unquantised ones stay for err_vs_unquantized.
-        (qw13, qw2), unquantized = rank_weights(spec, 0, keep_unquantized=spec.check)
+        lw = rank_layer(spec, range(s.num_experts))
     for m in spec.tokens:
         x = make_tokens(m, s.hidden, spec.dtype, spec.device, spec.seed + m)
         topk_weights, topk_ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
         imbalance = load_imbalance(topk_ids, s.num_experts)
         ref = ref_unq = None
-        flops = metrics.layer_flops(m, s.topk, s.hidden, s.intermediate)
-        nbytes = metrics.layer_bytes(topk_ids, s.num_experts, s.hidden, s.intermediate, spec.act_bytes, m, spec.quant)
+        gate = shared_gate(spec, x, m)
+        if lw is not None:
+            args = layer_args(lw, x, topk_weights, topk_ids, s.num_experts, gate)
+            flops, nbytes = layer_work(spec, lw, args, m)
         for pf, ex, reason in pairs:
             row = base_row(spec, m, pf, ex)
             row.imbalance = imbalance
@@ -66,11 +69,14 @@ def run_sweep(
                 row.status, row.reason = "skipped", reason
             else:
                 if ref is None and spec.check:
-                    ref = reference_moe(x, qw13, qw2, topk_weights, topk_ids)
-                    if unquantized is not None:
-                        ref_unq = reference_moe(x, *unquantized, topk_weights, topk_ids)
-                _measure(spec, row, pf, ex, (x, qw13, qw2, topk_weights, topk_ids), ref, flops, nbytes, ceilings,
-                         variants=routing_variants(spec, m, x, qw13, qw2), ref_unquantized=ref_unq)
+                    ref = layer_reference(lw, args, spec.activation, gate)
+                    if lw.unquantized is not None:
+                        ref_unq = layer_reference(lw.unquantized, (x, lw.unquantized.w13, lw.unquantized.w2, *args[3:]),
+                                                  spec.activation, gate)
+                _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings,
+                         variants=routing_variants(spec, m, x, lw, gate), ref_unquantized=ref_unq,
+                         wrap=lambda k, lw=lw, gate=gate: MoELayer(k, spec.activation, lw.bias, lw.shared_w13,
+                                                                   lw.shared_w2, gate))
             store.add(row)
             rows.append(row)
             if on_progress:
@@ -78,14 +84,48 @@ def run_sweep(
     return rows
 
 
-def routing_variants(spec: SweepSpec, m: int, x, w13, w2) -> list[tuple]:
+def rank_layer(spec: SweepSpec, experts, rank: int = 0, tp_rank: int = 0, tp_size: int = 1):
+    """The RankLayer (moebench.kernels.layer) of `spec` for the global experts `experts` and TP
+    shard tp_rank of tp_size: weights (quantised when spec.quant, the unquantised ones kept for
+    err_vs_unquantized when checking), biases, shared experts in spec.shared's form."""
+    return make_rank_layer(spec.shape, experts, spec.dtype, spec.device, spec.seed, tp_rank, tp_size, spec.activation,
+                           spec.bias, spec.shared, spec.quant, keep_unquantized=spec.check)
+
+
+def shared_gate(spec: SweepSpec, x, m: int):
+    """The shared experts' per-token gate (M,) where the model gates them and they run, else None."""
+    if spec.shared == "none" or not spec.shape.shared_gate:
+        return None
+    return shared_gate_values(x, spec.seed + m)
+
+
+def layer_work(spec: SweepSpec, lw, args: tuple, tokens: int, shared_tokens: int | None = None) -> tuple[float, float]:
+    """(flops, bytes) of the layer case `args` (from layer_args): the routed pairs (and fused
+    shared pairs) over the experts they hit, the separate shared MLP on `shared_tokens` (default:
+    tokens), the biases of the experts hit, the activations in and out."""
+    s = spec.shape
+    x, w13, w2, tw, ids, emap, n_exp = args
+    i = w2.shape[-1]
+    local = ids if emap is None else emap.to(ids.device).long()[ids]
+    pairs = int((local >= 0).sum())
+    hit = int(torch.unique(local[local >= 0]).numel())
+    flops = metrics.layer_flops(pairs, 1, s.hidden, i)
+    st = tokens if shared_tokens is None else shared_tokens
+    if lw.shared_w13 is not None:
+        flops += metrics.shared_flops(st, s.hidden, lw.shared_w2.shape[-1])
+    nbytes = (hit * metrics.expert_weight_bytes(s.hidden, i, spec.act_bytes, spec.quant)
+              + 2 * tokens * s.hidden * spec.act_bytes + layer_bytes_extra(lw, s, hit, spec.act_bytes, spec.quant))
+    return float(flops), float(nbytes)
+
+
+def routing_variants(spec: SweepSpec, m: int, x, lw, gate=None) -> list[tuple]:
     """Argument tuples with `spec.routings - 1` extra routings of the same distribution (the first
     routing, the checked one, is the caller's)."""
     s = spec.shape
     out = []
     for j in range(1, spec.routings):
         w, ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m + 7919 * j, device=spec.device)
-        out.append((x, w13, w2, w, ids))
+        out.append(layer_args(lw, x, w, ids, s.num_experts, gate))
     return out
 
 
@@ -103,12 +143,15 @@ def cycling(kernel, variants: list[tuple]) -> Callable[[], object]:
 
 
 def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings, variants: list[tuple] = (),
-             ref_unquantized=None) -> None:
+             ref_unquantized=None, wrap=None) -> None:
     """Check `pf + ex` on `args` against `ref`, then time it (cycling through `args` and
     `variants`, other routings of the same distribution); fills `row` in place. fp8 rows also
-    get their error against `ref_unquantized` (the reference without quantisation)."""
+    get their error against `ref_unquantized` (the reference without quantisation). wrap: the
+    layer around the kernel (MoELayer: activation, biases, shared MLP), None = the bare kernel."""
     try:
         kernel = make_kernel(ex, pf)
+        if wrap is not None:
+            kernel = wrap(kernel)
         if spec.check:
             with poisoned_outputs():
                 out = kernel.apply(*args)
