@@ -11,6 +11,7 @@ moebench.kernels.layer) and the quantisation the checkpoint ships in (`quantizat
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -223,6 +224,26 @@ def _validate(s: MoEShape) -> None:
         math.isfinite(s.routed_scaling_factor) and s.routed_scaling_factor > 0
     ):
         raise MoebenchError(f"{what}: routed_scaling_factor must be a positive number, got {s.routed_scaling_factor!r}")
+
+
+def checkpoint_scheme(cq: CheckpointQuant):
+    """The moebench.quant.QuantScheme that times a checkpoint's quantisation; a MoebenchError
+    naming the dtype when moebench.quant does not know it."""
+    from moebench.quant import QUANT_DTYPES, QuantScheme
+
+    where = "the preset's checkpoint" if cq.source == "preset" else f"the checkpoint's quantization_config ({cq.source})"
+    if cq.dtype not in QUANT_DTYPES:
+        raise MoebenchError(f"{where} is {cq.describe()}, a dtype this moebench does not time ({cq.dtype} is not one of "
+                            f"{', '.join(QUANT_DTYPES)}): pass --dtype bf16 or --dtype fp8_w8a8 to time it otherwise")
+    if cq.dtype == "fp8_w8a8":
+        if cq.block_shape is not None:
+            return QuantScheme(cq.dtype, "block", tuple(cq.block_shape))
+        return QuantScheme(cq.dtype, "tensor")
+    names = {f.name for f in dataclasses.fields(QuantScheme)}
+    if "group_size" not in names:
+        raise MoebenchError(f"{where} is {cq.describe()}: moebench.quant has no group size for {cq.dtype}; "
+                            f"pass --dtype to choose the precision")
+    return QuantScheme(name=cq.dtype, group_size=cq.group_size)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,12 +84,12 @@ def run_sweep(
     return rows
 
 
-def rank_layer(spec: SweepSpec, experts, rank: int = 0, tp_rank: int = 0, tp_size: int = 1):
+def rank_layer(spec: SweepSpec, experts, tp_rank: int = 0, tp_size: int = 1, shared_shard=None):
     """The RankLayer (moebench.kernels.layer) of `spec` for the global experts `experts` and TP
     shard tp_rank of tp_size: weights (quantised when spec.quant, the unquantised ones kept for
     err_vs_unquantized when checking), biases, shared experts in spec.shared's form."""
     return make_rank_layer(spec.shape, experts, spec.dtype, spec.device, spec.seed, tp_rank, tp_size, spec.activation,
-                           spec.bias, spec.shared, spec.quant, keep_unquantized=spec.check)
+                           spec.bias, spec.shared, spec.quant, keep_unquantized=spec.check, shared_shard=shared_shard)
 
 
 def shared_gate(spec: SweepSpec, x, m: int):

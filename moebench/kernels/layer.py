@@ -103,9 +103,11 @@ def fuse_shared(w13: torch.Tensor, w2: torch.Tensor, sw13: torch.Tensor, sw2: to
 
 
 def make_rank_layer(shape, e_list, dtype, device, seed, tp_rank, tp_size, activation: Activation, bias: bool,
-                    mode: str, quant=None, keep_unquantized: bool = False) -> RankLayer:
+                    mode: str, quant=None, keep_unquantized: bool = False,
+                    shared_shard: tuple[int, int] | None = None) -> RankLayer:
     """One rank's RankLayer: the routed experts `e_list` (global ids; TP shard tp_rank of tp_size),
-    biases (b2 on TP rank 0 only), the shared MLP in `mode`, quantised with `quant` (the fused
+    biases (b2 on TP rank 0 only), the shared MLP in `mode` (its I shard shared_shard = (rank,
+    size); default the routed experts' (tp_rank, tp_size)), quantised with `quant` (the fused
     shared experts with the routed ones, per expert)."""
     il = activation.interleaved
     w13, w2 = make_weights(e_list, shape.hidden, shape.intermediate, dtype, device, seed, tp_rank=tp_rank,
@@ -118,7 +120,10 @@ def make_rank_layer(shape, e_list, dtype, device, seed, tp_rank, tp_size, activa
     if mode != "none":
         if not shape.shared_intermediate:
             raise MoebenchError(f"shared experts {mode}: model {shape.name!r} has none (use --shared-experts none)")
-        sw13, sw2 = _shared_weights(shape, dtype, device, seed, tp_rank, tp_size, il)
+        sr, ss = shared_shard or (tp_rank, tp_size)
+        if shape.shared_intermediate % ss:
+            raise MoebenchError(f"shared experts: intermediate {shape.shared_intermediate} does not split over {ss} ranks")
+        sw13, sw2 = _shared_weights(shape, dtype, device, seed, sr, ss, il)
     if mode == "fused":
         w13, w2, s = fuse_shared(w13, w2, sw13, sw2, il)
         sw13 = sw2 = None
