@@ -29,4 +29,5 @@ CASES: dict[str, str] = {
     "tune_device": "moebench tune on a device: halving vs grid vs the default heuristic",
     "fp8_table": "fp8 vs bf16 table from moebench sweep result folders",
     "flip_table": "flip factor per token count of compare tp-vs-ep run folders",
+    "shared_table": "shared experts (fused / separate / none) and activations from sweep folders, vs the floor",
 }

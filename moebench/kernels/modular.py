@@ -380,6 +380,9 @@ class FusedMoEKernel:
         """
         self.experts.check_activation(activation, bias, scheme_of(w13))
         prep = self.prepare(x, w13, w2, topk_weights, topk_ids, expert_map, num_experts)
-        out = self.experts.apply(prep, w13, w2, activation=activation, bias=bias)
+        if activation == SILU and bias is None:  # the plain layer: any backend's apply(prep, w13, w2)
+            out = self.experts.apply(prep, w13, w2)
+        else:
+            out = self.experts.apply(prep, w13, w2, activation=activation, bias=bias)
         war = self.prepare_finalize.resolve(self.experts.weight_and_reduce())
         return self.prepare_finalize.finalize(out, prep, topk_weights, war)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from moebench.activation import SILU
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
@@ -190,7 +191,10 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, expe
         prep = kernel.kernel.prepare(xa, w13, w2, wts_a, ids_a, emap_a, n_exp)
 
         def step():
-            exo.apply(prep, w13, w2, activation=spec.activation, bias=lw.bias)
+            if spec.activation == SILU and lw.bias is None:
+                exo.apply(prep, w13, w2)
+            else:
+                exo.apply(prep, w13, w2, activation=spec.activation, bias=lw.bias)
             if lw.shared_w13 is not None:
                 shared_mlp(x[own], lw.shared_w13, lw.shared_w2, spec.activation, None if gate is None else gate[own])
 
