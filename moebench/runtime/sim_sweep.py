@@ -25,7 +25,7 @@ from moebench.activation import SILU
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
-from moebench.cases import base_row, one_line, plan
+from moebench.cases import base_row, one_line, plan, rank_layer, shared_gate
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits, make_tokens
@@ -93,8 +93,6 @@ def _weights(spec, rank: int, cache: dict, moves_tokens: bool):
     """Rank `rank`'s RankLayer (moebench.sweep.rank_layer), one shard at a time on the device.
     Shared experts: replicated where tokens move (each EP rank serves its own tokens), sharded
     over I across the ranks where they stay (TP, or EP without DP: the all-reduce sums them)."""
-    from moebench.sweep import rank_layer
-
     s, lay = spec.shape, spec.layout
     key = (rank, lay.enable_ep, moves_tokens)
     if key not in cache:
@@ -148,8 +146,6 @@ def _simulate_case(spec, row, pf, ex, m, link, ceilings, el, weights_cache, expe
 
     # The rank's compute, on this device: the stand-in P/F lays tokens out as the real one would.
     # Shared experts: the rank's own tokens (where tokens move) or all of them (a shard over I).
-    from moebench.sweep import shared_gate
-
     gate = shared_gate(spec, x, m)
     own = slice(*split[rank]) if moves_tokens else slice(None)
     owner = None
