@@ -16,7 +16,7 @@ TOKENS="${TOKENS:-1,4,16,64,256,1024,4096}"
 for m in $MODELS; do
   for w in $WORLDS; do
     step "compare $m tp-vs-ep world $w"
-    mb compare tp-vs-ep --model "$m" --world-size "$w" --tokens "$TOKENS" --experts "$EXPERTS" \
+    mb compare tp-vs-ep --model "$m" --dtype bf16 --shared-experts none --world-size "$w" --tokens "$TOKENS" --experts "$EXPERTS" \
        --plot "$OUT/compare-$m-w$w.png" --out "$R/$m-w$w" --reps "${REPS:-20}" ${EXTRA:-}
   done
 done

@@ -16,7 +16,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TESTS_S:-240}" python -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -n 12 | tee -a "$log"
 fi
 T="${TOKENS:-1,16,64,256,1024,4096}"
-for spec in "mixtral-8x7b:" "qwen3-30b-a3b:" "deepseek-v3:--tp 8" "deepseek-v3:--tp 8 --dtype fp8_w8a8 --block-shape 128,128" \
+for spec in "mixtral-8x7b:" "qwen3-30b-a3b:" "deepseek-v3:--tp 8 --dtype bf16 --shared-experts none" "deepseek-v3:--tp 8 --dtype fp8_w8a8 --block-shape 128,128 --shared-experts none" \
             "qwen3-30b-a3b:--experts batched-triton --prepare-finalize batched-local"; do
   m=${spec%%:*}; a=${spec#*:}
   ex="--experts triton --prepare-finalize no-dpep"; case "$a" in *--experts*) ex="";; esac

@@ -10,14 +10,14 @@ step "sweep qwen3-30b-a3b (real, one GPU)"
 mb sweep --model qwen3-30b-a3b --tokens "${SWEEP_TOKENS:-1,16,64,256,1024,4096}" --out "$R" --reps 20
 for m in deepseek-v3 mixtral-8x7b; do
   step "sweep $m --tp 8 (simulated)"
-  mb sweep --model $m --tp 8 --tokens 1,16,64,256,1024,4096 --experts triton,torch --prepare-finalize no-dpep --out "$R" --reps 20
+  mb sweep --model $m --tp 8 --dtype bf16 --shared-experts none --tokens 1,16,64,256,1024,4096 --experts triton,torch --prepare-finalize no-dpep --out "$R" --reps 20
   step "sweep $m --ep 8 --dp 8 (simulated)"
-  mb sweep --model $m --ep 8 --dp 8 --tokens 1,16,64,256,1024 --experts triton,torch,batched-triton --out "$R" --reps 20
+  mb sweep --model $m --ep 8 --dp 8 --dtype bf16 --shared-experts none --tokens 1,16,64,256,1024 --experts triton,torch,batched-triton --out "$R" --reps 20
   step "compare $m tp-vs-ep world 8"
-  mb compare tp-vs-ep --model $m --world-size 8 --tokens 1,8,32,128,512,2048,8192 --experts triton,batched-triton,torch --plot "$OUT/compare-$m.png" --out "$R" --reps 20
+  mb compare tp-vs-ep --model $m --dtype bf16 --shared-experts none --world-size 8 --tokens 1,8,32,128,512,2048,8192 --experts triton,batched-triton,torch --plot "$OUT/compare-$m.png" --out "$R" --reps 20
 done
 step "compare deepseek-v3 tp-vs-ep world 8, zipf routing"
-mb compare tp-vs-ep --model deepseek-v3 --world-size 8 --tokens 1,8,32,128,512,2048,8192 --experts triton,batched-triton --routing zipf:1.2 --plot "$OUT/compare-deepseek-v3-zipf.png" --out "$R" --reps 20
+mb compare tp-vs-ep --model deepseek-v3 --dtype bf16 --shared-experts none --world-size 8 --tokens 1,8,32,128,512,2048,8192 --experts triton,batched-triton --routing zipf:1.2 --plot "$OUT/compare-deepseek-v3-zipf.png" --out "$R" --reps 20
 step "profile batched-local + batched-triton"
 python3 -m benchmarks profile_case --model qwen3-30b-a3b --tokens 1 2>&1 | tail -22 | tee -a "$log"
 if [ -n "${TUNE:-}" ]; then

@@ -230,9 +230,12 @@ def check_combination(
     world_size: int = 1,
     enable_ep: bool | None = None,
     quant=None,
+    activation=None,
+    bias: bool = False,
 ) -> str | None:
     """None when the pair can run here; else the reason, naming both halves where it matters.
-    quant: a moebench.quant.QuantScheme for fp8 runs (dtype is then the activation dtype)."""
+    quant: a moebench.quant.QuantScheme for fp8 runs (dtype is then the activation dtype);
+    activation (moebench.activation.Activation; None = silu) and bias: what the experts compute."""
     try:
         pf_cls = get_prepare_finalize_class(prepare_finalize)
         ex_cls = get_experts_class(experts)
@@ -243,8 +246,11 @@ def check_combination(
             f"format mismatch: prepare/finalize '{pf_cls.name}' gives {pf_cls.activation_format}, "
             f"experts '{ex_cls.name}' take {ex_cls.activation_format}"
         )
+    from moebench.activation import SILU
+
     return (_pf_reason(pf_cls, device, world_size, enable_ep) or _experts_reason(ex_cls, device, dtype)
-            or _quant_reason(pf_cls, ex_cls, device, quant))
+            or _quant_reason(pf_cls, ex_cls, device, quant)
+            or ex_cls.activation_unavailable_reason(activation or SILU, bias, quant))
 
 
 def check_named_experts_quant(names: list[str], quant) -> None:

@@ -9,9 +9,11 @@ from typing import Callable
 
 import torch
 
+from moebench.activation import SILU, Activation
 from moebench.bench import metrics
 from moebench.errors import MoebenchError
 from moebench.inputs import dtype_name
+from moebench.kernels.layer import layer_bytes_extra, make_rank_layer, shared_gate_values
 from moebench.backends import (
     check_combination,
     experts_names,
@@ -49,6 +51,11 @@ class SweepSpec:
     #: fp8 scheme (weights and activations quantised; `dtype` is then the activation and output
     #: dtype); None = unquantised.
     quant: QuantScheme | None = None
+    #: the experts' activation and biases (moebench.activation; from the model unless overridden)
+    activation: Activation = SILU
+    bias: bool = False
+    #: the shared experts' form in the timed layer: "none", "fused" or "separate" (moebench.kernels.layer)
+    shared: str = "none"
 
     @property
     def dtype_label(self) -> str:
@@ -104,7 +111,8 @@ def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
     for pf in spec.prepare_finalize:
         for ex in spec.experts:
             reason = check_combination(
-                pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep, quant=spec.quant
+                pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep, quant=spec.quant,
+                activation=spec.activation, bias=spec.bias,
             )
             if reason is None and spec.layout.dp > 1 and not get_prepare_finalize_class(pf).communicates:
                 reason = (f"prepare/finalize '{pf}' keeps tokens where they are, so dp {spec.layout.dp} > 1 "
@@ -136,7 +144,8 @@ def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
         model=s.name, num_experts=s.num_experts, topk=s.topk, hidden=s.hidden, intermediate=s.intermediate,
         tokens=tokens, tp=lay.tp, dp=lay.dp, ep=lay.ep_size, world_size=lay.world_size,
         prepare_finalize=pf, experts=ex, activation_format=fmt, dtype=spec.dtype_label,
-        device=spec.device, routing=spec.routing, quant=spec.quant_label,
+        device=spec.device, routing=spec.routing, quant=spec.quant_label, activation=spec.activation.name,
+        expert_bias=spec.bias, shared_experts=spec.shared,
     )
 
 
@@ -221,3 +230,37 @@ def fill_metrics(row: ResultRow, flops: float, nbytes: float, ceilings) -> None:
     row.tflops, row.gbps, row.roofline_frac = m["tflops"], m["gbps"], m.get("roofline_frac")
     row.floor_us = m.get("floor_us")
     row.ceilings_source = getattr(ceilings, "source", "") if ceilings is not None else "none"
+
+
+def rank_layer(spec: SweepSpec, experts, tp_rank: int = 0, tp_size: int = 1, shared_shard=None):
+    """The RankLayer (moebench.kernels.layer) of `spec` for the global experts `experts` and TP
+    shard tp_rank of tp_size: weights (quantised when spec.quant, the unquantised ones kept for
+    err_vs_unquantized when checking), biases, shared experts in spec.shared's form."""
+    return make_rank_layer(spec.shape, experts, spec.dtype, spec.device, spec.seed, tp_rank, tp_size, spec.activation,
+                           spec.bias, spec.shared, spec.quant, keep_unquantized=spec.check, shared_shard=shared_shard)
+
+
+def shared_gate(spec: SweepSpec, x, m: int):
+    """The shared experts' per-token gate (M,) where the model gates them and they run, else None."""
+    if spec.shared == "none" or not spec.shape.shared_gate:
+        return None
+    return shared_gate_values(x, spec.seed + m)
+
+
+def layer_work(spec: SweepSpec, lw, args: tuple, tokens: int, shared_tokens: int | None = None) -> tuple[float, float]:
+    """(flops, bytes) of the layer case `args` (from layer_args): the routed pairs (and fused
+    shared pairs) over the experts they hit, the separate shared MLP on `shared_tokens` (default:
+    tokens), the biases of the experts hit, the activations in and out."""
+    s = spec.shape
+    x, w13, w2, tw, ids, emap, n_exp = args
+    i = w2.shape[-1]
+    local = ids if emap is None else emap.to(ids.device).long()[ids]
+    pairs = int((local >= 0).sum())
+    hit = int(torch.unique(local[local >= 0]).numel())
+    flops = metrics.layer_flops(pairs, 1, s.hidden, i)
+    st = tokens if shared_tokens is None else shared_tokens
+    if lw.shared_w13 is not None:
+        flops += metrics.shared_flops(st, s.hidden, lw.shared_w2.shape[-1])
+    nbytes = (hit * metrics.expert_weight_bytes(s.hidden, i, spec.act_bytes, spec.quant)
+              + 2 * tokens * s.hidden * spec.act_bytes + layer_bytes_extra(lw, s, hit, spec.act_bytes, spec.quant))
+    return float(flops), float(nbytes)

@@ -31,6 +31,7 @@ def make_weights(
     tp_rank: int = 0,
     tp_size: int = 1,
     quant=None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights of the given global experts, w13 (E_local, 2I', H) and w2 (E_local, H, I'), with
     I' = intermediate / tp_size (this TP rank's column / row shard), N(0, 1/fan_in).
@@ -40,6 +41,9 @@ def make_weights(
 
     Every expert is drawn from its own seed, so any rank, shard or subset sees the same values as a
     full single-rank run: a shard of the full weights equals the weights of the shard.
+
+    interleaved: w13's gate and up rows alternate (row 2j gate j, 2j + 1 up j: swigluoai's layout,
+    moebench.activation) instead of two halves; the same values either way.
     """
     experts = list(experts)
     ip = intermediate // tp_size
@@ -53,6 +57,8 @@ def make_weights(
         w13[i, :ip] = full13[lo:hi]
         w13[i, ip:] = full13[intermediate + lo : intermediate + hi]
         w2[i] = full2[:, lo:hi]
+    if interleaved:
+        w13 = torch.stack([w13[:, :ip], w13[:, ip:]], dim=2).reshape(w13.shape)
     if quant is not None:
         return quantize_weights(w13, w2, quant, dtype)
     return w13, w2

@@ -4,8 +4,9 @@ reader, and validated custom shapes.
 One table of presets (`PRESETS`) and one config reader; no per-model code branches. The shape is
 what the MoE layer needs: E routed experts, top-k, hidden size H, expert intermediate size I
 (the per-expert FFN width, `moe_intermediate_size` where a config has one), plus the router's
-options (softmax or sigmoid scoring, grouped top-k, renormalisation) and the shared-expert count
-(shared experts are not part of the routed layer that moebench times; the count is informative).
+options (softmax or sigmoid scoring, grouped top-k, renormalisation), the experts' activation (and
+biases: gpt-oss), the shared experts (one dense MLP beside the routed ones, timed with the layer:
+moebench.kernels.layer) and the quantisation the checkpoint ships in (`quantization_config`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,69 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from moebench.activation import ACTIVATIONS, SWIGLUOAI_LIMIT, activation_from_config
 from moebench.errors import MoebenchError
 
 SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+#: quantization_config quant_method values of GPTQ / AWQ checkpoints (integer weights, 16-bit activations).
+_INT_WEIGHT_METHODS = ("gptq", "awq")
+#: MX formats: one shared scale per 32 elements (OCP microscaling).
+MX_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    """How a checkpoint's expert weights ship (its config.json `quantization_config`), in
+    moebench's dtype names: dtype "fp8_w8a8" (block_shape (bn, bk), or None: per-tensor scales),
+    "mxfp4" (group_size 32), "int4_w4a16" / "int8_w8a16" (GPTQ / AWQ; group_size None = one scale
+    per output channel). source: where it was read ("config.json", "preset")."""
+
+    dtype: str
+    block_shape: tuple[int, int] | None = None
+    group_size: int | None = None
+    source: str = "config.json"
+
+    def describe(self) -> str:
+        """'fp8_w8a8 block[128,128]', 'fp8_w8a8 per-tensor', 'mxfp4', 'int4_w4a16 group 128'."""
+        if self.dtype == "fp8_w8a8":
+            return f"fp8_w8a8 block[{self.block_shape[0]},{self.block_shape[1]}]" if self.block_shape else "fp8_w8a8 per-tensor"
+        if self.dtype == "mxfp4":
+            return "mxfp4"
+        return f"{self.dtype} group {self.group_size}" if self.group_size else f"{self.dtype} per-channel"
+
+
+def quant_from_config(qc: Any, where: str = "config") -> CheckpointQuant | None:
+    """A config.json's `quantization_config` dict -> CheckpointQuant (None when there is none).
+
+    fp8 (`quant_method: fp8`) with `weight_block_size` [bn, bk] -> fp8_w8a8 block (DeepSeek-V3),
+    without -> fp8_w8a8 per-tensor; `mxfp4` (gpt-oss) -> mxfp4; GPTQ / AWQ `bits` 4 or 8 with
+    `group_size` (-1: per channel) -> int4_w4a16 / int8_w8a16. Anything else: MoebenchError naming it."""
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise MoebenchError(f"{where}: quantization_config must be an object, got {type(qc).__name__}")
+    method = str(qc.get("quant_method", "")).lower()
+    override = "pass --dtype bf16 (or fp8_w8a8) to time the layer unquantised or in fp8"
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block is None:
+            return CheckpointQuant("fp8_w8a8")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(_is_int(b) and b > 0 for b in block)):
+            raise MoebenchError(f"{where}: quantization_config.weight_block_size must be two positive integers, got {block!r}")
+        return CheckpointQuant("fp8_w8a8", block_shape=(int(block[0]), int(block[1])))
+    if method == "mxfp4":
+        return CheckpointQuant("mxfp4", group_size=MX_BLOCK)
+    if method in _INT_WEIGHT_METHODS:
+        bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+        if bits not in (4, 8):
+            raise MoebenchError(f"{where}: {method} with bits {bits!r}; moebench times 4- and 8-bit weights: {override}")
+        if group is not None and (not _is_int(group) or (group < 1 and group != -1)):
+            raise MoebenchError(f"{where}: {method} group_size must be a positive integer or -1, got {group!r}")
+        return CheckpointQuant("int4_w4a16" if bits == 4 else "int8_w8a16",
+                               group_size=None if group in (None, -1) else int(group))
+    raise MoebenchError(f"{where}: quantization_config quant_method {method or '(none)'!r} is not supported; {override}")
 
 
 @dataclass(frozen=True)
@@ -37,7 +98,15 @@ class MoEShape:
     n_group/topk_group: grouped top-k (DeepSeek): experts split into n_group groups, tokens pick
                        experts only from their best topk_group groups; None = plain top-k
     routed_scaling_factor: multiplier on the routed output (DeepSeek-V3: 2.5); 1.0 = none
-    shared_experts:    count of always-on shared experts (not routed, not timed by moebench)
+    shared_experts:    count of always-on shared experts (DeepSeek's n_shared_experts; 1 for one shared MLP)
+    shared_intermediate: intermediate size of the whole shared MLP (DeepSeek: n_shared_experts x
+                       moe_intermediate_size; Qwen2-MoE: shared_expert_intermediate_size); 0 = none
+    shared_gate:       the shared MLP's output is scaled per token by sigmoid(x @ shared_expert_gate)
+                       (Qwen2-MoE, Qwen3-Next)
+    activation:        the experts' activation (moebench.activation: silu, gelu, swigluoai)
+    swiglu_limit:      swigluoai's clamp limit (gpt-oss: 7.0)
+    expert_bias:       the experts carry biases on both GEMMs (gpt-oss)
+    quantization:      how the checkpoint's expert weights ship (its quantization_config), or None
     hf_id:             the HuggingFace model id the numbers come from
     source:            URL of the config.json the numbers come from (or the local path)
     notes:             anything a user should know about this shape
@@ -57,6 +126,12 @@ class MoEShape:
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
     shared_experts: int = 0
+    shared_intermediate: int = 0
+    shared_gate: bool = False
+    activation: str = "silu"
+    swiglu_limit: float = SWIGLUOAI_LIMIT
+    expert_bias: bool = False
+    quantization: CheckpointQuant | None = None
     hf_id: str = ""
     source: str = ""
     notes: str = ""
@@ -138,12 +213,40 @@ def _validate(s: MoEShape) -> None:
                 f"{what}: topk {s.topk} is more than the {s.topk_group} selected groups of "
                 f"{s.num_experts // s.n_group} experts can hold; lower topk or raise topk_group"
             )
+    if s.activation not in ACTIVATIONS:
+        raise MoebenchError(f"{what}: activation must be one of {', '.join(ACTIVATIONS)}, got {s.activation!r}")
+    if not _is_int(s.shared_intermediate) or s.shared_intermediate < 0:
+        raise MoebenchError(f"{what}: shared_intermediate must be a non-negative integer, got {s.shared_intermediate!r}")
     if not _is_int(s.shared_experts) or s.shared_experts < 0:
         raise MoebenchError(f"{what}: shared_experts must be a non-negative integer, got {s.shared_experts!r}")
     if not isinstance(s.routed_scaling_factor, (int, float)) or isinstance(s.routed_scaling_factor, bool) or not (
         math.isfinite(s.routed_scaling_factor) and s.routed_scaling_factor > 0
     ):
         raise MoebenchError(f"{what}: routed_scaling_factor must be a positive number, got {s.routed_scaling_factor!r}")
+
+
+def checkpoint_scheme(cq: CheckpointQuant):
+    """The moebench.quant.QuantScheme that times a checkpoint's quantisation; a MoebenchError
+    naming the dtype when moebench.quant does not know it."""
+    from moebench.quant import QUANT_DTYPES, QuantScheme
+
+    where = "the preset's checkpoint" if cq.source == "preset" else f"the checkpoint's quantization_config ({cq.source})"
+    if cq.dtype not in QUANT_DTYPES:
+        raise MoebenchError(f"{where} is {cq.describe()}, a dtype this moebench does not time ({cq.dtype} is not one of "
+                            f"{', '.join(QUANT_DTYPES)}): pass --dtype bf16 or --dtype fp8_w8a8 to time it otherwise")
+    if cq.dtype == "fp8_w8a8":
+        if cq.block_shape is not None:
+            return QuantScheme(cq.dtype, "block", tuple(cq.block_shape))
+        return QuantScheme(cq.dtype, "tensor")
+    from moebench.quant import parse_quant
+
+    # int4_w4a16 with the checkpoint's group size; int8_w8a16 and mxfp4 with their own scales
+    group = cq.group_size if cq.dtype == "int4_w4a16" else None
+    try:
+        return parse_quant(cq.dtype, group_size=group)
+    except MoebenchError as e:
+        raise MoebenchError(f"{where} is {cq.describe()}, which moebench cannot time as stored ({e}); "
+                            f"pass --dtype to choose the precision") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +259,10 @@ def _preset(name: str, hf_id: str, E: int, topk: int, H: int, I: int, aliases: t
     return MoEShape(name=name, num_experts=E, topk=topk, hidden=H, intermediate=I, hf_id=hf_id,
                     source=_HF.format(hf_id), aliases=aliases, **kw)
 
+
+#: The released checkpoints' expert weights (their config.json quantization_config).
+_FP8_BLOCK_128 = CheckpointQuant("fp8_w8a8", block_shape=(128, 128), source="preset")
+_MXFP4 = CheckpointQuant("mxfp4", group_size=MX_BLOCK, source="preset")
 
 _PRESET_LIST: tuple[MoEShape, ...] = (
     _preset("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", 8, 2, 4096, 14336,
@@ -175,37 +282,40 @@ _PRESET_LIST: tuple[MoEShape, ...] = (
             deploy=("tp8", "ep8"),
             notes="moe_intermediate_size; norm_topk_prob=true"),
     _preset("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct", 512, 10, 2048, 512, shared_experts=1,
-            deploy=("tp4",),
-            notes="moe_intermediate_size; norm_topk_prob=true; one shared expert (size 512)"),
+            shared_intermediate=512, shared_gate=True, deploy=("tp4",),
+            notes="moe_intermediate_size; norm_topk_prob=true; one gated shared expert (size 512)"),
     _preset("qwen2-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B", 60, 4, 2048, 1408, renormalize=False, shared_experts=1,
-            aliases=("qwen1.5-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B-Chat"),
+            aliases=("qwen1.5-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B-Chat"), shared_intermediate=5632, shared_gate=True,
             deploy=("tp1",),
             notes="Qwen2MoE architecture; norm_topk_prob=false; one gated shared expert of size 5632"),
     _preset("deepseek-v3", "deepseek-ai/DeepSeek-V3", 256, 8, 7168, 2048, scoring="sigmoid", n_group=8,
-            topk_group=4, routed_scaling_factor=2.5, shared_experts=1,
+            topk_group=4, routed_scaling_factor=2.5, shared_experts=1, shared_intermediate=2048,
+            quantization=_FP8_BLOCK_128,
             aliases=("deepseek-ai/DeepSeek-V3-0324", "deepseek-v3.1", "deepseek-ai/DeepSeek-V3.1"),
             deploy=("tp8", "ep8"),
             notes="n_routed_experts; sigmoid scores with e_score_correction_bias, noaux_tc grouped top-k; "
                   "norm_topk_prob=true; first 3 layers dense"),
     _preset("deepseek-r1", "deepseek-ai/DeepSeek-R1", 256, 8, 7168, 2048, scoring="sigmoid", n_group=8,
-            topk_group=4, routed_scaling_factor=2.5, shared_experts=1, aliases=("deepseek-ai/DeepSeek-R1-0528",),
+            topk_group=4, routed_scaling_factor=2.5, shared_experts=1, shared_intermediate=2048,
+            quantization=_FP8_BLOCK_128, aliases=("deepseek-ai/DeepSeek-R1-0528",),
             deploy=("tp8", "ep8"),
             notes="same MoE shape as deepseek-v3"),
     _preset("deepseek-v2", "deepseek-ai/DeepSeek-V2", 160, 6, 5120, 1536, renormalize=False, n_group=8,
-            topk_group=3, routed_scaling_factor=16.0, shared_experts=2,
+            topk_group=3, routed_scaling_factor=16.0, shared_experts=2, shared_intermediate=3072,
             deploy=("tp8",),
             notes="n_routed_experts; softmax, group_limited_greedy top-k; norm_topk_prob=false"),
     _preset("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite", 64, 6, 2048, 1408, renormalize=False,
-            shared_experts=2, aliases=("deepseek-ai/DeepSeek-V2-Lite-Chat",),
+            shared_experts=2, shared_intermediate=2816, aliases=("deepseek-ai/DeepSeek-V2-Lite-Chat",),
             deploy=("tp1",),
             notes="n_routed_experts; softmax, greedy top-k; norm_topk_prob=false"),
-    _preset("gpt-oss-20b", "openai/gpt-oss-20b", 32, 4, 2880, 2880,
-            deploy=("tp1",),
-            notes="num_local_experts; softmax over the top-4 logits; experts use a clamped SwiGLU with bias "
-                  "and ship in MXFP4 (moebench times the plain SiLU-mul layer of this shape)"),
-    _preset("gpt-oss-120b", "openai/gpt-oss-120b", 128, 4, 2880, 2880,
-            deploy=("tp4",),
-            notes="num_local_experts; softmax over the top-4 logits; MXFP4 experts in the release"),
+    _preset("gpt-oss-20b", "openai/gpt-oss-20b", 32, 4, 2880, 2880, activation="swigluoai", expert_bias=True,
+            quantization=_MXFP4, deploy=("tp1",),
+            notes="num_local_experts; softmax over the top-4 logits; experts: clamped SwiGLU (swigluoai, gate/up "
+                  "interleaved) with biases on both GEMMs; MXFP4 experts in the release"),
+    _preset("gpt-oss-120b", "openai/gpt-oss-120b", 128, 4, 2880, 2880, activation="swigluoai", expert_bias=True,
+            quantization=_MXFP4, deploy=("tp4",),
+            notes="num_local_experts; softmax over the top-4 logits; swigluoai experts with biases; MXFP4 experts "
+                  "in the release"),
     _preset("olmoe-1b-7b", "allenai/OLMoE-1B-7B-0924", 64, 8, 2048, 1024, renormalize=False,
             aliases=("allenai/OLMoE-1B-7B-0924-Instruct", "olmoe"),
             deploy=("tp1",),
@@ -215,7 +325,8 @@ _PRESET_LIST: tuple[MoEShape, ...] = (
             deploy=("tp8",),
             notes="ffn_config.moe_num_experts / moe_top_k / ffn_hidden_size, d_model; moe_normalize_expert_weights=1"),
     _preset("llama4-scout", "meta-llama/Llama-4-Scout-17B-16E", 16, 1, 5120, 8192, scoring="sigmoid",
-            renormalize=False, shared_experts=1, aliases=("meta-llama/Llama-4-Scout-17B-16E-Instruct",),
+            renormalize=False, shared_experts=1, shared_intermediate=8192,
+            aliases=("meta-llama/Llama-4-Scout-17B-16E-Instruct",),
             deploy=("tp8",),
             notes="text_config.num_local_experts; sigmoid of the top-1 logit; one shared expert"),
 )
@@ -323,6 +434,8 @@ _INTER_KEYS = ("moe_intermediate_size", "ffn_config.ffn_hidden_size", "expert_in
 _SUB_CONFIGS = ("text_config", "language_config", "llm_config")
 # Architectures whose router scores with a sigmoid without saying so in the config.
 _SIGMOID_MODEL_TYPES = ("llama4", "llama4_text")
+# Architectures whose shared MLP output is scaled by sigmoid(x @ shared_expert_gate).
+_GATED_SHARED_MODEL_TYPES = ("qwen2_moe", "qwen3_next")
 
 
 def _get(cfg: dict[str, Any], dotted: str) -> Any:
@@ -363,6 +476,7 @@ def read_hf_config(path: str) -> MoEShape:
     if not isinstance(cfg, dict):
         raise MoebenchError(f"config file {path!r} holds a JSON {type(cfg).__name__}, not an object: pass a HuggingFace config.json")
 
+    outer_quant = cfg.get("quantization_config")
     key, experts = _first(cfg, _EXPERT_KEYS)
     if not experts:
         for sub in _SUB_CONFIGS:
@@ -424,11 +538,23 @@ def read_hf_config(path: str) -> MoEShape:
     scaling = cfg.get("routed_scaling_factor")
     if scaling is None:
         scaling = 1.0
+    # The shared MLP: Qwen-MoE names its size; DeepSeek's is n_shared_experts routed-sized experts;
+    # Llama-4's one shared expert is as wide as a routed one.
+    shared_inter = cfg.get("shared_expert_intermediate_size")
+    if not shared_inter and shared:
+        shared_inter = shared * intermediate
+    shared_inter = int(shared_inter or 0)
+    if not shared:
+        shared_inter = 0
+    shared_gate = bool(shared_inter) and model_type in _GATED_SHARED_MODEL_TYPES
+    act, bias = activation_from_config(cfg, f"config file {path!r}")
+    quant = quant_from_config(cfg.get("quantization_config", outer_quant), f"config file {path!r}")
 
     name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
     return MoEShape(
         name=str(name), num_experts=num_experts, topk=topk, hidden=hidden, intermediate=intermediate,
         scoring=scoring, renormalize=renormalize, n_group=n_group, topk_group=topk_group,
-        routed_scaling_factor=scaling, shared_experts=shared, source=os.path.abspath(path),
+        routed_scaling_factor=scaling, shared_experts=shared, shared_intermediate=shared_inter, shared_gate=shared_gate,
+        activation=act.name, swiglu_limit=act.limit, expert_bias=bias, quantization=quant, source=os.path.abspath(path),
         notes=f"read from config.json (model_type {model_type or 'unknown'}, experts from {key})",
     )

@@ -305,8 +305,23 @@ def settings(df: pd.DataFrame) -> pd.DataFrame:
     s["dtype"] = precision_labels(df) if len(df) else pd.Series(dtype=object)
     s["device"] = df["device"].astype(str)
     s["modeled"] = df["modeled"].map(lambda v: bool(_flag(v)))
-    s["pair"] = df["prepare_finalize"].astype(str) + "+" + df["experts"].astype(str)
+    s["pair"] = df["prepare_finalize"].astype(str) + "+" + df["experts"].astype(str) + _layer_suffix(df)
     return s
+
+
+def _layer_suffix(df: pd.DataFrame) -> pd.Series:
+    """' [swigluoai+bias, shared fused]' where a row's layer is not plain silu without shared
+    experts ('' otherwise; files written before these columns read as plain)."""
+    def col(name, default):
+        return df[name].fillna(default) if name in df.columns else pd.Series(default, index=df.index)
+
+    act, bias, shared = col("activation", "silu").astype(str), col("expert_bias", False), col("shared_experts", "none")
+    parts = []
+    for a, b, sh in zip(act, bias, shared.astype(str)):
+        bits = ([a + ("+bias" if _flag(b) else "")] if a != "silu" or _flag(b) else []) + \
+            ([f"shared {sh}"] if sh != "none" else [])
+        parts.append(f" [{', '.join(bits)}]" if bits else "")
+    return pd.Series(parts, index=df.index, dtype=object)
 
 
 @dataclass

@@ -83,13 +83,19 @@ class ResultRow:
     #: fp8 rows: ||out - ref|| / ||ref|| against the float64 reference of the unquantised weights
     #: and activations (what fp8 costs in accuracy; max_rel_err checks the kernel itself)
     err_vs_unquantized: float | None = None
+    #: the experts' activation (moebench.activation: silu, gelu, swigluoai) and whether they add biases
+    activation: str = "silu"
+    expert_bias: bool = False
+    #: how the layer's shared experts ran: "none" (not part of the timed layer), "fused" (extra
+    #: experts every token is routed to), "separate" (a dense MLP added to the routed output)
+    shared_experts: str = "none"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def key(self) -> tuple:
         """Identity of a measurement, used to skip work on resume."""
         return (self.model, self.num_experts, self.topk, self.hidden, self.intermediate, self.tokens,
                 self.tp, self.dp, self.ep, self.prepare_finalize, self.experts, self.dtype, self.device,
-                self.routing, self.modeled, self.quant)
+                self.routing, self.modeled, self.quant, self.activation, self.expert_bias, self.shared_experts)
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -7,7 +7,6 @@ from typing import Callable
 
 import torch
 
-from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import time_fn
 from moebench.cases import (  # noqa: F401  (re-exported: the sweep's API)
@@ -17,16 +16,19 @@ from moebench.cases import (  # noqa: F401  (re-exported: the sweep's API)
     cases_to_run,
     default_experts,
     fill_metrics,
+    layer_work,
     one_line,
     plan,
+    rank_layer,
     resolve_names,
     run_cases,
+    shared_gate,
 )
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
-from moebench.inputs import check_fits, make_tokens, rank_weights
+from moebench.inputs import check_fits, make_tokens
+from moebench.kernels.layer import MoELayer, layer_args, layer_reference
 from moebench.kernels.modular import poisoned_outputs
-from moebench.kernels.reference import reference_moe
 from moebench.backends import make_kernel
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow, RunStore
@@ -52,51 +54,52 @@ class LocalRunner(CaseRunner):
     def start(self, spec: SweepSpec, runnable: list[tuple[str, str]]) -> None:
         self.spec = spec
         self.ceilings = get_ceilings(spec.device)
-        self.weights = self.unquantized = None
+        self.lw = None
         self.m = None
         if runnable:
             s = spec.shape
             check_fits(s.num_experts, s.hidden, s.intermediate, max(spec.tokens, default=0), s.topk, spec.dtype,
                        spec.device)
             # fp8: the kernels run on the quantised weights; the unquantised ones stay for err_vs_unquantized.
-            self.weights, self.unquantized = rank_weights(spec, 0, keep_unquantized=spec.check)
+            self.lw = rank_layer(spec, range(s.num_experts))
 
     def inputs(self, m: int, pf: str) -> None:
         """The inputs of token count `m`, shared by its pairs (made on its first case)."""
         if self.m == m:
             return
-        spec, s = self.spec, self.spec.shape
-        qw13, qw2 = self.weights
+        spec, s, lw = self.spec, self.spec.shape, self.lw
         x = make_tokens(m, s.hidden, spec.dtype, spec.device, spec.seed + m)
         topk_weights, topk_ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m,
                                               device=spec.device)
         self.m = m
-        self.args = (x, qw13, qw2, topk_weights, topk_ids)
         self.imbalance = load_imbalance(topk_ids, s.num_experts)
-        self.flops = metrics.layer_flops(m, s.topk, s.hidden, s.intermediate)
-        self.nbytes = metrics.layer_bytes(topk_ids, s.num_experts, s.hidden, s.intermediate, spec.act_bytes, m,
-                                          spec.quant)
-        self.variants = routing_variants(spec, m, x, qw13, qw2)
+        self.gate = gate = shared_gate(spec, x, m)
+        self.args = args = layer_args(lw, x, topk_weights, topk_ids, s.num_experts, gate)
+        self.flops, self.nbytes = layer_work(spec, lw, args, m)
+        self.variants = routing_variants(spec, m, x, lw, gate)
         self.ref = self.ref_unquantized = None
         if spec.check:
-            self.ref = reference_moe(*self.args)
-            if self.unquantized is not None:
-                self.ref_unquantized = reference_moe(x, *self.unquantized, topk_weights, topk_ids)
+            self.ref = layer_reference(lw, args, spec.activation, gate)
+            if lw.unquantized is not None:
+                self.ref_unquantized = layer_reference(
+                    lw.unquantized, (x, lw.unquantized.w13, lw.unquantized.w2, *args[3:]), spec.activation, gate)
 
     def run_case(self, row: ResultRow, m: int, pf: str, ex: str, inputs) -> None:
+        spec, lw, gate = self.spec, self.lw, self.gate
         row.imbalance = self.imbalance
-        _measure(self.spec, row, pf, ex, self.args, self.ref, self.flops, self.nbytes, self.ceilings,
-                 variants=self.variants, ref_unquantized=self.ref_unquantized)
+        _measure(spec, row, pf, ex, self.args, self.ref, self.flops, self.nbytes, self.ceilings,
+                 variants=self.variants, ref_unquantized=self.ref_unquantized,
+                 wrap=lambda k: MoELayer(k, spec.activation, lw.bias, lw.shared_w13, lw.shared_w2, gate))
 
 
-def routing_variants(spec: SweepSpec, m: int, x, w13, w2) -> list[tuple]:
+def routing_variants(spec: SweepSpec, m: int, x, lw, gate=None) -> list[tuple]:
     """Argument tuples with `spec.routings - 1` extra routings of the same distribution (the first
     routing, the checked one, is the caller's)."""
     s = spec.shape
     out = []
     for j in range(1, spec.routings):
         w, ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m + 7919 * j, device=spec.device)
-        out.append((x, w13, w2, w, ids))
+        out.append(layer_args(lw, x, w, ids, s.num_experts, gate))
     return out
 
 
@@ -114,11 +117,14 @@ def cycling(kernel, variants: list[tuple]) -> Callable[[], object]:
 
 
 def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings, variants: list[tuple] = (),
-             ref_unquantized=None) -> None:
+             ref_unquantized=None, wrap=None) -> None:
     """Check `pf + ex` on `args` against `ref`, then time it (cycling through `args` and
     `variants`, other routings of the same distribution); fills `row` in place. fp8 rows also
-    get their error against `ref_unquantized` (the reference without quantisation)."""
+    get their error against `ref_unquantized` (the reference without quantisation). wrap: the
+    layer around the kernel (MoELayer: activation, biases, shared MLP), None = the bare kernel."""
     kernel = make_kernel(ex, pf)
+    if wrap is not None:
+        kernel = wrap(kernel)
     if spec.check:
         with poisoned_outputs():
             out = kernel.apply(*args)

@@ -79,6 +79,16 @@ def layer_bytes(
     return int(round(hit * expert_weight_bytes(hidden, intermediate, dtype_bytes, quant) + 2 * m * hidden * dtype_bytes))
 
 
+def shared_flops(tokens: int, hidden: int, shared_intermediate: int) -> int:
+    """2 * tokens * 3 * H * Is: the shared MLP's two GEMMs for every token (fused or separate)."""
+    return 2 * tokens * 3 * hidden * shared_intermediate
+
+
+def bias_bytes(experts: int, hidden: int, intermediate: int, dtype_bytes: int | float) -> float:
+    """Bytes of the biases of `experts` experts: b13 (2I) + b2 (H) each, in the activation dtype."""
+    return experts * (2 * intermediate + hidden) * dtype_bytes
+
+
 def roofline(flops: float, nbytes: float, ceilings: Ceilings, dtype: str | torch.dtype = "bf16") -> float:
     """Lowest possible time in microseconds: max(bytes / read bandwidth, flops / matmul peak)."""
     bw = ceilings.read_gbps()

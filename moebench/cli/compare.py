@@ -16,7 +16,8 @@ from moebench.cli.options import (
     console,
     parse_tokens,
     resolve_device,
-    resolve_precision,
+    resolve_layer,
+    resolve_model_precision,
     resolve_shape,
     shape_options,
 )
@@ -39,10 +40,12 @@ def compare():
 @click.option("--no-check", is_flag=True, help="Skip the reference checks (simulated share and real ranks).")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="PNG file for the plots.")
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
+@click.option("--shared-experts", "shared", default=None,
+              help="Shared experts in both layouts: fused | separate | none [separate where the model has them].")
 @cluster_options
 def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype,
-             block_shape, scales, group_size, zero_points, routing, seed, out, experts, link_name, link_gbps, target_gpu, no_check, plot_path, reps,
-             gpus_per_node, rdma_name):
+             block_shape, scales, group_size, zero_points, activation, routing, seed, out, experts, link_name, link_gbps,
+             target_gpu, no_check, plot_path, reps, shared, gpus_per_node, rdma_name):
     """TP (all-reduce) vs EP (dispatch/combine) over --world-size ranks: breakdown, crossover, advice."""
     from moebench.bench.hardware import datasheet_ceilings, device_summary
     from moebench.compare import layouts, run_compare, write_summary
@@ -66,7 +69,13 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         lay.validate_shape(shape.num_experts, shape.intermediate)
     tok = parse_tokens(tokens) if tokens is not None else [1, 4, 16, 64, 256, 1024, 4096]
     parse_routing(routing)
-    dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16", group_size, zero_points)
+    dt, quant, quant_line = resolve_model_precision(shape, dtype, block_shape, scales, device, "bf16", group_size,
+                                                    zero_points)
+    ex_names = resolve_names(experts, default_experts(), "experts", default_experts())
+    act, bias, modes = resolve_layer(shape, activation, shared, ex_names, experts != "all")
+    if len(modes) != 1:
+        raise MoebenchError("compare tp-vs-ep takes one --shared-experts form (fused, separate or none); "
+                            "run it once per form to compare them")
     experts_model = None
     gpu = target_gpu or (DEFAULT_TARGET_GPU if device == "cpu" else None)
     if gpu is not None:
@@ -78,8 +87,9 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     # a measurement of this machine's links stands in only when its GPUs are the target
     link = comm_model(link, rdma_name, gpus_per_node,
                       device_summary(device).get("name") if device == "cuda" and target_gpu is None else dev_name)
-    spec = SweepSpec(shape=shape, tokens=tok, experts=resolve_names(experts, default_experts(), "experts", default_experts()),
-                     dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, quant=quant)
+    spec = SweepSpec(shape=shape, tokens=tok, experts=ex_names,
+                     dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, quant=quant,
+                     activation=act, bias=bias, shared=modes[0])
     if experts not in (None, "", "all"):
         from moebench.backends import check_named_experts_quant
 
@@ -96,10 +106,15 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     store = RunStore(folder, metadata=meta, lock=True, command=_command_line())
     how = (f"experts time = {experts_model.device_name} roofline floor (datasheet), not measured"
            if experts_model is not None else f"experts time measured on {dev_name}")
-    check_ranks = device == "cpu" and not no_check and world_size <= gpus_per_node
+    plain_layer = act.name == "silu" and not bias and modes[0] == "none"
+    check_ranks = device == "cpu" and not no_check and world_size <= gpus_per_node and plain_layer
     console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {spec.precision}, "
                   f"routing {routing}: simulated ({how}; communication: {link.describe()})")
     console.print(f"link: {link_why}", markup=False, highlight=False)
+    if quant_line:
+        console.print(quant_line, markup=False, highlight=False)
+    console.print(f"layer: activation {act.describe()}{' with expert biases' if bias else ''}, shared experts "
+                  f"{modes[0]}", markup=False, highlight=False)
     if check_ranks:
         console.print("correctness also checked on real gloo ranks")
     if world_size > gpus_per_node:

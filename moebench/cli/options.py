@@ -118,6 +118,8 @@ def shape_options(f):
                      help="fp8_w8a8 scales: tensor (static per tensor) | token (per token x per channel) | block "
                           "[tensor; block with --block-shape]."),
         *WEIGHT_ONLY_OPTIONS,
+        click.option("--activation", default=None,
+                     help="Experts' activation: silu | gelu (exact) | swigluoai (gpt-oss, with its biases) [the model's]."),
         click.option("--routing", default="uniform", show_default=True, help="uniform | zipf:S | hot:F | file:PATH"),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True, help="Results folder."),
@@ -157,6 +159,45 @@ def resolve_precision(dtype: str | None, block_shape: str | None, scales: str | 
     if quant is not None:
         return torch.bfloat16, quant
     return parse_dtype(dtype or default), None
+
+
+def resolve_model_precision(shape, dtype: str | None, block_shape: str | None, scales: str | None, device: str,
+                            default: str, group_size: int | None = None,
+                            zero_points: bool = False) -> tuple[torch.dtype, object, str | None]:
+    """`resolve_precision` for a model whose checkpoint ships quantised (MoEShape.quantization,
+    from its config.json quantization_config or the preset): without --dtype (and --block-shape /
+    --scales) that quantisation is applied; plus the line saying what was applied and from where
+    (None for a checkpoint without quantization_config)."""
+    from moebench.models import checkpoint_scheme
+
+    cq = getattr(shape, "quantization", None)
+    src = "preset" if cq is not None and cq.source == "preset" else "config.json"
+    if cq is None:
+        return (*resolve_precision(dtype, block_shape, scales, device, default, group_size, zero_points), None)
+    if dtype is None and not block_shape and not scales and group_size is None and not zero_points:
+        quant = checkpoint_scheme(cq)
+        return torch.bfloat16, quant, f"applied quantization_config: {cq.describe()} (from {src}; --dtype overrides)"
+    dt, quant = resolve_precision(dtype, block_shape, scales, device, default, group_size, zero_points)
+    return dt, quant, f"quantization_config {cq.describe()} (from {src}) not applied: --dtype {dtype or default} given"
+
+
+def resolve_layer(shape, activation: str | None, shared: str | None, experts: list[str], experts_given: bool):
+    """--activation / --shared-experts against the model -> (Activation, bias, shared modes).
+    The activation comes from the model unless given (biases only with the model's own
+    swigluoai). Experts named explicitly that cannot compute it are an error."""
+    from moebench.activation import Activation, parse_activation
+    from moebench.kernels.layer import parse_shared_modes
+    from moebench.backends import get_experts_class
+
+    act = parse_activation(activation) or Activation(shape.activation, limit=shape.swiglu_limit)
+    bias = bool(shape.expert_bias) and act.name == shape.activation
+    modes = parse_shared_modes(shared, bool(shape.shared_intermediate))
+    if experts_given:
+        for name in experts:
+            why = get_experts_class(name).activation_unavailable_reason(act, bias)
+            if why:
+                raise MoebenchError(f"{why}; choose other --experts or another --activation")
+    return act, bias, modes
 
 
 def _progress() -> Progress:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -24,7 +25,8 @@ from moebench.cli.options import (
     err_console,
     parse_tokens,
     resolve_device,
-    resolve_precision,
+    resolve_layer,
+    resolve_model_precision,
     resolve_shape,
     shape_options,
 )
@@ -135,10 +137,13 @@ def models(as_json: bool):
 @click.option("--routings", type=int, default=1, show_default=True,
               help="Distinct routings cycled through the timed calls (fresh routing per call, as vLLM's tuner).")
 @click.option("--show-skipped", is_flag=True, help="List every skipped pair with its reason (default: a count by reason).")
+@click.option("--shared-experts", "shared", default=None,
+              help="Shared experts in the timed layer, a comma list of fused | separate | none, or all "
+                   "[separate where the model has them, else none].")
 @cluster_options
 def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, block_shape,
-          scales, group_size, zero_points, routing, seed, out, experts, prepare_finalize, simulate, link_name, link_gbps, formats, no_check, resume, reps,
-          routings, show_skipped, gpus_per_node, rdma_name):
+          scales, group_size, zero_points, activation, routing, seed, out, experts, prepare_finalize, simulate, link_name,
+          link_gbps, formats, no_check, resume, reps, routings, show_skipped, shared, gpus_per_node, rdma_name):
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
     from moebench.backends import prepare_finalize_names
     from moebench.layout import ParallelLayout
@@ -161,29 +166,35 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         raise MoebenchError(f"--format: unknown {', '.join(bad)}; valid: {', '.join(EXPORT_FORMATS)}")
     if "parquet" in fmts and importlib.util.find_spec("pyarrow") is None:
         raise MoebenchError("--format parquet needs pyarrow (pip install pyarrow), or drop parquet from --format")
-    dt, quant = resolve_precision(dtype, block_shape, scales, device, "bf16" if device == "cuda" else "fp32",
-                                  group_size, zero_points)
+    dt, quant, quant_line = resolve_model_precision(shape, dtype, block_shape, scales, device,
+                                                    "bf16" if device == "cuda" else "fp32", group_size, zero_points)
+    ex_names = resolve_names(experts, default_experts() + ["reference"], "experts", default_experts())
+    act, bias, shared_modes = resolve_layer(shape, activation, shared, ex_names, experts != "all")
     if reps is not None and reps < 1:
         raise MoebenchError("--reps must be >= 1")
     if routings < 1:
         raise MoebenchError("--routings must be >= 1")
     spec = SweepSpec(
         shape=shape, tokens=tok, layout=layout,
-        experts=resolve_names(experts, default_experts() + ["reference"], "experts", default_experts()),
+        experts=ex_names,
         prepare_finalize=resolve_names(prepare_finalize, prepare_finalize_names(), "prepare_finalize", prepare_finalize_names()),
         dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, routings=routings,
-        quant=quant,
+        quant=quant, activation=act, bias=bias, shared=shared_modes[0],
     )
     if experts not in (None, "", "all"):
         from moebench.backends import check_named_experts_quant
 
         check_named_experts_quant(spec.experts, quant)
+    specs = [dataclasses.replace(spec, shared=sm) for sm in shared_modes]
     from moebench.bench.hardware import device_summary
     from moebench.runtime.distributed import is_main, join_torchrun, leave_torchrun
     from moebench.sweep import choose_mode, run, run_multirank
 
     ctx = join_torchrun() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
     mode, notice = choose_mode(layout, device, simulate, world_size, ctx)
+    if mode in ("spawn", "torchrun") and (act.name != "silu" or bias or any(sm != "none" for sm in shared_modes)):
+        raise MoebenchError("real ranks (--world-size / torchrun) time the plain silu layer without shared experts: "
+                            "add --simulate, or --activation silu --shared-experts none")
     if notice:
         console.print(f"[yellow]notice:[/] {notice}")
     link = link_why = None
@@ -211,6 +222,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
             "mode": mode, "shape": shape.to_dict(),
             "layout": layout.__dict__, "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label,
             "activation_dtype": str(dt), "device": device, "routing": routing,
+            "activation": act.describe(), "expert_bias": bias, "shared_experts": shared_modes, "quantization": quant_line,
             "seed": seed, "link": None if link is None else link.as_dict(), "link_why": link_why,
             "device_summary": device_summary(device)}
     # One writer per folder, for the whole sweep (a resume never rewrites the saved settings).
@@ -221,12 +233,16 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         err_console.print(f"notice: {n}", markup=False, highlight=False, soft_wrap=True)
     from moebench.sweep import cases_to_run
 
-    n_total = cases_to_run(spec, store, modeled=mode == "simulate")  # skipped pairs are not counted
+    n_total = sum(cases_to_run(sp, store, modeled=mode == "simulate") for sp in specs)  # skipped pairs are not counted
     console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, H={shape.hidden}, "
                   f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {spec.precision}, "
                   f"routing {routing} -> {folder}")
     if link is not None:
         console.print(f"communication: {link.describe()}; link: {link_why}", markup=False, highlight=False)
+    if quant_line:
+        console.print(quant_line, markup=False, highlight=False)
+    console.print(f"layer: activation {act.describe()}{' with expert biases' if bias else ''}; shared experts "
+                  f"{', '.join(shared_modes)}", markup=False, highlight=False)
     try:
         if mode in ("spawn", "torchrun"):  # rank 0 shows the progress bar
             store = run(spec, store, mode, ctx=ctx)
@@ -238,7 +254,8 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
                     if row.status != "skipped":  # the bar counts and names only what runs
                         prog.update(task, advance=1, description=f"M={row.tokens} {row.prepare_finalize}+{row.experts}")
 
-                store = run(spec, store, mode, link=link, on_progress=tick)
+                for sp in specs:
+                    store = run(sp, store, mode, link=link, on_progress=tick)
     except KeyboardInterrupt:
         store = RunStore(folder)
         write_exports(store, fmts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from moebench.activation import SILU
 from moebench.errors import UnsupportedError
 from moebench.kernels.modular import (
     ActivationFormat,
@@ -13,6 +14,7 @@ from moebench.kernels.modular import (
     PrepareResult,
     TopKWeightAndReduceNoOp,
 )
+from moebench.quant import scheme_of
 
 
 class AiterExperts(Experts):
@@ -34,7 +36,8 @@ class AiterExperts(Experts):
     def weight_and_reduce(self):
         return TopKWeightAndReduceNoOp()
 
-    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor, *, activation=SILU, bias=None) -> torch.Tensor:
+        self.check_activation(activation, bias, scheme_of(w13))
         from aiter.fused_moe import fused_moe
 
         if prep.expert_map is not None:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moebench.activation import SILU
 from moebench.errors import MoebenchError, UnsupportedError
 from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.modular import (
@@ -57,7 +58,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.reference import silu_and_mul
 from moebench.kernels.token_layout import local_topk_ids, sort_by_expert
-from moebench.quant import FP8_DTYPE, ActQuant, QuantScheme, QuantWeight
+from moebench.quant import FP8_DTYPE, ActQuant, QuantScheme, QuantWeight, scheme_of
 
 #: The only fp8 block DeepGEMM's sm90 grouped GEMMs take: 1 x 128 activation groups, 128 x 128
 #: weight blocks (its recipe (1, 128, 128)).
@@ -318,7 +319,8 @@ class DeepGemmExperts(_DeepGemmBackend):
         else:
             dg.m_grouped_fp8_gemm_nt_contiguous((a, a_scale), (w.q, w.scale.contiguous()), d, grouped, **kw)
 
-    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
+    def apply(self, prep: PrepareResult, w13, w2, *, activation=SILU, bias=None) -> torch.Tensor:
+        self.check_activation(activation, bias, scheme_of(w13))
         import deep_gemm as dg
 
         fp8 = isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight)
@@ -397,7 +399,8 @@ class BatchedDeepGemmExperts(_DeepGemmBackend):
             return max(1, min(t, -(-prep.num_tokens * prep.topk // e)))
         return max(1, t)
 
-    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
+    def apply(self, prep: PrepareResult, w13, w2, *, activation=SILU, bias=None) -> torch.Tensor:
+        self.check_activation(activation, bias, scheme_of(w13))
         import deep_gemm as dg
 
         fp8 = isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight)

@@ -2,12 +2,14 @@
 
     FusedMoEKernel(prepare_finalize, experts).apply(x, w13, w2, topk_weights, topk_ids)
       1. prepare_finalize.prepare()  -> PrepareResult in the P/F's activation format
-      2. experts.apply()             GEMM1 -> SiLU-and-mul -> GEMM2
+      2. experts.apply()             GEMM1 [+ b13] -> activation-and-mul -> GEMM2 [+ b2]
       3. prepare_finalize.finalize() combine + top-k weight-and-reduce -> (M, H)
 
 Shapes use the same letters everywhere: M tokens on this rank, H hidden, I intermediate (per
 rank), E global experts, E_local experts on this rank, K = topk.
-Weights follow vLLM: w13 (E_local, 2I, H) = gate rows then up rows; w2 (E_local, H, I).
+Weights follow vLLM: w13 (E_local, 2I, H) = gate rows then up rows (interleaved, gate row 2j and
+up row 2j + 1, for swigluoai: moebench.activation); w2 (E_local, H, I). Optional per-expert biases
+(ExpertBias: b13 (E_local, 2I) in w13's row order, b2 (E_local, H)).
 """
 
 from __future__ import annotations
@@ -20,8 +22,20 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 
+from moebench.activation import SILU, Activation
 from moebench.errors import FormatMismatchError, UnsupportedError
 from moebench.quant import SCALES, ActQuant, QuantScheme, scheme_of
+
+
+@dataclass(frozen=True)
+class ExpertBias:
+    """Per-expert biases of both GEMMs (gpt-oss): b13 (E_local, 2I) added to GEMM1's output before
+    the activation, in w13's row order; b2 (E_local, H) added to each expert's GEMM2 output before
+    the router weight. Under TP, b13 is sharded with w13's rows and b2 lives on rank 0 only (zeros
+    elsewhere), so the all-reduce adds it once."""
+
+    b13: torch.Tensor
+    b2: torch.Tensor
 
 
 class ActivationFormat(enum.Enum):
@@ -249,6 +263,10 @@ class Experts(ABC):
     #: With quantised weights: True = the experts want unquantised activations and quantise them
     #: themselves; False = prepare quantises (before dispatch) and hands over fp8 + scales.
     quantizes_input: ClassVar[bool] = False
+    #: Activations (moebench.activation names) the experts compute between the GEMMs.
+    supported_activations: ClassVar[tuple[str, ...]] = ("silu",)
+    #: True when the experts add per-expert biases (ExpertBias) on both GEMMs.
+    supports_bias: ClassVar[bool] = False
     #: Where the last call's tile config came from (a tuned file's entry, the default heuristic,
     #: explicit), for the result rows; None for backends without tile configs.
     last_config_source: str | None = None
@@ -264,15 +282,36 @@ class Experts(ABC):
         backend whose fp8 path needs particular hardware says so here)."""
         return None
 
+    @classmethod
+    def activation_unavailable_reason(cls, activation: Activation, bias: bool, quant: QuantScheme | None = None) -> str | None:
+        """None when the experts compute `activation` (with biases when `bias`) on weights of
+        `quant`, else why not (from the declared supported_activations / supports_bias; a backend
+        with narrower combinations overrides this)."""
+        if activation.name not in cls.supported_activations:
+            return (f"experts '{cls.name}' do not compute activation {activation.name} "
+                    f"(they compute {', '.join(cls.supported_activations)})")
+        if bias and not cls.supports_bias:
+            return f"experts '{cls.name}' do not add expert biases"
+        return None
+
+    def check_activation(self, activation: Activation, bias: ExpertBias | None, quant: QuantScheme | None = None) -> None:
+        """Raise UnsupportedError when `apply` cannot run this activation / bias."""
+        reason = self.activation_unavailable_reason(activation, bias is not None, quant)
+        if reason is not None:
+            raise UnsupportedError(reason)
+
     @abstractmethod
     def weight_and_reduce(self) -> TopKWeightAndReduce:
         """Which top-k weight-and-reduce the output of `apply` still needs."""
 
     @abstractmethod
-    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor, *, activation: Activation = SILU,
+              bias: ExpertBias | None = None) -> torch.Tensor:
         """w13 (E_local, 2I, H), w2 (E_local, H, I): tensors, or moebench.quant.QuantWeight with
         the same shapes when quantised (then prep.a is fp8 with prep.a_scale, unless the experts
-        declare quantizes_input).
+        declare quantizes_input). activation: the function between the GEMMs (and w13's gate/up
+        layout); bias: per-expert biases, or None. A backend refuses what it does not declare
+        (`check_activation`).
 
         STANDARD: returns (M', H) when weight_and_reduce() is no-op, (M', K, H) for contiguous.
         BATCHED:  returns (E_local, max_tokens, H), unweighted.
@@ -338,13 +377,21 @@ class FusedMoEKernel:
         topk_ids: torch.Tensor,
         expert_map: torch.Tensor | None = None,
         num_experts: int | None = None,
+        *,
+        activation: Activation = SILU,
+        bias: ExpertBias | None = None,
     ) -> torch.Tensor:
         """x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_* (M, K) -> (M, H).
 
         expert_map (E,) maps global to local expert ids (-1 = remote); num_experts is the global E
-        (defaults to w13.shape[0] when there is no expert_map).
+        (defaults to w13.shape[0] when there is no expert_map). activation / bias: the experts'
+        function and per-expert biases (moebench.activation, ExpertBias).
         """
+        self.experts.check_activation(activation, bias, scheme_of(w13))
         prep = self.prepare(x, w13, w2, topk_weights, topk_ids, expert_map, num_experts)
-        out = self.experts.apply(prep, w13, w2)
+        if activation == SILU and bias is None:  # the plain layer: any backend's apply(prep, w13, w2)
+            out = self.experts.apply(prep, w13, w2)
+        else:
+            out = self.experts.apply(prep, w13, w2, activation=activation, bias=bias)
         war = self.prepare_finalize.resolve(self.experts.weight_and_reduce())
         return self.prepare_finalize.finalize(out, prep, topk_weights, war)

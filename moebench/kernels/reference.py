@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from moebench.activation import ACTIVATIONS, SILU, Activation
 from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
+    ExpertBias,
     PrepareResult,
     TopKWeightAndReduceNoOp,
 )
@@ -20,6 +22,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate_up[..., :i]) * gate_up[..., i:]
 
 
+def act_and_mul(gate_up: torch.Tensor, activation: Activation = SILU) -> torch.Tensor:
+    """(..., 2I) -> (..., I) with `activation` (moebench.activation): silu / gelu (exact) on the
+    [gate | up] halves; swigluoai on interleaved columns (even gate, odd up): gate clamped above
+    at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    if activation.interleaved:
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+        gate = gate.clamp(max=activation.limit)
+        up = up.clamp(min=-activation.limit, max=activation.limit)
+        return (up + 1) * gate * torch.sigmoid(activation.alpha * gate)
+    if activation.name == "gelu":
+        i = gate_up.shape[-1] // 2
+        return torch.nn.functional.gelu(gate_up[..., :i]) * gate_up[..., i:]
+    return silu_and_mul(gate_up)
+
+
 def reference_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -27,8 +44,12 @@ def reference_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None,
+    *,
+    activation: Activation = SILU,
+    bias: ExpertBias | None = None,
 ) -> torch.Tensor:
-    """y[t] = sum_k w[t,k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])), in float64.
+    """y[t] = sum_k w[t,k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]), in float64, act the
+    `activation`'s gated function (`act_and_mul`; silu(gate) * up by default); bias None = no biases.
 
     x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_* (M, K) with global ids;
     expert_map (E,) global -> local (-1: remote, contributes zero). Returns (M, H) float64 on x's device.
@@ -50,10 +71,15 @@ def reference_moe(
         if e < 0:
             continue
         tok, kk = torch.nonzero(local == e, as_tuple=True)
-        h = silu_and_mul(xd[tok] @ as_float(w13[e : e + 1])[0].t())
+        gu = xd[tok] @ as_float(w13[e : e + 1])[0].t()
+        if bias is not None:
+            gu = gu + bias.b13[e].double()
+        h = act_and_mul(gu, activation)
         if quant is not None:
             h = fake_quant(h, quant, x.dtype, w2.input_scale)
         y = h @ as_float(w2[e : e + 1])[0].t()
+        if bias is not None:
+            y = y + bias.b2[e].double()
         out.index_add_(0, tok, y * w[tok, kk].unsqueeze(-1))
     return out
 
@@ -66,10 +92,14 @@ class ReferenceExperts(Experts):
     timed = False
     supported_quant = QUANT_KINDS
     quantizes_input = True  # takes x unquantised and emulates the scheme itself
+    supported_activations = ACTIVATIONS
+    supports_bias = True
 
     def weight_and_reduce(self):
         return TopKWeightAndReduceNoOp()
 
-    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        out = reference_moe(prep.a, w13, w2, prep.topk_weights, prep.topk_ids, prep.expert_map)
+    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor, *, activation: Activation = SILU,
+              bias: ExpertBias | None = None) -> torch.Tensor:
+        out = reference_moe(prep.a, w13, w2, prep.topk_weights, prep.topk_ids, prep.expert_map,
+                            activation=activation, bias=bias)
         return out.to(prep.a.dtype)

@@ -1,8 +1,10 @@
 """Torch experts: the peer baseline.
 
 `torch` (Standard): tokens sorted by expert, two grouped GEMMs (torch.nn.functional.grouped_mm or
-torch._grouped_mm) with SiLU-and-mul between; output (M, K, H) unweighted.
+torch._grouped_mm) with the activation-and-mul between; output (M, K, H) unweighted.
 `batched-torch` (BatchedExperts): two batched matmuls over (E_local, T, H). No fp8.
+Both compute every activation of moebench.activation and add expert biases (b13 to GEMM1's output,
+gathered per sorted row; b2 to GEMM2's); fp8 runs silu / gelu without biases.
 
 fp8 (`torch` only, schemes `tensor` and `token`): torch's scaled grouped GEMM
 (torch.nn.functional.scaled_grouped_mm with RowWise recipes, else torch._scaled_grouped_mm), which
@@ -29,16 +31,18 @@ from __future__ import annotations
 
 import torch
 
+from moebench.activation import ACTIVATIONS, SILU, Activation
 from moebench.errors import UnsupportedError
 from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
+    ExpertBias,
     PrepareResult,
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
     alloc_output,
 )
-from moebench.kernels.reference import silu_and_mul
+from moebench.kernels.reference import act_and_mul
 from moebench.kernels.token_layout import local_topk_ids, sort_by_expert
 from moebench.quant import FP8_DTYPE, QuantScheme, QuantWeight, quantize_activation
 
@@ -60,7 +64,23 @@ def _pad_to(n: int, align: int = _ALIGN) -> int:
     return -(-n // align) * align
 
 
-def _aligned_operands(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
+def _pad_gate_up(t: torch.Tensor, i: int, ip: int, interleaved: bool) -> torch.Tensor:
+    """(..., 2I, *rest) w13 rows (or b13 columns) -> (..., 2I', *rest), zeros added where the
+    activation pairs them with zeros: after each half, or (interleaved) at the end, as whole pairs."""
+    if ip == i:
+        return t
+    shape = list(t.shape)
+    shape[1] = 2 * ip
+    out = t.new_zeros(shape)
+    if interleaved:
+        out[:, : 2 * i] = t
+    else:
+        out[:, :i] = t[:, :i]
+        out[:, ip : ip + i] = t[:, i:]
+    return out
+
+
+def _aligned_operands(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, interleaved: bool = False):
     """Zero-pad H and I to multiples of _ALIGN: x (R, H'), w13 (E, 2I', H'), w2 (E, H', I')."""
     e, two_i, h = w13.shape
     i = two_i // 2
@@ -68,9 +88,7 @@ def _aligned_operands(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
     if (hp, ip) == (h, i):
         return x, w13, w2
     x_p = torch.nn.functional.pad(x, (0, hp - h))
-    w13_p = w13.new_zeros((e, 2 * ip, hp))
-    w13_p[:, :i, :h] = w13[:, :i]
-    w13_p[:, ip : ip + i, :h] = w13[:, i:]
+    w13_p = _pad_gate_up(torch.nn.functional.pad(w13, (0, hp - h)), i, ip, interleaved)
     w2_p = w2.new_zeros((e, hp, ip))
     w2_p[:, :h, :i] = w2
     return x_p, w13_p, w2_p
@@ -158,6 +176,7 @@ def torch_fp8_moe(
     w13: QuantWeight,
     w2: QuantWeight,
     out_dtype: torch.dtype,
+    activation: Activation = SILU,
 ) -> torch.Tensor:
     """The fp8 `torch` experts: a (M, H) fp8 with a_scale (M, 1) fp32 (stride 0 for a static
     per-tensor scale), topk_ids (M, K) global ids -> (M, K, H) in out_dtype, unweighted, remote
@@ -181,7 +200,7 @@ def torch_fp8_moe(
     b2, s2 = _fp8_weight_operand(w2, hp, ip, split_halves=False)
     gate_up = _scaled_grouped_mm(xs, b13, xs_scale, s13, offs)  # (M*K, 2I') bf16
     # One rounding to the layer's dtype (the reference's rounding point), then the scheme.
-    act = silu_and_mul(gate_up.float()).to(out_dtype)  # (M*K, I'), padded columns are 0
+    act = act_and_mul(gate_up.float(), activation).to(out_dtype)  # (M*K, I'), padded columns are 0
     act_q, act_scale = quantize_activation(act, scheme, w2.input_scale if scheme.scales == "tensor" else None)
     act_scale = act_scale.reshape(-1).contiguous()
     ys = _scaled_grouped_mm(act_q, b2, act_scale, s2, offs)[:, :h].to(out_dtype)  # (M*K, H)
@@ -214,31 +233,53 @@ class TorchExperts(Experts):
                     f"takes per-tensor / per-row scales only)")
         return fp8_grouped_mm_unavailable_reason(device)
 
+    supported_activations = ACTIVATIONS
+    supports_bias = True
+
+    @classmethod
+    def activation_unavailable_reason(cls, activation, bias, quant=None):
+        if quant is not None and (bias or activation.interleaved):
+            return (f"experts '{cls.name}': fp8 runs silu / gelu without biases (the scaled grouped GEMM pads "
+                    f"w13 by halves)")
+        return super().activation_unavailable_reason(activation, bias, quant)
+
     def weight_and_reduce(self):
         return TopKWeightAndReduceContiguous()
 
-    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor, *, activation: Activation = SILU,
+              bias: ExpertBias | None = None) -> torch.Tensor:
         if isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight):
-            return self._apply_fp8(prep, w13, w2)
+            self.check_activation(activation, bias, getattr(w13, "scheme", None))
+            return self._apply_fp8(prep, w13, w2, activation)
         x, ids = prep.a, prep.topk_ids
         m, k = ids.shape
         h = x.shape[-1]
+        i = w2.shape[-1]
         local = local_topk_ids(ids, prep.expert_map)
         s = sort_by_expert(local, w13.shape[0])
         xs = x.index_select(0, s.order // k)  # (M*K, H): pairs in expert order, remote ones last
-        xs, w13, w2 = _aligned_operands(xs, w13, w2)
+        xs, w13, w2 = _aligned_operands(xs, w13, w2, activation.interleaved)
         offs = s.offsets.to(torch.int32)
         # grouped_mm: rows [offs[g-1], offs[g]) of xs times group g; rows past offs[-1] undefined.
         gate_up = _grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # (M*K, 2I)
-        act = silu_and_mul(gate_up)
+        if bias is not None:
+            # Each sorted row's expert (remote rows, past offs[-1], borrow the last one: masked below).
+            row_expert = torch.searchsorted(s.offsets, torch.arange(m * k, device=x.device), right=True)
+            row_expert = row_expert.clamp(max=w13.shape[0] - 1)
+            gate_up = gate_up + _pad_gate_up(bias.b13.to(gate_up.dtype), i, w2.shape[-1],
+                                             activation.interleaved).index_select(0, row_expert)
+        act = act_and_mul(gate_up, activation)
         ys = _grouped_mm(act, w2.transpose(1, 2), offs=offs)[:, :h]  # (M*K, H)
+        if bias is not None:
+            ys = ys + bias.b2.to(ys.dtype).index_select(0, row_expert)
         valid = (torch.arange(m * k, device=x.device) < offs[-1:].long()).unsqueeze(-1) if m * k else None
         out = alloc_output((m * k, h), x.dtype, x.device)
         if m * k:
             out.index_copy_(0, s.order, torch.where(valid, ys, torch.zeros((), dtype=ys.dtype, device=ys.device)))
         return out.view(m, k, h)
 
-    def _apply_fp8(self, prep: PrepareResult, w13: QuantWeight, w2: QuantWeight) -> torch.Tensor:
+    def _apply_fp8(self, prep: PrepareResult, w13: QuantWeight, w2: QuantWeight,
+                   activation: Activation = SILU) -> torch.Tensor:
         if not (isinstance(w13, QuantWeight) and isinstance(w2, QuantWeight)) or w13.scheme != w2.scheme:
             raise UnsupportedError("experts 'torch': w13 and w2 must be quantised with the same scheme")
         reason = self.quant_unavailable_reason(str(w13.device), w13.scheme)
@@ -247,7 +288,7 @@ class TorchExperts(Experts):
         if prep.a_scale is None or prep.a.dtype != FP8_DTYPE:
             raise UnsupportedError("experts 'torch' take fp8 activations quantised by prepare (prep.a_scale is missing)")
         out_dtype = prep.out_dtype or torch.bfloat16
-        return torch_fp8_moe(prep.a, prep.a_scale, prep.topk_ids, prep.expert_map, w13, w2, out_dtype)
+        return torch_fp8_moe(prep.a, prep.a_scale, prep.topk_ids, prep.expert_map, w13, w2, out_dtype, activation)
 
 
 class BatchedTorchExperts(Experts):
@@ -256,13 +297,22 @@ class BatchedTorchExperts(Experts):
 
     name = "batched-torch"
     activation_format = ActivationFormat.BATCHED
+    supported_activations = ACTIVATIONS
+    supports_bias = True
 
     def weight_and_reduce(self):
         return TopKWeightAndReduceDelegate()
 
-    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor, *, activation: Activation = SILU,
+              bias: ExpertBias | None = None) -> torch.Tensor:
         a = prep.a  # (E_local, T, H)
         gate_up = torch.bmm(a, w13.transpose(1, 2))  # (E_local, T, 2I)
+        if bias is not None:
+            gate_up = gate_up + bias.b13.to(gate_up.dtype).unsqueeze(1)
         out = alloc_output(a.shape, a.dtype, a.device)
-        torch.bmm(silu_and_mul(gate_up), w2.transpose(1, 2), out=out)
+        if bias is None:
+            torch.bmm(act_and_mul(gate_up, activation), w2.transpose(1, 2), out=out)
+        else:
+            torch.baddbmm(bias.b2.to(a.dtype).unsqueeze(1), act_and_mul(gate_up, activation), w2.transpose(1, 2),
+                          out=out)
         return out

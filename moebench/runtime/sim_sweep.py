@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import torch
 
+from moebench.activation import SILU
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
-from moebench.cases import CaseRunner
+from moebench.cases import CaseRunner, rank_layer, shared_gate
 from moebench.correctness import is_correct, relative_error
-from moebench.inputs import check_fits, make_tokens, rank_weights
-from moebench.kernels.modular import poisoned_outputs
-from moebench.kernels.reference import reference_moe
-from moebench.backends import get_prepare_finalize_class, make_kernel, prepare_finalize_names
 from moebench.errors import MoebenchError
+from moebench.inputs import check_fits, make_tokens
+from moebench.kernels.layer import MoELayer, layer_args, layer_bytes_extra, layer_reference, shared_mlp
+from moebench.kernels.modular import poisoned_outputs
+from moebench.backends import get_prepare_finalize_class, make_kernel, prepare_finalize_names
 from moebench.kernels.token_layout import local_topk_ids
 from moebench.routing import load_imbalance, make_routing
 from moebench.runtime import simulate as sim
@@ -89,10 +90,12 @@ class SimulatedRunner(CaseRunner):
                        self.weights_cache, self.experts_model)
 
 
-def _weights(spec, rank: int, cache: dict) -> tuple[tuple, tuple | None]:
-    """`rank_weights` of `rank`, one shard at a time on the device."""
+def _weights(spec, rank: int, cache: dict, moves_tokens: bool):
+    """Rank `rank`'s RankLayer (moebench.sweep.rank_layer), one shard at a time on the device.
+    Shared experts: replicated where tokens move (each EP rank serves its own tokens), sharded
+    over I across the ranks where they stay (TP, or EP without DP: the all-reduce sums them)."""
     s, lay = spec.shape, spec.layout
-    key = (rank, lay.enable_ep)
+    key = (rank, lay.enable_ep, moves_tokens)
     if key not in cache:
         cache.clear()
         if lay.enable_ep:
@@ -101,7 +104,12 @@ def _weights(spec, rank: int, cache: dict) -> tuple[tuple, tuple | None]:
         else:
             check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), max(spec.tokens),
                        s.topk, spec.dtype, spec.device)
-        cache[key] = rank_weights(spec, rank, keep_unquantized=spec.check)
+        shared_shard = (0, 1) if moves_tokens else (rank, lay.world_size)
+        if lay.enable_ep:
+            cache[key] = rank_layer(spec, lay.local_experts(rank, s.num_experts), shared_shard=shared_shard)
+        else:
+            cache[key] = rank_layer(spec, range(s.num_experts), tp_rank=rank, tp_size=lay.moe_tp_size,
+                                    shared_shard=shared_shard)
     return cache[key]
 
 
@@ -130,37 +138,62 @@ def _simulate_case(spec, row, pf, ex, m, inputs, link, ceilings, el, weights_cac
     else:
         rank, emap = 0, None
         row.rank_imbalance = 1.0
-    (w13, w2), unquantized = _weights(spec, rank, weights_cache)
+    lw = _weights(spec, rank, weights_cache, moves_tokens)
     row.extra["simulated_rank"] = rank
     split = token_split(m_full, world) if moves_tokens else [(0, m)] * world
     row.rank_tokens = ",".join(str(b - a) for a, b in split)
 
     # The rank's compute, on this device: the stand-in P/F lays tokens out as the real one would.
-    kernel = make_kernel(ex, _stand_in(pf))
-    args = (x, w13, w2, wts, ids, emap, s.num_experts)
+    # Shared experts: the rank's own tokens (where tokens move) or all of them (a shard over I).
+    gate = shared_gate(spec, x, m)
+    own = slice(*split[rank]) if moves_tokens else slice(None)
+    owner = None
+    if moves_tokens:
+        owner = torch.cat([torch.full((b - a,), r, dtype=torch.int64) for r, (a, b) in enumerate(split)]).to(x.device)
+    args = layer_args(lw, x, wts, ids, s.num_experts, gate, emap, group=rank if moves_tokens else 0,
+                      groups=world if moves_tokens else 1, token_group=owner)
+    kernel = MoELayer(make_kernel(ex, _stand_in(pf)), spec.activation, lw.bias, lw.shared_w13, lw.shared_w2, gate,
+                      shared_rows=own)
     if spec.check:
         with poisoned_outputs():
             out = kernel.apply(*args)
-        ref = reference_moe(x, w13, w2, wts, ids, emap)
+        ref = layer_reference(lw, args, spec.activation, gate, own)
         row.max_rel_err = relative_error(out, ref)
         row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
-        if unquantized is not None:
-            row.err_vs_unquantized = relative_error(out, reference_moe(x, *unquantized, wts, ids, emap))
-    # The rank's experts work (flops, bytes of the experts it hits) for the roofline.
-    local = local_topk_ids(ids, emap)
+        if lw.unquantized is not None:
+            unq = lw.unquantized
+            row.err_vs_unquantized = relative_error(
+                out, layer_reference(unq, (x, unq.w13, unq.w2, *args[3:]), spec.activation, gate, own))
+    # The rank's experts work (flops, bytes of the experts it hits; its shared MLP) for the roofline.
+    local = local_topk_ids(args[4], args[5])
     pairs = int((local >= 0).sum())
-    i_r = w2.shape[-1]
+    i_r = lw.w2.shape[-1]
     flops = metrics.layer_flops(pairs, 1, s.hidden, i_r)
     hit = int(torch.unique(local[local >= 0]).numel())
     nbytes = hit * metrics.expert_weight_bytes(s.hidden, i_r, el, spec.quant) + 2 * pairs * s.hidden * el
+    nbytes += layer_bytes_extra(lw, s, hit, el, spec.quant)
+    if lw.shared_w13 is not None:
+        own_tokens = x[own].shape[0]
+        flops += metrics.shared_flops(own_tokens, s.hidden, lw.shared_w2.shape[-1])
+        nbytes += 2 * own_tokens * s.hidden * el
     if experts_model is not None:
         floor = metrics.roofline(flops, nbytes, experts_model, dtype=row.dtype)
         t = Timing(floor, floor, floor, 0, f"roofline model ({experts_model.device_name}, {experts_model.source})")
         ceilings = experts_model
     else:
         exo = kernel.experts
-        prep = kernel.prepare(x, w13, w2, wts, ids, emap, s.num_experts)
-        t = time_fn(lambda: exo.apply(prep, w13, w2), spec.device, **spec.timing_kwargs())
+        xa, w13, w2, wts_a, ids_a, emap_a, n_exp = args
+        prep = kernel.kernel.prepare(xa, w13, w2, wts_a, ids_a, emap_a, n_exp)
+
+        def step():
+            if spec.activation == SILU and lw.bias is None:
+                exo.apply(prep, w13, w2)
+            else:
+                exo.apply(prep, w13, w2, activation=spec.activation, bias=lw.bias)
+            if lw.shared_w13 is not None:
+                shared_mlp(x[own], lw.shared_w13, lw.shared_w2, spec.activation, None if gate is None else gate[own])
+
+        t = time_fn(step, spec.device, **spec.timing_kwargs())
     row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.nvlink})"
     # Backends that pick a tile config say where it came from (as in a measured sweep).
     row.config_source = kernel.experts.last_config_source or ""

@@ -4,9 +4,9 @@ Input a (E_local, T, H) with expert_num_tokens (E_local,): rows [0, count[e]) of
 valid. Two kernels, grid (tiles, E_local): each program reads its expert's count and returns at
 once when its row tile starts past it, so empty experts and empty tiles cost one load.
 
-    GEMM1  a[e] @ w13[e]^T with gate and up tiles in the same K loop, SiLU(gate) * up -> inter
-           (E_local, T, I)
-    GEMM2  inter[e] @ w2[e]^T -> out (E_local, T, H), unweighted, in a's dtype (fp8: the layer's)
+    GEMM1  a[e] @ w13[e]^T with gate and up tiles in the same K loop [+ b13], the activation
+           (SiLU(gate) * up by default; moebench.activation) -> inter (E_local, T, I)
+    GEMM2  inter[e] @ w2[e]^T [+ b2] -> out (E_local, T, H), unweighted, in a's dtype (fp8: the layer's)
 
 Rows past each expert's count are not written (the prepare/finalize reads only valid slots);
 weighting and the sum over top-k are delegated to the prepare/finalize
@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from moebench.activation import SILU, Activation
 from moebench.errors import MoebenchError
-from moebench.kernels.modular import alloc_output
-from moebench.kernels.triton.common import cast_rne, dequant, grouped_tile, scale_ptrs, scaled_mma
+from moebench.kernels.modular import ExpertBias, alloc_output
+from moebench.kernels.triton.common import cast_rne, dequant, gate_up_epilogue, grouped_tile, scale_ptrs, scaled_mma
 from moebench.kernels.triton.configs import TileConfig, default_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.kernels.triton.options import TritonOptions
@@ -67,6 +68,13 @@ def batched_silu_mul_gemm1_kernel(
     stride_wze,
     stride_wzn,
     stride_wzk,
+    b13_ptr,  # HAS_BIAS: (E_local, 2I) biases in w13's row order (as in the sorted-token GEMM1)
+    stride_be,
+    stride_bn,
+    up_off,  # elements from a gate row of w13 to its up row (I rows, or 1 row when interleaved)
+    b_up_off,
+    alpha,
+    limit,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,  # intermediate columns per program (gate and up each)
     BLOCK_SIZE_K: tl.constexpr,
@@ -83,6 +91,8 @@ def batched_silu_mul_gemm1_kernel(
     WQ_GROUP: tl.constexpr = 1,
     WQ_ZP: tl.constexpr = False,
     WQ_PACK: tl.constexpr = 1,  # weight codes per byte along K
+    ACTIVATION: tl.constexpr = 0,  # moebench.activation kind (gate_up_epilogue)
+    HAS_BIAS: tl.constexpr = False,
 ):
     # Axis 1 = expert; axis 0 -> (row tile, intermediate tile), grouped for L2 reuse.
     expert = tl.program_id(1).to(tl.int64)
@@ -103,11 +113,12 @@ def batched_silu_mul_gemm1_kernel(
     col_ok = offs_n < N_INTER
     offs_k = tl.arange(0, BLOCK_SIZE_K)
 
-    # Pointers: A = the expert's rows, B = gate rows n.. and up rows I + n.. of w13[e], their scales.
+    # Pointers: A = the expert's rows, B = gate rows n.. and their up rows (up_off further: I rows,
+    # or the next row when interleaved, where stride_wn steps two rows) of w13[e], their scales.
     a_ptrs = a_ptr + expert * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
     g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
-    u_ptrs = g_ptrs + N_INTER * stride_wn
+    u_ptrs = g_ptrs + up_off
     gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
     us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
 
@@ -143,8 +154,9 @@ def batched_silu_mul_gemm1_kernel(
     acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
     acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
 
-    # Epilogue: SiLU(gate) * up; store the valid rows.
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    # Epilogue: [+ b13], the activation (SiLU(gate) * up by default); store the valid rows.
+    h = gate_up_epilogue(acc_g, acc_u, b13_ptr + expert * stride_be + offs_n * stride_bn, b_up_off, col_ok, alpha, limit,
+                         ACTIVATION, HAS_BIAS)
     i_ptrs = inter_ptr + expert * stride_ie + offs_m[:, None] * stride_im + offs_n[None, :] * stride_in
     h = cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST)
     tl.store(i_ptrs, h, mask=row_ok[:, None] & col_ok[None, :])
@@ -180,6 +192,9 @@ def batched_gemm2_kernel(
     stride_wze,
     stride_wzn,
     stride_wzk,
+    b2_ptr,  # HAS_BIAS: (E_local, H) biases
+    stride_b2e,
+    stride_b2n,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -194,6 +209,7 @@ def batched_gemm2_kernel(
     WQ_GROUP: tl.constexpr = 1,
     WQ_ZP: tl.constexpr = False,
     WQ_PACK: tl.constexpr = 1,
+    HAS_BIAS: tl.constexpr = False,
 ):
     # Axis 1 = expert; axis 0 -> (row tile, hidden tile), grouped as in GEMM1.
     expert = tl.program_id(1).to(tl.int64)
@@ -242,7 +258,9 @@ def batched_gemm2_kernel(
 
     acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
 
-    # Store the valid rows, unweighted.
+    # Epilogue: [+ b2]; store the valid rows, unweighted.
+    if HAS_BIAS:
+        acc += tl.load(b2_ptr + expert * stride_b2e + offs_n * stride_b2n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + expert * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     acc = cast_rne(acc, out_ptr.dtype.element_ty, QUANT != 0 and UPCAST)
     tl.store(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
@@ -288,9 +306,14 @@ def batched_moe(
     config: Mapping[str, int],
     a_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    activation: Activation = SILU,
+    bias: ExpertBias | None = None,
 ) -> torch.Tensor:
     """a (E_local, T, H), expert_num_tokens (E_local,) int, w13 (E_local, 2I, H), w2 (E_local, H, I)
     -> (E_local, T, H) unweighted in a's dtype (rows past each count unwritten).
+    activation: the GEMM1 epilogue's function and w13's gate/up layout (moebench.activation;
+    swigluoai's interleaved w13 unquantised only); bias: b13 before the activation, b2 added to
+    each row of GEMM2's output (before the P/F's router weight), or None.
 
     fp8 (w13, w2 QuantWeights of one scheme): a float8_e4m3fn with a_scale (E_local, T, G) fp32
     (or a unquantised: quantised here with the scheme, w13.input_scale for per tensor); output
@@ -337,13 +360,26 @@ def batched_moe(
     bn1 = max(16, bn // 2)
     inter = torch.empty((e_local, t, n_inter), dtype=out_dtype, device=a.device)
     ptrs, strides = _scale_args(a_scale, w13)
+    il = activation.interleaved
+    if il and scheme is not None:
+        raise MoebenchError("batched-triton experts: swigluoai's interleaved w13 runs unquantised (not fp8)")
+    row = w13q.stride(1)
+    stride_wn, up_off = (2 * row, row) if il else (row, n_inter * row)
+    if bias is not None:
+        b13, bcol = bias.b13, bias.b13.stride(1)
+        bias1 = (b13, b13.stride(0), 2 * bcol if il else bcol, up_off, bcol if il else n_inter * bcol)
+        bias2 = (bias.b2, bias.b2.stride(0), bias.b2.stride(1))
+    else:
+        bias1, bias2 = (w13q, 0, 0, up_off, 0), (w2q, 0, 0)
     grid1 = (triton.cdiv(t, bm) * triton.cdiv(n_inter, bn1), e_local)
     batched_silu_mul_gemm1_kernel[grid1](
         a, w13q, inter, counts, *ptrs, t, n_inter, h,
-        a.stride(0), a.stride(1), a.stride(2), w13q.stride(0), w13q.stride(1), w13q.stride(2),
-        inter.stride(0), inter.stride(1), inter.stride(2), *strides, *wq_zero_args(w13),
+        a.stride(0), a.stride(1), a.stride(2), w13q.stride(0), stride_wn, w13q.stride(2),
+        inter.stride(0), inter.stride(1), inter.stride(2), *strides, *wq_zero_args(w13), *bias1,
+        float(activation.alpha), float(activation.limit),
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
-        EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta, **wq13,
+        EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, ACTIVATION=activation.kind, HAS_BIAS=bias is not None,
+        **meta, **wq13,
     )
     inter_scale = None
     if scheme is not None and not scheme.weight_only:
@@ -354,8 +390,8 @@ def batched_moe(
     batched_gemm2_kernel[grid2](
         inter, w2q, out, counts, *ptrs, t, h, n_inter,
         inter.stride(0), inter.stride(1), inter.stride(2), w2q.stride(0), w2q.stride(1), w2q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), *strides, *wq_zero_args(w2),
+        out.stride(0), out.stride(1), out.stride(2), *strides, *wq_zero_args(w2), *bias2,
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
-        EVEN_K=n_inter % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta, **wq2,
+        EVEN_K=n_inter % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, HAS_BIAS=bias is not None, **meta, **wq2,
     )
     return out

@@ -6,6 +6,7 @@
     block_expert, tile_rows                      a sorted block's expert and rows (sorted-token GEMMs)
     pdl_wait, pdl_release, pdl_launch_args       programmatic dependent launch (Hopper+)
     cast_rne                                     fp32 -> bf16 rounded to nearest even, also in the interpreter
+    gate_up_epilogue                             GEMM1's bias and activation (moebench.activation kinds)
 """
 
 import triton
@@ -152,3 +153,24 @@ def cast_rne(x, dtype: tl.constexpr, EXACT: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def gate_up_epilogue(acc_g, acc_u, b_ptrs, b_up_off, col_ok, alpha, limit, ACTIVATION: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    """GEMM1's epilogue on fp32 gate / up tiles (BM, BN): + the expert's b13 columns (HAS_BIAS;
+    b_ptrs: the gate columns' biases, b_up_off: elements from a gate bias to its up bias), then
+    the activation (moebench.activation kinds): 0 silu(g) * u; 1 gelu(g) * u, exact (erf);
+    2 swigluoai: g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptrs + b_up_off, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == 2:
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    elif ACTIVATION == 1:
+        h = 0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)) * acc_u
+    else:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+    return h

@@ -5,8 +5,9 @@
     align   (token, k) pairs grouped by local expert in blocks of BLOCK_SIZE_M
             (moebench.kernels.triton.align; one small kernel, two above 1024 pairs, or none:
             `direct_align`, one block per pair, at one token; no host sync)
-    GEMM1   SiLU(x w_gate) * (x w_up) per block and intermediate tile (moebench.kernels.triton.gemm)
-    GEMM2   inter @ w2^T, times the router weight, summed over top-k by fp32 atomics
+    GEMM1   act(x w_gate [+ b_gate]) * (x w_up [+ b_up]) per block and intermediate tile
+            (moebench.kernels.triton.gemm; SiLU by default, any moebench.activation)
+    GEMM2   inter @ w2^T [+ b2], times the router weight, summed over top-k by fp32 atomics
     cast    the fp32 sum -> the output dtype
 
 So the experts return (M, H), weighted and summed (TopKWeightAndReduceNoOp): one write of the
@@ -33,10 +34,12 @@ from typing import Any, Mapping
 
 import torch
 
+from moebench.activation import ACTIVATIONS, SILU, Activation
 from moebench.errors import MoebenchError
 from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
+    ExpertBias,
     PrepareResult,
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNoOp,
@@ -58,6 +61,14 @@ from moebench.kernels.triton.gemm import fused_moe_gemms
 from moebench.kernels.triton.options import TritonOptions, layer_split_k, resolve_pdl
 from moebench.kernels.triton.quant import quantize_rows
 from moebench.quant import FP8_DTYPE, QUANT_KINDS, QuantScheme, scheme_of
+
+
+def _interleaved_quant_reason(name: str, activation: Activation, quant: QuantScheme | None) -> str | None:
+    """swigluoai's interleaved w13 is read through the paired walk's strides, which fp8 scales
+    (indexed by row halves or blocks) do not follow."""
+    if activation.interleaved and quant is not None:
+        return f"experts '{name}': swigluoai's interleaved w13 runs unquantised (not {quant.describe()})"
+    return None
 
 
 def select_config(
@@ -96,8 +107,11 @@ def fused_moe(
     out_dtype: torch.dtype | None = None,
     down_config: Mapping[str, Any] | None = None,
     options: TritonOptions | None = None,
+    activation: Activation = SILU,
+    bias: ExpertBias | None = None,
 ) -> torch.Tensor:
-    """Whole experts step: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
+    """Whole experts step (activation / bias: the epilogues' function and per-expert biases,
+    see `fused_moe_gemms`): x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
 
     The alignment (`align_pairs`), GEMM2's K split (None: `layer_split_k`) and the GEMMs
@@ -145,7 +159,7 @@ def fused_moe(
                                 align.max_blocks, num_sms(x.device))
     return fused_moe_gemms(
         x, w13, w2, topk_weights, align, k, config, split_k, a_scale=a_scale, out_dtype=out_dtype,
-        down_config=down_config, num_experts=num_experts, options=options,
+        down_config=down_config, num_experts=num_experts, options=options, activation=activation, bias=bias,
     )
 
 
@@ -163,6 +177,8 @@ class TritonExperts(Experts):
     activation_format = ActivationFormat.STANDARD
     supported_quant = QUANT_KINDS
     quantizes_input = False
+    supported_activations = ACTIVATIONS
+    supports_bias = True
 
     def __init__(
         self,
@@ -198,7 +214,14 @@ class TritonExperts(Experts):
         self.last_config_source = src + (f"; GEMM2: {down_src}" if down_src != "GEMM1's config" else "")
         return dict(cfg), (dict(down) if down is not None else None)
 
-    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
+    @classmethod
+    def activation_unavailable_reason(cls, activation, bias, quant=None):
+        return _interleaved_quant_reason(cls.name, activation, quant) or \
+            super().activation_unavailable_reason(activation, bias, quant)
+
+    def apply(self, prep: PrepareResult, w13, w2, *, activation: Activation = SILU,
+              bias: ExpertBias | None = None) -> torch.Tensor:
+        self.check_activation(activation, bias, scheme_of(w13))
         x = prep.a
         m, k = prep.topk_ids.shape
         out_dtype = None
@@ -211,6 +234,7 @@ class TritonExperts(Experts):
         return fused_moe(
             x, w13, w2, prep.topk_weights, prep.topk_ids, prep.expert_map, prep.num_experts, cfg, self.split_k,
             a_scale=prep.a_scale, out_dtype=out_dtype, down_config=down, options=self.options,
+            activation=activation, bias=bias,
         )
 
 
@@ -228,6 +252,13 @@ class BatchedTritonExperts(Experts):
     activation_format = ActivationFormat.BATCHED
     supported_quant = QUANT_KINDS
     quantizes_input = False
+    supported_activations = ACTIVATIONS
+    supports_bias = True
+
+    @classmethod
+    def activation_unavailable_reason(cls, activation, bias, quant=None):
+        return _interleaved_quant_reason(cls.name, activation, quant) or \
+            super().activation_unavailable_reason(activation, bias, quant)
 
     @classmethod
     def unavailable_reason(cls, device: str) -> str | None:
@@ -269,7 +300,9 @@ class BatchedTritonExperts(Experts):
             default=default)
         return dict(cfg)
 
-    def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:
+    def apply(self, prep: PrepareResult, w13, w2, *, activation: Activation = SILU,
+              bias: ExpertBias | None = None) -> torch.Tensor:
+        self.check_activation(activation, bias, scheme_of(w13))
         a = prep.a
         scheme = scheme_of(w13)
         out_dtype = None
@@ -279,4 +312,4 @@ class BatchedTritonExperts(Experts):
             dtype = out_dtype
         cfg = self.config_for(a.shape[1], a.shape[0], w2.shape[2], a.shape[2], dtype, scheme, a.device.type,
                               prep.num_tokens, prep.topk, prep.num_experts)
-        return batched_moe(a, prep.expert_num_tokens, w13, w2, cfg, prep.a_scale, out_dtype)
+        return batched_moe(a, prep.expert_num_tokens, w13, w2, cfg, prep.a_scale, out_dtype, activation, bias)

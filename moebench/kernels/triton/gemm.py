@@ -42,13 +42,15 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from moebench.activation import SILU, Activation
 from moebench.errors import MoebenchError
-from moebench.kernels.modular import alloc_output
+from moebench.kernels.modular import ExpertBias, alloc_output
 from moebench.kernels.triton.align import AlignResult
 from moebench.kernels.triton.common import (
     block_expert,
     cast_rne,
     dequant,
+    gate_up_epilogue,
     grouped_tile,
     pdl_launch_args,
     pdl_release,
@@ -101,6 +103,13 @@ def silu_mul_gemm1_kernel(
     stride_wze,
     stride_wzn,
     stride_wzk,
+    b13_ptr,  # HAS_BIAS: (E_local, 2I) biases in w13's row order
+    stride_be,
+    stride_bn,  # from one gate column's bias to the next (2 x the row stride when interleaved)
+    up_off,  # elements from a gate row of w13 to its up row (I rows, or 1 row when interleaved)
+    b_up_off,  # the same from a gate bias to its up bias
+    alpha,  # ACTIVATION 2 (swigluoai): sigmoid's slope and the clamp limit
+    limit,
     TOPK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,  # intermediate columns per program (gate and up each)
@@ -126,6 +135,8 @@ def silu_mul_gemm1_kernel(
     WQ_GROUP: tl.constexpr = 1,  # values per weight scale along K
     WQ_ZP: tl.constexpr = False,  # int4 zero points at wz_ptr
     WQ_PACK: tl.constexpr = 1,  # weight codes per byte along K (2: int4 / mxfp4)
+    ACTIVATION: tl.constexpr = 0,  # moebench.activation kind: 0 silu, 1 gelu, 2 swigluoai (gate_up_epilogue)
+    HAS_BIAS: tl.constexpr = False,  # add b13 before the activation
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -201,11 +212,12 @@ def silu_mul_gemm1_kernel(
         # (BM, 2 BN) -> (BM, 2, BN) -> (BM, BN, 2) -> gate, up
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1)))
     else:
-        # B: two (BK, BN) tiles, gate rows n0.. and up rows I + n0.. of w13[expert], and their
+        # B: two (BK, BN) tiles, gate rows n0.. and their up rows (up_off further: I rows, or the
+        # next row when interleaved, where stride_wn steps two rows) of w13[expert], and their
         # scales. TMA: the gate tile's first row in the (E_local * 2I, H) view; rows past I (the last
         # tile) read the neighbouring rows or zeros, their columns are masked at the store.
         g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
-        u_ptrs = g_ptrs + N_INTER * stride_wn
+        u_ptrs = g_ptrs + up_off
         g_row = (expert * 2 * N_INTER + n0).to(tl.int32)
         gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
         us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
@@ -246,8 +258,9 @@ def silu_mul_gemm1_kernel(
         acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
         acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
 
-    # Epilogue: SiLU(gate) * up.
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    # Epilogue: [+ b13], the activation: SiLU(gate) * up by default.
+    h = gate_up_epilogue(acc_g, acc_u, b13_ptr + expert * stride_be + offs_n * stride_bn, b_up_off, col_ok, alpha, limit,
+                         ACTIVATION, HAS_BIAS)
 
     # Store at the block's sorted rows (sentinel rows hold zeros, which GEMM2 reads).
     i_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
@@ -295,6 +308,9 @@ def gemm2_weighted_sum_kernel(
     stride_wze,
     stride_wzn,
     stride_wzk,
+    b2_ptr,  # HAS_BIAS: (E_local, H) biases, added once (by the K split 0)
+    stride_b2e,
+    stride_b2n,
     TOPK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
@@ -313,6 +329,7 @@ def gemm2_weighted_sum_kernel(
     WQ_GROUP: tl.constexpr = 1,
     WQ_ZP: tl.constexpr = False,
     WQ_PACK: tl.constexpr = 1,
+    HAS_BIAS: tl.constexpr = False,  # add b2 before the router weight
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -371,7 +388,10 @@ def gemm2_weighted_sum_kernel(
         b_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
     acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
 
-    # Epilogue: the router weight of each pair.
+    # Epilogue: [+ b2 (the first K split only)], the router weight of each pair.
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(b2_ptr + expert * stride_b2e + offs_n * stride_b2n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     w = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
 
@@ -455,8 +475,14 @@ def launch_gemm1(
     out_scale: torch.Tensor | None = None,
     pdl: bool = False,
     sorted_a: bool = False,
+    activation: Activation = SILU,
+    b13: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GEMM1 + SiLU-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
+    """GEMM1 + activation-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
+    activation (moebench.activation) picks the epilogue's function and w13's gate/up layout
+    (interleaved for swigluoai: the paired walk reads gate row 2j and up row 2j + 1 through its
+    strides; it needs the paired walk without TMA, unquantised); b13 (E_local, 2I): biases added
+    before the activation, or None.
     The flags are the resolved choices (`gemm1_walk`, `resolve_use_tma`, `resolve_pdl`):
     use_tma: weight tiles through TMA (16-bit; the caller checks the device, `env.tma_ok`).
     wide: the wide walk (one tile of gate and up, one dot), else the paired walk.
@@ -496,18 +522,32 @@ def launch_gemm1(
     sc = _scale_args(a_scale, w13)
     if zero is not None:
         assert zero.dtype == torch.float32 and zero.is_contiguous()
+    # Where a gate row's up row is: I rows further, or (interleaved) the next row, gate rows two apart.
+    il = activation.interleaved
+    if il and (use_tma or wide or sorted_a or quant["QUANT"] or wq_meta(w13)["WQ"]):
+        raise MoebenchError("swigluoai's interleaved w13 runs GEMM1's paired walk without TMA, unquantised "
+                            "(TritonOptions gemm1_wide / use_tma off)")
+    row = wq.stride(1)
+    stride_wn, up_off = (2 * row, row) if il else (row, n_inter * row)
+    if b13 is not None:
+        assert b13.shape == (wq.shape[0], 2 * n_inter), "b13 must be (E_local, 2I)"
+        bcol = b13.stride(1)
+        bias_args = (b13, b13.stride(0), 2 * bcol if il else bcol, up_off, bcol if il else n_inter * bcol)
+    else:
+        bias_args = (wq, 0, 0, up_off, 0)
     grid1 = (num_blocks * triton.cdiv(n_inter, bn1),)
     silu_mul_gemm1_kernel[grid1](
         x, x_desc, wq, desc, inter, align.sorted_token_ids, align.expert_ids, _map_arg(align), align.num_tokens_post_padded,
         *sc[:2], inter if zero is None else zero, 0 if zero is None else zero.numel(),
         inter if out_scale is None else out_scale.to(device=x.device, dtype=torch.float32).reshape(1),
         align.num_pairs, n_inter, h, num_blocks,
-        x.stride(0), x.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), inter.stride(0), inter.stride(1),
-        *sc[2:], *wq_zero_args(w13),
+        x.stride(0), x.stride(1), wq.stride(0), stride_wn, wq.stride(2), inter.stride(0), inter.stride(1),
+        *sc[2:], *wq_zero_args(w13), *bias_args, float(activation.alpha), float(activation.limit),
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        MAPPED=align.expert_map is not None, A_TMA=sorted_a, num_warps=config["num_warps"],
+        MAPPED=align.expert_map is not None, A_TMA=sorted_a, ACTIVATION=activation.kind, HAS_BIAS=b13 is not None,
+        num_warps=config["num_warps"],
         num_stages=config["num_stages"], **quant, **wq_meta(w13), **pdl_launch_args(pdl),
     )
     return inter
@@ -525,8 +565,9 @@ def launch_gemm2(
     a_scale: torch.Tensor | None = None,
     ws: torch.Tensor | None = None,
     pdl: bool = False,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GEMM2 + router weight on aligned pairs -> ws (M, H) fp32, the sum over top-k done by atomic
+    """GEMM2 [+ b2 (E_local, H), before the router weight] + router weight on aligned pairs -> ws (M, H) fp32, the sum over top-k done by atomic
     adds (`ws` given = already zeroed, e.g. by GEMM1; else zeroed here). split_k: K splits (clamped
     to whole BLOCK_SIZE_K steps). use_tma: w2's tiles through TMA. pdl: launch with programmatic
     dependent launch (after a launch_gemm1 with pdl).
@@ -555,12 +596,12 @@ def launch_gemm2(
         inter, wq, desc, ws, weights, align.sorted_token_ids, align.expert_ids, _map_arg(align),
         align.num_tokens_post_padded, *sc[:2], align.num_pairs, h, n_inter, num_blocks, k_per_split,
         inter.stride(0), inter.stride(1), wq.stride(0), wq.stride(1), wq.stride(2), ws.stride(0), ws.stride(1),
-        *sc[2:], *wq_zero_args(w2),
+        *sc[2:], *wq_zero_args(w2), *((b2, b2.stride(0), b2.stride(1)) if b2 is not None else (ws, 0, 0)),
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, MAPPED=align.expert_map is not None,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **wq_meta(w2),
-        **pdl_launch_args(pdl),
+        HAS_BIAS=b2 is not None,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **wq_meta(w2), **pdl_launch_args(pdl),
     )
     return ws
 
@@ -581,6 +622,8 @@ def fused_moe_gemms(
     down_config: Mapping[str, Any] | None = None,
     num_experts: int | None = None,
     options: TritonOptions | None = None,
+    activation: Activation = SILU,
+    bias: ExpertBias | None = None,
 ) -> torch.Tensor:
     """The GEMM part on aligned pairs: x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I),
     topk_weights (M, K) -> out (M, H) in x's dtype, weighted and summed over top-k: GEMM1 (which
@@ -596,7 +639,11 @@ def fused_moe_gemms(
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is quantised with the scheme before GEMM2 (by
-    GEMM1 itself for per-tensor scales, with w2.input_scale), as moebench.quant describes. No TMA."""
+    GEMM1 itself for per-tensor scales, with w2.input_scale), as moebench.quant describes. No TMA.
+
+    activation / bias: the epilogues' function (moebench.activation) and per-expert biases (b13
+    before the activation, b2 before the router weight). swigluoai's interleaved w13 runs the
+    paired GEMM1 walk without TMA (GEMM2 keeps its choice), unquantised."""
     options = options or TritonOptions()
     m, h = x.shape
     scheme = scheme_of(w13)
@@ -633,8 +680,14 @@ def fused_moe_gemms(
     pdl = resolve_pdl(options, x.device, w2.shape[2])
     wide, sorted_a = gemm1_walk(options, config, x.dtype, scheme is not None, use_tma, w2.shape[2],
                                 m * topk / (num_experts or w13.shape[0]))
-    inter = launch_gemm1(x, w13, align, topk, config, use_tma, a_scale, out_dtype, zero=acc, wide=wide,
-                         out_scale=w2.input_scale if fuse else None, pdl=pdl, sorted_a=sorted_a)
+    tma1 = use_tma
+    if activation.interleaved:
+        if scheme is not None:
+            raise MoebenchError("triton experts: swigluoai's interleaved w13 runs unquantised (not fp8)")
+        wide = sorted_a = tma1 = False
+    inter = launch_gemm1(x, w13, align, topk, config, tma1, a_scale, out_dtype, zero=acc, wide=wide,
+                         out_scale=w2.input_scale if fuse else None, pdl=pdl, sorted_a=sorted_a,
+                         activation=activation, b13=None if bias is None else bias.b13)
     inter_scale = None
     if fuse:
         inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
@@ -649,7 +702,8 @@ def fused_moe_gemms(
         cfg2 = down_config
         if "USE_TMA" in down_config:
             tma2 = bool(down_config["USE_TMA"]) and scheme is None and tma_ok(w2)
-    ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, inter_scale, ws=acc, pdl=pdl)
+    ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, inter_scale, ws=acc, pdl=pdl,
+                      b2=None if bias is None else bias.b2)
     if ws is not out:
         out.copy_(ws)
     return out
