@@ -8,7 +8,10 @@
 TAIL="${TAIL:-6}"
 source "$(dirname "$0")/device_env.sh"
 TOK="${TOK:-1,16,64,256,1024,4096}"
-COMMON=(--tokens "$TOK" --experts triton --prepare-finalize no-dpep --reps 20 --routings 4)
+# --activation silu --shared-experts none: the weight-only GEMMs alone (gpt-oss's interleaved swigluoai runs
+# unquantised only), on both sides of each ratio
+COMMON=(--tokens "$TOK" --experts triton --prepare-finalize no-dpep --reps 20 --routings 4 --activation silu
+        --shared-experts none)
 
 step env --calibrate
 python3 -m moebench.cli env --calibrate --json > "$OUT/env.json" 2>>"$log"; grep -A8 matmul_tflops "$OUT/env.json" >> "$log"
