@@ -18,7 +18,7 @@ python3 -m moebench.cli env --calibrate --json > "$OUT/env.json" 2>>"$log"; grep
 for run in "gpt-oss-20b mxfp4" "gpt-oss-120b mxfp4" "qwen3-30b-a3b int4_w4a16"; do
   set -- $run
   step "bf16 / $2 sweeps: $1"
-  mb sweep --model "$1" "${COMMON[@]}" --out "$R/bf16"
+  mb sweep --model "$1" "${COMMON[@]}" --dtype bf16 --out "$R/bf16"
   mb sweep --model "$1" "${COMMON[@]}" --dtype "$2" --out "$R/$2"
   python3 -m benchmarks weight_only_table "$R" > "$OUT/weight_only.md" 2>>"$log"  # after every model: a cut-off run keeps it
 done
