@@ -12,7 +12,7 @@ import torch
 from moebench.activation import SILU, Activation
 from moebench.bench import metrics
 from moebench.errors import MoebenchError
-from moebench.inputs import dtype_name
+from moebench.inputs import dtype_name, make_tokens
 from moebench.kernels.layer import layer_bytes_extra, make_rank_layer, shared_gate_values
 from moebench.backends import (
     check_combination,
@@ -24,6 +24,7 @@ from moebench.backends import (
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
 from moebench.quant import QuantScheme, precision_text
+from moebench.routing import make_routing
 from moebench.results import ResultRow, RunStore
 
 
@@ -179,6 +180,17 @@ class CaseRunner:
 
     def finish(self) -> None:
         """After the last case."""
+
+
+def batch_inputs(spec: SweepSpec, m: int, pf: str):
+    """The whole batch of a multi-rank case of `m` tokens through `pf` (identical on every rank,
+    from the seed): (tokens in all, x, topk_weights, topk_ids). A prepare/finalize that moves
+    tokens brings `m` per rank (unless the spec's tokens are global); one that keeps them, `m`."""
+    s = spec.shape
+    m_full = spec.batch_tokens(m, get_prepare_finalize_class(pf).communicates)
+    x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
+    wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
+    return m_full, x, wts, ids
 
 
 def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,

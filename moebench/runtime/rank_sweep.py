@@ -19,14 +19,14 @@ import torch.distributed as dist
 
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
-from moebench.cases import CaseRunner, base_row, fill_metrics, run_cases
+from moebench.cases import CaseRunner, batch_inputs, base_row, fill_metrics, run_cases
 from moebench.correctness import is_correct, relative_error
-from moebench.inputs import check_fits, make_tokens, rank_weights
+from moebench.inputs import check_fits, rank_weights
 from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.reference import reference_moe
 from moebench.backends import get_prepare_finalize_class, make_kernel
 from moebench.results import RunStore
-from moebench.routing import load_imbalance, make_routing
+from moebench.routing import load_imbalance
 from moebench.runtime.distributed import RankContext, is_main
 from moebench.runtime.rank_case import rank_inputs, run_inputs
 
@@ -94,12 +94,7 @@ class RankRunner(CaseRunner):
             self.progress.close()
 
     def inputs(self, m: int, pf: str):
-        """The whole batch of the case (identical on every rank, from the seed)."""
-        spec, s = self.spec, self.spec.shape
-        m_full = spec.batch_tokens(m, get_prepare_finalize_class(pf).communicates)
-        x_full = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
-        wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
-        return m_full, x_full, wts, ids
+        return batch_inputs(self.spec, m, pf)
 
     def run_case(self, row, m: int, pf: str, ex: str, inputs) -> None:
         ctx, spec = self.ctx, self.spec

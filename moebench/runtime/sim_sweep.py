@@ -25,15 +25,15 @@ from moebench.activation import SILU
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
-from moebench.cases import CaseRunner, rank_layer, shared_gate
+from moebench.cases import CaseRunner, batch_inputs, rank_layer, shared_gate
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
-from moebench.inputs import check_fits, make_tokens
+from moebench.inputs import check_fits
 from moebench.kernels.layer import MoELayer, layer_args, layer_bytes_extra, layer_reference, shared_mlp
 from moebench.kernels.modular import poisoned_outputs
 from moebench.backends import get_prepare_finalize_class, make_kernel, prepare_finalize_names
 from moebench.kernels.token_layout import local_topk_ids
-from moebench.routing import load_imbalance, make_routing
+from moebench.routing import load_imbalance
 from moebench.runtime import simulate as sim
 from moebench.runtime.comm_model import CommModel, CommResult
 from moebench.runtime.rank_case import token_split
@@ -78,12 +78,7 @@ class SimulatedRunner(CaseRunner):
         self.ceilings = get_ceilings(spec.device)
 
     def inputs(self, m: int, pf: str):
-        """The whole batch of the case (what every rank together holds)."""
-        spec, s = self.spec, self.spec.shape
-        m_full = spec.batch_tokens(m, get_prepare_finalize_class(pf).communicates)
-        x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
-        wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
-        return m_full, x, wts, ids
+        return batch_inputs(self.spec, m, pf)
 
     def run_case(self, row, m: int, pf: str, ex: str, inputs) -> None:
         _simulate_case(self.spec, row, pf, ex, m, inputs, self.link, self.ceilings, self.spec.act_bytes,
