@@ -29,6 +29,18 @@ SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768
 HEURISTIC_ONLY = {"dsv3-ep8-local"}
 
 
+def ok_rows(root: Path) -> pd.DataFrame:
+    """Every ok row of the run folders under `root` (their results.csv), `quant` filled with ''
+    where empty: what the table cases start from."""
+    frames = [pd.read_csv(p) for p in sorted(Path(root).rglob("results.csv"))]
+    if not frames:
+        raise SystemExit(f"no results.csv under {root}")
+    df = pd.concat(frames, ignore_index=True)
+    df = df[df.status == "ok"].copy()
+    df["quant"] = df["quant"].fillna("") if "quant" in df else ""
+    return df
+
+
 def script_setup(what: str) -> tuple[Path, torch.device, str]:
     """(output folder $OUT or ./bench-out, created; the device; a header line naming the GPU,
     torch and triton versions and `what`). On a CPU (smoke runs) the header says the times mean

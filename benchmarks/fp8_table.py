@@ -14,14 +14,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from benchmarks.bench_common import ok_rows
+
 
 def load(root: Path) -> pd.DataFrame:
-    frames = [pd.read_csv(p) for p in sorted(root.rglob("results.csv"))]
-    if not frames:
-        raise SystemExit(f"no results.csv under {root}")
-    df = pd.concat(frames, ignore_index=True)
-    df = df[df.status == "ok"].copy()
-    df["quant"] = df["quant"].fillna("")
+    df = ok_rows(root)
     df["variant"] = df.apply(lambda r: f"{r['dtype']}{(' ' + r['quant']) if r['quant'] else ''} {r['experts']}", axis=1)
     df["shape"] = df.apply(lambda r: f"{r.model} (E={r.num_experts}, K={r.topk}, H={r.hidden}, I={r.intermediate})", axis=1)
     return df

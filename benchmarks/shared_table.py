@@ -18,14 +18,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from benchmarks.bench_common import ok_rows
+
 
 def load(root: Path) -> pd.DataFrame:
-    frames = [pd.read_csv(p) for p in sorted(root.rglob("results.csv"))]
-    if not frames:
-        raise SystemExit(f"no results.csv under {root}")
-    df = pd.concat(frames, ignore_index=True)
-    df = df[df.status == "ok"].copy()
-    for col, default in (("quant", ""), ("activation", "silu"), ("expert_bias", False), ("shared_experts", "none")):
+    df = ok_rows(root)
+    for col, default in (("activation", "silu"), ("expert_bias", False), ("shared_experts", "none")):
         df[col] = df[col].fillna(default) if col in df else default
     df["t_us"] = df["experts_us"].where(df["modeled"].astype(bool), df["latency_us"]) if "experts_us" in df else df["latency_us"]
     df["precision"] = df["dtype"].astype(str) + df["quant"].map(lambda q: f" {q}" if q else "")

@@ -18,16 +18,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from benchmarks.bench_common import ok_rows
+
 WEIGHT_ONLY = ("int8_w8a16", "int4_w4a16", "mxfp4")
 
 
 def load(root: Path, experts: str) -> pd.DataFrame:
-    frames = [pd.read_csv(p) for p in sorted(root.rglob("results.csv"))]
-    if not frames:
-        raise SystemExit(f"no results.csv under {root}")
-    df = pd.concat(frames, ignore_index=True)
-    df = df[(df.status == "ok") & (df.experts == experts)].copy()
-    df["quant"] = df["quant"].fillna("")
+    df = ok_rows(root)
+    df = df[df.experts == experts].copy()
     df["variant"] = df.apply(lambda r: f"{r['dtype']}{(' ' + r['quant']) if r['quant'] else ''}", axis=1)
     df["shape"] = df.apply(lambda r: f"{r.model} (E={r.num_experts}, K={r.topk}, H={r.hidden}, I={r.intermediate})",
                            axis=1)

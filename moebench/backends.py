@@ -55,10 +55,8 @@ def _discover() -> _Found:
             except ImportError as e:  # a backend module whose own dependency is missing
                 errors[modname] = f"cannot import {modname}: {e}"
                 continue
-            # Classes in the order the module defines them.
-            classes = sorted((c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == modname),
-                             key=lambda c: inspect.getsourcelines(c)[1])
-            for cls in classes:
+            # The module's own classes, in the order it defines them (a module's names keep that order).
+            for cls in (c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == modname):
                 if "name" not in vars(cls) or inspect.isabstract(cls):
                     continue
                 if issubclass(cls, Experts):

@@ -64,6 +64,7 @@ class RankRunner(CaseRunner):
         self.ctx = ctx
         self.writes = is_main(ctx)
         self.show_progress = show_progress
+        self.progress: _RankProgress | None = None  # made in start, once the cases to run are known
 
     def done_keys(self, store: RunStore) -> set[tuple]:
         """Rank 0's resumed rows, known to every rank (all skip the same cases)."""
@@ -90,7 +91,7 @@ class RankRunner(CaseRunner):
         self.progress.advance(row)
 
     def finish(self) -> None:
-        if hasattr(self, "progress"):
+        if self.progress is not None:
             self.progress.close()
 
     def inputs(self, m: int, pf: str):

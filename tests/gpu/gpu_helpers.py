@@ -28,3 +28,30 @@ def replay_on_new_inputs(graph, x: torch.Tensor, seed: int, logits: torch.Tensor
     x.copy_(torch.randn(x.shape, device="cuda", generator=g, dtype=x.dtype))
     graph.replay()
     torch.cuda.synchronize()
+
+
+_WEIGHTS: dict = {}
+
+
+def quantized_case(dims: tuple[int, int, int, int, int], m: int, scheme, seed: int = 0):
+    """A layer of `dims` (E global, topk, H, I, E local) with bf16 weights quantised by `scheme`
+    (the last shape's weights kept between calls) and `m` routed bf16 tokens: (x, w13, w2,
+    topk_weights, topk_ids, expert_map, E). Routing leans towards the local experts, so an EP
+    shard's M = 1 hits one."""
+    from moebench.quant import quantize_weights
+
+    e, k, h, i, e_local = dims
+    key = (dims, scheme)
+    if key not in _WEIGHTS:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        w13 = torch.randn(e_local, 2 * i, h, device="cuda", generator=g, dtype=torch.bfloat16) / h**0.5
+        w2 = torch.randn(e_local, h, i, device="cuda", generator=g, dtype=torch.bfloat16) / i**0.5
+        _WEIGHTS.clear()
+        _WEIGHTS[key] = quantize_weights(w13, w2, scheme, act_dtype=torch.bfloat16)
+    q13, q2 = _WEIGHTS[key]
+    g = torch.Generator(device="cuda").manual_seed(seed + m)
+    x = torch.randn(m, h, device="cuda", generator=g, dtype=torch.bfloat16)
+    logits = torch.randn(m, e, device="cuda", generator=g)
+    logits[:, :e_local] += 1.0
+    tw, ti = softmax_topk(logits, k)
+    return x, q13, q2, tw, ti, first_experts_map(e, e_local), e

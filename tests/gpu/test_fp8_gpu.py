@@ -12,9 +12,9 @@ from moebench.bench.timing import capture_graph
 from moebench.correctness import FP8_TOLERANCE, relative_error
 from moebench.kernels.triton.quant import quantize_rows
 from moebench.kernels.modular import poisoned_outputs
-from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation, quantize_weights
+from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation
 
-from gpu_helpers import first_experts_map, replay_on_new_inputs, softmax_topk
+from gpu_helpers import quantized_case, replay_on_new_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -32,25 +32,8 @@ SHAPES = {
 KERNELS = [("triton", "no-dpep"), ("batched-triton", "batched-local")]
 
 
-_CACHE: dict = {}
-
-
 def _setup(shape: str, m: int, scheme: QuantScheme, seed: int = 0):
-    e, k, h, i, e_local = SHAPES[shape]
-    key = (shape, scheme)
-    if key not in _CACHE:
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        w13 = torch.randn(e_local, 2 * i, h, device="cuda", generator=g, dtype=torch.bfloat16) / h**0.5
-        w2 = torch.randn(e_local, h, i, device="cuda", generator=g, dtype=torch.bfloat16) / i**0.5
-        _CACHE.clear()
-        _CACHE[key] = quantize_weights(w13, w2, scheme, act_dtype=torch.bfloat16)
-    q13, q2 = _CACHE[key]
-    g = torch.Generator(device="cuda").manual_seed(seed + m)
-    x = torch.randn(m, h, device="cuda", generator=g, dtype=torch.bfloat16)
-    logits = torch.randn(m, e, device="cuda", generator=g)
-    logits[:, :e_local] += 1.0  # EP shards: lean towards the local experts, so M = 1 hits one
-    tw, ti = softmax_topk(logits, k)
-    return x, q13, q2, tw, ti, first_experts_map(e, e_local), e
+    return quantized_case(SHAPES[shape], m, scheme, seed)
 
 
 CASES = [(s, sh, m) for s in ("tensor", "token", "block128") for sh, m in
