@@ -268,9 +268,9 @@ def test_tile_rules_against_the_group():
     assert prune_reason(dict(base, BLOCK_SIZE_K=128), p) is None
     with pytest.raises(MoebenchError, match="group size 64"):
         check_wq_config(dict(base, BLOCK_SIZE_K=96), SCHEMES["int4-g64"], "test")
-    # the weight-only default keeps the 16-bit heuristic (fp8 doubles its BLOCK_SIZE_K)
+    # the weight-only default keeps the 16-bit band's BLOCK_SIZE_M (fp8 doubles its BLOCK_SIZE_K)
     cfg = C.default_config(4, 8, 128, 256, 2)
-    assert C.quant_default(cfg, SCHEMES["mxfp4"]) == cfg
+    assert C.quant_default(cfg, SCHEMES["mxfp4"]) == dict(cfg, BLOCK_SIZE_K=64, num_stages=3)
 
 
 def test_scheme_labels_and_options():
@@ -339,3 +339,20 @@ def test_bad_option_combinations_are_one_line(args, needle):
     with pytest.raises(MoebenchError, match=needle) as e:
         parse_quant(*args)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype, group, decode_bk", [("int8_w8a16", None, 128), ("int4_w4a16", 128, 128),
+                                                     ("int4_w4a16", 32, 64), ("mxfp4", None, 64)])
+def test_weight_only_default_keeps_the_dequantised_tile_small(dtype, group, decode_bk):
+    """The weight-only default: BLOCK_SIZE_N <= 128, 4 warps, 3 stages at every band; BLOCK_SIZE_K
+    128 in decode only where one scale spans 128 values along K, else 64; never above the 16-bit
+    band's BLOCK_SIZE_K (tiny shapes)."""
+    from moebench.kernels.triton.configs import heuristic_config
+
+    scheme = parse_quant(dtype, group_size=group)
+    for m in (1, 16, 64, 256, 1024, 4096):
+        cfg = heuristic_config(m, 128, 1536, 2048, 8, torch.bfloat16, scheme)
+        assert cfg["BLOCK_SIZE_N"] <= 128 and cfg["num_warps"] == 4 and cfg["num_stages"] == 3
+        assert cfg["BLOCK_SIZE_K"] == (decode_bk if cfg["BLOCK_SIZE_M"] == 16 else 64)
+        assert cfg["BLOCK_SIZE_M"] == heuristic_config(m, 128, 1536, 2048, 8)["BLOCK_SIZE_M"]
+    assert heuristic_config(1, 8, 64, 32, 2, torch.bfloat16, scheme)["BLOCK_SIZE_K"] == 32

@@ -34,7 +34,7 @@ from moebench.kernels.triton.configs import TileConfig, default_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.kernels.triton.options import TritonOptions
 from moebench.kernels.triton.quant import check_block_config, quant_meta, quantize_rows
-from moebench.kernels.triton.wquant import check_wq_config, wq_load, wq_meta, wq_zero_args
+from moebench.kernels.triton.wquant import check_wq_config, wq_load, wq_meta, wq_offsets, wq_zero_args
 from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
 
 
@@ -117,7 +117,7 @@ def batched_silu_mul_gemm1_kernel(
     # or the next row when interleaved, where stride_wn steps two rows) of w13[e], their scales.
     a_ptrs = a_ptr + expert * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
-    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + wq_offsets(0, BLOCK_SIZE_K, WQ_PACK)[:, None] * stride_wk
     u_ptrs = g_ptrs + up_off
     gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
     us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
@@ -231,7 +231,7 @@ def batched_gemm2_kernel(
 
     # Pointers: A = inter's rows of the expert, B (BK, BN) = w2[e, n, k]^T, and their scales.
     a_ptrs = inter_ptr + expert * stride_ie + offs_m[:, None] * stride_im + offs_k[None, :] * stride_ik
-    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
+    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + wq_offsets(0, BLOCK_SIZE_K, WQ_PACK)[:, None] * stride_wk
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
     bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
 

@@ -433,17 +433,30 @@ def lookup_down_config(
 def quant_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
     """A 16-bit default config adapted to fp8: twice the BLOCK_SIZE_K (fp8 elements are half the
     bytes, so a pipeline stage holds as many bytes, and block scales are multiplied in half as
-    often), then fitted inside the scale block (`fit_to_quant_block`). Weight-only schemes keep the
-    16-bit config (their A tiles and dots are 16-bit; `wq_load` takes any power-of-two
-    BLOCK_SIZE_K against the group)."""
+    often), then fitted inside the scale block (`fit_to_quant_block`). Weight-only schemes:
+    `weight_only_default`."""
     if quant.weight_only:
-        return TileConfig(**cfg)  # type: ignore[typeddict-item]
+        return weight_only_default(cfg, quant)
     out = TileConfig(**{**cfg, "BLOCK_SIZE_K": min(2 * cfg["BLOCK_SIZE_K"], 256)})  # type: ignore[typeddict-item]
     if quant.block_shape is not None:
         # block scales: the per-K-step scaled partial product doubles the live accumulators;
         # 256-wide tiles then spill (2.5-2.9x slower than 128 at >= 256 tokens on an H200, PERF.md)
         out["BLOCK_SIZE_N"] = min(out["BLOCK_SIZE_N"], 128)
     return fit_to_quant_block(out, quant)
+
+
+def weight_only_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
+    """A 16-bit default config adapted to a weight-only scheme (int8_w8a16, int4_w4a16, mxfp4).
+    The GEMMs hold each dequantised (BLOCK_SIZE_K, BLOCK_SIZE_N) weight tile in registers beside
+    the accumulators, so the tile is kept small: BLOCK_SIZE_N <= 128, BLOCK_SIZE_K 64, 4 warps,
+    3 stages; in decode (BLOCK_SIZE_M 16) BLOCK_SIZE_K 128 where one scale covers at least 128
+    values along K (int8 per channel, int4 group 128: one scale row per tile). These are the
+    winners an H200 tune picked at 1-4096 tokens for gpt-oss-20b mxfp4 and Qwen3-30B-A3B
+    int4_w4a16 (PERF.md); the 16-bit bands' wider tiles spill there."""
+    g = quant.group_size
+    bk = 128 if cfg["BLOCK_SIZE_M"] == 16 and (g is None or g >= 128) else 64
+    return TileConfig(**{**cfg, "BLOCK_SIZE_N": min(cfg["BLOCK_SIZE_N"], 128),  # type: ignore[typeddict-item]
+                         "BLOCK_SIZE_K": min(bk, cfg["BLOCK_SIZE_K"]), "num_warps": 4, "num_stages": 3})
 
 
 def fit_to_quant_block(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:

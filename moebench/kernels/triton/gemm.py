@@ -62,7 +62,7 @@ from moebench.kernels.triton.common import (
 from moebench.kernels.triton.env import interpreter_compat, interpreting, tma_ok
 from moebench.kernels.triton.options import TritonOptions, gemm1_walk, resolve_pdl, resolve_use_tma
 from moebench.kernels.triton.quant import check_block_config, quant_group, quant_meta, quantize_rows
-from moebench.kernels.triton.wquant import check_wq_config, wq_load, wq_meta, wq_zero_args
+from moebench.kernels.triton.wquant import check_wq_config, wq_load, wq_meta, wq_offsets, wq_zero_args
 from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
 
 
@@ -178,7 +178,7 @@ def silu_mul_gemm1_kernel(
         n_w = n0 + offs_w % BLOCK_SIZE_N
         wcol_ok = n_w < N_INTER
         rows_w = n_w + (offs_w // BLOCK_SIZE_N) * N_INTER
-        w_ptrs = w13_ptr + expert * stride_we + rows_w[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
+        w_ptrs = w13_ptr + expert * stride_we + rows_w[None, :] * stride_wn + wq_offsets(0, BLOCK_SIZE_K, WQ_PACK)[:, None] * stride_wk
         ws_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, rows_w, QUANT, GROUP_N)
         w_slice = (2 * expert).to(tl.int32)
 
@@ -216,7 +216,7 @@ def silu_mul_gemm1_kernel(
         # next row when interleaved, where stride_wn steps two rows) of w13[expert], and their
         # scales. TMA: the gate tile's first row in the (E_local * 2I, H) view; rows past I (the last
         # tile) read the neighbouring rows or zeros, their columns are masked at the store.
-        g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
+        g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + wq_offsets(0, BLOCK_SIZE_K, WQ_PACK)[:, None] * stride_wk
         u_ptrs = g_ptrs + up_off
         g_row = (expert * 2 * N_INTER + n0).to(tl.int32)
         gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
@@ -357,7 +357,7 @@ def gemm2_weighted_sum_kernel(
     # are written, sentinels as zeros); B (BK, BN) = w2[e, n, k]^T (TMA: its first row in the
     # (E_local * H, I) view); the scales of inter's rows and of w2's output channels n.
     a_ptrs = inter_ptr + offs_m[:, None].to(tl.int64) * stride_im + offs_k[None, :] * stride_ik
-    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (offs_k[:, None] // WQ_PACK) * stride_wk
+    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + wq_offsets(k_lo, BLOCK_SIZE_K, WQ_PACK)[:, None] * stride_wk
     b_row = (expert * H + pid_n * BLOCK_SIZE_N).to(tl.int32)
     as_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
     bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_bse, stride_bsn, offs_n, QUANT, GROUP_N)

@@ -1,5 +1,6 @@
 """Weight-only quantised weight tiles for the Triton GEMMs (int8_w8a16, int4_w4a16, mxfp4).
 
+    wq_offsets   the K offsets of a weight tile's rows in bytes (k0 / WQ_PACK ..)
     wq_load      one (BLOCK_SIZE_K, BLOCK_SIZE_N) weight tile of a K loop: the packed bytes, unpacked,
                  scaled (and shifted by the zero points), rounded once to the activation dtype
     wq_meta      the GEMMs' constexprs for a weight (WQ, WQ_GROUP, WQ_ZP, WQ_PACK)
@@ -9,8 +10,8 @@
 Layouts (moebench.quant): int8 q (E, N, K) with an (E, N) scale; int4 / mxfp4 q (E, N, Kp / 2)
 uint8 with two codes per byte along K (k in byte k // 2, low nibble for even k) and an (E, N, G)
 scale (int4: act dtype; mxfp4: e8m0 uint8, 2^(s - 127)); int4 zero points (E, ceil(N/2), G) uint8,
-two per byte along N. The GEMMs keep their weight pointers at byte k // WQ_PACK and step them by
-BLOCK_SIZE_K // WQ_PACK bytes; the scales come through the fp8 weight-scale pointer and strides
+two per byte along N. The GEMMs point at a tile's (BLOCK_SIZE_K // WQ_PACK, BN) bytes, each once (`wq_offsets`),
+and step them by BLOCK_SIZE_K // WQ_PACK bytes; the scales come through the fp8 weight-scale pointer and strides
 (stride_ws*: expert, row, group), unused by the weight-only schemes otherwise.
 
 Arithmetic, the same as moebench.quant.dequantize_weight_only: fp32 (q - z) * s (exact: a 4/8-bit
@@ -46,8 +47,16 @@ def _e2m1_to_f32(code):
 
 
 @triton.jit
+def wq_offsets(k0, BLOCK_SIZE_K: tl.constexpr, WQ_PACK: tl.constexpr):
+    """The byte offsets along K of a weight tile starting at K index k0 (a multiple of
+    BLOCK_SIZE_K): k0 / WQ_PACK + 0 .. BLOCK_SIZE_K / WQ_PACK - 1 (the K indices themselves when
+    the weight is not packed)."""
+    return k0 // WQ_PACK + tl.arange(0, BLOCK_SIZE_K // WQ_PACK)
+
+
+@triton.jit
 def wq_load(
-    ptrs,  # (BK, BN) byte pointers of the tile: row k at byte k // WQ_PACK
+    ptrs,  # (BLOCK_SIZE_K // PACK, BN) byte pointers of the tile: each packed byte once
     k0,  # first K index of the tile
     k_hi,  # K indices >= k_hi are masked (read as 0: they meet zero activations)
     rows,  # (BN,) weight rows (output channels) of the tile's columns
@@ -70,9 +79,13 @@ def wq_load(
     EXACT: tl.constexpr,  # interpreter: round to nearest even explicitly
 ):
     """One dequantised weight tile (BLOCK_SIZE_K, BN) in DTYPE."""
-    kk = k0 + tl.arange(0, BLOCK_SIZE_K)
+    PACK: tl.constexpr = 1 if WQ == 1 else 2
+    BN: tl.constexpr = rows.shape[0]
+    # The packed bytes: rows k0 / PACK .. of the tile, contiguous along K, so the load vectorises
+    # (and pipelines through shared memory) as a 16-bit weight tile's does.
+    kb = k0 + tl.arange(0, BLOCK_SIZE_K // PACK) * PACK
     if MASK_K:
-        mask = (kk < k_hi)[:, None] & col_ok[None, :]
+        mask = (kb < k_hi)[:, None] & col_ok[None, :]
     else:
         mask = col_ok[None, :]
     raw = tl.load(ptrs, mask=mask, other=0)
@@ -82,15 +95,20 @@ def wq_load(
         s = tl.load(base, mask=col_ok, other=0.0).to(tl.float32)
         w = raw.to(tl.float32) * s[None, :]
     else:
-        code = (raw.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 0xF
+        # Two codes per byte, the even k in the low nibble: interleave the nibbles back into K
+        # order, (BK / 2, BN) x 2 -> (BK / 2, 2, BN) -> (BK, BN).
+        b = raw.to(tl.int32)
+        code = tl.reshape(tl.permute(tl.join(b & 0xF, b >> 4), (0, 2, 1)), (BLOCK_SIZE_K, BN))
         # The tile's scales: one group for every k (BLOCK_SIZE_K divides GROUP and k0 is a multiple
-        # of BLOCK_SIZE_K) or one per k (BLOCK_SIZE_K a multiple of GROUP).
+        # of BLOCK_SIZE_K) or BLOCK_SIZE_K / GROUP groups, each broadcast over its GROUP rows.
         if BLOCK_SIZE_K <= GROUP:
             g = k0 // GROUP
             s = tl.load(base + g * s_g, mask=col_ok, other=0)[None, :]
         else:
-            g = (kk // GROUP)[:, None]
-            s = tl.load(base[None, :] + g * s_g, mask=mask, other=0)
+            NG: tl.constexpr = BLOCK_SIZE_K // GROUP
+            g = (k0 // GROUP + tl.arange(0, NG))[:, None]
+            s = tl.load(base[None, :] + g * s_g, mask=col_ok[None, :] & (g * GROUP < k_hi), other=0)
+            s = tl.reshape(tl.broadcast_to(s[:, None, :], (NG, GROUP, BN)), (BLOCK_SIZE_K, BN))
         if WQ == 2:
             if HAS_ZP:
                 zrow = z_ptr + expert * z_e + (rows // 2) * z_n
@@ -98,7 +116,8 @@ def wq_load(
                 if BLOCK_SIZE_K <= GROUP:
                     zb = tl.load(zrow + g * z_g, mask=col_ok, other=0)[None, :]
                 else:
-                    zb = tl.load(zrow[None, :] + g * z_g, mask=mask, other=0)
+                    zb = tl.load(zrow[None, :] + g * z_g, mask=col_ok[None, :] & (g * GROUP < k_hi), other=0)
+                    zb = tl.reshape(tl.broadcast_to(zb[:, None, :], (NG, GROUP, BN)), (BLOCK_SIZE_K, BN))
                 z = ((zb.to(tl.int32) >> zshift) & 0xF).to(tl.float32)
             else:
                 z = 8.0
