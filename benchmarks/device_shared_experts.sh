@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Shared experts and activations on one H200 (about 3-4 minutes): DeepSeek-V3 TP8 (one rank's
+# Shared experts and activations on one H200 (about 2 minutes): DeepSeek-V3 TP8 (one rank's
 # shard measured, the all-reduce modeled) with its shared expert fused, separate and left out, in
-# bf16 and fp8 block[128,128]; gpt-oss-20b bf16 with its swigluoai activation and biases against
-# plain silu. Tables in $OUT/shared_experts.md (ratio to the layer without shared experts and to
+# bf16 and fp8 block[128,128]; gpt-oss-20b in bf16 and in mxfp4 (as it ships) with its swigluoai
+# activation and biases against plain silu. Tables in $OUT/shared_experts.md (ratio to the layer without shared experts and to
 # the memory / compute floor); log in $OUT/log.txt; result folders in $OUT/shared-sweeps.tgz.
 #   PYTHONPATH=. bash benchmarks/device_shared_experts.sh        (TOK=1,64 narrows it)
 TAIL="${TAIL:-14}"
@@ -18,6 +18,9 @@ python3 -m benchmarks shared_table "$R" > "$OUT/shared_experts.md" 2>>"$log"  # 
 step "gpt-oss-20b bf16: swigluoai with biases vs silu"
 mb sweep --model gpt-oss-20b --dtype bf16 "${COMMON[@]}" --out "$R/oss"
 mb sweep --model gpt-oss-20b --dtype bf16 --activation silu "${COMMON[@]}" --out "$R/oss"
+step "gpt-oss-20b mxfp4 (as it ships): swigluoai with biases vs silu"
+mb sweep --model gpt-oss-20b --dtype mxfp4 "${COMMON[@]}" --out "$R/oss-mxfp4"
+mb sweep --model gpt-oss-20b --dtype mxfp4 --activation silu "${COMMON[@]}" --out "$R/oss-mxfp4"
 python3 -m benchmarks shared_table "$R" > "$OUT/shared_experts.md" 2>>"$log"
 cat "$OUT/shared_experts.md" >> "$log"
 tar czf "$OUT/shared-sweeps.tgz" -C "$OUT" results 2>/dev/null && rm -rf "$R"

@@ -8,8 +8,8 @@
 TAIL="${TAIL:-6}"
 source "$(dirname "$0")/device_env.sh"
 TOK="${TOK:-1,16,64,256,1024,4096}"
-# --activation silu --shared-experts none: the weight-only GEMMs alone (gpt-oss's interleaved swigluoai runs
-# unquantised only), on both sides of each ratio
+# --activation silu --shared-experts none: the weight-only GEMMs alone, on both sides of each ratio, the
+# same layer for every model (gpt-oss's own swigluoai: benchmarks/device_shared_experts.sh)
 COMMON=(--tokens "$TOK" --experts triton --prepare-finalize no-dpep --reps 20 --routings 4 --activation silu
         --shared-experts none)
 

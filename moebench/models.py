@@ -36,12 +36,14 @@ class CheckpointQuant:
     """How a checkpoint's expert weights ship (its config.json `quantization_config`), in
     moebench's dtype names: dtype "fp8_w8a8" (block_shape (bn, bk), or None: per-tensor scales),
     "mxfp4" (group_size 32), "int4_w4a16" / "int8_w8a16" (GPTQ / AWQ; group_size None = one scale
-    per output channel). source: where it was read ("config.json", "preset")."""
+    per output channel; zero_points: asymmetric int4, GPTQ `sym: false` / AWQ `zero_point: true`).
+    source: where it was read ("config.json", "preset")."""
 
     dtype: str
     block_shape: tuple[int, int] | None = None
     group_size: int | None = None
     source: str = "config.json"
+    zero_points: bool = False
 
     def describe(self) -> str:
         """'fp8_w8a8 block[128,128]', 'fp8_w8a8 per-tensor', 'mxfp4', 'int4_w4a16 group 128'."""
@@ -49,7 +51,8 @@ class CheckpointQuant:
             return f"fp8_w8a8 block[{self.block_shape[0]},{self.block_shape[1]}]" if self.block_shape else "fp8_w8a8 per-tensor"
         if self.dtype == "mxfp4":
             return "mxfp4"
-        return f"{self.dtype} group {self.group_size}" if self.group_size else f"{self.dtype} per-channel"
+        text = f"{self.dtype} group {self.group_size}" if self.group_size else f"{self.dtype} per-channel"
+        return text + (" zero points" if self.zero_points else "")
 
 
 def quant_from_config(qc: Any, where: str = "config") -> CheckpointQuant | None:
@@ -79,8 +82,10 @@ def quant_from_config(qc: Any, where: str = "config") -> CheckpointQuant | None:
             raise MoebenchError(f"{where}: {method} with bits {bits!r}; moebench times 4- and 8-bit weights: {override}")
         if group is not None and (not _is_int(group) or (group < 1 and group != -1)):
             raise MoebenchError(f"{where}: {method} group_size must be a positive integer or -1, got {group!r}")
+        # asymmetric (a zero point per group): GPTQ `sym: false`, AWQ `zero_point` (its default: true)
+        zp = qc.get("sym") is False if method == "gptq" else bool(qc.get("zero_point", method == "awq"))
         return CheckpointQuant("int4_w4a16" if bits == 4 else "int8_w8a16",
-                               group_size=None if group in (None, -1) else int(group))
+                               group_size=None if group in (None, -1) else int(group), zero_points=zp)
     raise MoebenchError(f"{where}: quantization_config quant_method {method or '(none)'!r} is not supported; {override}")
 
 
@@ -240,10 +245,14 @@ def checkpoint_scheme(cq: CheckpointQuant):
         return QuantScheme(cq.dtype, "tensor")
     from moebench.quant import parse_quant
 
-    # int4_w4a16 with the checkpoint's group size; int8_w8a16 and mxfp4 with their own scales
-    group = cq.group_size if cq.dtype == "int4_w4a16" else None
+    # int4_w4a16 with the checkpoint's group size and zero points; int8_w8a16 (symmetric per
+    # channel) and mxfp4 with their own scales
+    int4 = cq.dtype == "int4_w4a16"
+    if cq.zero_points and not int4:
+        raise MoebenchError(f"{where} is {cq.describe()}; moebench times zero points with int4_w4a16 only: "
+                            f"pass --dtype {cq.dtype} to time it symmetric")
     try:
-        return parse_quant(cq.dtype, group_size=group)
+        return parse_quant(cq.dtype, group_size=cq.group_size if int4 else None, zero_points=int4 and cq.zero_points)
     except MoebenchError as e:
         raise MoebenchError(f"{where} is {cq.describe()}, which moebench cannot time as stored ({e}); "
                             f"pass --dtype to choose the precision") from None

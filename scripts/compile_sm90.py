@@ -138,6 +138,17 @@ def main() -> int:
                 ptrs.update(w13_ptr=wtype, w2_ptr=wtype, w_scale_ptr=stype, wz_ptr="*u8")
                 print(compile_kernel(jit, {k: v for k, v in c.items() if k in params},
                                      {k: v for k, v in ptrs.items() if k in params}))
+    # gpt-oss as it ships: mxfp4 w13 with gate and up rows interleaved, swigluoai with biases, in
+    # both GEMM1s (paired walk: the interleaved layout never takes the wide one)
+    c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=16, TOPK=4, EVEN_K=False, UPCAST=False,
+             IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, ACTIVATION=2, HAS_BIAS=True, INTERLEAVED=True,
+             **no_quant, **wq_variants[-1][0])
+    wp = dict(std_ptrs, w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8", zero_ptr="*fp32", b13_ptr="*bf16")
+    print(compile_kernel(T.silu_mul_gemm1_kernel, c, wp, ("w13_desc", "x_desc")))
+    params = set(inspect.signature(B.batched_silu_mul_gemm1_kernel.fn).parameters)
+    ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16") for p in params if p.endswith("_ptr")}
+    ptrs.update(w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8")
+    print(compile_kernel(B.batched_silu_mul_gemm1_kernel, {k: v for k, v in c.items() if k in params}, ptrs))
     # GEMM1 also zeroing GEMM2's fp32 accumulator (decode tile)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant)

@@ -277,8 +277,18 @@ def test_quant_from_config_mapping():
     assert (oss.dtype, oss.group_size) == ("mxfp4", 32)
     gptq = quant_from_config({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False})
     assert (gptq.dtype, gptq.group_size) == ("int4_w4a16", 128) and gptq.describe() == "int4_w4a16 group 128"
-    awq = quant_from_config({"quant_method": "awq", "bits": 8, "group_size": -1})
+    assert not gptq.zero_points and checkpoint_scheme(gptq).zero_points is False
+    asym = quant_from_config({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False})
+    assert asym.zero_points and asym.describe() == "int4_w4a16 group 64 zero points"
+    s = checkpoint_scheme(asym)
+    assert (s.name, s.group_size, s.zero_points) == ("int4_w4a16", 64, True)
+    awq4 = quant_from_config({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"})
+    assert awq4.zero_points and checkpoint_scheme(awq4).zero_points  # AWQ's zero_point defaults to true
+    assert not quant_from_config({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}).zero_points
+    awq = quant_from_config({"quant_method": "awq", "bits": 8, "group_size": -1, "zero_point": False})
     assert (awq.dtype, awq.group_size) == ("int8_w8a16", None)
+    with pytest.raises(MoebenchError, match="zero points with int4_w4a16 only"):
+        checkpoint_scheme(quant_from_config({"quant_method": "awq", "bits": 8, "group_size": -1}))
     assert quant_from_config(None) is None
     from moebench.quant import QUANT_DTYPES
 

@@ -356,3 +356,28 @@ def test_weight_only_default_keeps_the_dequantised_tile_small(dtype, group, deco
         assert cfg["BLOCK_SIZE_K"] == (decode_bk if cfg["BLOCK_SIZE_M"] == 16 else 64)
         assert cfg["BLOCK_SIZE_M"] == heuristic_config(m, 128, 1536, 2048, 8)["BLOCK_SIZE_M"]
     assert heuristic_config(1, 8, 64, 32, 2, torch.bfloat16, scheme)["BLOCK_SIZE_K"] == 32
+
+
+@pytest.mark.parametrize("name", ["int4-g32-zp", "mxfp4", "int8"])
+@pytest.mark.parametrize("pair", [("no-dpep", "triton"), ("batched-local", "batched-triton")], ids=lambda p: p[1])
+def test_interleaved_swigluoai_with_biases(name, pair):
+    """gpt-oss's layer as it ships: interleaved w13 (gate row 2j, up row 2j + 1), clamped SwiGLU
+    and expert biases, weights quantised: each gate and up column reads its own row's scales (and
+    zero points); a column paired with the wrong row's scales is off by far more than TOL."""
+    from moebench.activation import Activation
+    from moebench.kernels.modular import ExpertBias
+
+    act = Activation("swigluoai")
+    scheme = SCHEMES[name]
+    w13, w2 = make_weights(range(E), H, I, torch.bfloat16, "cpu", 3, quant=scheme, interleaved=True)
+    x = make_tokens(6, H, torch.bfloat16, "cpu", 4) * 4
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(6)])
+    wts = torch.rand((6, TOPK), generator=g)
+    bias = ExpertBias((torch.randn(E, 2 * I, generator=g) * 0.3).bfloat16(), (torch.randn(E, H, generator=g) * 0.1).bfloat16())
+    kernel = moebench.make_kernel(experts=pair[1], prepare_finalize=pair[0], experts_kwargs={"config": CFG_SMALL_K})
+    out = kernel.apply(x, w13, w2, wts, ids, activation=act, bias=bias)
+    ref = reference_moe(x, w13, w2, wts, ids, activation=act, bias=bias)
+    assert relative_error(out, ref) < TOL, (name, pair)
+    # the same weights read as if gate and up were the two halves: another layer
+    assert relative_error(out, reference_moe(x, w13, w2, wts, ids, activation=Activation("silu"), bias=bias)) > 0.1

@@ -29,7 +29,15 @@ import triton.language as tl
 from moebench.activation import SILU, Activation
 from moebench.errors import MoebenchError
 from moebench.kernels.modular import ExpertBias, alloc_output
-from moebench.kernels.triton.common import cast_rne, dequant, gate_up_epilogue, grouped_tile, scale_ptrs, scaled_mma
+from moebench.kernels.triton.common import (
+    cast_rne,
+    dequant,
+    gate_up_epilogue,
+    gate_up_rows,
+    grouped_tile,
+    scale_ptrs,
+    scaled_mma,
+)
 from moebench.kernels.triton.configs import TileConfig, default_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.kernels.triton.options import TritonOptions
@@ -93,6 +101,7 @@ def batched_silu_mul_gemm1_kernel(
     WQ_PACK: tl.constexpr = 1,  # weight codes per byte along K
     ACTIVATION: tl.constexpr = 0,  # moebench.activation kind (gate_up_epilogue)
     HAS_BIAS: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False,  # w13's gate and up rows interleaved (2j, 2j + 1: swigluoai)
 ):
     # Axis 1 = expert; axis 0 -> (row tile, intermediate tile), grouped for L2 reuse.
     expert = tl.program_id(1).to(tl.int64)
@@ -119,8 +128,9 @@ def batched_silu_mul_gemm1_kernel(
     as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
     g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + wq_offsets(0, BLOCK_SIZE_K, WQ_PACK)[:, None] * stride_wk
     u_ptrs = g_ptrs + up_off
-    gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
-    us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
+    g_rows, u_rows = gate_up_rows(offs_n, N_INTER, INTERLEAVED)
+    gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, g_rows, QUANT, GROUP_N)
+    us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, u_rows, QUANT, GROUP_N)
 
     # K loop: two (BM, BN) dots per step, one A tile for both.
     acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
@@ -131,10 +141,10 @@ def batched_silu_mul_gemm1_kernel(
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < H - k * BLOCK_SIZE_K)[None, :], other=0.0)
         if WQ != 0:
-            g = wq_load(g_ptrs, k * BLOCK_SIZE_K, H, offs_n, col_ok, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+            g = wq_load(g_ptrs, k * BLOCK_SIZE_K, H, g_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                         wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, not EVEN_K,
                         BLOCK_SIZE_K, a_ptr.dtype.element_ty, UPCAST)
-            u = wq_load(u_ptrs, k * BLOCK_SIZE_K, H, offs_n + N_INTER, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+            u = wq_load(u_ptrs, k * BLOCK_SIZE_K, H, u_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
                         stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
                         not EVEN_K, BLOCK_SIZE_K, a_ptr.dtype.element_ty, UPCAST)
         elif EVEN_K:
@@ -312,7 +322,7 @@ def batched_moe(
     """a (E_local, T, H), expert_num_tokens (E_local,) int, w13 (E_local, 2I, H), w2 (E_local, H, I)
     -> (E_local, T, H) unweighted in a's dtype (rows past each count unwritten).
     activation: the GEMM1 epilogue's function and w13's gate/up layout (moebench.activation;
-    swigluoai's interleaved w13 unquantised only); bias: b13 before the activation, b2 added to
+    swigluoai's interleaved w13 unquantised or weight-only); bias: b13 before the activation, b2 added to
     each row of GEMM2's output (before the P/F's router weight), or None.
 
     fp8 (w13, w2 QuantWeights of one scheme): a float8_e4m3fn with a_scale (E_local, T, G) fp32
@@ -361,8 +371,9 @@ def batched_moe(
     inter = torch.empty((e_local, t, n_inter), dtype=out_dtype, device=a.device)
     ptrs, strides = _scale_args(a_scale, w13)
     il = activation.interleaved
-    if il and scheme is not None:
-        raise MoebenchError("batched-triton experts: swigluoai's interleaved w13 runs unquantised (not fp8)")
+    if il and scheme is not None and not scheme.weight_only:
+        raise MoebenchError("batched-triton experts: swigluoai's interleaved w13 runs unquantised or weight-only "
+                            "(not fp8)")
     row = w13q.stride(1)
     stride_wn, up_off = (2 * row, row) if il else (row, n_inter * row)
     if bias is not None:
@@ -379,6 +390,7 @@ def batched_moe(
         float(activation.alpha), float(activation.limit),
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, ACTIVATION=activation.kind, HAS_BIAS=bias is not None,
+        INTERLEAVED=il,
         **meta, **wq13,
     )
     inter_scale = None

@@ -110,6 +110,15 @@ def block_scaled_mma(a, b, acc, a_s, b_s, UPCAST: tl.constexpr, IEEE_DOT: tl.con
 
 
 @triton.jit
+def gate_up_rows(offs_n, N_INTER, INTERLEAVED: tl.constexpr):
+    """The w13 rows of intermediate columns offs_n: gate rows n and up rows I + n, or (INTERLEAVED,
+    swigluoai's layout) 2n and 2n + 1. Per-row weight scales are read at these rows."""
+    if INTERLEAVED:
+        return 2 * offs_n, 2 * offs_n + 1
+    return offs_n, offs_n + N_INTER
+
+
+@triton.jit
 def scale_ptrs(base, expert, stride_e, stride_n, rows, QUANT: tl.constexpr, GROUP_N: tl.constexpr):
     """Pointers to the fp8 scales of weight rows `rows` (output channels) of `expert`: each row's
     own scale (QUANT 1; stride_n = 0 when there is one per expert) or its block row rows // GROUP_N

@@ -64,10 +64,10 @@ from moebench.quant import FP8_DTYPE, QUANT_KINDS, QuantScheme, scheme_of
 
 
 def _interleaved_quant_reason(name: str, activation: Activation, quant: QuantScheme | None) -> str | None:
-    """swigluoai's interleaved w13 is read through the paired walk's strides, which fp8 scales
-    (indexed by row halves or blocks) do not follow."""
-    if activation.interleaved and quant is not None:
-        return f"experts '{name}': swigluoai's interleaved w13 runs unquantised (not {quant.describe()})"
+    """swigluoai's interleaved w13 is read through the paired walk's strides; the weight-only
+    schemes follow its rows, the fp8 paths (with their activation quantisation) do not."""
+    if activation.interleaved and quant is not None and not quant.weight_only:
+        return f"experts '{name}': swigluoai's interleaved w13 runs unquantised or weight-only (not {quant.describe()})"
     return None
 
 

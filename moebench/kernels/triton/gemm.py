@@ -51,6 +51,7 @@ from moebench.kernels.triton.common import (
     cast_rne,
     dequant,
     gate_up_epilogue,
+    gate_up_rows,
     grouped_tile,
     pdl_launch_args,
     pdl_release,
@@ -137,6 +138,7 @@ def silu_mul_gemm1_kernel(
     WQ_PACK: tl.constexpr = 1,  # weight codes per byte along K (2: int4 / mxfp4)
     ACTIVATION: tl.constexpr = 0,  # moebench.activation kind: 0 silu, 1 gelu, 2 swigluoai (gate_up_epilogue)
     HAS_BIAS: tl.constexpr = False,  # add b13 before the activation
+    INTERLEAVED: tl.constexpr = False,  # w13's gate and up rows interleaved (2j, 2j + 1: swigluoai)
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -219,8 +221,9 @@ def silu_mul_gemm1_kernel(
         g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + wq_offsets(0, BLOCK_SIZE_K, WQ_PACK)[:, None] * stride_wk
         u_ptrs = g_ptrs + up_off
         g_row = (expert * 2 * N_INTER + n0).to(tl.int32)
-        gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
-        us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n + N_INTER, QUANT, GROUP_N)
+        g_rows, u_rows = gate_up_rows(offs_n, N_INTER, INTERLEAVED)
+        gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, g_rows, QUANT, GROUP_N)
+        us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, u_rows, QUANT, GROUP_N)
 
         # K loop: two (BM, BN) dots per step, one A tile for both.
         acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
@@ -236,10 +239,10 @@ def silu_mul_gemm1_kernel(
                 g = w13_desc.load([g_row, k * BLOCK_SIZE_K]).T
                 u = w13_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
             elif WQ != 0:
-                g = wq_load(g_ptrs, k * BLOCK_SIZE_K, H, offs_n, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                g = wq_load(g_ptrs, k * BLOCK_SIZE_K, H, g_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
                             stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
                             not EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
-                u = wq_load(u_ptrs, k * BLOCK_SIZE_K, H, offs_n + N_INTER, col_ok, w_scale_ptr, stride_wse,
+                u = wq_load(u_ptrs, k * BLOCK_SIZE_K, H, u_rows, col_ok, w_scale_ptr, stride_wse,
                             stride_wsn, stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP,
                             WQ_ZP, not EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
             elif EVEN_K:
@@ -524,9 +527,9 @@ def launch_gemm1(
         assert zero.dtype == torch.float32 and zero.is_contiguous()
     # Where a gate row's up row is: I rows further, or (interleaved) the next row, gate rows two apart.
     il = activation.interleaved
-    if il and (use_tma or wide or sorted_a or quant["QUANT"] or wq_meta(w13)["WQ"]):
-        raise MoebenchError("swigluoai's interleaved w13 runs GEMM1's paired walk without TMA, unquantised "
-                            "(TritonOptions gemm1_wide / use_tma off)")
+    if il and (use_tma or wide or sorted_a or quant["QUANT"]):
+        raise MoebenchError("swigluoai's interleaved w13 runs GEMM1's paired walk without TMA, unquantised or "
+                            "weight-only (TritonOptions gemm1_wide / use_tma off)")
     row = wq.stride(1)
     stride_wn, up_off = (2 * row, row) if il else (row, n_inter * row)
     if b13 is not None:
@@ -547,6 +550,7 @@ def launch_gemm1(
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
         MAPPED=align.expert_map is not None, A_TMA=sorted_a, ACTIVATION=activation.kind, HAS_BIAS=b13 is not None,
+        INTERLEAVED=il,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"], **quant, **wq_meta(w13), **pdl_launch_args(pdl),
     )
@@ -682,8 +686,8 @@ def fused_moe_gemms(
                                 m * topk / (num_experts or w13.shape[0]))
     tma1 = use_tma
     if activation.interleaved:
-        if scheme is not None:
-            raise MoebenchError("triton experts: swigluoai's interleaved w13 runs unquantised (not fp8)")
+        if scheme is not None and not scheme.weight_only:
+            raise MoebenchError("triton experts: swigluoai's interleaved w13 runs unquantised or weight-only (not fp8)")
         wide = sorted_a = tma1 = False
     inter = launch_gemm1(x, w13, align, topk, config, tma1, a_scale, out_dtype, zero=acc, wide=wide,
                          out_scale=w2.input_scale if fuse else None, pdl=pdl, sorted_a=sorted_a,
