@@ -42,7 +42,7 @@ from moebench.kernels.triton.configs import TileConfig, default_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.kernels.triton.options import TritonOptions
 from moebench.kernels.triton.quant import check_block_config, quant_meta, quantize_rows
-from moebench.kernels.triton.wquant import check_wq_config, wq_load, wq_meta, wq_offsets, wq_zero_args
+from moebench.kernels.triton.wquant import check_wq_config, weight_tile, wq_meta, wq_offsets, wq_zero_args
 from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
 
 
@@ -136,24 +136,17 @@ def batched_silu_mul_gemm1_kernel(
     acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
+        k_ok = offs_k < H - k * BLOCK_SIZE_K
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < H - k * BLOCK_SIZE_K)[None, :], other=0.0)
-        if WQ != 0:
-            g = wq_load(g_ptrs, k * BLOCK_SIZE_K, H, g_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-                        wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, not EVEN_K,
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = weight_tile(g_ptrs, k_ok, k * BLOCK_SIZE_K, H, g_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                        stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, EVEN_K,
                         BLOCK_SIZE_K, a_ptr.dtype.element_ty, UPCAST)
-            u = wq_load(u_ptrs, k * BLOCK_SIZE_K, H, u_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
-                        stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
-                        not EVEN_K, BLOCK_SIZE_K, a_ptr.dtype.element_ty, UPCAST)
-        elif EVEN_K:
-            g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < H - k * BLOCK_SIZE_K
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        u = weight_tile(u_ptrs, k_ok, k * BLOCK_SIZE_K, H, u_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                        stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, EVEN_K,
+                        BLOCK_SIZE_K, a_ptr.dtype.element_ty, UPCAST)
         acc_g = scaled_mma(a, g, acc_g, k * BLOCK_SIZE_K, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
                            QUANT, GROUP_K, UPCAST, IEEE_DOT)
         acc_u = scaled_mma(a, u, acc_u, k * BLOCK_SIZE_K, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
@@ -248,19 +241,14 @@ def batched_gemm2_kernel(
     # K loop.
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(N_INTER, BLOCK_SIZE_K)):
+        k_ok = offs_k < N_INTER - k * BLOCK_SIZE_K
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < N_INTER - k * BLOCK_SIZE_K)[None, :], other=0.0)
-        if WQ != 0:
-            b = wq_load(b_ptrs, k * BLOCK_SIZE_K, N_INTER, offs_n, col_ok, w_scale_ptr, stride_wse, stride_wsn,
-                        stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
-                        not EVEN_K, BLOCK_SIZE_K, inter_ptr.dtype.element_ty, UPCAST)
-        elif EVEN_K:
-            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < N_INTER - k * BLOCK_SIZE_K
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = weight_tile(b_ptrs, k_ok, k * BLOCK_SIZE_K, N_INTER, offs_n, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                        stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, EVEN_K,
+                        BLOCK_SIZE_K, inter_ptr.dtype.element_ty, UPCAST)
         acc = scaled_mma(a, b, acc, k * BLOCK_SIZE_K, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
                          QUANT, GROUP_K, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik

@@ -63,7 +63,7 @@ from moebench.kernels.triton.common import (
 from moebench.kernels.triton.env import interpreter_compat, interpreting, tma_ok
 from moebench.kernels.triton.options import TritonOptions, gemm1_walk, resolve_pdl, resolve_use_tma
 from moebench.kernels.triton.quant import check_block_config, quant_group, quant_meta, quantize_rows
-from moebench.kernels.triton.wquant import check_wq_config, wq_load, wq_meta, wq_offsets, wq_zero_args
+from moebench.kernels.triton.wquant import check_wq_config, weight_tile, wq_meta, wq_offsets, wq_zero_args
 from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
 
 
@@ -198,14 +198,10 @@ def silu_mul_gemm1_kernel(
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if USE_TMA:  # (2, BN, BK) -> (2 BN, BK): rows 0..BN-1 gate, BN..2BN-1 up, as the columns
                 w = tl.reshape(w13_desc.load([w_slice, n0, k * BLOCK_SIZE_K]), (2 * BLOCK_SIZE_N, BLOCK_SIZE_K)).T
-            elif WQ != 0:
-                w = wq_load(w_ptrs, k * BLOCK_SIZE_K, H, rows_w, wcol_ok, w_scale_ptr, stride_wse, stride_wsn,
-                            stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
-                            not EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
-            elif EVEN_K:
-                w = tl.load(w_ptrs, mask=wcol_ok[None, :], other=0.0)
             else:
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & wcol_ok[None, :], other=0.0)
+                w = weight_tile(w_ptrs, k_ok, k * BLOCK_SIZE_K, H, rows_w, wcol_ok, w_scale_ptr, stride_wse, stride_wsn,
+                                stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
+                                EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
             acc = scaled_mma(a, w, acc, k * BLOCK_SIZE_K, as_ptrs, ws_ptrs, row_ok, wcol_ok, stride_asg, stride_wsk,
                              QUANT, GROUP_K, UPCAST, IEEE_DOT)
             a_ptrs += BLOCK_SIZE_K * stride_xk
@@ -238,19 +234,13 @@ def silu_mul_gemm1_kernel(
             if USE_TMA:
                 g = w13_desc.load([g_row, k * BLOCK_SIZE_K]).T
                 u = w13_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
-            elif WQ != 0:
-                g = wq_load(g_ptrs, k * BLOCK_SIZE_K, H, g_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
-                            stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
-                            not EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
-                u = wq_load(u_ptrs, k * BLOCK_SIZE_K, H, u_rows, col_ok, w_scale_ptr, stride_wse,
-                            stride_wsn, stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP,
-                            WQ_ZP, not EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
-            elif EVEN_K:
-                g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
             else:
-                g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                g = weight_tile(g_ptrs, k_ok, k * BLOCK_SIZE_K, H, g_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                                stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
+                                EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
+                u = weight_tile(u_ptrs, k_ok, k * BLOCK_SIZE_K, H, u_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                                stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
+                                EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
             acc_g = scaled_mma(a, g, acc_g, k * BLOCK_SIZE_K, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
                                QUANT, GROUP_K, UPCAST, IEEE_DOT)
             acc_u = scaled_mma(a, u, acc_u, k * BLOCK_SIZE_K, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
@@ -377,14 +367,10 @@ def gemm2_weighted_sum_kernel(
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         if USE_TMA:
             b = w2_desc.load([b_row, k]).T
-        elif WQ != 0:
-            b = wq_load(b_ptrs, k, k_hi, offs_n, col_ok, w_scale_ptr, stride_bse, stride_bsn, stride_bsk, wz_ptr,
-                        stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, not EVEN_K, BLOCK_SIZE_K,
-                        inter_ptr.dtype.element_ty, UPCAST)
-        elif EVEN_K:
-            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
         else:
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            b = weight_tile(b_ptrs, k_ok, k, k_hi, offs_n, col_ok, w_scale_ptr, stride_bse, stride_bsn, stride_bsk, wz_ptr,
+                            stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, EVEN_K, BLOCK_SIZE_K,
+                            inter_ptr.dtype.element_ty, UPCAST)
         acc = scaled_mma(a, b, acc, k, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_bsk,
                          QUANT, GROUP_K, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik

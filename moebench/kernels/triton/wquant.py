@@ -1,6 +1,7 @@
 """Weight-only quantised weight tiles for the Triton GEMMs (int8_w8a16, int4_w4a16, mxfp4).
 
     wq_offsets   the K offsets of a weight tile's rows in bytes (k0 / WQ_PACK ..)
+    weight_tile  a GEMM's weight tile through pointers: `wq_load`'s, or the stored values, masked
     wq_load      one (BLOCK_SIZE_K, BLOCK_SIZE_N) weight tile of a K loop: the packed bytes, unpacked,
                  scaled (and shifted by the zero points), rounded once to the activation dtype
     wq_meta      the GEMMs' constexprs for a weight (WQ, WQ_GROUP, WQ_ZP, WQ_PACK)
@@ -127,6 +128,44 @@ def wq_load(
             scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
             w = _e2m1_to_f32(code) * scale
     return cast_rne(w, DTYPE, EXACT)
+
+
+@triton.jit
+def weight_tile(
+    ptrs,  # (BLOCK_SIZE_K // WQ_PACK, BN) pointers of the tile (`wq_offsets` along K)
+    k_ok,  # (BLOCK_SIZE_K,) K indices of the tile in range (used unless EVEN_K)
+    k0,  # first K index of the tile; k_hi: K indices >= k_hi are out of range
+    k_hi,
+    rows,
+    col_ok,
+    s_ptr,
+    s_e,
+    s_n,
+    s_g,
+    z_ptr,
+    z_e,
+    z_n,
+    z_g,
+    expert,
+    WQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    EVEN_K: tl.constexpr,  # every tile whole along K: no K mask
+    BLOCK_SIZE_K: tl.constexpr,
+    DTYPE: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """One (BLOCK_SIZE_K, BN) weight tile of a GEMM's K loop through pointers: dequantised by
+    `wq_load` (WQ != 0: the arguments are its own), else as stored; columns out of range and K
+    indices out of range read as zeros."""
+    if WQ != 0:
+        w = wq_load(ptrs, k0, k_hi, rows, col_ok, s_ptr, s_e, s_n, s_g, z_ptr, z_e, z_n, z_g, expert, WQ, GROUP,
+                    HAS_ZP, not EVEN_K, BLOCK_SIZE_K, DTYPE, EXACT)
+    elif EVEN_K:
+        w = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        w = tl.load(ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    return w
 
 
 def wq_meta(w) -> dict[str, int]:
