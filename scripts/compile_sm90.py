@@ -5,7 +5,12 @@ activation quantisation) through Triton's full pipeline (TTIR -> TTGIR -> LLVM -
 ptxas Triton ships), so a kernel change that would fail to build on the H200 fails here, on a CPU
 machine, first. Prints one line per kernel variant; exit status 1 on the first failure.
 
-    python scripts/compile_sm90.py          # not under TRITON_INTERPRET=1
+    python scripts/compile_sm90.py                 # not under TRITON_INTERPRET=1
+    python scripts/compile_sm90.py --ptx-hashes    # + a hash of each variant's PTX
+
+--ptx-hashes ends each line with a hash of the PTX without its debug information (line
+locations, their labels), so a refactor that must not change the generated code can be checked on
+a CPU: the same hashes before and after mean the same instructions in every variant.
 
 The last lines compile the two GEMMs at the prefill tile as the JIT specialises them at launch
 (integer arguments equal to 1 become constants, pointers and integers divisible by 16 carry that
@@ -17,6 +22,7 @@ strides are unknown and no pointer load is pipelined, so only these lines say an
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 import re
@@ -38,6 +44,7 @@ from moebench.kernels.triton import quant as Q  # noqa: E402
 from moebench.kernels.triton import routing as R  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+PTX_HASHES = "--ptx-hashes" in sys.argv[1:]
 
 
 def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] = (), ints: dict | None = None,
@@ -61,11 +68,22 @@ def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] =
     src = ASTSource(fn=jit, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=TARGET, options=options or {})
     line = f"{jit.fn.__name__}: cubin {len(k.asm['cubin'])} bytes, shared {k.metadata.shared} B"
+    if PTX_HASHES:
+        line += f", ptx {ptx_hash(k.asm['ptx'])}"
     if ints:
         ttgir = k.asm["ttgir"]
         line += (", " + ptx_resources(k.asm["ptx"]) + f", pipelined loads {ttgir.count('async_copy_global_to_local')}"
                  f" + TMA {ttgir.count('async_tma_copy_global_to_local')}")
     return line
+
+
+def ptx_hash(ptx: str) -> str:
+    """16 hex digits of the PTX's sha256 without its debug information: the .loc / .file lines,
+    the labels they use and the debug sections."""
+    code = ptx.split("\t.section\t.debug")[0]
+    lines = [ln for ln in code.splitlines()
+             if not re.match(r"\s*\.(loc|file)\b", ln) and not re.fullmatch(r"\s*\$L__tmp\d+:", ln)]
+    return hashlib.sha256(re.sub(r"\$L__tmp\d+", "L", "\n".join(lines)).encode()).hexdigest()[:16]
 
 
 def ptx_resources(ptx: str) -> str:

@@ -47,6 +47,16 @@ from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
 
 
 @triton.jit
+def expert_tile(T, N, num_tokens_ptr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
+                GROUP_SIZE_M: tl.constexpr):
+    """This program's (expert, row tile, column tile over N, the expert's valid rows): axis 1 is
+    the expert, axis 0 its (row, column) tiles, grouped for L2 reuse of the weight tiles."""
+    expert = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_SIZE_M), tl.cdiv(N, BLOCK_SIZE_N), GROUP_SIZE_M)
+    return expert, pid_m, pid_n, tl.load(num_tokens_ptr + expert)
+
+
+@triton.jit
 def batched_silu_mul_gemm1_kernel(
     a_ptr,  # (E_local, T, H)
     w13_ptr,  # (E_local, 2I, H)
@@ -103,15 +113,8 @@ def batched_silu_mul_gemm1_kernel(
     HAS_BIAS: tl.constexpr = False,
     INTERLEAVED: tl.constexpr = False,  # w13's gate and up rows interleaved (2j, 2j + 1: swigluoai)
 ):
-    # Axis 1 = expert; axis 0 -> (row tile, intermediate tile), grouped for L2 reuse.
-    expert = tl.program_id(1).to(tl.int64)
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(T, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(N_INTER, BLOCK_SIZE_N)
-    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
-
-    # Skip tiles past this expert's valid rows.
-    count = tl.load(num_tokens_ptr + expert)
+    # Program -> (expert, row tile, intermediate tile); skip tiles past the expert's valid rows.
+    expert, pid_m, pid_n, count = expert_tile(T, N_INTER, num_tokens_ptr, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     if pid_m * BLOCK_SIZE_M >= count:
         return
 
@@ -214,14 +217,8 @@ def batched_gemm2_kernel(
     WQ_PACK: tl.constexpr = 1,
     HAS_BIAS: tl.constexpr = False,
 ):
-    # Axis 1 = expert; axis 0 -> (row tile, hidden tile), grouped as in GEMM1.
-    expert = tl.program_id(1).to(tl.int64)
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(T, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(H, BLOCK_SIZE_N)
-    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_SIZE_M)
-
-    count = tl.load(num_tokens_ptr + expert)
+    # Program -> (expert, row tile, hidden tile), as in GEMM1.
+    expert, pid_m, pid_n, count = expert_tile(T, H, num_tokens_ptr, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     if pid_m * BLOCK_SIZE_M >= count:
         return
 
