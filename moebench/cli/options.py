@@ -66,67 +66,61 @@ def resolve_shape(model, num_experts, topk, hidden, intermediate):
 #: --dtype's choices: the float dtypes and the quantised schemes (moebench.quant.QUANT_DTYPES).
 DTYPE_CHOICES = ["bf16", "fp16", "fp32", "fp8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4"]
 
-#: The weight-only scheme's options beside --dtype (int4_w4a16), for every command that takes --dtype.
-WEIGHT_ONLY_OPTIONS = [
-    click.option("--group-size", "group_size", type=int, default=None,
-                 help="int4_w4a16: values per scale along K, 32 | 64 | 128 [128]."),
-    click.option("--zero-points", "zero_points", is_flag=True, default=False,
-                 help="int4_w4a16: a uint4 zero point per group (asymmetric, GPTQ/AWQ style)."),
-]
-
-
-def weight_only_options(f):
-    """--group-size and --zero-points (tune declares its own --dtype and takes these beside it)."""
-    for o in reversed(WEIGHT_ONLY_OPTIONS):
-        f = o(f)
-    return f
-
-
+#: Every option a command that runs kernels can take, declared once: flag -> (click.option's
+#: positional arguments after the flag, its keyword arguments). A command picks its subset with
+#: `options(...)`, replacing a help text or default where its meaning differs (tune's --tp names
+#: the file's N; its --routing / --seed default to the resumed run's).
+OPTION_TABLE: dict[str, tuple[tuple, dict]] = {
+    "--model": ((), dict(default=None, help="Preset name (see `moebench models`) or a local HuggingFace config.json.")),
+    "--num-experts": (("num_experts",), dict(type=int, default=None, help="E, for a custom shape.")),
+    "--topk": ((), dict(type=int, default=None, help="Experts per token, for a custom shape.")),
+    "--hidden": ((), dict(type=int, default=None, help="H, for a custom shape.")),
+    "--intermediate": ((), dict(type=int, default=None, help="MoE intermediate size I, for a custom shape.")),
+    "--tokens": ((), dict(default=None, help="Comma list of token counts per rank [cpu: 1,16,64; cuda: 1..4096].")),
+    "--tp": ((), dict(type=int, default=None, help="Tensor-parallel size.")),
+    "--dp": ((), dict(type=int, default=None, help="Data-parallel size.")),
+    "--ep": ((), dict(type=int, default=None, help="Expert parallelism over N ranks (N = dp * tp).")),
+    "--world-size": (("world_size",), dict(type=int, default=None, help="Ranks to run (spawned processes).")),
+    "--device": ((), dict(type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present.")),
+    "--dtype": ((), dict(type=click.Choice(DTYPE_CHOICES), default=None,
+                         help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations, bf16 "
+                              "output; int8_w8a16 / int4_w4a16 / mxfp4: weight-only quantised, bf16 activations.")),
+    "--block-shape": (("block_shape",), dict(default=None, help="fp8_w8a8 block-quantised weights, e.g. 128,128 "
+                                                                  "(activations: 1 x 128 groups).")),
+    "--scales": ((), dict(type=click.Choice(["tensor", "token", "block"]), default=None,
+                          help="fp8_w8a8 scales: tensor (static per tensor) | token (per token x per channel) | "
+                               "block [tensor; block with --block-shape].")),
+    "--group-size": (("group_size",), dict(type=int, default=None,
+                                           help="int4_w4a16: values per scale along K, 32 | 64 | 128 [128].")),
+    "--zero-points": (("zero_points",), dict(is_flag=True, default=False,
+                                             help="int4_w4a16: a uint4 zero point per group (asymmetric, GPTQ/AWQ style).")),
+    "--activation": ((), dict(default=None, help="Experts' activation: silu | gelu (exact) | swigluoai (gpt-oss, with "
+                                                 "its biases) [the model's].")),
+    "--routing": ((), dict(default="uniform", show_default=True, help="uniform | zipf:S | hot:F | file:PATH")),
+    "--seed": ((), dict(type=int, default=0, show_default=True)),
+    "--out": ((), dict(type=click.Path(path_type=Path), default=Path("results"), show_default=True,
+                       help="Results folder.")),
+}
 #: --model or the four size flags: the shape (resolve_shape), the same for every command.
-MODEL_OPTIONS = [
-    click.option("--model", default=None, help="Preset name (see `moebench models`) or a local HuggingFace config.json."),
-    click.option("--num-experts", "num_experts", type=int, default=None, help="E, for a custom shape."),
-    click.option("--topk", type=int, default=None, help="Experts per token, for a custom shape."),
-    click.option("--hidden", type=int, default=None, help="H, for a custom shape."),
-    click.option("--intermediate", type=int, default=None, help="MoE intermediate size I, for a custom shape."),
-]
+MODEL_FLAGS = ("--model", "--num-experts", "--topk", "--hidden", "--intermediate")
+#: --dtype and what refines it.
+PRECISION_FLAGS = ("--dtype", "--block-shape", "--scales", "--group-size", "--zero-points")
 
 
-def model_options(f):
-    """--model, --num-experts, --topk, --hidden, --intermediate (tune takes these alone)."""
-    for o in reversed(MODEL_OPTIONS):
-        f = o(f)
-    return f
+def options(*flags: str, **overrides: dict):
+    """A decorator adding the OPTION_TABLE options `flags`, in that order; overrides: flag name
+    without dashes, '-' as '_' (tp=, block_shape=...) -> keyword arguments replacing the table's."""
+    def deco(f):
+        for flag in reversed(flags):
+            args, kw = OPTION_TABLE[flag]
+            f = click.option(flag, *args, **{**kw, **overrides.get(flag.lstrip("-").replace("-", "_"), {})})(f)
+        return f
+    return deco
 
 
-def shape_options(f):
-    """Options every command that runs kernels takes (design.md)."""
-    opts = [
-        *MODEL_OPTIONS,
-        click.option("--tokens", default=None, help="Comma list of token counts per rank [cpu: 1,16,64; cuda: 1..4096]."),
-        click.option("--tp", type=int, default=None, help="Tensor-parallel size."),
-        click.option("--dp", type=int, default=None, help="Data-parallel size."),
-        click.option("--ep", type=int, default=None, help="Expert parallelism over N ranks (N = dp * tp)."),
-        click.option("--world-size", "world_size", type=int, default=None, help="Ranks to run (spawned processes)."),
-        click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present."),
-        click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
-                     help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations, bf16 output; "
-                          "int8_w8a16 / int4_w4a16 / mxfp4: weight-only quantised, bf16 activations."),
-        click.option("--block-shape", "block_shape", default=None,
-                     help="fp8_w8a8 block-quantised weights, e.g. 128,128 (activations: 1 x 128 groups)."),
-        click.option("--scales", type=click.Choice(["tensor", "token", "block"]), default=None,
-                     help="fp8_w8a8 scales: tensor (static per tensor) | token (per token x per channel) | block "
-                          "[tensor; block with --block-shape]."),
-        *WEIGHT_ONLY_OPTIONS,
-        click.option("--activation", default=None,
-                     help="Experts' activation: silu | gelu (exact) | swigluoai (gpt-oss, with its biases) [the model's]."),
-        click.option("--routing", default="uniform", show_default=True, help="uniform | zipf:S | hot:F | file:PATH"),
-        click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True, help="Results folder."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+#: Options every command that runs kernels takes (design.md).
+shape_options = options(*MODEL_FLAGS, "--tokens", "--tp", "--dp", "--ep", "--world-size", "--device", *PRECISION_FLAGS,
+                        "--activation", "--routing", "--seed", "--out")
 
 
 def cluster_options(f):

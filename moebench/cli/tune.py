@@ -22,15 +22,15 @@ import click
 from rich.table import Table
 
 from moebench.cli.options import (
-    DTYPE_CHOICES,
+    MODEL_FLAGS,
+    PRECISION_FLAGS,
     console,
     err_console,
-    model_options,
+    options,
     parse_tokens,
     resolve_device,
     resolve_precision,
     resolve_shape,
-    weight_only_options,
 )
 from moebench.errors import MoebenchError
 from moebench.fileio import atomic_write_bytes
@@ -52,23 +52,18 @@ def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
 
 
 @click.command("tune")
-@model_options
-@click.option("--tokens", default=None, help="Comma list of token counts per rank [cpu: 1,4; cuda: vLLM's 18 counts 1..4096].")
-@click.option("--tp", type=int, default=None, help="Tensor-parallel size: N of the file = I / tp.")
-@click.option("--dp", type=int, default=None, help="Data-parallel size (with --ep).")
-@click.option("--ep", type=int, default=None, help="Expert parallelism over N ranks: E of the file = local experts.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda when present.")
-@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
-              help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations (bf16 around them); "
-                   "writes the ...,dtype=fp8_w8a8[,block_shape=[BN,BK]][,per_channel_quant=True].json file. "
-                   "int8_w8a16 / int4_w4a16 / mxfp4: weight-only (bf16 activations), ...,dtype=<name>.json.")
-@click.option("--block-shape", "block_shape", default=None,
-              help="fp8_w8a8 block-quantised weights, e.g. 128,128 (prunes BLOCK_SIZE_K/N to divide it).")
-@click.option("--scales", type=click.Choice(["tensor", "token", "block"]), default=None,
-              help="fp8_w8a8 scales: tensor | token | block [tensor; block with --block-shape].")
-@weight_only_options
-@click.option("--routing", default=None, help="uniform | zipf:S | hot:F | file:PATH  [uniform]")
-@click.option("--seed", type=int, default=None, help="Inputs and sampling seed [0].")
+@options(*MODEL_FLAGS, "--tokens", "--tp", "--dp", "--ep", "--device", *PRECISION_FLAGS, "--routing", "--seed",
+         tokens=dict(help="Comma list of token counts per rank [cpu: 1,4; cuda: vLLM's 18 counts 1..4096]."),
+         tp=dict(help="Tensor-parallel size: N of the file = I / tp."),
+         dp=dict(help="Data-parallel size (with --ep)."),
+         ep=dict(help="Expert parallelism over N ranks: E of the file = local experts."),
+         dtype=dict(help="Default: bf16 on cuda, fp32 on cpu. fp8_w8a8: fp8 weights and activations (bf16 around "
+                         "them); writes the ...,dtype=fp8_w8a8[,block_shape=[BN,BK]][,per_channel_quant=True].json "
+                         "file. int8_w8a16 / int4_w4a16 / mxfp4: weight-only (bf16 activations), ...,dtype=<name>.json."),
+         block_shape=dict(help="fp8_w8a8 block-quantised weights, e.g. 128,128 (prunes BLOCK_SIZE_K/N to divide it)."),
+         # None: a --resume'd run's saved value, else uniform / 0
+         routing=dict(default=None, show_default=False, help="uniform | zipf:S | hot:F | file:PATH  [uniform]"),
+         seed=dict(default=None, show_default=False, help="Inputs and sampling seed [0]."))
 @click.option("--search", "strategy", type=click.Choice(["grid", "random", "halving"]), default=None,
               help="grid: every pruned config; random: --budget samples; halving (default): successive halving "
                    "seeded by the neighbouring token count's winners.")
