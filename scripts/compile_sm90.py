@@ -1,4 +1,5 @@
-"""Compile moebench's Triton GEMM, alignment and routing kernels for Hopper (sm_90) without a GPU.
+"""Compile moebench's Triton GEMM, alignment and routing kernels (and the vllm-triton experts' kernels)
+for Hopper (sm_90) without a GPU.
 
 Lowers every kernel (the unquantised GEMMs, their fp8 and weight-only variants and the fp8
 activation quantisation) through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the
@@ -42,6 +43,7 @@ from moebench.kernels.triton import batched as B  # noqa: E402
 from moebench.kernels.triton import gemm as T  # noqa: E402
 from moebench.kernels.triton import quant as Q  # noqa: E402
 from moebench.kernels.triton import routing as R  # noqa: E402
+from moebench.kernels import vllm_triton as V  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTX_HASHES = "--ptx-hashes" in sys.argv[1:]
@@ -227,6 +229,20 @@ def main() -> int:
         rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows,
                   RELEASE=rows == 1)  # (the decode shape releasing a PDL-launched successor early)
         print(compile_kernel(R.topk_softmax_kernel, rc, {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}))
+    # The vllm-triton experts (moebench.kernels.vllm_triton): its GEMM as GEMM1 (bf16, decode tile),
+    # as GEMM2 with the router weight, on the per-pair path, and fp8 block [128, 128] with and
+    # without swap-AB; its SiLU-and-mul and top-k sum
+    vptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+             "w_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntpp_ptr": "*i32"}
+    vfp8 = dict(vptrs, a_ptr="*fp8e4nv", b_ptr="*fp8e4nv")
+    vbase = dict(TOP_K=8, GROUP_N=1, GROUP_K=1, FP8_BLOCK=False, MUL_WEIGHT=False, PER_PAIR=False, SWAP_AB=False,
+                 UPCAST=False, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1)
+    fp8_block = dict(FP8_BLOCK=True, GROUP_N=128, GROUP_K=128, BLOCK_SIZE_N=128)
+    for consts, ptrs in ((vbase, vptrs), (dict(vbase, MUL_WEIGHT=True), vptrs), (dict(vbase, PER_PAIR=True), vptrs),
+                         (dict(vbase, **fp8_block), vfp8), (dict(vbase, **fp8_block, SWAP_AB=True), vfp8)):
+        print(compile_kernel(V.vllm_moe_gemm_kernel, consts, ptrs))
+    print(compile_kernel(V.silu_and_mul_kernel, dict(BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
+    print(compile_kernel(V.topk_sum_kernel, dict(TOP_K=8, BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
     # As launched: the prefill tile of Qwen3-30B-A3B at 4096 tokens (H 2048, I 768, 32768 pairs),
     # 128 x 256 x 64, 8 warps, 4 stages (the shipped file's entry), GEMM1 wide with pointer loads
     # (as on a device without TMA), GEMM2 with w2 through TMA
