@@ -2,7 +2,8 @@
 # One-step set-up and run.
 #   bash setup.sh [moebench args...]   install into ./.venv (created when missing), then run moebench
 #                                       (no args: a default `moebench sweep` on whatever device is here)
-#   bash setup.sh test [pytest args]   install the same way, then run the whole test suite
+#   bash setup.sh test [pytest args]   install the same way, then run the whole test suite (2 workers;
+#                                       TEST_WORKERS=N to change, 0 for one process)
 # A torch that is already importable by python3 (a GPU machine's CUDA build) is kept: the venv then
 # sees the system site-packages. Otherwise torch==2.13.0 is installed (a CPU build on CPU machines
 # of this project's kind, from local disk).
@@ -34,7 +35,9 @@ fi
 
 if [ "${1:-}" = "test" ]; then
   shift
-  exec .venv/bin/python -m pytest -q "$@"
+  # two pytest workers (pytest-xdist): the suite is single-threaded and CI machines have two cores;
+  # TEST_WORKERS=0 runs it in this process (GPU tests: one process per GPU is what they expect)
+  exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" "$@"
 fi
 if [ $# -eq 0 ]; then
   set -- sweep

@@ -3,6 +3,7 @@ the float64 reference, time it, and collect one ResultRow per (tokens, combinati
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -31,7 +32,7 @@ from moebench.kernels.layer import MoELayer, layer_args, layer_reference
 from moebench.kernels.modular import poisoned_outputs
 from moebench.backends import make_kernel
 from moebench.layout import ParallelLayout
-from moebench.results import ResultRow, RunStore
+from moebench.results import ResultRow, RunStore, ensure_writable_dir, new_run_id
 from moebench.routing import load_imbalance, make_routing
 
 
@@ -204,4 +205,36 @@ def run(spec: SweepSpec, store: RunStore, mode: str, link=None, ctx=None,
         run_simulated(spec, store, link, on_progress=on_progress)
     else:
         run_sweep(spec, store, on_progress=on_progress)
+    return store
+
+
+def run_in_folder(specs: list[SweepSpec], mode: str, out: Path | str, *, resume: Path | str | None = None,
+                  metadata: dict | None = None, argv: list[str] | tuple = (), command: str = "", ctx=None, link=None,
+                  on_start: Callable[[RunStore, int], None] | None = None,
+                  on_progress: Callable[[ResultRow], None] | None = None) -> RunStore | None:
+    """A whole sweep into one run folder: `specs` one after another (one per shared-experts mode),
+    run the way `choose_mode` decided (`mode`, `ctx`, `link`). The folder is a new one below `out`
+    named after the shape (its settings = `metadata`), or `resume`, continued: its saved settings
+    kept, the resume recorded (`argv`), its finished rows skipped. One writer holds the folder for
+    the whole sweep; rows are written as they are measured, so an interrupted or failing sweep
+    keeps every finished row. Under torchrun rank 0 owns the folder and the other ranks only
+    compute: they return None. on_start(store, cases): once the folder is open, with the number of
+    cases left to run. Returns the store holding every row."""
+    from moebench.runtime.distributed import is_main
+
+    if ctx is not None and not is_main(ctx):
+        for sp in specs:
+            run_multirank(sp, out, ctx=ctx)
+        return None
+    folder = Path(resume) if resume is not None else ensure_writable_dir(Path(out)) / new_run_id("sweep", specs[0].shape.name)
+    store = owner = RunStore(folder, metadata=None if resume is not None else metadata, lock=True, command=command)
+    try:
+        if resume is not None:
+            store.record_resume(list(argv))
+        if on_start is not None:
+            on_start(store, sum(cases_to_run(sp, store, modeled=mode == "simulate") for sp in specs))
+        for sp in specs:
+            store = run(sp, store, mode, link=link, ctx=ctx, on_progress=on_progress)
+    finally:
+        owner.close()
     return store

@@ -148,7 +148,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     from moebench.backends import prepare_finalize_names
     from moebench.layout import ParallelLayout
     from moebench.report import EXPORT_FORMATS, print_rows, write_exports
-    from moebench.results import RunStore, ensure_writable_dir, new_run_id
+    from moebench.results import RunStore
     from moebench.routing import parse_routing
     from moebench.sweep import SweepSpec, default_experts, resolve_names
 
@@ -187,10 +187,10 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         check_named_experts_quant(spec.experts, quant)
     specs = [dataclasses.replace(spec, shared=sm) for sm in shared_modes]
     from moebench.bench.hardware import device_summary
-    from moebench.runtime.distributed import is_main, join_torchrun, leave_torchrun
-    from moebench.sweep import choose_mode, run, run_multirank
+    from moebench.runtime.distributed import join_torchrun, leave_torchrun
+    from moebench.sweep import choose_mode, run_in_folder
 
-    ctx = join_torchrun() if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+    ctx = join_torchrun()  # None outside torchrun
     mode, notice = choose_mode(layout, device, simulate, world_size, ctx)
     if mode in ("spawn", "torchrun") and (act.name != "silu" or bias or any(sm != "none" for sm in shared_modes)):
         raise MoebenchError("real ranks (--world-size / torchrun) time the plain silu layer without shared experts: "
@@ -211,12 +211,6 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         link = comm_model(link, rdma_name, gpus_per_node, dev_name)
     elif link_gbps is not None or link_name:
         raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
-    main_rank = ctx is None or is_main(ctx)
-    if not main_rank:  # rank 0 owns the run folder; the others only compute
-        run_multirank(spec, out, ctx=ctx)
-        leave_torchrun(ctx)
-        return
-    folder = resume if resume is not None else ensure_writable_dir(out) / new_run_id("sweep", shape.name)
     meta = {"command": "sweep", "argv": sys.argv[1:],
             "options": _run_options(click.get_current_context(), device=device, tokens=",".join(map(str, tok))),
             "mode": mode, "shape": shape.to_dict(),
@@ -225,45 +219,53 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
             "activation": act.describe(), "expert_bias": bias, "shared_experts": shared_modes, "quantization": quant_line,
             "seed": seed, "link": None if link is None else link.as_dict(), "link_why": link_why,
             "device_summary": device_summary(device)}
-    # One writer per folder, for the whole sweep (a resume never rewrites the saved settings).
-    store = owner = RunStore(folder, metadata=None if resume is not None else meta, lock=True, command=_command_line())
-    if resume is not None:
-        store.record_resume(sys.argv[1:])
-    for n in store.notices:
-        err_console.print(f"notice: {n}", markup=False, highlight=False, soft_wrap=True)
-    from moebench.sweep import cases_to_run
+    opened: list = []  # the run's store, once open
 
-    n_total = sum(cases_to_run(sp, store, modeled=mode == "simulate") for sp in specs)  # skipped pairs are not counted
-    console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, H={shape.hidden}, "
-                  f"I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, {spec.precision}, "
-                  f"routing {routing} -> {folder}")
-    if link is not None:
-        console.print(f"communication: {link.describe()}; link: {link_why}", markup=False, highlight=False)
-    if quant_line:
-        console.print(quant_line, markup=False, highlight=False)
-    console.print(f"layer: activation {act.describe()}{' with expert biases' if bias else ''}; shared experts "
-                  f"{', '.join(shared_modes)}", markup=False, highlight=False)
+    def start(store, n_total):
+        opened.append(store)
+        for n in store.notices:
+            err_console.print(f"notice: {n}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, "
+                      f"H={shape.hidden}, I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, "
+                      f"{spec.precision}, routing {routing} -> {store.folder}")
+        if link is not None:
+            console.print(f"communication: {link.describe()}; link: {link_why}", markup=False, highlight=False)
+        if quant_line:
+            console.print(quant_line, markup=False, highlight=False)
+        console.print(f"layer: activation {act.describe()}{' with expert biases' if bias else ''}; shared experts "
+                      f"{', '.join(shared_modes)}", markup=False, highlight=False)
+        if prog is not None:
+            prog.update(task, total=n_total)
+            prog.start()
+
+    def tick(row):
+        if row.status != "skipped":  # the bar counts and names only what runs
+            prog.update(task, advance=1, description=f"M={row.tokens} {row.prepare_finalize}+{row.experts}")
+
+    # real ranks: rank 0 shows its own progress bar
+    prog = None if mode in ("spawn", "torchrun") else _progress()
+    task = prog.add_task("sweep", total=None) if prog is not None else None
     try:
-        if mode in ("spawn", "torchrun"):  # rank 0 shows the progress bar
-            store = run(spec, store, mode, ctx=ctx)
-        else:
-            with _progress() as prog:
-                task = prog.add_task("sweep", total=n_total)
-
-                def tick(row):
-                    if row.status != "skipped":  # the bar counts and names only what runs
-                        prog.update(task, advance=1, description=f"M={row.tokens} {row.prepare_finalize}+{row.experts}")
-
-                for sp in specs:
-                    store = run(sp, store, mode, link=link, on_progress=tick)
+        store = run_in_folder(specs, mode, out, resume=resume, metadata=meta, argv=sys.argv[1:],
+                              command=_command_line(), ctx=ctx, link=link, on_start=start,
+                              on_progress=tick if prog is not None else None)
     except KeyboardInterrupt:
-        store = RunStore(folder)
+        if prog is not None:
+            prog.stop()
+        if not opened:
+            raise
+        store = RunStore(opened[0].folder)
         write_exports(store, fmts)
-        err_console.print(f"interrupted: {len(store.rows)} finished rows kept in {folder} (continue with --resume {folder})")
-        owner.close()
+        err_console.print(f"interrupted: {len(store.rows)} finished rows kept in {store.folder} "
+                          f"(continue with --resume {store.folder})")
         sys.exit(130)
+    finally:
+        if prog is not None:
+            prog.stop()
+    if store is None:  # a torchrun rank other than 0: rank 0 writes and reports
+        leave_torchrun(ctx)
+        return
     written = write_exports(store, fmts)
-    owner.close()
     print_rows(store.rows, console, show_skipped=show_skipped)
     if store.rows and not any(r.status == "ok" for r in store.rows):
         hint = (" On a CPU, `TRITON_INTERPRET=1 moebench sweep ...` runs the Triton experts under the interpreter"

@@ -567,7 +567,7 @@ def tune(
     config_path = config_path_for(spec, out_dir)
     from moebench.runtime.distributed import join_torchrun, leave_torchrun
 
-    ctx = join_torchrun() if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) else None
+    ctx = join_torchrun()  # None outside torchrun
     main = ctx is None or ctx.rank == 0
     if main:  # before the first measurement: a folder the file cannot go to fails now, not after the search
         ensure_writable_dir(config_path.parent)
