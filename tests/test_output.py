@@ -54,7 +54,8 @@ def parse_table(out: str) -> tuple[list[str], list[list[str]]]:
     while head > 0 and in_table(lines[head - 1]):
         head -= 1
     end = r + 1
-    while end < len(lines) and in_table(lines[end]):
+    # (the "wrote PATH" line after a table can wrap to a lone "wrote": it is not a row)
+    while end < len(lines) and in_table(lines[end]) and lines[end].split()[0] != "wrote":
         end += 1
     cells = lambda line: [line.ljust(spans[-1][1])[a:b].strip() for a, b in spans]  # noqa: E731
     heads = [" ".join(c for c in col if c) for col in zip(*[cells(x) for x in lines[head:r]])]
