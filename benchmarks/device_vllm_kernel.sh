@@ -3,14 +3,18 @@
 #  (a) GPU check: tests/test_vllm_triton.py (its gpu tests: every code path against the reference)
 #  (b) `moebench tune --kernel vllm` for Mixtral-8x7B TP8, Qwen3-30B-A3B, Qwen3-235B-A22B TP8 and
 #      DeepSeek-V3 TP8, bf16 and fp8 block [128,128], at vLLM's 18 token counts, until the call's
-#      time is spent: run folders in $VK_DIR (default .gpu-out/vllmk, ignored by git, kept on a warm
+#      time is spent: run folders in $VK_DIR (default .gpu-out/vllmk, ignored by git, carried between
 #      machine), each resumed (--resume) by the next call; the files go to $VK_DIR/configs/vllm
 #  (c)+(d) once every tune is done (or TABLES=1): `python -m benchmarks vllm_kernel` (same run:
 #      new file vs vLLM's and SGLang's shipped files in the vllm-triton experts; the triton layer vs
 #      the faster engine file), tables vllm_kernel_files.md / vllm_kernel_triton.md (+ .csv)
-# $OUT gets log.txt, gpu-tests.txt, the four tables, vllmk.tgz (config files and tune reports:
-# names with '=' or ',' do not come back as plain files). Call it again until the log says
-# "all 8 tunes done"; at about 4-6 minutes per tune with CW=12 that is 4-6 calls.
+# $OUT gets log.txt, gpu-tests.txt, the four tables and vllmk-state.tgz: the whole $VK_DIR (run
+# folders with their journals, config files; names with '=' or ',' do not come back as plain
+# files). A device machine is released soon after a call, so the next call resumes from that
+# archive: unpack it into .gpu-out/vllmk here and send the folder along with the call
+#   mkdir -p .gpu-out/vllmk && tar xzf FILES_AT/vllmk-state.tgz -C .gpu-out/vllmk
+# (an ignored folder: name it among the paths the call carries). Call it again until the log
+# says "all 8 tunes done"; at about 4-6 minutes per tune with CW=12 that is 4-6 calls.
 #   PYTHONPATH=. [BUDGET_S=480] [CW=12] [TUNE_BUDGET=24] [TABLE_TOKENS=1,16,64,256,1024,4096] bash benchmarks/device_vllm_kernel.sh
 TAIL="${TAIL:-8}"
 source "$(dirname "$0")/device_env.sh"
@@ -63,5 +67,5 @@ if [ "$done_count" = 8 ] || [ -n "${TABLES:-}" ]; then
     --tokens "${TABLE_TOKENS:-1,16,64,256,1024,4096}" --routings "${ROUTINGS:-2}" 2>&1 | tail -n 4 | tee -a "$log"
 fi
 OUT_ABS=$(cd "$OUT" && pwd)
-(cd "$VK" && tar czf "$OUT_ABS/vllmk.tgz" configs $(find runs -name 'report.md' -o -name 'metadata.json'))
+(cd "$VK" && tar czf "$OUT_ABS/vllmk-state.tgz" --exclude=runs/.new .)
 step done
