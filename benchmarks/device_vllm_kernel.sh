@@ -3,8 +3,8 @@
 #  (a) GPU check: tests/test_vllm_triton.py (its gpu tests: every code path against the reference)
 #  (b) `moebench tune --kernel vllm` for Mixtral-8x7B TP8, Qwen3-30B-A3B, Qwen3-235B-A22B TP8 and
 #      DeepSeek-V3 TP8, bf16 and fp8 block [128,128], at vLLM's 18 token counts, until the call's
-#      time is spent: run folders in $VK_DIR (default .gpu-out/vllmk, ignored by git, carried between
-#      machine), each resumed (--resume) by the next call; the files go to $VK_DIR/configs/vllm
+#      time is spent: run folders in $VK_DIR (default .gpu-out/vllmk, ignored by git, carried
+#      between calls), each resumed (--resume) by the next call; the files go to $VK_DIR/configs/vllm
 #  (c)+(d) once every tune is done (or TABLES=1): `python -m benchmarks vllm_kernel` (same run:
 #      new file vs vLLM's and SGLang's shipped files in the vllm-triton experts; the triton layer vs
 #      the faster engine file), tables vllm_kernel_files.md / vllm_kernel_triton.md (+ .csv)
