@@ -272,6 +272,19 @@ def main() -> int:
         print("as launched, WIDE TMA, A_TMA=%s: " % a_tma + compile_kernel(
             T.silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=True, ZERO_OUT=True, WIDE=True, A_TMA=a_tma),
             ptrs, unused, ints1, opts))
+    # gpt-oss-20b's mxfp4 GEMM1 at one token as launched (H = I = 2880, 4 pairs, the shipped
+    # file's 16 x 64 x 64 tile, 4 warps, 3 stages): the packed weight bytes come through cp.async
+    # (pipelined loads 6: A, gate and up bytes; the e8m0 scales are plain loads)
+    h, n_inter, g = 2880, 2880, 2880 // 32
+    ints_wq = dict(zero_numel=h, num_pairs=4, N_INTER=n_inter, H=h, num_blocks_m=40, stride_xm=h, stride_xk=1,
+                   stride_we=2 * n_inter * h // 2, stride_wn=h // 2, stride_wk=1, stride_im=n_inter, stride_in=1,
+                   stride_asm=0, stride_asg=0, stride_wse=2 * n_inter * g, stride_wsn=g, stride_wsk=1,
+                   stride_wze=0, stride_wzn=0, stride_wzk=0)
+    c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=16, TOPK=4, EVEN_K=True, UPCAST=False,
+             IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant, **wq_variants[-1][0])
+    wp = dict(std_ptrs, w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8", zero_ptr="*fp32")
+    print("as launched, mxfp4: " + compile_kernel(T.silu_mul_gemm1_kernel, c, wp, ("w13_desc", "x_desc"), ints_wq,
+                                                  dict(num_warps=4, num_stages=3)))
     return 0
 
 

@@ -6,7 +6,8 @@ launch (griddepcontrol), GEMM1's wide walk (3 tiles; and through TMA at the pref
 gathered or from the sorted copy: its weight box lands in shared memory by TMA), the TMA
 variants of both GEMMs, GEMM1 storing a per-tensor fp8 intermediate, the fp8 activation
 quantisation kernel (2 variants), the alignment and routing kernels; and both GEMMs at the
-prefill tile specialised as at a launch: no register spills, pointer loads pipelined."""
+prefill tile specialised as at a launch: no register spills, pointer loads pipelined; and
+gpt-oss's mxfp4 GEMM1 at one token as launched, its packed weight bytes pipelined."""
 
 import os
 import re
@@ -25,12 +26,15 @@ def test_kernels_compile_for_hopper(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 91 and all("cubin" in line for line in lines), res.stdout
+    assert len(lines) == 92 and all("cubin" in line for line in lines), res.stdout
     assert sum("quant_rows_kernel" in line for line in lines) == 2, res.stdout
-    for line in lines[-4:-2]:  # the prefill tile: no register spills, its pointer loads pipelined
+    for line in lines[-5:-3]:  # the prefill tile: no register spills, its pointer loads pipelined
         m = re.match(r"as launched: (\w+): .* spills (\d+) B, pipelined loads (\d+) \+ TMA (\d+)$", line)
         assert m and m.group(2) == "0" and int(m.group(3)) > 0, line
-    for line in lines[-2:]:  # the wide TMA GEMM1: weights (and with A_TMA the rows) by TMA, no spills
+    for line in lines[-3:-1]:  # the wide TMA GEMM1: weights (and with A_TMA the rows) by TMA, no spills
         m = re.match(r"as launched, WIDE TMA, A_TMA=(\w+): .* spills (\d+) B, pipelined loads (\d+) \+ TMA (\d+)$", line)
         assert m and m.group(2) == "0" and int(m.group(4)) > 0, line
         assert (int(m.group(3)) == 0) == (m.group(1) == "True"), line  # A's pointer loads pipelined, or none
+    # gpt-oss's mxfp4 GEMM1 at one token: no spills; A and both packed weight tiles pipelined
+    m = re.match(r"as launched, mxfp4: .* spills (\d+) B, pipelined loads (\d+) \+ TMA 0$", lines[-1])
+    assert m and m.group(1) == "0" and int(m.group(2)) >= 6, lines[-1]

@@ -84,7 +84,7 @@ def wq_load(
     BN: tl.constexpr = rows.shape[0]
     # The packed bytes: rows k0 / PACK .. of the tile, each byte once, contiguous along K; where K
     # tiles are whole (EVEN_K) the load is pipelined through shared memory (cp.async) as a 16-bit
-    # weight tile's is (sm_90 PTX of scripts/compile_sm90.py's weight-only variants).
+    # weight tile's is (scripts/compile_sm90.py's "as launched, mxfp4" line).
     kb = k0 + tl.arange(0, BLOCK_SIZE_K // PACK) * PACK
     if MASK_K:
         mask = (kb < k_hi)[:, None] & col_ok[None, :]
