@@ -1,5 +1,7 @@
 """The sweep through the Python API: a failing backend becomes a failed row, the rest still runs."""
 
+import json
+
 import torch
 
 from moebench import backends as registry
@@ -85,3 +87,31 @@ def test_choose_mode():
     if torch.cuda.device_count() < 4:
         with pytest.raises(MoebenchError, match="needs 4 GPUs"):
             choose_mode(ep4, "cuda", world_size=4)
+
+
+def test_run_in_folder_opens_resumes_and_keeps_rows(tmp_path):
+    """The whole sweep through the library: a new run folder below `out` with its settings, the
+    on_start count, the rows; resumed (its folder, not `out`), finished rows are
+    skipped and the resume recorded."""
+    import dataclasses
+
+    from moebench.sweep import run_in_folder
+
+    spec = SweepSpec(shape=custom_shape(6, 2, 16, 8), tokens=[1, 3], experts=["torch"], prepare_finalize=["no-dpep"],
+                     dtype=torch.float32, device="cpu")
+    seen = []
+    store = run_in_folder([spec], "single", tmp_path / "results", metadata={"command": "sweep", "test": 1},
+                          on_start=lambda st, n: seen.append((st.folder, n)))
+    folder = store.folder
+    assert folder.parent == tmp_path / "results" and seen == [(folder, 2)]
+    assert [(r.tokens, r.status) for r in store.rows] == [(1, "ok"), (3, "ok")]
+    assert json.loads((folder / "metadata.json").read_text())["test"] == 1
+    # resumed with one more token count: only its case runs
+    more = dataclasses.replace(spec, tokens=[1, 3, 5])
+    seen.clear()
+    store = run_in_folder([more], "single", tmp_path / "elsewhere", resume=folder, argv=["--resume", str(folder)],
+                          on_start=lambda st, n: seen.append(n))
+    assert seen == [1] and store.folder == folder and not (tmp_path / "elsewhere").exists()
+    assert sorted(r.tokens for r in RunStore(folder).rows) == [1, 3, 5]
+    meta = json.loads((folder / "metadata.json").read_text())
+    assert meta["test"] == 1 and "resumed" in json.dumps(meta)  # the settings kept, the resume noted
