@@ -2,6 +2,9 @@
 
     PYTHONPATH=. python -m benchmarks vllm_kernel [--shapes ...] [--precisions bf16,fp8] [--tokens ...]
                                                   [--tuned DIR] [--routings 3] [--smoke]
+    # the kernel tables (triton vs the faster engine file) at every shape:
+    PYTHONPATH=. python -m benchmarks vllm_kernel --tokens 1,16,64,256,1024,4096 \
+        --shapes mixtral,mixtral-tp8,qwen3-30b-a3b,qwen3-235b-tp8,deepseek-v3-tp8,deepseek-v3-ep8
 
 Per shape, precision and token count, on the same routings (CUDA-graph replay, median over
 routings; each layer is first checked against the float64 reference):
@@ -41,9 +44,13 @@ from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.kernels.vllm_triton import vllm_fused_experts
 from moebench.quant import QuantScheme
 
-#: name: (E, topk, H, I per rank), the engines' file being E=..,N=I
+#: name: (E, topk, H, I per rank), the engines' file being E=..,N=I. The first four are the tuned
+#: files' shapes (the default); mixtral (TP1) and deepseek-v3-ep8 (one EP8 rank's 32 experts, top-8
+#: over them as vLLM's tuner routes) complete the kernel tables' shapes.
 SHAPES = {"mixtral-tp8": (8, 2, 4096, 1792), "qwen3-30b-a3b": (128, 8, 2048, 768),
-          "qwen3-235b-tp8": (128, 8, 4096, 192), "deepseek-v3-tp8": (256, 8, 7168, 256)}
+          "qwen3-235b-tp8": (128, 8, 4096, 192), "deepseek-v3-tp8": (256, 8, 7168, 256),
+          "mixtral": (8, 2, 4096, 14336), "deepseek-v3-ep8": (32, 8, 7168, 2048)}
+DEFAULT_SHAPES = ("mixtral-tp8", "qwen3-30b-a3b", "qwen3-235b-tp8", "deepseek-v3-tp8")
 SMOKE_SHAPES = {"tiny": (8, 2, 200, 64)}
 TOKENS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]
 BLOCK = QuantScheme("fp8_w8a8", "block", (128, 128))
@@ -69,7 +76,7 @@ def tuned_table(folder: Path | None, e: int, n: int, quant) -> dict[int, dict] |
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="vllm_kernel")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--precisions", default="bf16,fp8")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--tuned", type=Path, default=None, help="folder of the files `tune --kernel vllm` wrote")
