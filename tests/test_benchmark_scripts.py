@@ -200,10 +200,14 @@ def test_vllm_kernel_smoke(tmp_path):
     assert "| tiny | fp8 | 5 |" in (tmp_path / "vllm_kernel_files.md").read_text()
 
 
-def test_engine_h200_data_files_hold_the_four_shapes():
-    from benchmarks.vllm_kernel import SHAPES, engine_table
+def test_engine_h200_data_files_hold_the_table_shapes():
+    from benchmarks.vllm_kernel import BLOCK, DEFAULT_SHAPES, SHAPES, engine_table
 
-    for e, _, _, n in SHAPES.values():
+    for e, _, _, n in (SHAPES[name] for name in DEFAULT_SHAPES):
         assert engine_table("vllm", e, n, None) is not None or (e, n) == (256, 256)  # vLLM ships no bf16 E=256,N=256
+    # the kernel tables' other shapes: Mixtral TP1 (bf16) and the DeepSeek-V3 EP8 shard (fp8 block)
+    assert engine_table("vllm", *SHAPES["mixtral"][::3], None) is not None
+    ep8 = engine_table("vllm", *SHAPES["deepseek-v3-ep8"][::3], BLOCK)
+    assert len(ep8) == 18 and ep8[256]["GROUP_SIZE_M"] == 64 and ep8[2048]["BLOCK_SIZE_K"] == 256
     assert sorted(engine_table("sglang", 256, 256, object())) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512,
                                                                    1024, 1536, 2048, 3072, 4096]
