@@ -1,6 +1,8 @@
 # Sourced by the benchmarks/device_*.sh scripts: output folder, environment, log helpers.
 #   step TEXT      a timestamped section line in $OUT/log.txt
 #   mb ARGS...     run `moebench ARGS`, keep the last $TAIL lines of its output (all when TAIL is unset)
+#   calibrate      `moebench env --calibrate` into $OUT/env.json, its matmul ceilings into the log
+#   archive NAME   the run folders under $R into $OUT/NAME.tgz (names with '=' or ',' come back inside it), then removed
 set -uo pipefail
 OUT="${OUT:-./device-out}"
 mkdir -p "$OUT"
@@ -9,3 +11,6 @@ R="$OUT/results"
 log="$OUT/log.txt"
 step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$log"; }
 mb() { python3 -m moebench.cli "$@" 2>&1 | tail -n "${TAIL:-+1}" | tee -a "$log"; }
+calibrate() { step env --calibrate; python3 -m moebench.cli env --calibrate --json > "$OUT/env.json" 2>>"$log"
+              grep -A8 matmul_tflops "$OUT/env.json" >> "$log"; }
+archive() { tar czf "$OUT/$1.tgz" -C "$OUT" results 2>/dev/null && rm -rf "$R"; }

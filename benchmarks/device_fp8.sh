@@ -6,8 +6,7 @@ TAIL="${TAIL:-6}"
 source "$(dirname "$0")/device_env.sh"
 TOK="${TOK:-1,16,64,256,1024,4096}"
 
-step env --calibrate
-python3 -m moebench.cli env --calibrate --json > "$OUT/env.json" 2>>"$log"; grep -A8 matmul_tflops "$OUT/env.json" >> "$log"
+calibrate
 SHAPES=("--model mixtral-8x7b" "--model qwen3-30b-a3b" "--num-experts 32 --topk 8 --hidden 7168 --intermediate 2048")
 for s in "${SHAPES[@]}"; do
   step "bf16 / fp8 sweeps: $s"
@@ -17,7 +16,7 @@ for s in "${SHAPES[@]}"; do
   python3 -m benchmarks fp8_table "$R" > "$OUT/fp8_table.md" 2>>"$log"  # after every shape: a cut-off run keeps it
 done
 cat "$OUT/fp8_table.md" >> "$log"
-tar czf "$OUT/fp8-sweeps.tgz" -C "$OUT" results 2>/dev/null && rm -rf "$R"
+archive fp8-sweeps
 if [ -z "${SKIP_TESTS:-}" ]; then
   step "fp8 gpu tests"
   python3 -m pytest -q -m gpu tests/gpu -k "fp8" 2>&1 | tail -15 | tee -a "$log"

@@ -23,5 +23,5 @@ mb sweep --model gpt-oss-20b --dtype mxfp4 "${COMMON[@]}" --out "$R/oss-mxfp4"
 mb sweep --model gpt-oss-20b --dtype mxfp4 --activation silu "${COMMON[@]}" --out "$R/oss-mxfp4"
 python3 -m benchmarks shared_table "$R" > "$OUT/shared_experts.md" 2>>"$log"
 cat "$OUT/shared_experts.md" >> "$log"
-tar czf "$OUT/shared-sweeps.tgz" -C "$OUT" results 2>/dev/null && rm -rf "$R"
+archive shared-sweeps
 step done

@@ -13,8 +13,7 @@ TOK="${TOK:-1,16,64,256,1024,4096}"
 COMMON=(--tokens "$TOK" --experts triton --prepare-finalize no-dpep --reps 20 --routings 4 --activation silu
         --shared-experts none)
 
-step env --calibrate
-python3 -m moebench.cli env --calibrate --json > "$OUT/env.json" 2>>"$log"; grep -A8 matmul_tflops "$OUT/env.json" >> "$log"
+calibrate
 for run in "gpt-oss-20b mxfp4" "gpt-oss-120b mxfp4" "qwen3-30b-a3b int4_w4a16"; do
   set -- $run
   step "bf16 / $2 sweeps: $1"
@@ -23,7 +22,7 @@ for run in "gpt-oss-20b mxfp4" "gpt-oss-120b mxfp4" "qwen3-30b-a3b int4_w4a16"; 
   python3 -m benchmarks weight_only_table "$R" > "$OUT/weight_only.md" 2>>"$log"  # after every model: a cut-off run keeps it
 done
 cat "$OUT/weight_only.md" >> "$log"
-tar czf "$OUT/weight-only-sweeps.tgz" -C "$OUT" results 2>/dev/null && rm -rf "$R"
+archive weight-only-sweeps
 if [ -z "${SKIP_TESTS:-}" ]; then
   step "weight-only gpu tests"
   python3 -m pytest -q -m gpu tests/gpu/test_weight_only_gpu.py 2>&1 | tail -15 | tee -a "$log"

@@ -23,6 +23,7 @@ strides are unknown and no pointer load is pipelined, so only these lines say an
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
@@ -46,11 +47,10 @@ from moebench.kernels.triton import routing as R  # noqa: E402
 from moebench.kernels import vllm_triton as V  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-PTX_HASHES = "--ptx-hashes" in sys.argv[1:]
 
 
 def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] = (), ints: dict | None = None,
-                   options: dict | None = None) -> str:
+                   options: dict | None = None, ptx_hashes: bool = False) -> str:
     """Compile `jit` with `consts` as constexprs; other args are pointers (ptr_types) or i32.
     `unused` args (TMA descriptors when USE_TMA=False) are passed as None constexprs. ints: the
     integer arguments' values at a launch, to specialise as the JIT does (then the line also gives
@@ -70,7 +70,7 @@ def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] =
     src = ASTSource(fn=jit, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=TARGET, options=options or {})
     line = f"{jit.fn.__name__}: cubin {len(k.asm['cubin'])} bytes, shared {k.metadata.shared} B"
-    if PTX_HASHES:
+    if ptx_hashes:
         line += f", ptx {ptx_hash(k.asm['ptx'])}"
     if ints:
         ttgir = k.asm["ttgir"]
@@ -104,7 +104,8 @@ def ptx_resources(ptx: str) -> str:
     return f"regs {regs.group(1) if regs else '?'}, spills {spills.group(1) if spills else '?'} B"
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    build = functools.partial(compile_kernel, ptx_hashes="--ptx-hashes" in argv)
     std_ptrs = {"x_ptr": "*bf16", "w13_ptr": "*bf16", "w2_ptr": "*bf16", "inter_ptr": "*bf16", "ws_ptr": "*fp32",
                 "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "expert_map_ptr": "*i32", "ntpp_ptr": "*i32",
                 "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
@@ -122,8 +123,8 @@ def main() -> int:
         # and read as fp8 (after the activation quantisation) by GEMM2.
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if fp8 else std_ptrs
         p2 = dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if fp8 else std_ptrs
-        print(compile_kernel(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False), p1, ("w13_desc", "x_desc")))
-        print(compile_kernel(T.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
+        print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False), p1, ("w13_desc", "x_desc")))
+        print(build(T.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
         for name, fp8_ptrs in (("batched_silu_mul_gemm1_kernel", ("a_ptr", "w13_ptr")),
                                ("batched_gemm2_kernel", ("inter_ptr", "w2_ptr"))):
             jit = getattr(B, name)
@@ -132,7 +133,7 @@ def main() -> int:
                     for p in params if p.endswith("_ptr")}
             if fp8:
                 ptrs.update({p: "*fp8e4nv" for p in fp8_ptrs})
-            print(compile_kernel(jit, {k: v for k, v in c.items() if k in params}, ptrs))
+            print(build(jit, {k: v for k, v in c.items() if k in params}, ptrs))
     # Weight-only schemes (moebench.kernels.triton.wquant): int8 per channel, int4 with and without
     # zero points, mxfp4; a decode tile (BLOCK_SIZE_K 128 = int4's group: one scale column per tile)
     # and a prefill one whose BLOCK_SIZE_K (64) spans two mxfp4 groups (one scale per K index),
@@ -147,16 +148,16 @@ def main() -> int:
                      UPCAST=False, IEEE_DOT=False, USE_TMA=False, **no_quant, **wq)
             wp = dict(std_ptrs, w13_ptr=wtype, w2_ptr=wtype, w_scale_ptr=stype, wz_ptr="*u8")
             for wide in (False, True):
-                print(compile_kernel(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=True, WIDE=wide),
+                print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=True, WIDE=wide),
                                      dict(wp, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
-            print(compile_kernel(T.gemm2_weighted_sum_kernel, c, wp, ("w2_desc",)))
+            print(build(T.gemm2_weighted_sum_kernel, c, wp, ("w2_desc",)))
             for name in ("batched_silu_mul_gemm1_kernel", "batched_gemm2_kernel"):
                 jit = getattr(B, name)
                 params = set(inspect.signature(jit.fn).parameters)
                 ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16")
                         for p in params if p.endswith("_ptr")}
                 ptrs.update(w13_ptr=wtype, w2_ptr=wtype, w_scale_ptr=stype, wz_ptr="*u8")
-                print(compile_kernel(jit, {k: v for k, v in c.items() if k in params},
+                print(build(jit, {k: v for k, v in c.items() if k in params},
                                      {k: v for k, v in ptrs.items() if k in params}))
     # gpt-oss as it ships: mxfp4 w13 with gate and up rows interleaved, swigluoai with biases, in
     # both GEMM1s (paired walk: the interleaved layout never takes the wide one)
@@ -164,24 +165,24 @@ def main() -> int:
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, ACTIVATION=2, HAS_BIAS=True, INTERLEAVED=True,
              **no_quant, **wq_variants[-1][0])
     wp = dict(std_ptrs, w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8", zero_ptr="*fp32", b13_ptr="*bf16")
-    print(compile_kernel(T.silu_mul_gemm1_kernel, c, wp, ("w13_desc", "x_desc")))
+    print(build(T.silu_mul_gemm1_kernel, c, wp, ("w13_desc", "x_desc")))
     params = set(inspect.signature(B.batched_silu_mul_gemm1_kernel.fn).parameters)
     ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16") for p in params if p.endswith("_ptr")}
     ptrs.update(w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8")
-    print(compile_kernel(B.batched_silu_mul_gemm1_kernel, {k: v for k, v in c.items() if k in params}, ptrs))
+    print(build(B.batched_silu_mul_gemm1_kernel, {k: v for k, v in c.items() if k in params}, ptrs))
     # GEMM1 also zeroing GEMM2's fp32 accumulator (decode tile)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant)
-    print(compile_kernel(T.silu_mul_gemm1_kernel, c, dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    print(build(T.silu_mul_gemm1_kernel, c, dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
     # Programmatic dependent launch (griddepcontrol): GEMM1 waiting and releasing, GEMM2 reading
     # its expert from L2 before waiting (decode tile, where options.pdl "auto" uses it)
-    print(compile_kernel(T.silu_mul_gemm1_kernel, dict(c, PDL=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    print(build(T.silu_mul_gemm1_kernel, dict(c, PDL=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
     c2 = dict(c, BLOCK_SIZE_K=64, PDL=True)
     del c2["ZERO_OUT"], c2["WIDE"]
-    print(compile_kernel(T.gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc",)))
+    print(build(T.gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc",)))
     # a direct alignment under EP: both GEMMs map their block's global expert id (MAPPED)
-    print(compile_kernel(T.silu_mul_gemm1_kernel, dict(c, MAPPED=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
-    print(compile_kernel(T.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True), std_ptrs, ("w2_desc",)))
+    print(build(T.silu_mul_gemm1_kernel, dict(c, MAPPED=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    print(build(T.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True), std_ptrs, ("w2_desc",)))
     # GEMM1 with gate and up as one tile and one dot: decode and prefill tiles (BLOCK_SIZE_N is
     # per half here, as launch_gemm1 passes it), and fp8 block scales
     for (bm, bn, bk), quant in (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),
@@ -189,46 +190,46 @@ def main() -> int:
         c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
                  IEEE_DOT=False, USE_TMA=False, ZERO_OUT=False, WIDE=True, **quant)
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if quant["QUANT"] else std_ptrs
-        print(compile_kernel(T.silu_mul_gemm1_kernel, c, p1, ("w13_desc", "x_desc")))
+        print(build(T.silu_mul_gemm1_kernel, c, p1, ("w13_desc", "x_desc")))
     # per-tensor fp8: GEMM1 quantising the intermediate in its epilogue (fp8 store)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, QUANT=1, GROUP_N=1, GROUP_K=1, QUANT_OUT=True)
-    print(compile_kernel(T.silu_mul_gemm1_kernel, c, dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv",
+    print(build(T.silu_mul_gemm1_kernel, c, dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv",
                                                             inter_ptr="*fp8e4nv", out_scale_ptr="*fp32"), ("w13_desc", "x_desc")))
     # TMA variants at the prefill tile: GEMM1's weights (paired walk), GEMM2's weights
     bm, bn, bk = 128, 128, 64
     c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=True, **no_quant)
-    print(compile_kernel(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
+    print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
                          dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>"), ("x_desc",)))
-    print(compile_kernel(T.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn),
+    print(build(T.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn),
                          dict(std_ptrs, w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
     # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
     # (looped chunks), dynamic scales, rows limited on the device.
     qptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "limit_ptr": "*i32"}
     for one_chunk, block_m, block_k, limit in ((True, 32, 128, 1), (False, 4, 1024, 2)):
         qc = dict(STATIC=False, LIMIT=limit, ONE_CHUNK=one_chunk, BLOCK_M=block_m, BLOCK_K=block_k, EXACT_ROUND=False)
-        print(compile_kernel(Q.quant_rows_kernel, qc, qptrs))
+        print(build(Q.quant_rows_kernel, qc, qptrs))
     # Alignment: the two-kernel paths (scan: 2048-pair chunks; sort: 256-pair chunks, Qwen3 4096
     # tokens x top-8 over 128 local experts) and the one launch for few pairs (Qwen3 64 tokens),
     # with an expert map
     aptrs = {p: "*i32" for p in ("topk_ids_ptr", "expert_map_ptr", "counts_ptr", "sorted_ptr", "expert_ids_ptr",
                                  "ntpp_ptr")}
-    print(compile_kernel(A.count_pairs_kernel, dict(HAS_MAP=True, CHUNK=2048, NUM_CHUNKS=4), aptrs))
-    print(compile_kernel(A.place_pairs_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=64, CHUNK=2048, NUM_CHUNKS=4, NC_POW2=4,
+    print(build(A.count_pairs_kernel, dict(HAS_MAP=True, CHUNK=2048, NUM_CHUNKS=4), aptrs))
+    print(build(A.place_pairs_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=64, CHUNK=2048, NUM_CHUNKS=4, NC_POW2=4,
                                                      E_POW2=128), aptrs))
-    print(compile_kernel(A.chunk_counts_kernel, dict(HAS_MAP=True, CHUNK=256, E_POW2=128, TILE=1024), aptrs))
-    print(compile_kernel(A.chunk_place_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=128, CHUNK=256, NC_POW2=128, E_POW2=128,
+    print(build(A.chunk_counts_kernel, dict(HAS_MAP=True, CHUNK=256, E_POW2=128, TILE=1024), aptrs))
+    print(build(A.chunk_place_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=128, CHUNK=256, NC_POW2=128, E_POW2=128,
                                                      TILE=64), aptrs))
-    print(compile_kernel(A.align_one_launch_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=16, CHUNK=512, E_POW2=128), aptrs))
+    print(build(A.align_one_launch_kernel, dict(HAS_MAP=True, BLOCK_SIZE_M=16, CHUNK=512, E_POW2=128), aptrs))
     # ... launched with PDL (waits for the routing, then releases GEMM1), as it is where PDL is on
-    print(compile_kernel(A.align_one_launch_kernel, dict(HAS_MAP=False, BLOCK_SIZE_M=16, CHUNK=128, E_POW2=128,
+    print(build(A.align_one_launch_kernel, dict(HAS_MAP=False, BLOCK_SIZE_M=16, CHUNK=128, E_POW2=128,
                                                           PDL=True), aptrs))
     # Softmax top-k routing: Qwen3-Next's (512 experts, top-10) and DeepSeek's (256, top-8) shapes
     for block_e, topk, rows in ((512, 10, 4), (256, 8, 8), (128, 8, 1)):
         rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows,
                   RELEASE=rows == 1)  # (the decode shape releasing a PDL-launched successor early)
-        print(compile_kernel(R.topk_softmax_kernel, rc, {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}))
+        print(build(R.topk_softmax_kernel, rc, {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}))
     # The vllm-triton experts (moebench.kernels.vllm_triton): its GEMM as GEMM1 (bf16, decode tile),
     # as GEMM2 with the router weight, on the per-pair path, and fp8 block [128, 128] with and
     # without swap-AB; its SiLU-and-mul and top-k sum
@@ -240,9 +241,9 @@ def main() -> int:
     fp8_block = dict(FP8_BLOCK=True, GROUP_N=128, GROUP_K=128, BLOCK_SIZE_N=128)
     for consts, ptrs in ((vbase, vptrs), (dict(vbase, MUL_WEIGHT=True), vptrs), (dict(vbase, PER_PAIR=True), vptrs),
                          (dict(vbase, **fp8_block), vfp8), (dict(vbase, **fp8_block, SWAP_AB=True), vfp8)):
-        print(compile_kernel(V.vllm_moe_gemm_kernel, consts, ptrs))
-    print(compile_kernel(V.silu_and_mul_kernel, dict(BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
-    print(compile_kernel(V.topk_sum_kernel, dict(TOP_K=8, BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
+        print(build(V.vllm_moe_gemm_kernel, consts, ptrs))
+    print(build(V.silu_and_mul_kernel, dict(BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
+    print(build(V.topk_sum_kernel, dict(TOP_K=8, BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
     # As launched: the prefill tile of Qwen3-30B-A3B at 4096 tokens (H 2048, I 768, 32768 pairs),
     # 128 x 256 x 64, 8 warps, 4 stages (the shipped file's entry), GEMM1 wide with pointer loads
     # (as on a device without TMA), GEMM2 with w2 through TMA
@@ -256,10 +257,10 @@ def main() -> int:
     c = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, TOPK=8, EVEN_K=True, UPCAST=False, IEEE_DOT=False,
              **no_quant)
     opts = dict(num_warps=8, num_stages=4)
-    print("as launched: " + compile_kernel(
+    print("as launched: " + build(
         T.silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=False, ZERO_OUT=True, WIDE=True),
         dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc"), ints1, opts))
-    print("as launched: " + compile_kernel(
+    print("as launched: " + build(
         T.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=256, USE_TMA=True),
         dict(std_ptrs, w2_desc="tensordesc<bf16[256, 64]>"), (), ints2, opts))
     # The wide GEMM1 through TMA (as on the H200): the (2, BN, BK) weight box of the (2E, I, H)
@@ -269,7 +270,7 @@ def main() -> int:
         unused = ("x_desc",)
         if a_tma:
             ptrs["x_desc"], unused = "tensordesc<bf16[128, 64]>", ()
-        print("as launched, WIDE TMA, A_TMA=%s: " % a_tma + compile_kernel(
+        print("as launched, WIDE TMA, A_TMA=%s: " % a_tma + build(
             T.silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=True, ZERO_OUT=True, WIDE=True, A_TMA=a_tma),
             ptrs, unused, ints1, opts))
     # gpt-oss-20b's mxfp4 GEMM1 at one token as launched (H = I = 2880, 4 pairs, the shipped
@@ -283,10 +284,10 @@ def main() -> int:
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=16, TOPK=4, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant, **wq_variants[-1][0])
     wp = dict(std_ptrs, w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8", zero_ptr="*fp32")
-    print("as launched, mxfp4: " + compile_kernel(T.silu_mul_gemm1_kernel, c, wp, ("w13_desc", "x_desc"), ints_wq,
+    print("as launched, mxfp4: " + build(T.silu_mul_gemm1_kernel, c, wp, ("w13_desc", "x_desc"), ints_wq,
                                                   dict(num_warps=4, num_stages=3)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

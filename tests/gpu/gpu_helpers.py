@@ -55,3 +55,19 @@ def quantized_case(dims: tuple[int, int, int, int, int], m: int, scheme, seed: i
     logits[:, :e_local] += 1.0
     tw, ti = softmax_topk(logits, k)
     return x, q13, q2, tw, ti, first_experts_map(e, e_local), e
+
+
+def assert_graph_replays_follow_reference(experts: str, prepare_finalize: str, case: tuple, tol: float) -> None:
+    """The layer of `case` (quantized_case's tuple) captured into one CUDA graph: two replays on
+    new activations each match the reference within `tol`."""
+    import moebench
+    from moebench.bench.timing import capture_graph
+    from moebench.correctness import relative_error
+
+    x, q13, q2, tw, ti, emap, e = case
+    kernel = moebench.make_kernel(experts, prepare_finalize)
+    graph, out = capture_graph(lambda: kernel.apply(x, q13, q2, tw, ti, expert_map=emap, num_experts=e))
+    for seed in (5, 6):
+        replay_on_new_inputs(graph, x, seed)
+        err = relative_error(out, moebench.reference_moe(x, q13, q2, tw, ti, emap))
+        assert err < tol, err

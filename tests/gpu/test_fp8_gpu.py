@@ -8,13 +8,12 @@ import pytest
 import torch
 
 import moebench
-from moebench.bench.timing import capture_graph
 from moebench.correctness import FP8_TOLERANCE, relative_error
 from moebench.kernels.triton.quant import quantize_rows
 from moebench.kernels.modular import poisoned_outputs
 from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation
 
-from gpu_helpers import quantized_case, replay_on_new_inputs
+from gpu_helpers import assert_graph_replays_follow_reference, quantized_case
 
 pytestmark = pytest.mark.gpu
 
@@ -94,15 +93,4 @@ def test_quantize_rows_rounding_edges_cuda():
 def test_triton_fp8_cuda_graph(experts, pf, scales):
     # Prepare's quantisation, alignment, both GEMMs and the intermediate's quantisation (row
     # limits read on the device) capture into one graph; replays on new x follow the reference.
-    scheme = SCHEMES[scales]
-    x, q13, q2, tw, ti, emap, e = _setup("qwen3-30b-a3b", 64, scheme)
-    kernel = moebench.make_kernel(experts, pf)
-
-    def layer():
-        return kernel.apply(x, q13, q2, tw, ti, expert_map=emap, num_experts=e)
-
-    graph, out = capture_graph(layer)
-    for seed in (5, 6):
-        replay_on_new_inputs(graph, x, seed)
-        err = relative_error(out, moebench.reference_moe(x, q13, q2, tw, ti, emap))
-        assert err < FP8_TOLERANCE, err
+    assert_graph_replays_follow_reference(experts, pf, _setup("qwen3-30b-a3b", 64, SCHEMES[scales]), FP8_TOLERANCE)

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 import moebench
-from moebench.bench.timing import capture_graph
 from moebench.correctness import relative_error
 from moebench.kernels.modular import poisoned_outputs
 from moebench.quant import QuantScheme
 
-from gpu_helpers import quantized_case, replay_on_new_inputs
+from gpu_helpers import assert_graph_replays_follow_reference, quantized_case
 
 pytestmark = pytest.mark.gpu
 
@@ -62,14 +61,4 @@ def test_weight_only_real_shapes(experts, pf, name, shape, m):
 @pytest.mark.parametrize("experts,pf", KERNELS, ids=["triton", "batched"])
 @pytest.mark.parametrize("name", ["int4-g32-zp", "mxfp4"])
 def test_weight_only_cuda_graph(experts, pf, name):
-    x, q13, q2, tw, ti, emap, e = _setup("qwen3-30b-a3b", 64, SCHEMES[name])
-    kernel = moebench.make_kernel(experts, pf)
-
-    def layer():
-        return kernel.apply(x, q13, q2, tw, ti, expert_map=emap, num_experts=e)
-
-    graph, out = capture_graph(layer)
-    for seed in (5, 6):
-        replay_on_new_inputs(graph, x, seed)
-        err = relative_error(out, moebench.reference_moe(x, q13, q2, tw, ti, emap))
-        assert err < TOL, err
+    assert_graph_replays_follow_reference(experts, pf, _setup("qwen3-30b-a3b", 64, SCHEMES[name]), TOL)
