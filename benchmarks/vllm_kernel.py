@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--tuned", type=Path, default=None, help="folder of the files `tune --kernel vllm` wrote")
     ap.add_argument("--routings", type=int, default=3)
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the tables: per-kernel CUDA times (torch.profiler, eager) of the triton layer "
+                         "and of the faster engine file's vllm-triton layer, one row per launch (kernel_times.csv)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     shapes = dict(SHAPES)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         args.shapes, args.routings = "tiny", 1
     out_dir, dev, head = script_setup(f"{args.routings} routings per point")
     head = "# " + head
-    files_rows, triton_rows = [], []
+    files_rows, triton_rows, kernel_rows = [], [], []
     for shape in args.shapes.split(","):
         e, k, h, n = shapes[shape]
         for prec in args.precisions.split(","):
@@ -101,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                 tables = {"new": {1: small}, "vllm": {1: dict(small, BLOCK_SIZE_N=32)}, "sglang": None}
             w13, w2 = make_weights(range(e), h, n, torch.bfloat16, str(dev), 0, quant=quant)
             for m in [int(t) for t in args.tokens.split(",")]:
+                if args.profile:
+                    kernel_rows += _kernel_times(shape, prec, m, e, k, h, w13, w2, tables, dev)
+                    if kernel_rows:  # none on a CPU: no device timeline
+                        write_rows(kernel_rows, out_dir, "kernel_times", head + "; per-kernel CUDA time per call, eager")
+                    continue
                 per: dict[str, list[float]] = {c: [] for c in ("new", "vllm", "sglang", "triton")}
                 errs: dict[str, float] = {}
                 for r in range(args.routings):
@@ -148,6 +156,38 @@ def main(argv: list[str] | None = None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     return 0
+
+
+def _kernel_times(shape, prec, m, e, k, h, w13, w2, tables, dev, calls: int = 10) -> list[dict]:
+    """Per-launch CUDA time (us per call, torch.profiler over `calls` eager calls) of the triton
+    layer and of every engine file's vllm-triton layer at one point: where each spends its time."""
+    g = torch.Generator(device=dev).manual_seed(m)
+    x = torch.randn(m, h, dtype=torch.bfloat16, device=dev, generator=g)
+    tw, ids = fused_topk_softmax(torch.randn(m, e, device=dev, generator=g), k, renormalize=True)
+    fns = {"triton": lambda: fused_moe(x, w13, w2, tw, ids)}
+    for col, table in tables.items():
+        if table is not None:
+            cfg = nearest_entry(table, m)[1]
+            fns[col] = lambda cfg=cfg: vllm_fused_experts(x, w13, w2, tw, ids, cfg)
+    rows = []
+    for col, fn in fns.items():
+        for _ in range(3):
+            fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(calls):
+                fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            dev_us = getattr(ev, "device_time_total", 0.0) or 0.0
+            if dev_us <= 0 or ev.key.startswith("aten::"):  # host-side op totals repeat their kernels' time
+                continue
+            rows.append(dict(shape=shape, precision=prec, tokens=m, column=col, kernel=ev.key[:80],
+                             launches_per_call=round(ev.count / calls, 2), us_per_call=round(dev_us / calls, 2)))
+    return rows
 
 
 def _cfg(table, m) -> str:

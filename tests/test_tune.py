@@ -171,6 +171,29 @@ def test_halving_finds_the_seeds_neighbour_within_budget():
     assert grid.winner.latency_us == min(m.latency_us for m in grid.measurements if m.stage == "final")
 
 
+def test_rivals_seed_the_search_and_compete_in_the_final_stage():
+    """A config to beat (an engine's shipped entry) that only a search seeded by it finds wins; one
+    outside the pruned space still runs in the final stage, and a slower one loses to the search."""
+    space = SP.full_space()[:40]
+    outside = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1, "num_warps": 2,
+               "num_stages": 2}
+    assert SP.config_key(outside) not in {SP.config_key(c) for c in space}
+    default = dict(space[0])
+    for rival, rival_us, wins in ((dict(space[-1]), 50.0, True), (outside, 50.0, True), (dict(space[-1]), 500.0, False)):
+        calls: list[tuple[str, str]] = []
+
+        def measure(cfg, stage, reps, rival=rival, rival_us=rival_us):
+            calls.append((SP.key_str(cfg), stage))
+            us = rival_us if SP.config_key(cfg) == SP.config_key(rival) else 100.0 + SP.config_key(cfg)[2]
+            return S.Measurement(1, dict(cfg), stage, "ok", reps, latency_us=us)
+
+        res = S.run_search("halving", space, measure, default=default, budget=8, rng=random.Random(0), reps=4,
+                           final_reps=8, rivals=[rival])
+        assert (SP.key_str(rival), "final") in calls
+        assert (res.winner.config == rival) is wins
+        assert res.winner.latency_us == min(m.latency_us for m in res.final)
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end
 

@@ -4,6 +4,7 @@ engines' config files, and `tune --kernel vllm|sglang` / `configs commit --kerne
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ from moebench.kernels.vllm_triton import (
 )
 from moebench.quant import QuantScheme, as_float, fake_quant, scheme_of
 from moebench.routing import make_routing
+from moebench.tuning import space as SP
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = QuantScheme("fp8_w8a8", "block", (128, 128))
@@ -165,6 +167,33 @@ def test_tune_kernel_end_to_end(tmp_path, monkeypatch, kernel):
     res = CliRunner().invoke(_group(), ["configs", "list", "--json"])
     rows = [r for r in json.loads(res.output) if r["E"] == 8 and r["N"] == 64]
     assert [(r["kernel"], r["tokens"]) for r in rows] == [(kernel, [4])]
+
+
+def test_tune_against_an_engine_file(tmp_path, monkeypatch):
+    """`tune --kernel vllm --against FILE`: the file's nearest entry runs in each count's final stage
+    (journal), the winner is never slower than it, and the report and tune.json say so."""
+    monkeypatch.chdir(tmp_path)
+    shipped = {1: CFG, 8: dict(CFG, BLOCK_SIZE_N=32, num_stages=3)}
+    path = EC.write_engine_file(tmp_path / "shipped" / "E=8,N=64,device_name=cpu.json", shipped)
+    res = CliRunner().invoke(_group(), ["tune", *SIZES, "--kernel", "vllm", "--tokens", "1,6", "--search", "random",
+                                        "--budget", "1", "--reps", "1", "--final-reps", "1", "--against", str(path)])
+    assert res.exit_code == 0, res.output
+    assert "winner / `E=8,N=64,device_name=cpu.json`: median" in " ".join(res.output.split())
+    run = next((tmp_path / "results").glob("*-tune-*"))
+    final = [json.loads(line) for line in (run / "measurements.jsonl").read_text().splitlines()]
+    final = {(m["tokens"], SP.key_str(m["config"])) for m in final if m.get("stage") == "final"}
+    assert {(1, SP.key_str(shipped[1])), (6, SP.key_str(shipped[8]))} <= final  # nearest entry: 6 -> 8
+    rows = {int(r["tokens"]): r for r in csv.DictReader(open(run / "report.csv"))}
+    for m, entry in ((1, shipped[1]), (6, shipped[8])):
+        assert rows[m]["against"].startswith(f"{path.name} {SP.key_str(entry)} ")
+        ratio = float(rows[m]["against"].rsplit("winner / file ", 1)[1].rstrip(")"))
+        assert ratio <= 1.0
+    md = (run / "report.md").read_text()
+    assert f"winner / `{path.name}`: median" in md and "| against |" in md
+    assert json.loads((run / "tune.json").read_text())["spec"]["against"][path.name]["8"] == shipped[8]
+    bad = CliRunner().invoke(_group(), ["tune", *SIZES, "--kernel", "vllm", "--tokens", "1", "--dry-run",
+                                        "--against", str(tmp_path / "missing.json")])
+    assert isinstance(bad.exception, MoebenchError) and "missing.json" in str(bad.exception)
 
 
 def test_configs_commit_kernel_folders(tmp_path, monkeypatch):

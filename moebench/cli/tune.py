@@ -89,9 +89,13 @@ def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
 @click.option("--down", is_flag=True,
               help="Tune GEMM2's own config against the GEMM1 config the layer looks up (tuned file or default "
                    "heuristic; same BLOCK_SIZE_M) and write SGLang's ..._down.json file next to it.")
+@click.option("--against", "against", multiple=True, type=click.Path(path_type=Path),
+              help="A config file to beat (repeatable), e.g. the engine's shipped file for this shape: at each token "
+                   "count its nearest entry seeds the search and runs in the final stage, so the winner is never "
+                   "slower there; the report gives winner / file.")
 def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, device, dtype, block_shape, scales,
          group_size, zero_points, routing, seed, strategy, budget, gpus, compile_workers, resume, out, results_dir, reps,
-         final_reps, dry_run, kernel, down):
+         final_reps, dry_run, kernel, down, against):
     """Find the fastest Triton tile config per token count; write the vLLM-format file."""
     from moebench.inputs import dtype_name
     from moebench.kernels.engine_configs import check_kernel
@@ -107,6 +111,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         raise MoebenchError(f"--compile-workers must be >= 0, got {compile_workers}")
     if kernel is not None:
         check_kernel(kernel)
+    rivals = against_tables(against)
     sizes_given = model is not None or any(v is not None for v in (num_experts, topk, hidden, intermediate))
     if resume is not None:
         spec = T.load_run_spec(resume)
@@ -131,6 +136,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             spec.down = True  # the saved run must have been a --down run (checked against it)
         if kernel is not None:
             spec.kernel = kernel  # must be the saved one (checked against it)
+        if rivals is not None:
+            spec.against = rivals  # must be the saved ones (checked against them)
         for attr, v in (("routing", routing), ("seed", seed), ("strategy", strategy), ("budget", budget),
                         ("reps", reps), ("final_reps", final_reps)):
             if v is not None:
@@ -151,7 +158,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             tokens=parse_tokens(tokens) if tokens is not None else (TUNE_TOKENS_CUDA if dev == "cuda" else TUNE_TOKENS_CPU),
             dtype=act_dtype, device=dev,
             strategy=strategy or "halving", budget=budget, seed=seed or 0, routing=routing or "uniform",
-            reps=reps, final_reps=final_reps, quant=quant, down=down, kernel=kernel,
+            reps=reps, final_reps=final_reps, quant=quant, down=down, kernel=kernel, against=rivals,
         )
         run_dir = Path(results_dir) / new_run_id("tune", spec.shape.name)
     parse_routing(spec.routing)
@@ -194,7 +201,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                 resume, gpus, run_dir=run_dir, results_dir=results_dir, seed=spec.seed, routing=spec.routing,
                 reps=spec.reps, final_reps=spec.final_reps, space=spec.space, on_measure=on_measure,
                 on_tokens=on_tokens, quant=spec.quant, compile_workers=compile_workers, down=spec.down,
-                kernel=spec.kernel,
+                kernel=spec.kernel, against=spec.against,
             )
     except KeyboardInterrupt:
         err_console.print(f"interrupted: finished measurements are kept in {run_dir} "
@@ -203,6 +210,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
     if not outcome.is_main:
         return  # a torchrun rank other than 0: rank 0 prints and writes
     console.print(T.rich_table(outcome.results))
+    if spec.against:
+        console.print(T.against_summary(outcome.results))
     if torch_device_is_cpu(spec.device):
         console.print("[dim]CPU / Triton-interpreter times test the plumbing, not kernel speed.[/]")
     console.print(f"run folder: {outcome.run_dir}")
@@ -210,6 +219,18 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         console.print(f"wrote {outcome.config_path}")
     else:
         raise MoebenchError(f"no token count found a working config; see {outcome.run_dir / 'report.md'}")
+
+
+def against_tables(paths) -> dict[str, dict[int, dict[str, int]]] | None:
+    """--against FILE...: {file name: {tokens: config}} (a bad file is a one-line error), or None."""
+    if not paths:
+        return None
+    tables = {}
+    for p in paths:
+        if p.name in tables:
+            raise MoebenchError(f"--against {p}: a file of that name is given twice; give each file once")
+        tables[p.name] = {t: dict(c) for t, c in C.load_config_file(p).items()}
+    return tables
 
 
 def torch_device_is_cpu(device: str) -> bool:

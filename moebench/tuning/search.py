@@ -396,11 +396,13 @@ def run_search(
     final_reps: int = 20,
     final_top: int = 3,
     prepare: PrepareFn | None = None,
+    rivals: Sequence[Mapping[str, int]] = (),
 ) -> SearchResult:
-    """Run `strategy` over `space`, then the final stage: the `final_top` best configs and the
-    default heuristic's config, each timed with `final_reps`. Returns every measurement and the
-    final ranking (the default competes: a search never returns something slower than it).
-    prepare: see PrepareFn (called before each batch of measurements)."""
+    """Run `strategy` over `space`, then the final stage: the `final_top` best configs, the
+    default heuristic's config and the `rivals` (configs to beat, e.g. an engine's shipped entry;
+    they also seed halving), each timed with `final_reps`. Returns every measurement and the
+    final ranking (the default and the rivals compete: a search never returns something slower
+    than them). prepare: see PrepareFn (called before each batch of measurements)."""
     if strategy not in STRATEGIES:
         raise MoebenchError(f"unknown search strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
     rng = rng or random.Random(0)
@@ -412,7 +414,7 @@ def run_search(
     elif strategy == "random":
         ms = search_random(space, measure, budget, reps, rng, prepare)
     else:
-        ms = search_halving(space, measure, budget, list(seeds) + [default], rng, reps0=max(1, reps // 4),
+        ms = search_halving(space, measure, budget, list(rivals) + list(seeds) + [default], rng, reps0=max(1, reps // 4),
                             reps_max=max(reps, 1), prepare=prepare)
     best: dict[tuple, Measurement] = {}
     for m in ms:  # the last (most repeated) stage of each config counts
@@ -421,5 +423,5 @@ def run_search(
         else:
             best.pop(config_key(m.config), None)
     top = [TileConfig(**m.config) for m in ranked(best.values())[:final_top]]  # type: ignore[typeddict-item]
-    final = measure_batch(_dedup(top + [TileConfig(**dict(default))]), measure, "final", final_reps, prepare)  # type: ignore[typeddict-item]
+    final = measure_batch(_dedup([*top, default, *rivals]), measure, "final", final_reps, prepare)
     return SearchResult(measurements=ms + final, final=ranked(final))

@@ -44,6 +44,10 @@ class TuneSpec:
     #: whose kernel is tuned: "moebench" (the `triton` experts, moebench's files) or an engine's
     #: ("vllm", "sglang": the `vllm-triton` experts, the engine's file name and folder)
     kernel: str = "moebench"
+    #: files to beat (`tune --against FILE`): name -> {tokens: config}; at each token count the
+    #: file's nearest entry seeds the search and competes in the final stage, so the winner is never
+    #: slower than it there, and the report gives winner / file
+    against: dict[str, dict[int, dict[str, int]]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         shape = {k: v for k, v in self.shape.__dict__.items() if k != "aliases"}
@@ -53,6 +57,8 @@ class TuneSpec:
             "strategy": self.strategy, "budget": self.budget, "seed": self.seed, "routing": self.routing,
             "reps": self.reps, "final_reps": self.final_reps, "space": self.space,
             "quant": quant_to_json(self.quant), "down": self.down, "kernel": self.kernel,
+            "against": None if self.against is None else {
+                name: {str(t): dict(c) for t, c in table.items()} for name, table in self.against.items()},
         }
 
     @classmethod
@@ -63,6 +69,8 @@ class TuneSpec:
             seed=int(d.get("seed", 0)), routing=d.get("routing", "uniform"), reps=d.get("reps"),
             final_reps=d.get("final_reps"), space=d.get("space"), quant=quant_from_json(d.get("quant")),
             down=bool(d.get("down", False)), kernel=d.get("kernel", "moebench"),
+            against=None if not d.get("against") else {
+                name: {int(t): dict(c) for t, c in table.items()} for name, table in d["against"].items()},
         )
 
     @property
@@ -99,6 +107,10 @@ class TuneSpec:
     def inter_per_rank(self) -> int:
         """N of the file name: I / tp."""
         return file_shape(self.shape, self.layout)[1]
+
+    def rivals(self, tokens: int) -> dict[str, dict[str, int]]:
+        """Each --against file's entry at `tokens` (its nearest key, as the engines look it up)."""
+        return {name: dict(C.nearest_entry(table, tokens)[1]) for name, table in (self.against or {}).items()}
 
     def screen_reps(self) -> tuple[int, int]:
         cuda = torch.device(self.device).type == "cuda"

@@ -255,6 +255,9 @@ class TokenResult:
     pruned: dict[str, int] = field(default_factory=dict)
     worker: int = 0
     gemm1_source: str = ""  # --down runs: where GEMM1's config (= `default`) came from
+    #: --against files: name -> {"config": the file's entry here, "us": its final-stage latency
+    #: (None: it failed), "ratio": winner_us / us}
+    against: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -375,8 +378,10 @@ def run_worker(
                 return meas
 
             rng = random.Random(spec.seed * 1_000_003 + m_tokens)
+            rivals = spec.rivals(m_tokens)
             sr = run_search(spec.strategy, rep.kept, measure, default=default, seeds=prev_top, budget=spec.budget,
-                            rng=rng, reps=reps, final_reps=final_reps, prepare=prepare if pre is not None else None)
+                            rng=rng, reps=reps, final_reps=final_reps, prepare=prepare if pre is not None else None,
+                            rivals=list(rivals.values()))
             ms = sr.measurements
             res.candidates = len({key_str(m.config) for m in ms})
             res.failed = len({key_str(m.config) for m in ms if m.status == "failed"})
@@ -392,6 +397,11 @@ def run_worker(
                 res.default_us = dm.latency_us
                 if res.winner_us:
                     res.speedup = res.default_us / res.winner_us
+            final_us = {key_str(m.config): m.latency_us for m in sr.final}
+            for name, cfg in rivals.items():
+                us = final_us.get(key_str(cfg))
+                res.against[name] = {"config": key_str(cfg), "us": us,
+                                     "ratio": round(res.winner_us / us, 4) if us and res.winner_us else None}
             results.append(res)
             if config_path is not None and res.winner is not None:
                 update_config_file(spec, config_path, {m_tokens: res.winner}, run_dir)
@@ -529,6 +539,7 @@ def tune(
     compile_workers: int = 0,
     down: bool = False,
     kernel: str = "moebench",
+    against: Mapping[str, Mapping[int, Mapping[str, int]]] | None = None,
 ) -> TuneOutcome:
     """Tune the tile config of the `triton` experts for `shape` on rank 0 of `layout` (N = I/tp,
     E = local experts under EP) at each token count; write the vLLM file and the report.
@@ -544,7 +555,9 @@ def tune(
     the GEMM1 config the layer looks up, and write the `..._down.json` file (SGLang's name) instead
     of the vLLM file. kernel: "moebench" (the `triton` experts) or an engine ("vllm", "sglang": the
     `vllm-triton` experts, the engine's file in its own folder, moebench.kernels.engine_configs).
-    out_dir None: results/configs (engines: results/configs/vllm, results/configs/sglang/triton_X_Y_Z),
+    against: configs to beat, name -> {tokens: config} (e.g. an engine's shipped file): at each token
+    count the nearest entry seeds the search and competes in the final stage; the report gives
+    winner / file. out_dir None: results/configs (engines: results/configs/vllm, results/configs/sglang/triton_X_Y_Z),
     or on `resume` the folder saved in the run's
     tune.json. The folder is checked before anything is measured and the file is updated as each
     token count finishes. Returns the run folder, the config file (None on ranks other than 0) and
@@ -553,7 +566,8 @@ def tune(
     spec = TuneSpec(shape=shape, layout=layout, tokens=sorted(set(int(t) for t in tokens)), dtype=dtype,
                     device=device, strategy=strategy, budget=budget, seed=seed, routing=routing, reps=reps,
                     final_reps=final_reps, space={k: list(v) for k, v in space.items()} if space else None,
-                    quant=quant, down=down, kernel=kernel)
+                    quant=quant, down=down, kernel=kernel,
+                    against={n: {int(t): dict(c) for t, c in tb.items()} for n, tb in against.items()} if against else None)
     _validate(spec)
     if resume is not None:
         run_dir = Path(resume)
@@ -743,7 +757,7 @@ def write_results(spec: TuneSpec, results: Sequence[TokenResult], out_dir: str |
 
 REPORT_COLUMNS = ["tokens", "winner", "winner_us", "runner_up", "runner_up_us", "default", "default_us", "speedup",
                   "candidates", "failed", "wrong", "measured", "reused", "search_s", "space_kept", "space_total",
-                  "pruned", "worker"]
+                  "pruned", "worker", "against"]
 
 
 def _fmt_cfg(cfg: Mapping[str, int] | None) -> str:
@@ -769,6 +783,8 @@ def report_rows(results: Sequence[TokenResult]) -> list[dict[str, str]]:
             "failed": str(r.failed), "wrong": str(r.wrong), "measured": str(r.measured), "reused": str(r.reused),
             "search_s": _fmt(r.search_s), "space_kept": str(r.space_kept), "space_total": str(r.space_total),
             "pruned": "; ".join(f"{k}: {v}" for k, v in sorted(r.pruned.items())), "worker": str(r.worker),
+            "against": "; ".join(f"{name} {a['config']} {_fmt(a['us'])} us (winner / file {_fmt(a['ratio'], 3)})"
+                                 for name, a in r.against.items()) or "-",
         })
     return rows
 
@@ -798,14 +814,33 @@ def write_report(run_dir: Path, spec: TuneSpec, results: Sequence[TokenResult], 
             "`default`, which GEMM2 also runs with when there is no `_down.json` file; from: "
             + "; ".join(sorted({r.gemm1_source for r in results if r.gemm1_source})) + ") and varies GEMM2's, "
             "at GEMM1's BLOCK_SIZE_M"] if spec.down else []),
+        *([f"- against (`--against`): {', '.join(f'`{n}`' for n in spec.against)}: at each token count the file's "
+           "nearest entry seeded the search and ran in the final stage beside the winner; " + against_summary(results)]
+          if spec.against else []),
         "- latencies: median us of one layer call (routing alignment + both GEMMs), final stage" + cpu_note,
-        "| " + " | ".join(REPORT_COLUMNS[:10]) + " | search_s |",
-        "|" + "---|" * 11,
     ]
+    cols = REPORT_COLUMNS[:10] + ["search_s"] + (["against"] if spec.against else [])
+    md += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        md.append("| " + " | ".join(r[c] for c in REPORT_COLUMNS[:10]) + f" | {r['search_s']} |")
+        md.append("| " + " | ".join(r[c] for c in cols) + " |")
     atomic_write_text(run_dir / "report.md", "\n".join(md) + "\n")
     return [run_dir / "report.csv", run_dir / "report.md"]
+
+
+def against_summary(results: Sequence[TokenResult]) -> str:
+    """'winner / file: median 0.962, max 1.000 over 18 token counts (<name>)' for each --against file."""
+    import statistics
+
+    parts = []
+    names = sorted({n for r in results for n in r.against})
+    for name in names:
+        ratios = [r.against[name]["ratio"] for r in results if name in r.against and r.against[name]["ratio"]]
+        if ratios:
+            parts.append(f"winner / `{name}`: median {statistics.median(ratios):.3f}, max {max(ratios):.3f} "
+                         f"over {len(ratios)} token counts")
+        else:
+            parts.append(f"`{name}`: no entry ran")
+    return "; ".join(parts)
 
 
 def write_metadata(run_dir: Path, spec: TuneSpec, config_path: Path | None) -> Path:
@@ -830,7 +865,13 @@ def rich_table(results: Sequence[TokenResult], title: str = "tuning report"):
                  ("default us", "right"), ("speed-up", "right"), ("tried", "right"), ("failed", "right"),
                  ("search s", "right")):
         t.add_column(c, justify=j)
-    for r in report_rows(results):
-        t.add_row(r["tokens"], r["winner"], r["winner_us"], r["runner_up"], r["runner_up_us"], r["default_us"],
-                  r["speedup"], r["candidates"], r["failed"], r["search_s"])
+    vs = any(r.against for r in results)
+    if vs:
+        t.add_column("winner / file", justify="right")
+    for res, r in zip(results, report_rows(results)):
+        cells = [r["tokens"], r["winner"], r["winner_us"], r["runner_up"], r["runner_up_us"], r["default_us"],
+                 r["speedup"], r["candidates"], r["failed"], r["search_s"]]
+        if vs:
+            cells.append(" ".join(_fmt(a["ratio"], 3) for a in res.against.values()) or "-")
+        t.add_row(*cells)
     return t
