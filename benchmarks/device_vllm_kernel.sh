@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device call (< 9 minutes on one H200) for the vllm-triton experts and engine config files:
 #  (a) GPU check: tests/test_vllm_triton.py (its gpu tests: every code path against the reference)
-#  (b) `moebench tune --kernel vllm` for Mixtral-8x7B TP8, Qwen3-30B-A3B, Qwen3-235B-A22B TP8 and
-#      DeepSeek-V3 TP8, bf16 and fp8 block [128,128], at vLLM's 18 token counts, until the call's
+#  (b) `moebench tune --kernel vllm --against <vLLM's and SGLang's shipped files>` for Mixtral-8x7B
+#      TP8, Qwen3-30B-A3B, Qwen3-235B-A22B TP8 and DeepSeek-V3 TP8, bf16 and fp8 block [128,128], at
+#      vLLM's 18 token counts (halving, --budget $TUNE_BUDGET configs per count), until the call's
 #      time is spent: run folders in $VK_DIR (default .gpu-out/vllmk, ignored by git, carried
 #      between calls), each resumed (--resume) by the next call; the files go to $VK_DIR/configs/vllm
+#  (e) PROFILE=1, first: `vllm_kernel --profile` (per-launch CUDA times) at fp8 block points, $OUT/prof/
 #  (c)+(d) once every tune is done (or TABLES=1): `python -m benchmarks vllm_kernel` (same run:
-#      new file vs vLLM's and SGLang's shipped files in the vllm-triton experts; the triton layer vs
-#      the faster engine file), tables vllm_kernel_files.md / vllm_kernel_triton.md (+ .csv)
+#      new file vs vLLM's and SGLang's shipped files in the vllm-triton experts at the 18 counts; the
+#      triton layer vs the faster engine file, there and for Mixtral TP1 / the DeepSeek-V3 EP8 shard),
+#      tables $OUT/files/ and $OUT/more/ vllm_kernel_files.md / vllm_kernel_triton.md (+ .csv)
 # $OUT gets log.txt, gpu-tests.txt, the four tables and vllmk-state.tgz: the whole $VK_DIR (run
 # folders with their journals, config files; names with '=' or ',' do not come back as plain
 # files). A device machine is released soon after a call, so the next call resumes from that
@@ -15,7 +18,7 @@
 #   mkdir -p .gpu-out/vllmk && tar xzf FILES_AT/vllmk-state.tgz -C .gpu-out/vllmk
 # (an ignored folder: name it among the paths the call carries). Call it again until the log
 # says "all 8 tunes done"; at about 4-6 minutes per tune with CW=12 that is 4-6 calls.
-#   PYTHONPATH=. [BUDGET_S=480] [CW=12] [TUNE_BUDGET=24] [TABLE_TOKENS=1,16,64,256,1024,4096] bash benchmarks/device_vllm_kernel.sh
+#   PYTHONPATH=. [BUDGET_S=480] [CW=12] [TUNE_BUDGET=16] [TABLE_TOKENS=...] bash benchmarks/device_vllm_kernel.sh
 TAIL="${TAIL:-8}"
 source "$(dirname "$0")/device_env.sh"
 START=$(date +%s)
@@ -30,12 +33,27 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   tail -n 3 "$OUT/gpu-tests.txt" | tee -a "$log"
 fi
 
+if [ -n "${PROFILE:-}" ]; then
+  step "(e) per-launch CUDA times, fp8 block decode and prefill (triton layer vs the engine files)"
+  OUT="$OUT/prof" timeout 150 python3 -m benchmarks vllm_kernel --profile --shapes deepseek-v3-tp8,qwen3-30b-a3b,deepseek-v3-ep8 \
+    --precisions fp8 --tokens 1,16,64,1024,4096 2>&1 | tail -n 1 | tee -a "$log"
+fi
+
 TOKS=1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096
-ITEMS=("mixtral-8x7b:--tp 8" "qwen3-30b-a3b:" "qwen3-235b-a22b:--tp 8" "deepseek-v3:--tp 8")
+# model:layout:file shape (E=..,N=.. of the engines' file names)
+ITEMS=("mixtral-8x7b:--tp 8:E=8,N=1792" "qwen3-30b-a3b::E=128,N=768" "qwen3-235b-a22b:--tp 8:E=128,N=192"
+       "deepseek-v3:--tp 8:E=256,N=256")
+# the engines' shipped files (benchmarks/*_h200_configs.json) as files: each tune runs --against them
+python3 -m benchmarks vllm_kernel --write-files "$VK/engine" > /dev/null
 done_count=0
 for item in "${ITEMS[@]}"; do
-  model=${item%%:*}; lay=${item#*:}
+  model=${item%%:*}; rest=${item#*:}; lay=${rest%%:*}; en=${rest#*:}
   for prec in bf16 fp8; do
+    vs=()
+    for f in "$VK"/engine/*/"$en",device_name=NVIDIA_H200*.json; do
+      [ -f "$f" ] || continue
+      case "$f" in *fp8_w8a8*) [ "$prec" = fp8 ] && vs+=(--against "$f");; *) [ "$prec" = bf16 ] && vs+=(--against "$f");; esac
+    done
     name="$model${lay// /}-$prec"; run="$VK/runs/$name"
     if [ -f "$run/DONE" ]; then done_count=$((done_count + 1)); continue; fi
     budget=$(( $(left) - ${TABLE_RESERVE:-30} ))
@@ -44,7 +62,7 @@ for item in "${ITEMS[@]}"; do
     if [ -f "$run/tune.json" ]; then
       args=(tune --resume "$run" --compile-workers "${CW:-12}")
     else
-      args=(tune --model "$model" $lay --kernel vllm --tokens "$TOKS" "${pq[@]}" --budget "${TUNE_BUDGET:-24}"
+      args=(tune --model "$model" $lay --kernel vllm --tokens "$TOKS" "${pq[@]}" "${vs[@]}" --budget "${TUNE_BUDGET:-16}"
             --compile-workers "${CW:-12}" --out "$VK/configs/vllm" --results-dir "$VK/runs/.new")
     fi
     rm -rf "$VK/runs/.new"
@@ -62,9 +80,12 @@ step "$done_count of 8 tunes done"
 [ "$done_count" = 8 ] && echo "all 8 tunes done" | tee -a "$log"
 
 if [ "$done_count" = 8 ] || [ -n "${TABLES:-}" ]; then
-  step "(c)+(d) engine files in the vllm-triton experts; triton layer vs the faster engine file"
-  OUT="$OUT" timeout $(( $(left) > 30 ? $(left) : 30 )) python3 -m benchmarks vllm_kernel --tuned "$VK/configs/vllm" \
-    --tokens "${TABLE_TOKENS:-1,16,64,256,1024,4096}" --routings "${ROUTINGS:-2}" 2>&1 | tail -n 4 | tee -a "$log"
+  step "(c) engine files in the vllm-triton experts at the files' token counts (and the triton layer), the four shapes"
+  OUT="$OUT/files" timeout $(( $(left) > 30 ? $(left) : 30 )) python3 -m benchmarks vllm_kernel --tuned "$VK/configs/vllm" \
+    --tokens "${TABLE_TOKENS:-$TOKS}" --routings "${ROUTINGS:-2}" 2>&1 | tail -n 4 | tee -a "$log"
+  step "(d) triton layer vs the faster engine file: Mixtral TP1 and the DeepSeek-V3 EP8 shard"
+  OUT="$OUT/more" timeout $(( $(left) > 30 ? $(left) : 30 )) python3 -m benchmarks vllm_kernel --shapes mixtral,deepseek-v3-ep8 \
+    --tokens "${MORE_TOKENS:-1,16,64,256,1024,4096}" --routings "${ROUTINGS:-2}" 2>&1 | tail -n 4 | tee -a "$log"
 fi
 OUT_ABS=$(cd "$OUT" && pwd)
 (cd "$VK" && tar czf "$OUT_ABS/vllmk-state.tgz" --exclude=runs/.new .)

@@ -37,7 +37,7 @@ import moebench
 from benchmarks.bench_common import script_setup, timed_us, write_rows
 from moebench.correctness import is_correct, relative_error
 from moebench.inputs import make_weights
-from moebench.kernels.engine_configs import engine_file_name
+from moebench.kernels.engine_configs import engine_file_name, write_engine_file
 from moebench.kernels.triton.configs import TILE_KEYS, load_config_file, nearest_entry
 from moebench.kernels.triton.experts import fused_moe, select_config
 from moebench.kernels.triton.routing import fused_topk_softmax
@@ -66,6 +66,22 @@ def engine_table(name: str, e: int, n: int, quant) -> dict[int, dict] | None:
     return {int(t): dict(zip(TILE_KEYS, v)) for t, v in data[key].items()}
 
 
+def write_engine_files(folder: Path) -> list[Path]:
+    """Every shipped table of benchmarks/{vllm,sglang}_h200_configs.json as the engine's own file,
+    folder/<engine>/<the engine's file name> (what `moebench tune --against` reads)."""
+    written = []
+    for engine in ("vllm", "sglang"):
+        data = json.loads((HERE / f"{engine}_h200_configs.json").read_text())
+        for key, table in data.items():
+            if key.startswith("_"):
+                continue
+            e, n = (int(part.split("=")[1]) for part in key.split(",")[:2])
+            quant = BLOCK if "fp8_w8a8" in key else None
+            path = folder / engine / engine_file_name(engine, e, n, "NVIDIA_H200", quant)
+            written.append(write_engine_file(path, {int(t): dict(zip(TILE_KEYS, v)) for t, v in table.items()}))
+    return written
+
+
 def tuned_table(folder: Path | None, e: int, n: int, quant) -> dict[int, dict] | None:
     """The file `tune --kernel vllm` wrote for this shape on an H200, if it is in `folder`."""
     if folder is None:
@@ -84,8 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="instead of the tables: per-kernel CUDA times (torch.profiler, eager) of the triton layer "
                          "and of the faster engine file's vllm-triton layer, one row per launch (kernel_times.csv)")
+    ap.add_argument("--write-files", type=Path, default=None, metavar="DIR",
+                    help="only write the shipped engine files as DIR/<engine>/<file name> (for `tune --against`)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    if args.write_files is not None:
+        for p in write_engine_files(args.write_files):
+            print(p)
+        return 0
     shapes = dict(SHAPES)
     if args.smoke:
         shapes = SMOKE_SHAPES
@@ -116,14 +138,18 @@ def main(argv: list[str] | None = None) -> int:
                     x = torch.randn(m, h, dtype=torch.bfloat16, device=dev, generator=g)
                     tw, ids = fused_topk_softmax(torch.randn(m, e, device=dev, generator=g), k, renormalize=True)
                     ref = moebench.reference_moe(x, w13, w2, tw, ids) if r == 0 else None
+                    timed: dict[str, float] = {}  # one timing per distinct config: equal files, equal times
                     for col, table in tables.items():
                         if table is None:
                             continue
                         cfg = nearest_entry(table, m)[1]
+                        key = _cfg(table, m)
                         fn = lambda cfg=cfg: vllm_fused_experts(x, w13, w2, tw, ids, cfg)  # noqa: E731
                         if ref is not None:
                             errs[col] = relative_error(fn(), ref)
-                        per[col].append(timed_us(fn, reps=20, graph_calls=4))
+                        if key not in timed:
+                            timed[key] = timed_us(fn, reps=20, graph_calls=4)
+                        per[col].append(timed[key])
                     tfn = lambda: fused_moe(x, w13, w2, tw, ids)  # noqa: E731
                     if ref is not None:
                         errs["triton"] = relative_error(tfn(), ref)

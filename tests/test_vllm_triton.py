@@ -178,19 +178,20 @@ def test_tune_against_an_engine_file(tmp_path, monkeypatch):
     res = CliRunner().invoke(_group(), ["tune", *SIZES, "--kernel", "vllm", "--tokens", "1,6", "--search", "random",
                                         "--budget", "1", "--reps", "1", "--final-reps", "1", "--against", str(path)])
     assert res.exit_code == 0, res.output
-    assert "winner / `E=8,N=64,device_name=cpu.json`: median" in " ".join(res.output.split())
+    name = f"shipped/{path.name}"
+    assert f"winner / `{name}`: median" in " ".join(res.output.split())
     run = next((tmp_path / "results").glob("*-tune-*"))
     final = [json.loads(line) for line in (run / "measurements.jsonl").read_text().splitlines()]
     final = {(m["tokens"], SP.key_str(m["config"])) for m in final if m.get("stage") == "final"}
     assert {(1, SP.key_str(shipped[1])), (6, SP.key_str(shipped[8]))} <= final  # nearest entry: 6 -> 8
     rows = {int(r["tokens"]): r for r in csv.DictReader(open(run / "report.csv"))}
     for m, entry in ((1, shipped[1]), (6, shipped[8])):
-        assert rows[m]["against"].startswith(f"{path.name} {SP.key_str(entry)} ")
+        assert rows[m]["against"].startswith(f"{name} {SP.key_str(entry)} ")
         ratio = float(rows[m]["against"].rsplit("winner / file ", 1)[1].rstrip(")"))
         assert ratio <= 1.0
     md = (run / "report.md").read_text()
-    assert f"winner / `{path.name}`: median" in md and "| against |" in md
-    assert json.loads((run / "tune.json").read_text())["spec"]["against"][path.name]["8"] == shipped[8]
+    assert f"winner / `{name}`: median" in md and "| against |" in md
+    assert json.loads((run / "tune.json").read_text())["spec"]["against"][name]["8"] == shipped[8]
     bad = CliRunner().invoke(_group(), ["tune", *SIZES, "--kernel", "vllm", "--tokens", "1", "--dry-run",
                                         "--against", str(tmp_path / "missing.json")])
     assert isinstance(bad.exception, MoebenchError) and "missing.json" in str(bad.exception)

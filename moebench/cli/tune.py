@@ -222,14 +222,15 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
 
 
 def against_tables(paths) -> dict[str, dict[int, dict[str, int]]] | None:
-    """--against FILE...: {file name: {tokens: config}} (a bad file is a one-line error), or None."""
+    """--against FILE...: {folder/file name: {tokens: config}} (a bad file is a one-line error), or None."""
     if not paths:
         return None
     tables = {}
     for p in paths:
-        if p.name in tables:
-            raise MoebenchError(f"--against {p}: a file of that name is given twice; give each file once")
-        tables[p.name] = {t: dict(c) for t, c in C.load_config_file(p).items()}
+        name = f"{p.parent.name}/{p.name}" if p.parent.name else p.name
+        if name in tables:
+            raise MoebenchError(f"--against {p}: {name} is given twice; give each file once")
+        tables[name] = {t: dict(c) for t, c in C.load_config_file(p).items()}
     return tables
 
 
