@@ -40,41 +40,41 @@ if [ -n "${PROFILE:-}" ]; then
 fi
 
 TOKS=1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096
-# model:layout:file shape (E=..,N=.. of the engines' file names)
-ITEMS=("mixtral-8x7b:--tp 8:E=8,N=1792" "qwen3-30b-a3b::E=128,N=768" "qwen3-235b-a22b:--tp 8:E=128,N=192"
-       "deepseek-v3:--tp 8:E=256,N=256")
+# model:layout:file shape (E=..,N=.. of the engines' file names):precision; the points where an
+# engine ships a file first
+ITEMS=("qwen3-30b-a3b::E=128,N=768:bf16" "qwen3-30b-a3b::E=128,N=768:fp8" "mixtral-8x7b:--tp 8:E=8,N=1792:bf16"
+       "qwen3-235b-a22b:--tp 8:E=128,N=192:bf16" "deepseek-v3:--tp 8:E=256,N=256:fp8"
+       "mixtral-8x7b:--tp 8:E=8,N=1792:fp8" "qwen3-235b-a22b:--tp 8:E=128,N=192:fp8" "deepseek-v3:--tp 8:E=256,N=256:bf16")
 # the engines' shipped files (benchmarks/*_h200_configs.json) as files: each tune runs --against them
 python3 -m benchmarks vllm_kernel --write-files "$VK/engine" > /dev/null
 done_count=0
 for item in "${ITEMS[@]}"; do
-  model=${item%%:*}; rest=${item#*:}; lay=${rest%%:*}; en=${rest#*:}
-  for prec in bf16 fp8; do
-    vs=()
-    for f in "$VK"/engine/*/"$en",device_name=NVIDIA_H200*.json; do
-      [ -f "$f" ] || continue
-      case "$f" in *fp8_w8a8*) [ "$prec" = fp8 ] && vs+=(--against "$f");; *) [ "$prec" = bf16 ] && vs+=(--against "$f");; esac
-    done
-    name="$model${lay// /}-$prec"; run="$VK/runs/$name"
-    if [ -f "$run/DONE" ]; then done_count=$((done_count + 1)); continue; fi
-    budget=$(( $(left) - ${TABLE_RESERVE:-30} ))
-    if [ "$budget" -lt 60 ]; then step "no time left for $name (next call resumes)"; continue; fi
-    pq=(); [ "$prec" = fp8 ] && pq=(--dtype fp8_w8a8 --block-shape 128,128)
-    if [ -f "$run/tune.json" ]; then
-      args=(tune --resume "$run" --compile-workers "${CW:-12}")
-    else
-      args=(tune --model "$model" $lay --kernel vllm --tokens "$TOKS" "${pq[@]}" "${vs[@]}" --budget "${TUNE_BUDGET:-16}"
-            --compile-workers "${CW:-12}" --out "$VK/configs/vllm" --results-dir "$VK/runs/.new")
-    fi
-    rm -rf "$VK/runs/.new"
-    step "(b) tune $name (${budget}s left for it)"
-    t0=$(date +%s)
-    timeout "$budget" python3 -m moebench.cli "${args[@]}" 2>&1 | tail -n "$TAIL" | tee -a "$log"
-    rc=${PIPESTATUS[0]}
-    # a new run's folder is created under .new/: give it its stable name for the next call's --resume
-    if [ ! -d "$run" ]; then new=$(ls -d "$VK/runs/.new"/*-tune-* 2>/dev/null | head -n 1); [ -n "$new" ] && mv "$new" "$run"; fi
-    echo "tune $name: exit $rc after $(( $(date +%s) - t0 ))s" | tee -a "$log"
-    if [ "$rc" = 0 ]; then touch "$run/DONE"; done_count=$((done_count + 1)); fi
+  IFS=: read -r model lay en prec <<< "$item"
+  vs=()
+  for f in "$VK"/engine/*/"$en",device_name=NVIDIA_H200*.json; do
+    [ -f "$f" ] || continue
+    case "$f" in *fp8_w8a8*) [ "$prec" = fp8 ] && vs+=(--against "$f");; *) [ "$prec" = bf16 ] && vs+=(--against "$f");; esac
   done
+  name="$model${lay// /}-$prec"; run="$VK/runs/$name"
+  if [ -f "$run/DONE" ]; then done_count=$((done_count + 1)); continue; fi
+  budget=$(( $(left) - ${TABLE_RESERVE:-30} ))
+  if [ "$budget" -lt 60 ]; then step "no time left for $name (next call resumes)"; continue; fi
+  pq=(); [ "$prec" = fp8 ] && pq=(--dtype fp8_w8a8 --block-shape 128,128)
+  if [ -f "$run/tune.json" ]; then
+    args=(tune --resume "$run" --compile-workers "${CW:-12}")
+  else
+    args=(tune --model "$model" $lay --kernel vllm --tokens "$TOKS" "${pq[@]}" "${vs[@]}" --budget "${TUNE_BUDGET:-16}"
+          --compile-workers "${CW:-12}" --out "$VK/configs/vllm" --results-dir "$VK/runs/.new")
+  fi
+  rm -rf "$VK/runs/.new"
+  step "(b) tune $name (${budget}s left for it)"
+  t0=$(date +%s)
+  timeout "$budget" python3 -m moebench.cli "${args[@]}" 2>&1 | tail -n "$TAIL" | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  # a new run's folder is created under .new/: give it its stable name for the next call's --resume
+  if [ ! -d "$run" ]; then new=$(ls -d "$VK/runs/.new"/*-tune-* 2>/dev/null | head -n 1); [ -n "$new" ] && mv "$new" "$run"; fi
+  echo "tune $name: exit $rc after $(( $(date +%s) - t0 ))s" | tee -a "$log"
+  if [ "$rc" = 0 ]; then touch "$run/DONE"; done_count=$((done_count + 1)); fi
 done
 step "$done_count of 8 tunes done"
 [ "$done_count" = 8 ] && echo "all 8 tunes done" | tee -a "$log"
@@ -88,5 +88,6 @@ if [ "$done_count" = 8 ] || [ -n "${TABLES:-}" ]; then
     --tokens "${MORE_TOKENS:-1,16,64,256,1024,4096}" --routings "${ROUTINGS:-2}" 2>&1 | tail -n 4 | tee -a "$log"
 fi
 OUT_ABS=$(cd "$OUT" && pwd)
-(cd "$VK" && tar czf "$OUT_ABS/vllmk-state.tgz" --exclude=runs/.new .)
+# without the runs' Triton caches (hundreds of MB: they would not come back)
+(cd "$VK" && tar czf "$OUT_ABS/vllmk-state.tgz" --exclude=runs/.new --exclude=triton-cache .)
 step done
