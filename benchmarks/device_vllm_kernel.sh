@@ -17,8 +17,11 @@
 # archive: unpack it into .gpu-out/vllmk here and send the folder along with the call
 #   mkdir -p .gpu-out/vllmk && tar xzf FILES_AT/vllmk-state.tgz -C .gpu-out/vllmk
 # (an ignored folder: name it among the paths the call carries). Call it again until the log
-# says "all 8 tunes done"; at about 4-6 minutes per tune with CW=12 that is 4-6 calls.
-#   PYTHONPATH=. [BUDGET_S=480] [CW=12] [TUNE_BUDGET=16] [TABLE_TOKENS=...] bash benchmarks/device_vllm_kernel.sh
+# says "all 8 tunes done": with TUNE_BUDGET=8 CW=14 a tune took 79-183 s on the H200 (2026-12-03), about
+# four tunes per call; the tables (c)+(d) want a call of their own.
+# ONLY=name,... tunes only those (names as the log prints them, e.g. deepseek-v3--tp8-bf16); the
+# tables read the files in $VK/configs/vllm (copy the shipped moebench/configs/vllm/*.json there).
+#   PYTHONPATH=. [BUDGET_S=480] [CW=12] [TUNE_BUDGET=16] [ONLY=...] [TABLE_TOKENS=...] bash benchmarks/device_vllm_kernel.sh
 TAIL="${TAIL:-8}"
 source "$(dirname "$0")/device_env.sh"
 START=$(date +%s)
@@ -56,6 +59,7 @@ for item in "${ITEMS[@]}"; do
     case "$f" in *fp8_w8a8*) [ "$prec" = fp8 ] && vs+=(--against "$f");; *) [ "$prec" = bf16 ] && vs+=(--against "$f");; esac
   done
   name="$model${lay// /}-$prec"; run="$VK/runs/$name"
+case ",${ONLY:-$name}," in *",$name,"*) ;; *) continue;; esac
   if [ -f "$run/DONE" ]; then done_count=$((done_count + 1)); continue; fi
   budget=$(( $(left) - ${TABLE_RESERVE:-30} ))
   if [ "$budget" -lt 60 ]; then step "no time left for $name (next call resumes)"; continue; fi

@@ -48,6 +48,18 @@ def check_kernel(kernel: str) -> str:
     return kernel
 
 
+def engine_experts(engine: str, device: str) -> str:
+    """The experts backend that times `engine`'s kernel on `device`: vLLM's own fused_experts
+    (`vllm`) where vllm imports on a GPU, else moebench's implementation of the engines' structure
+    (`vllm-triton`; SGLang's kernel always)."""
+    if engine == "vllm":
+        from moebench.kernels.vllm_native import vllm_unavailable_reason
+
+        if vllm_unavailable_reason(device) is None:
+            return "vllm"
+    return "vllm-triton"
+
+
 def triton_folder(version: str | None = None) -> str:
     """'triton_3_6_0' for Triton 3.6.0 (default: the installed one), SGLang's folder name."""
     if version is None:

@@ -161,8 +161,9 @@ class LayerBench:
     from `routing`; the float64 reference of the first routing, computed on first use.
     quant: the fp8 scheme of the weights (None = unquantised); it picks the check's tolerance.
     gemm1: GEMM1's config, fixed: the measured config is then GEMM2's own (a `--down` tune).
-    kernel: "moebench" (the `triton` experts) or an engine ("vllm", "sglang": the `vllm-triton`
-    experts with that engine's code paths, moebench.kernels.vllm_triton).
+    kernel: "moebench" (the `triton` experts) or an engine ("vllm", "sglang": the engine's own
+    kernel where it runs here, else the `vllm-triton` experts with that engine's code paths;
+    moebench.kernels.engine_configs.engine_experts).
     """
 
     def __init__(
@@ -197,11 +198,15 @@ class LayerBench:
         self._ref: torch.Tensor | None = None
 
     def _kernel(self, cfg: Mapping[str, int]):
-        if self.kernel != "moebench":  # an engine's kernel structure: the vllm-triton experts
+        if self.kernel != "moebench":  # the engine's own kernel where it runs here, else its structure
+            from moebench.kernels.engine_configs import engine_experts
             from moebench.kernels.vllm_triton import VllmTritonOptions
 
-            kw = {"config": dict(cfg), "options": VllmTritonOptions(engine=self.kernel)}
-            return make_kernel(experts="vllm-triton", prepare_finalize="no-dpep", experts_kwargs=kw)
+            experts = engine_experts(self.kernel, self.device)
+            kw = {"config": dict(cfg)}
+            if experts == "vllm-triton":
+                kw["options"] = VllmTritonOptions(engine=self.kernel)
+            return make_kernel(experts=experts, prepare_finalize="no-dpep", experts_kwargs=kw)
         kw = {"config": dict(cfg)} if self.gemm1 is None else {"config": self.gemm1, "down_config": dict(cfg)}
         return make_kernel(experts="triton", prepare_finalize="no-dpep", experts_kwargs=kw)
 

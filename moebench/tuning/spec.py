@@ -80,14 +80,23 @@ class TuneSpec:
 
     @property
     def experts(self) -> str:
-        """The experts backend the run times: `triton` (kernel moebench) or `vllm-triton`."""
-        return "triton" if self.kernel == "moebench" else "vllm-triton"
+        """The experts backend the run times: `triton` (kernel moebench); for an engine, vLLM's own
+        `vllm` where it imports on the GPU, else `vllm-triton` (engine_configs.engine_experts)."""
+        if self.kernel == "moebench":
+            return "triton"
+        from moebench.kernels.engine_configs import engine_experts
+
+        return engine_experts(self.kernel, self.device)
 
     @property
     def timed_text(self) -> str:
         """Which kernel the measurements timed, in words (report, metadata)."""
         if self.kernel == "moebench":
             return "moebench's `triton` experts"
+        if self.experts == "vllm":
+            from moebench.kernels.vllm_native import vllm_version
+
+            return f"vLLM's own fused_experts (vllm {vllm_version()}) under its override_config"
         return (f"moebench's `vllm-triton` experts ({self.kernel}'s fused-MoE kernel structure, "
                 f"moebench's implementation; {self.kernel} itself not run)")
 
