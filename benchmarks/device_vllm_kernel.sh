@@ -19,8 +19,9 @@
 # (an ignored folder: name it among the paths the call carries). Call it again until the log
 # says "all 8 tunes done": with TUNE_BUDGET=8 CW=14 a tune took 79-183 s on the H200 (2026-12-03), about
 # four tunes per call; the tables (c)+(d) want a call of their own.
-# ONLY=name,... tunes only those (names as the log prints them, e.g. deepseek-v3--tp8-bf16); the
-# tables read the files in $VK/configs/vllm (copy the shipped moebench/configs/vllm/*.json there).
+# ONLY=name,... tunes only those (names as the log prints them, e.g. deepseek-v3--tp8-bf16);
+# TUNED_DIR: the folder of new files the tables read (default $VK/configs/vllm; the shipped ones:
+# TABLES=1 ONLY=none TUNED_DIR=moebench/configs/vllm).
 #   PYTHONPATH=. [BUDGET_S=480] [CW=12] [TUNE_BUDGET=16] [ONLY=...] [TABLE_TOKENS=...] bash benchmarks/device_vllm_kernel.sh
 TAIL="${TAIL:-8}"
 source "$(dirname "$0")/device_env.sh"
@@ -85,7 +86,7 @@ step "$done_count of 8 tunes done"
 
 if [ "$done_count" = 8 ] || [ -n "${TABLES:-}" ]; then
   step "(c) engine files in the vllm-triton experts at the files' token counts (and the triton layer), the four shapes"
-  OUT="$OUT/files" timeout $(( $(left) > 30 ? $(left) : 30 )) python3 -m benchmarks vllm_kernel --tuned "$VK/configs/vllm" \
+  OUT="$OUT/files" timeout $(( $(left) > 30 ? $(left) : 30 )) python3 -m benchmarks vllm_kernel --tuned "${TUNED_DIR:-$VK/configs/vllm}" \
     --tokens "${TABLE_TOKENS:-$TOKS}" --routings "${ROUTINGS:-2}" 2>&1 | tail -n 4 | tee -a "$log"
   step "(d) triton layer vs the faster engine file: Mixtral TP1 and the DeepSeek-V3 EP8 shard"
   OUT="$OUT/more" timeout $(( $(left) > 30 ? $(left) : 30 )) python3 -m benchmarks vllm_kernel --shapes mixtral,deepseek-v3-ep8 \
