@@ -211,3 +211,32 @@ def test_engine_h200_data_files_hold_the_table_shapes():
     assert len(ep8) == 18 and ep8[256]["GROUP_SIZE_M"] == 64 and ep8[2048]["BLOCK_SIZE_K"] == 256
     assert sorted(engine_table("sglang", 256, 256, object())) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512,
                                                                    1024, 1536, 2048, 3072, 4096]
+
+
+def test_vllm_kernel_writes_the_shipped_files_tune_against_reads(tmp_path):
+    """--write-files: every table of the two JSON data files as the engine's own file, readable as
+    a `tune --against` file, entries as recorded."""
+    from benchmarks.vllm_kernel import BLOCK, engine_table, main
+    from moebench.cli.tune import against_tables
+    from moebench.kernels.engine_configs import engine_file_name
+
+    assert main(["--write-files", str(tmp_path)]) == 0
+    vllm_dsv3 = tmp_path / "vllm" / engine_file_name("vllm", 256, 256, "NVIDIA_H200", BLOCK)
+    sglang_dsv3 = tmp_path / "sglang" / engine_file_name("sglang", 256, 256, "NVIDIA_H200", BLOCK)
+    tables = against_tables([vllm_dsv3, sglang_dsv3])
+    assert tables[f"vllm/{vllm_dsv3.name}"] == engine_table("vllm", 256, 256, BLOCK)
+    assert tables[f"sglang/{sglang_dsv3.name}"] == engine_table("sglang", 256, 256, BLOCK)
+    assert "[128, 128]" in sglang_dsv3.name  # SGLang's own spelling
+    assert len(list((tmp_path / "vllm").glob("*.json"))) == 7
+
+
+@pytest.mark.gpu
+def test_vllm_kernel_profile_lists_each_layers_launches(tmp_path):
+    """--profile on the GPU: per-launch rows for the triton layer and the engine files' layers."""
+    r = _runner("vllm_kernel", "--profile", "--shapes", "mixtral-tp8", "--precisions", "bf16", "--tokens", "1,64",
+                env={"OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "kernel_times.csv")))
+    by_col = {c: {row["kernel"] for row in rows if row["column"] == c} for c in ("triton", "vllm")}
+    assert any("gemm2" in k for k in by_col["triton"]) and any("vllm_moe_gemm" in k for k in by_col["vllm"])
+    assert all(float(row["us_per_call"]) > 0 for row in rows)
