@@ -42,7 +42,7 @@ class TuneSpec:
     quant: QuantScheme | None = None
     down: bool = False  # tune GEMM2's own config (the `_down.json` file) against GEMM1's
     #: whose kernel is tuned: "moebench" (the `triton` experts, moebench's files) or an engine's
-    #: ("vllm", "sglang": the `vllm-triton` experts, the engine's file name and folder)
+    #: ("vllm", "sglang": the engine's file name and folder; timed with `experts`)
     kernel: str = "moebench"
     #: files to beat (`tune --against FILE`): name -> {tokens: config}; at each token count the
     #: file's nearest entry seeds the search and competes in the final stage, so the winner is never
