@@ -72,13 +72,13 @@ def write_engine_files(folder: Path) -> list[Path]:
     written = []
     for engine in ("vllm", "sglang"):
         data = json.loads((HERE / f"{engine}_h200_configs.json").read_text())
-        for key, table in data.items():
+        for key in data:
             if key.startswith("_"):
                 continue
             e, n = (int(part.split("=")[1]) for part in key.split(",")[:2])
             quant = BLOCK if "fp8_w8a8" in key else None
             path = folder / engine / engine_file_name(engine, e, n, "NVIDIA_H200", quant)
-            written.append(write_engine_file(path, {int(t): dict(zip(TILE_KEYS, v)) for t, v in table.items()}))
+            written.append(write_engine_file(path, engine_table(engine, e, n, quant)))
     return written
 
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routings", type=int, default=3)
     ap.add_argument("--profile", action="store_true",
                     help="instead of the tables: per-kernel CUDA times (torch.profiler, eager) of the triton layer "
-                         "and of the faster engine file's vllm-triton layer, one row per launch (kernel_times.csv)")
+                         "and of each engine file's vllm-triton layer, one row per launch (kernel_times.csv)")
     ap.add_argument("--write-files", type=Path, default=None, metavar="DIR",
                     help="only write the shipped engine files as DIR/<engine>/<file name> (for `tune --against`)")
     ap.add_argument("--smoke", action="store_true")

@@ -22,6 +22,7 @@ sums over top-k, so this backend, like `vllm-triton`, returns the finished (M, H
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import inspect
 from typing import Any, Mapping
@@ -60,9 +61,7 @@ def quant_kwargs(fused_experts, w13, w2) -> dict[str, Any]:
         return {}
     block = [int(b) for b in quant.block_shape]
     if "quant_config" in inspect.signature(fused_experts).parameters:
-        from importlib import import_module
-
-        make = import_module(f"{FUSED_MOE}.config").fp8_w8a8_moe_quant_config
+        make = importlib.import_module(f"{FUSED_MOE}.config").fp8_w8a8_moe_quant_config
         return {"quant_config": make(w1_scale=w13.scale, w2_scale=w2.scale, block_shape=block)}
     return {"use_fp8_w8a8": True, "w1_scale": w13.scale, "w2_scale": w2.scale, "block_shape": block}
 
@@ -79,10 +78,8 @@ def vllm_own_fused_experts(
 ) -> torch.Tensor:
     """vLLM's fused_experts on moebench's tensors -> (M, H) in x's dtype; `config` overrides vLLM's
     file lookup for every launch (None: vLLM looks up its own files)."""
-    from importlib import import_module
-
-    package = import_module(FUSED_MOE)
-    fused_experts = import_module(f"{FUSED_MOE}.fused_moe").fused_experts
+    package = importlib.import_module(FUSED_MOE)
+    fused_experts = importlib.import_module(f"{FUSED_MOE}.fused_moe").fused_experts
     if scheme_of(w13) != scheme_of(w2):
         raise MoebenchError("w13 and w2 must be quantised with the same scheme (or both not at all)")
     w1q, w2q = (w13.q, w2.q) if scheme_of(w13) is not None else (w13, w2)

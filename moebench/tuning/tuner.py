@@ -828,7 +828,7 @@ def write_report(run_dir: Path, spec: TuneSpec, results: Sequence[TokenResult], 
 
 
 def against_summary(results: Sequence[TokenResult]) -> str:
-    """'winner / file: median 0.962, max 1.000 over 18 token counts (<name>)' for each --against file."""
+    """'winner / `<name>`: median 0.962, max 1.000 over 18 token counts' for each --against file."""
     import statistics
 
     parts = []
