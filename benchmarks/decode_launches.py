@@ -15,9 +15,11 @@ decode); `nopdl`: without programmatic dependent launch (pdl=False), `pdl`: PDL 
 file is found (the looked-up GEMM1 config given explicitly; point $MOEBENCH_CONFIG_DIR at the
 files); `nosorted` / `sorted`: GEMM1's A tiles gathered by pointer loads / always through TMA from
 x copied into sorted order (sorted_a False / True; `sorted` is n/a where the tile has no TMA);
-`wide`: the wide GEMM1 at every tile size (wide_gemm1=True); `again`: the current defaults timed a
+`wide`: the wide GEMM1 at every tile size (wide_gemm1=True); `pairstore` / `atomic`: GEMM2
+stores each pair's row and `topk_sum` adds them / the fp32 atomic sum over top-k (pair_store True
+/ False); `again`: the current defaults timed a
 second time, last (`again/current`: the point's noise). --fp8: per-tensor fp8_w8a8 weights (GEMM1
-quantises the intermediate itself). --variants picks which run (default: all).
+quantises the intermediate itself); --fp8-block: fp8_w8a8 with 128 x 128 block scales. --variants picks which run (default: all).
 --rounds N times every variant N times, interleaved in a rotated order (median; `<name>_spread` =
 max / min over the rounds): at prefill one pass in a fixed order measured the same code 5-12%
 apart, as the clocks drift over a run (DEVELOPERS.md, GPU checks).
@@ -48,11 +50,12 @@ VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions
             "sk2": (2, TritonOptions()), "sk4": (4, TritonOptions()), "nopdl": (None, TritonOptions(pdl=False)),
             "pdl": (None, TritonOptions(pdl=True)), "nodown": (None, TritonOptions()),
             "nosorted": (None, TritonOptions(sorted_a=False)), "sorted": (None, TritonOptions(sorted_a=True)),
-            "wide": (None, TritonOptions(wide_gemm1=True)), "again": (None, TritonOptions())}
+            "wide": (None, TritonOptions(wide_gemm1=True)), "pairstore": (None, TritonOptions(pair_store=True)),
+            "atomic": (None, TritonOptions(pair_store=False)), "again": (None, TritonOptions())}
 #: (a, b) pairs whose ratio a/b each row gets
 RATIOS = (("current", "nodirect"), ("current", "twolaunch"), ("current", "sk1"), ("sk2", "current"), ("sk4", "current"),
           ("current", "nopdl"), ("pdl", "nopdl"), ("current", "nodown"), ("current", "nosorted"), ("sorted", "nosorted"),
-          ("wide", "current"), ("again", "current"))
+          ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("again", "current"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="1,2,4,16,64")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--fp8", action="store_true", help="fp8_w8a8 per-tensor weights")
+    ap.add_argument("--fp8-block", action="store_true", help="fp8_w8a8 weights with 128 x 128 block scales")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, interleaved (median)")
@@ -69,11 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants:
         keep = set(args.variants.split(",")) | {"current"}
         variants = {n: v for n, v in variants.items() if n in keep}
-    stem = "decode_launches_fp8" if args.fp8 else "decode_launches"
+    scheme = None
+    if args.fp8 or args.fp8_block:
+        scheme = moebench.QuantScheme(scales="block", block_shape=(128, 128)) if args.fp8_block else \
+            moebench.QuantScheme(scales="tensor")
+    stem = "decode_launches_fp8block" if args.fp8_block else "decode_launches_fp8" if args.fp8 else "decode_launches"
     if args.smoke:
         SHAPES.update(SMOKE)
         args.shapes = ",".join(SMOKE)
-    out_dir, dev, head = script_setup(("fp8_w8a8 per-tensor" if args.fp8 else "bf16")
+    out_dir, dev, head = script_setup((scheme.describe() if scheme else "bf16")
                                       + "; layer = routing + triton experts (us)")
     print("# " + head, flush=True)
     rows = []
@@ -82,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         dt = torch.bfloat16
         w13 = torch.randn(e_local, 2 * inter, h, dtype=dt, device=dev).mul_(h**-0.5)
         w2 = torch.randn(e_local, h, inter, dtype=dt, device=dev).mul_(inter**-0.5)
-        if args.fp8:
-            w13, w2 = moebench.quantize_weights(w13, w2, moebench.QuantScheme(scales="tensor"), act_dtype=dt)
+        if scheme is not None:
+            w13, w2 = moebench.quantize_weights(w13, w2, scheme, act_dtype=dt)
         emap = None
         if e_local < e:
             emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
@@ -91,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in [int(t) for t in args.tokens.split(",")]:
             x, logits = seeded_inputs(m, h, e, dt, dev)
             # the tile config bench_triton.py times (the default heuristic for HEURISTIC_ONLY shapes)
-            cfg_kw = {} if args.fp8 or shape not in HEURISTIC_ONLY else dict(
+            cfg_kw = {} if scheme is not None or shape not in HEURISTIC_ONLY else dict(
                 config=layer_config(shape, m, w13, w2, e, k, dt))
 
             def layer(kern):

@@ -26,7 +26,7 @@ from moebench.kernels.triton.align import (
 )
 from moebench.kernels.triton.batched import batched_default_config
 from moebench.kernels.triton.experts import BatchedTritonExperts, TritonExperts, fused_moe
-from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1, sorted_rows
+from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1, sorted_rows, topk_sum
 from moebench.kernels.triton.options import (
     TritonOptions,
     align_kernels,
@@ -35,9 +35,11 @@ from moebench.kernels.triton.options import (
     expected_blocks,
     gemm1_walk,
     layer_split_k,
+    resolve_pair_store,
     resolve_pdl,
     resolve_use_tma,
     use_direct_align,
+    use_pair_store,
     use_sorted_a,
     wants_direct_align,
     wave_split,
@@ -141,6 +143,21 @@ def test_gemm_path_rules():
     for pdl in (True, "auto"):
         assert not resolve_pdl(TritonOptions(pdl=pdl), torch.device("cpu"), 768)
     assert pdl_launch_args(False) == {} and pdl_launch_args(True) == {"PDL": True, "launch_pdl": True}
+
+
+def test_pair_store_rules():
+    o = TritonOptions()
+    # "auto": short GEMM2 K loops (I <= 1024) at >= 256 pairs per expert, all pairs local, no K split
+    assert use_pair_store(o, 192, 256, False) and use_pair_store(o, 1024, 4096, False)
+    assert not use_pair_store(o, 192, 255, False) and not use_pair_store(o, 2048, 4096, False)
+    assert not use_pair_store(o, 192, 4096, True)  # an expert map: remote pairs leave rows unwritten
+    assert resolve_pair_store(o, 192, 4096, False, 1) and not resolve_pair_store(o, 192, 4096, False, 2)
+    assert use_pair_store(TritonOptions(pair_store_max_inter=2048, pair_store_min_rows=1), 2048, 1, False)
+    # forced: on / off whatever the shape; on with a K split raises
+    assert resolve_pair_store(TritonOptions(pair_store=True), 4096, 1, True, 1)
+    assert not resolve_pair_store(TritonOptions(pair_store=False), 192, 4096, False, 1)
+    with pytest.raises(MoebenchError, match="pair_store"):
+        resolve_pair_store(TritonOptions(pair_store=True), 192, 4096, False, 2)
 
 
 def test_alignment_rules():
@@ -419,6 +436,52 @@ def test_sorted_a_layer_matches_reference():
     cfg = dict(CFG, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32)
     got = fused_moe(x, w13, w2, tw, ti, emap, e, cfg, options=TritonOptions(sorted_a=True))
     assert rel_err(got, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < TOL[dtype]
+
+
+def test_topk_sum_matches_torch():
+    # a token's K rows summed in fp32, rounded once to the output's dtype
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(7 * K, 1100, generator=g).to(DEV, torch.bfloat16)  # 1100: a masked column block
+    want = rows.float().view(7, K, 1100).sum(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        got = topk_sum(rows, torch.empty(7, 1100, dtype=dtype, device=DEV), K)
+        torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("use_map", [False, True], ids=["all-local", "expert-map"])
+def test_pair_store_matches_reference(dtype, use_map):
+    # GEMM2 stores each pair's row and topk_sum adds them (no atomics, no zeroing by GEMM1): the
+    # reference, with blocks of every fill level; under an expert map the remote pairs' rows are
+    # zeros. The atomic path gives the same result within the dtype's rounding.
+    bm, e = 32, 10
+    tw, ti = _uneven_routing(3 * bm, e, {0: bm + bm // 4, 1: bm // 2, 2: 0})
+    emap = random_expert_map(e, 6, DEV) if use_map else None
+    w13, w2 = _weights(6 if use_map else e, dtype)
+    x = _x(3 * bm, dtype)
+    cfg = dict(CFG, BLOCK_SIZE_M=bm)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap)
+    got = fused_moe(x, w13, w2, tw, ti, emap, e, cfg, options=TritonOptions(pair_store=True))
+    assert got.dtype == dtype and rel_err(got, ref) < TOL[dtype]
+    atomic = fused_moe(x, w13, w2, tw, ti, emap, e, cfg, options=TritonOptions(pair_store=False))
+    assert rel_err(got, atomic.double()) < TOL[dtype]
+
+
+def test_pair_store_auto_and_its_split_k():
+    # "auto" takes the pair store where the thresholds say (here: any shape, all local); with it
+    # forced, split_k=None means one K split and an explicit split raises
+    dtype = torch.bfloat16
+    tw, ti = _routing(24, E, K)
+    w13, w2 = _weights(E, dtype)
+    x = _x(24, dtype)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti)
+    auto = TritonOptions(pair_store_min_rows=1)
+    assert resolve_pair_store(auto, I, 24 * K / E, False, 1)
+    assert rel_err(fused_moe(x, w13, w2, tw, ti, None, E, CFG, 1, options=auto), ref) < TOL[dtype]
+    forced = TritonOptions(pair_store=True)
+    assert rel_err(fused_moe(x, w13, w2, tw, ti, None, E, CFG, options=forced), ref) < TOL[dtype]
+    with pytest.raises(MoebenchError, match="pair_store"):
+        fused_moe(x, w13, w2, tw, ti, None, E, CFG, 2, options=forced)
 
 
 def test_sorted_rows_copies_x_in_sorted_order():

@@ -227,6 +227,22 @@ def test_fp8_expert_map_remote(experts, pf, name):
     assert (out[1] == 0).all()
 
 
+@pytest.mark.parametrize("name", ["block128", "tensor"])
+@pytest.mark.parametrize("use_map", [False, True], ids=["all-local", "expert-map"])
+def test_triton_fp8_pair_store(name, use_map):
+    # GEMM2 storing each pair's bf16 row, summed by topk_sum: block 128 with H = 152 (a partial
+    # last scale group), and per tensor (GEMM1 quantises the intermediate itself)
+    scheme = SCHEMES[name]
+    e_local = 12 if use_map else E
+    q13, q2 = _qweights(scheme, e=e_local)
+    emap = random_expert_map(E, e_local, DEV) if use_map else None
+    x = _x(21)
+    tw, ti = _routing(21, E, K)
+    out = _run("triton", "no-dpep", x, q13, q2, tw, ti, emap, E, config=_cfg(scheme),
+               options=TritonOptions(pair_store=True))
+    assert out.dtype == torch.bfloat16 and rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti, emap)) < TIGHT
+
+
 def test_fp8_non_square_block():
     # block [32, 48] (BLOCK_SIZE_K=16 divides 48, BLOCK_SIZE_N=32 divides 32), and use_tma=True,
     # which fp8 ignores (no TMA for fp8).

@@ -59,6 +59,7 @@ from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.common import grouped_tile
 from moebench.kernels.triton.configs import device_name, validate_tile_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting, triton_unavailable_reason
+from moebench.kernels.triton.gemm import topk_sum
 from moebench.kernels.triton.quant import quantize_rows
 from moebench.quant import FP8_DTYPE, QuantScheme, scheme_of  # noqa: F401 (QuantScheme: annotations)
 
@@ -218,18 +219,6 @@ def silu_and_mul_kernel(x_ptr, y_ptr, N_INTER, BLOCK: tl.constexpr):
     tl.store(y_ptr + row * N_INTER + offs, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def topk_sum_kernel(x_ptr, y_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per (token, column block): y[t, h] = sum_k x[t, k, h], fp32 sum."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < H
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(TOP_K):
-        acc += tl.load(x_ptr + (t * TOP_K + k) * H + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * H + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
 # ---------------------------------------------------------------------------------------------
 # Launchers
 
@@ -368,8 +357,7 @@ def vllm_gemms(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, blocks: Pai
     launch_gemm(a2, a2_scale, w2, c2, blocks, 1, config, topk_weights.reshape(-1).to(torch.float32).contiguous(),
                 options=options)
     out = alloc_output((m, h), x.dtype, x.device)
-    topk_sum_kernel[(m, triton.cdiv(h, 1024))](c2, out, h, TOP_K=topk, BLOCK=1024)
-    return out
+    return topk_sum(c2, out, topk)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,8 @@ class AlignResult:
     #: direct_align with an expert_map: expert_ids hold the global ids and the GEMMs map them
     #: through this (E,) int32 map (-1 = remote), so no gather launches before them.
     expert_map: torch.Tensor | None = None
+    #: an expert map was applied: pairs of remote experts may be left out of every block
+    remote: bool = False
 
     @property
     def max_blocks(self) -> int:
@@ -338,7 +340,7 @@ def moe_align_block_size(
             HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=max(16, triton.next_power_of_2(num_pairs)),
             E_POW2=e_pow2, num_warps=4, **pdl_launch_args(pdl),
         )
-        return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
+        return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs, remote=has_map)
     if method == "sort":
         return _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block_size_m,
                                     num_local_experts, num_pairs, max_padded, max_blocks, chunk)
@@ -355,7 +357,7 @@ def moe_align_block_size(
         HAS_MAP=has_map, BLOCK_SIZE_M=block_size_m, CHUNK=chunk, NUM_CHUNKS=num_chunks,
         NC_POW2=triton.next_power_of_2(num_chunks), E_POW2=e_pow2, num_warps=warps,
     )
-    return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
+    return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs, remote=has_map)
 
 
 def _chunk_size(chunk: int, num_pairs: int, e_pow2: int) -> int:
@@ -387,7 +389,7 @@ def _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block
         NC_POW2=triton.next_power_of_2(num_chunks), E_POW2=e_pow2, TILE=max(16, min(128, 8192 // e_pow2)),
         num_warps=warps,
     )
-    return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs)
+    return AlignResult(sorted_ids, expert_ids, ntpp, block_size_m, num_pairs, remote=has_map)
 
 
 _DIRECT_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -422,7 +424,8 @@ def direct_align(
         small = num_pairs * block_size_m <= 1 << 16  # what `use_direct_align` picks; forced big ones are not kept
         if small and (dev.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
             _DIRECT_LAYOUTS[key] = layout
-    return AlignResult(layout[0], ids, layout[1], block_size_m, num_pairs, direct=True, expert_map=mapped)
+    return AlignResult(layout[0], ids, layout[1], block_size_m, num_pairs, direct=True, expert_map=mapped,
+                       remote=expert_map is not None)
 
 
 def align_pairs(
@@ -479,4 +482,5 @@ def moe_align_block_size_torch(
     ends = torch.cumsum(padded, 0)
     expert_ids = torch.searchsorted(ends, blk, right=True).to(torch.int32)
     expert_ids = torch.where(blk < total, expert_ids, torch.full_like(expert_ids, -1))
-    return AlignResult(sorted_ids, expert_ids, total.reshape(1).to(torch.int32), block_size_m, num_pairs)
+    return AlignResult(sorted_ids, expert_ids, total.reshape(1).to(torch.int32), block_size_m, num_pairs,
+                       remote=expert_map is not None)

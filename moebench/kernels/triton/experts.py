@@ -9,6 +9,8 @@
             (moebench.kernels.triton.gemm; SiLU by default, any moebench.activation)
     GEMM2   inter @ w2^T [+ b2], times the router weight, summed over top-k by fp32 atomics
     cast    the fp32 sum -> the output dtype
+            (at prefill with a short GEMM2 K loop, `pair_store`: GEMM2 stores each pair's row and
+            one launch sums them over top-k in place of the atomics and the cast)
 
 So the experts return (M, H), weighted and summed (TopKWeightAndReduceNoOp): one write of the
 output instead of (M, K, H) plus a reduction pass. Pairs whose expert is remote are left out by
@@ -154,6 +156,8 @@ def fused_moe(
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
     pdl = resolve_pdl(options, x.device, w2.shape[2])
     align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, options, pdl)
+    if split_k is None and options.pair_store is True:
+        split_k = 1  # stored rows are whole rows
     if split_k is None:
         split_k = layer_split_k(options, m, k, num_experts, e_local, x.shape[1], w2.shape[2], down_config or config,
                                 align.max_blocks, num_sms(x.device))

@@ -5,7 +5,9 @@ On pairs aligned by moebench.kernels.triton.align (BLOCK_SIZE_M pairs of one exp
     GEMM1   per (block, intermediate tile): x's rows times w13's gate and up rows in the same K
             loop, SiLU(gate) * up in the epilogue -> inter (max_padded, I), rows in sorted order
     GEMM2   per (block, hidden tile[, K split]): inter @ w2[e]^T, times the router weight, then a
-            relaxed fp32 atomic add into the (M, H) accumulator: the sum over top-k happens here
+            relaxed fp32 atomic add into the (M, H) accumulator: the sum over top-k happens here;
+            or (pair_store) a plain store of each pair's row into (M*K, H), which `topk_sum`
+            then sums over top-k in one more launch
 
 `fused_moe_gemms` runs both (and the fp8 quantisation of the intermediate between them) with the
 code paths its TritonOptions resolve to (moebench.kernels.triton.options). GEMM1's programs also
@@ -61,7 +63,7 @@ from moebench.kernels.triton.common import (
     tile_rows,
 )
 from moebench.kernels.triton.env import interpreter_compat, interpreting, tma_ok
-from moebench.kernels.triton.options import TritonOptions, gemm1_walk, resolve_pdl, resolve_use_tma
+from moebench.kernels.triton.options import TritonOptions, gemm1_walk, resolve_pair_store, resolve_pdl, resolve_use_tma
 from moebench.kernels.triton.quant import check_block_config, quant_group, quant_meta, quantize_rows
 from moebench.kernels.triton.wquant import check_wq_config, weight_tile, wq_meta, wq_offsets, wq_zero_args
 from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
@@ -323,6 +325,7 @@ def gemm2_weighted_sum_kernel(
     WQ_ZP: tl.constexpr = False,
     WQ_PACK: tl.constexpr = 1,
     HAS_BIAS: tl.constexpr = False,  # add b2 before the router weight
+    PAIR_STORE: tl.constexpr = False,  # ws_ptr is (M*K, H): store each pair's row (no K split)
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -384,10 +387,39 @@ def gemm2_weighted_sum_kernel(
     w = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
 
-    # Store: the sum over top-k as an fp32 atomic add into the pair's token row (sentinel rows
-    # are masked off).
-    o_ptrs = ws_ptr + token[:, None] * stride_wsm + offs_n[None, :] * stride_wsn
-    tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
+    # Store (sentinel rows are masked off): the pair's own row, summed over top-k by the next
+    # launch; or the sum over top-k here, as an fp32 atomic add into the pair's token row.
+    if PAIR_STORE:
+        o_ptrs = ws_ptr + pair[:, None].to(tl.int64) * stride_wsm + offs_n[None, :] * stride_wsn
+        tl.store(o_ptrs, cast_rne(acc, ws_ptr.dtype.element_ty, UPCAST), mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        o_ptrs = ws_ptr + token[:, None] * stride_wsm + offs_n[None, :] * stride_wsn
+        tl.atomic_add(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def topk_sum_kernel(x_ptr, y_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr):
+    """One program per (token, column block): y[t, h] = sum_k x[t, k, h] in fp32, cast to y's
+    dtype (EXACT: rounded to nearest even also under the interpreter)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(TOP_K):
+        acc += tl.load(x_ptr + (t * TOP_K + k) * H + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * H + offs, cast_rne(acc, y_ptr.dtype.element_ty, EXACT), mask=ok)
+
+
+def topk_sum(rows: torch.Tensor, out: torch.Tensor, topk: int) -> torch.Tensor:
+    """out (M, H) = rows (M*K, H), a token's K rows consecutive, summed over K in fp32 (both
+    contiguous); returns out."""
+    m, h = out.shape
+    assert rows.shape == (m * topk, h) and rows.is_contiguous() and out.is_contiguous()
+    interpreter_compat()
+    if m:
+        topk_sum_kernel[(m, triton.cdiv(h, 1024))](rows, out, h, TOP_K=topk, BLOCK=1024,
+                                                   EXACT=interpreting() and out.dtype == torch.bfloat16)
+    return out
 
 
 @triton.jit
@@ -556,11 +588,15 @@ def launch_gemm2(
     ws: torch.Tensor | None = None,
     pdl: bool = False,
     b2: torch.Tensor | None = None,
+    pair_store: bool = False,
 ) -> torch.Tensor:
     """GEMM2 [+ b2 (E_local, H), before the router weight] + router weight on aligned pairs -> ws (M, H) fp32, the sum over top-k done by atomic
     adds (`ws` given = already zeroed, e.g. by GEMM1; else zeroed here). split_k: K splits (clamped
     to whole BLOCK_SIZE_K steps). use_tma: w2's tiles through TMA. pdl: launch with programmatic
     dependent launch (after a launch_gemm1 with pdl).
+    pair_store: ws is (M*K, H) (any float dtype; given, or allocated in inter's 16-bit dtype,
+    bf16 for fp8): each pair's weighted row is stored there, nothing summed (`topk_sum` does);
+    the rows of pairs that are not aligned (remote experts) are not written. One K split only.
 
     fp8: w2 a QuantWeight, inter (max_padded, I) float8_e4m3fn with a_scale (max_padded, G)."""
     m, k = topk_weights.shape
@@ -570,7 +606,11 @@ def launch_gemm2(
     interpreter_compat()
     upcast = interpreting() and inter.dtype != torch.float32
     num_blocks = align.max_blocks
-    if ws is None:
+    if pair_store:
+        if ws is None:
+            ws = torch.empty((m * k, h), dtype=torch.bfloat16 if quant["QUANT"] else inter.dtype, device=inter.device)
+        assert ws.shape == (m * k, h) and split_k == 1, "pair_store: ws is (M*K, H), one K split"
+    elif ws is None:
         ws = torch.zeros((m, h), dtype=torch.float32, device=inter.device)
     split_k = max(1, min(int(split_k), triton.cdiv(n_inter, bk)))
     k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
@@ -590,7 +630,7 @@ def launch_gemm2(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, MAPPED=align.expert_map is not None,
-        HAS_BIAS=b2 is not None,
+        HAS_BIAS=b2 is not None, PAIR_STORE=pair_store,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **wq_meta(w2), **pdl_launch_args(pdl),
     )
     return ws
@@ -622,7 +662,9 @@ def fused_moe_gemms(
 
     options (None: TritonOptions()) resolve to the code paths: TMA weight tiles (`resolve_use_tma`
     on GEMM1's config, where the device has TMA), GEMM1's walk and sorted_a (`gemm1_walk`; "auto"
-    sizes pairs per expert as M * K / num_experts, None: E_local), PDL (`resolve_pdl`).
+    sizes pairs per expert as M * K / num_experts, None: E_local), PDL (`resolve_pdl`), GEMM2's
+    sum over top-k (`resolve_pair_store`: per-pair rows and a `topk_sum` launch instead of the
+    atomics, the cast and GEMM1's zeroing).
     down_config: GEMM2's own tile config (same BLOCK_SIZE_M as `config`; split_k is GEMM2's for
     it); its optional USE_TMA decides whether GEMM2 loads w2 through TMA, instead of GEMM1's
     choice. None: GEMM2 runs with `config`.
@@ -662,20 +704,25 @@ def fused_moe_gemms(
     if m == 0:
         return out
     use_tma = use_tma and tma_ok(w13) and tma_ok(w2)
-    # GEMM2's fp32 accumulator, zeroed by GEMM1: an fp32 output is the accumulator itself (no cast).
-    acc = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(
-        (m, h), dtype=torch.float32, device=x.device)
+    rows_per_expert = m * topk / (num_experts or w13.shape[0])
+    pair_store = resolve_pair_store(options, w2.shape[2], rows_per_expert, align.remote, split_k)
+    if pair_store:
+        # Each pair's row, summed by `topk_sum` into out; rows of remote pairs are never written.
+        acc = (torch.zeros if align.remote else torch.empty)((m * topk, h), dtype=out_dtype, device=x.device)
+    else:
+        # GEMM2's fp32 accumulator, zeroed by GEMM1: an fp32 output is the accumulator itself (no cast).
+        acc = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(
+            (m, h), dtype=torch.float32, device=x.device)
     fp8 = scheme is not None and not scheme.weight_only
     fuse = fp8 and scheme.scales == "tensor"
     pdl = resolve_pdl(options, x.device, w2.shape[2])
-    wide, sorted_a = gemm1_walk(options, config, x.dtype, scheme is not None, use_tma, w2.shape[2],
-                                m * topk / (num_experts or w13.shape[0]))
+    wide, sorted_a = gemm1_walk(options, config, x.dtype, scheme is not None, use_tma, w2.shape[2], rows_per_expert)
     tma1 = use_tma
     if activation.interleaved:
         if scheme is not None and not scheme.weight_only:
             raise MoebenchError("triton experts: swigluoai's interleaved w13 runs unquantised or weight-only (not fp8)")
         wide = sorted_a = tma1 = False
-    inter = launch_gemm1(x, w13, align, topk, config, tma1, a_scale, out_dtype, zero=acc, wide=wide,
+    inter = launch_gemm1(x, w13, align, topk, config, tma1, a_scale, out_dtype, zero=None if pair_store else acc, wide=wide,
                          out_scale=w2.input_scale if fuse else None, pdl=pdl, sorted_a=sorted_a,
                          activation=activation, b13=None if bias is None else bias.b13)
     inter_scale = None
@@ -693,7 +740,11 @@ def fused_moe_gemms(
         if "USE_TMA" in down_config:
             tma2 = bool(down_config["USE_TMA"]) and scheme is None and tma_ok(w2)
     ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, inter_scale, ws=acc, pdl=pdl,
-                      b2=None if bias is None else bias.b2)
-    if ws is not out:
+                      b2=None if bias is None else bias.b2, pair_store=pair_store)
+    if pair_store:
+        if out.is_contiguous():
+            return topk_sum(ws, out, topk)
+        out.copy_(topk_sum(ws, torch.empty_like(out, memory_format=torch.contiguous_format), topk))
+    elif ws is not out:
         out.copy_(ws)
     return out

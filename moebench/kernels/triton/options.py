@@ -16,6 +16,8 @@ benchmark can move them.
     wants_direct_align  one block per pair and no alignment kernel (`use_direct_align`)
     align_kernels       the alignment's kernels: one launch, or two by "scan" or "sort"
     layer_split_k       GEMM2's K split (`choose_split_k`, `wave_split`: the split-K cost model)
+    resolve_pair_store  GEMM2's sum over top-k: fp32 atomics into (M, H), or each pair's weighted
+                        row stored and summed by a second launch (`use_pair_store`)
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import triton
 from moebench.errors import MoebenchError
 from moebench.kernels.triton.env import interpreting
 
-_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align")
+_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "pair_store")
 _ALIGN_METHODS = ("auto", "scan", "sort")
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -80,6 +82,15 @@ class TritonOptions:
     #: fixed cost (pipeline fill, epilogue, launch) in K steps of the main loop, fitted to GEMM2's
     #: times (~0.8 us per 128 x 256 x 64 step, ~6 us per tile): Mixtral 1024 tokens 0.965 of the layer.
     wave_tile_overhead_steps: int = 7
+    #: GEMM2 stores each pair's weighted row (M*K, H) in the output dtype and one more launch sums
+    #: them over top-k (`topk_sum`), instead of adding them into an fp32 (M, H) accumulator by
+    #: atomics (which GEMM1 then zeroes). "auto" (`use_pair_store`): where GEMM2's K loop is short
+    #: (I <= pair_store_max_inter) and experts get at least pair_store_min_rows pairs each, with every
+    #: pair local (no expert map) and GEMM2's K unsplit: there the atomic epilogue of every
+    #: 128 x 256 tile outweighs its few K steps.
+    pair_store: bool | str = "auto"
+    pair_store_max_inter: int = 1024
+    pair_store_min_rows: int = 256
     #: batched-triton's default heuristic keeps 64-row tiles up to this many rows per expert where
     #: the sorted-token heuristic takes 128-row ones (128 x 256 tiles 10-30% faster at 192 and 768
     #: mean rows per expert, 4-9% slower at 48).
@@ -188,6 +199,26 @@ def align_kernels(options: TritonOptions, num_local: int, num_pairs: int) -> str
     if options.align_method == "auto":
         return "sort" if num_local * num_pairs >= options.sort_min_work else "scan"
     return options.align_method
+
+
+def use_pair_store(options: TritonOptions, inter: int, rows_per_expert: float, mapped: bool) -> bool:
+    """The "auto" rule of options.pair_store for a layer of intermediate size inter with
+    rows_per_expert expected pairs per local expert (M * K / E global); mapped: an expert map is
+    given (remote pairs would leave rows unwritten)."""
+    return (not mapped and inter <= options.pair_store_max_inter
+            and rows_per_expert >= options.pair_store_min_rows)
+
+
+def resolve_pair_store(options: TritonOptions, inter: int, rows_per_expert: float, mapped: bool,
+                       split_k: int) -> bool:
+    """options.pair_store for one layer call: "auto" = `use_pair_store` with GEMM2's K unsplit
+    (split_k == 1). Stored rows cannot be split over K, so True with split_k > 1 raises."""
+    if options.pair_store == "auto":
+        return split_k == 1 and use_pair_store(options, inter, rows_per_expert, mapped)
+    if options.pair_store and split_k > 1:
+        raise MoebenchError(f"pair_store stores whole rows: GEMM2 cannot split K ({split_k} splits asked); "
+                            "give split_k=1 or pair_store=False")
+    return bool(options.pair_store)
 
 
 # ---------------------------------------------------------------------------------------------
