@@ -147,9 +147,9 @@ def test_gemm_path_rules():
 
 def test_pair_store_rules():
     o = TritonOptions()
-    # "auto": short GEMM2 K loops (I <= 1024) at >= 256 pairs per expert, all pairs local, no K split
-    assert use_pair_store(o, 192, 256, False) and use_pair_store(o, 1024, 4096, False)
-    assert not use_pair_store(o, 192, 255, False) and not use_pair_store(o, 2048, 4096, False)
+    # "auto": short GEMM2 K loops (I <= 1024) at >= 32 pairs per expert, all pairs local, no K split
+    assert use_pair_store(o, 192, 32, False) and use_pair_store(o, 1024, 4096, False)
+    assert not use_pair_store(o, 192, 31, False) and not use_pair_store(o, 2048, 4096, False)
     assert not use_pair_store(o, 192, 4096, True)  # an expert map: remote pairs leave rows unwritten
     assert resolve_pair_store(o, 192, 4096, False, 1) and not resolve_pair_store(o, 192, 4096, False, 2)
     assert use_pair_store(TritonOptions(pair_store_max_inter=2048, pair_store_min_rows=1), 2048, 1, False)
@@ -513,11 +513,12 @@ def test_gemm2_with_its_own_config_matches_reference(tmp_path, monkeypatch):
         fused_moe(x, w13, w2, tw, ti, num_experts=E, config=CFG, down_config=dict(down, BLOCK_SIZE_M=32))
     with pytest.raises(MoebenchError, match="BLOCK_SIZE_M must equal"):
         TritonExperts(config=CFG, down_config=dict(down, BLOCK_SIZE_M=32))
-    # the lookup: GEMM1's file and GEMM2's `_down` file in $MOEBENCH_CONFIG_DIR (device name "cpu")
+    # the lookup: GEMM1's file and GEMM2's `_down` file in $MOEBENCH_CONFIG_DIR (this device's name)
     monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    C.write_config_file(tmp_path / C.config_file_name(E, I, "cpu"), {1: CFG})
-    C.write_config_file(tmp_path / C.config_file_name(E, I, "cpu", down=True), {1: dict(down, USE_TMA=False)})
+    dev = C.device_name(w2.device)
+    C.write_config_file(tmp_path / C.config_file_name(E, I, dev), {1: CFG})
+    C.write_config_file(tmp_path / C.config_file_name(E, I, dev, down=True), {1: dict(down, USE_TMA=False)})
     kernel = moebench.make_kernel("triton", "no-dpep")
     out = kernel.apply(x, w13, w2, tw, ti, num_experts=E)
     assert rel_err(out, ref) < TOL[dtype]
