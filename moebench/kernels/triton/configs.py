@@ -442,6 +442,11 @@ def quant_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
         # block scales: the per-K-step scaled partial product doubles the live accumulators;
         # 256-wide tiles then spill (2.5-2.9x slower than 128 at >= 256 tokens on an H200, PERF.md)
         out["BLOCK_SIZE_N"] = min(out["BLOCK_SIZE_N"], 128)
+        if out["BLOCK_SIZE_M"] == 128:
+            # prefill: 64-row tiles in groups of 16, the tile H200 tunes picked at 1024-4096 tokens of
+            # Qwen3-30B-A3B, Qwen3-235B-A22B TP8 and DeepSeek-V3 TP8 (the 128-row default 1.16-1.21x
+            # slower than tuned there)
+            out["BLOCK_SIZE_M"], out["GROUP_SIZE_M"] = 64, 16
     return fit_to_quant_block(out, quant)
 
 
