@@ -37,9 +37,11 @@ from moebench.kernels.triton.options import (
     layer_split_k,
     resolve_pair_store,
     resolve_pdl,
+    resolve_swap_ab,
     resolve_use_tma,
     use_direct_align,
     use_pair_store,
+    use_swap_ab,
     use_sorted_a,
     wants_direct_align,
     wave_split,
@@ -158,6 +160,18 @@ def test_pair_store_rules():
     assert not resolve_pair_store(TritonOptions(pair_store=False), 192, 4096, False, 1)
     with pytest.raises(MoebenchError, match="pair_store"):
         resolve_pair_store(TritonOptions(pair_store=True), 192, 4096, False, 2)
+
+
+def test_swap_ab_rules():
+    # fp8 without TMA only; "auto" = BLOCK_SIZE_M < 64 with BLOCK_SIZE_N >= 64 (vLLM's rule); off by default
+    small, wide = dict(CFG, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64), dict(CFG, BLOCK_SIZE_M=64, BLOCK_SIZE_N=128)
+    assert use_swap_ab(small) and not use_swap_ab(wide) and not use_swap_ab(dict(small, BLOCK_SIZE_N=32))
+    auto = TritonOptions(swap_ab="auto")
+    assert resolve_swap_ab(auto, small, True, False) and not resolve_swap_ab(auto, wide, True, False)
+    assert not resolve_swap_ab(TritonOptions(), small, True, False)
+    assert resolve_swap_ab(TritonOptions(swap_ab=True), wide, True, False)
+    assert not resolve_swap_ab(TritonOptions(swap_ab=True), small, False, False)  # 16-bit: not an fp8 GEMM
+    assert not resolve_swap_ab(TritonOptions(swap_ab=True), small, True, True)
 
 
 def test_alignment_rules():

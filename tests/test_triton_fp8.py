@@ -369,6 +369,28 @@ def test_triton_fp8_wide_gemm1(name):
     assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
 
 
+@pytest.mark.parametrize("name", ["tensor", "token", "block128", "block32"])
+@pytest.mark.parametrize("wide", [False, True], ids=["paired", "wide"])
+def test_triton_fp8_swap_ab(name, wide):
+    # both GEMMs as w^T x^T into a transposed accumulator, scales transposed with it: the
+    # reference, on 16-row blocks (one token: the direct alignment) and 32-row blocks, with an
+    # expert map; the same result as the unswapped dots within rounding
+    scheme = SCHEMES[name]
+    e_local = 12
+    q13, q2 = _qweights(scheme, e=e_local)
+    emap = random_expert_map(E, e_local, DEV)
+    for m, bm in ((1, 16), (21, 32)):
+        x = _x(m)
+        tw, ti = _routing(m, E, K)
+        cfg = _cfg(scheme, BLOCK_SIZE_M=bm)
+        ref = moebench.reference_moe(x, q13, q2, tw, ti, emap)
+        with poisoned_outputs():
+            got = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(swap_ab=True, wide_gemm1=wide))
+            plain = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(wide_gemm1=wide))
+        assert rel_err(got, ref) < TIGHT, (m, bm)
+        assert rel_err(got, plain.double()) < TIGHT, (m, bm)
+
+
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 def test_fused_per_tensor_intermediate_is_bit_exact(act):
     # GEMM1 storing the per-tensor fp8 intermediate itself gives the bytes of the two-step path
