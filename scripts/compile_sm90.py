@@ -191,6 +191,21 @@ def main(argv: list[str]) -> int:
                  IEEE_DOT=False, USE_TMA=False, ZERO_OUT=False, WIDE=True, **quant)
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if quant["QUANT"] else std_ptrs
         print(build(T.silu_mul_gemm1_kernel, c, p1, ("w13_desc", "x_desc")))
+    # GEMM2 storing each pair's bf16 row (pair_store) at the prefill tile, bf16 and fp8 block
+    for quant in (no_quant, dict(QUANT=2, GROUP_N=128, GROUP_K=128)):
+        c = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128 if quant["QUANT"] else 64, GROUP_SIZE_M=16,
+                 TOPK=8, EVEN_K=True, UPCAST=False, IEEE_DOT=False, USE_TMA=False, PAIR_STORE=True, **quant)
+        p2 = dict(std_ptrs, ws_ptr="*bf16", **(dict(inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if quant["QUANT"] else {}))
+        print(build(T.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
+    # fp8 dots as w^T x^T into a transposed accumulator (swap_ab): per-token and block scales on
+    # the decode tile, GEMM1 in both walks and GEMM2
+    for quant in (dict(QUANT=1, GROUP_N=1, GROUP_K=1), dict(QUANT=2, GROUP_N=128, GROUP_K=128)):
+        c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
+                 UPCAST=False, IEEE_DOT=False, USE_TMA=False, SWAP_AB=True, **quant)
+        for wide in (False, True):
+            print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=wide),
+                        dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
+        print(build(T.gemm2_weighted_sum_kernel, c, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"), ("w2_desc",)))
     # per-tensor fp8: GEMM1 quantising the intermediate in its epilogue (fp8 store)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, QUANT=1, GROUP_N=1, GROUP_K=1, QUANT_OUT=True)
@@ -243,7 +258,7 @@ def main(argv: list[str]) -> int:
                          (dict(vbase, **fp8_block), vfp8), (dict(vbase, **fp8_block, SWAP_AB=True), vfp8)):
         print(build(V.vllm_moe_gemm_kernel, consts, ptrs))
     print(build(V.silu_and_mul_kernel, dict(BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
-    print(build(V.topk_sum_kernel, dict(TOP_K=8, BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
+    print(build(T.topk_sum_kernel, dict(TOP_K=8, BLOCK=1024, EXACT=False), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
     # As launched: the prefill tile of Qwen3-30B-A3B at 4096 tokens (H 2048, I 768, 32768 pairs),
     # 128 x 256 x 64, 8 warps, 4 stages (the shipped file's entry), GEMM1 wide with pointer loads
     # (as on a device without TMA), GEMM2 with w2 through TMA

@@ -108,11 +108,7 @@ def block_scaled_mma(a, b, acc, a_s, b_s, UPCAST: tl.constexpr, IEEE_DOT: tl.con
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if SWAP_AB:
-        if IEEE_DOT:
-            d = tl.dot(tl.trans(b), tl.trans(a), input_precision="ieee")
-        else:
-            d = tl.dot(tl.trans(b), tl.trans(a))
-        return acc + d * b_s[:, None] * a_s[None, :]
+        a, b, a_s, b_s = tl.trans(b), tl.trans(a), b_s, a_s
     if IEEE_DOT:
         d = tl.dot(a, b, input_precision="ieee")
     else:
@@ -164,9 +160,8 @@ def dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT: tl.constexpr, SWAP_AB:
         a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
         b_s = tl.load(bs_ptrs, mask=col_ok, other=0.0)
         if SWAP_AB:
-            acc = acc * b_s[:, None] * a_s[None, :]
-        else:
-            acc = acc * a_s[:, None] * b_s[None, :]
+            a_s, b_s = b_s, a_s
+        acc = acc * a_s[:, None] * b_s[None, :]
     if SWAP_AB:
         acc = tl.trans(acc)
     return acc
