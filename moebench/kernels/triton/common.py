@@ -1,6 +1,7 @@
 """@triton.jit pieces shared by moebench's Triton kernels (and the launch arguments of PDL).
 
     mma, block_scaled_mma, scaled_mma, dequant   one K step of a (fp8-scaled) GEMM; its epilogue scales
+    acc_zeros                                    a tile's accumulator (transposed for swapped operands)
     scale_ptrs                                   where a weight row's fp8 scales are
     grouped_tile                                 program id -> (row tile, column tile), L2-friendly order
     block_expert, tile_rows                      a sorted block's expert and rows (sorted-token GEMMs)
@@ -96,6 +97,16 @@ def tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, ROWS: tl.cons
     offs_m = row0 + tl.arange(0, ROWS)
     pair = tl.load(sorted_ids_ptr + offs_m)
     return offs_m, pair, pair < num_pairs, (pair // TOPK).to(tl.int64)
+
+
+@triton.jit
+def acc_zeros(ROWS: tl.constexpr, COLS: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The zero fp32 accumulator of a (ROWS, COLS) output tile: (COLS, ROWS) under SWAP_AB (`mma`)."""
+    if SWAP_AB:
+        acc = tl.zeros((COLS, ROWS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    return acc
 
 
 @triton.jit

@@ -49,6 +49,7 @@ from moebench.errors import MoebenchError
 from moebench.kernels.modular import ExpertBias, alloc_output
 from moebench.kernels.triton.align import AlignResult
 from moebench.kernels.triton.common import (
+    acc_zeros,
     block_expert,
     cast_rne,
     dequant,
@@ -195,10 +196,7 @@ def silu_mul_gemm1_kernel(
         w_slice = (2 * expert).to(tl.int32)
 
         # K loop: one (BM, 2 BN) dot per step.
-        if SWAP_AB:
-            acc = tl.zeros((2 * BLOCK_SIZE_N, BLOCK_SIZE_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
+        acc = acc_zeros(BLOCK_SIZE_M, 2 * BLOCK_SIZE_N, SWAP_AB)
         for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
             # A: the block's rows of the sorted copy through TMA (past H the descriptor reads zeros),
             # or gathered rows, their K tail masked (always beside TMA weight tiles); then B.
@@ -235,12 +233,8 @@ def silu_mul_gemm1_kernel(
         us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, u_rows, QUANT, GROUP_N)
 
         # K loop: two (BM, BN) dots per step, one A tile for both.
-        if SWAP_AB:
-            acc_g = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_M), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_M), dtype=tl.float32)
-        else:
-            acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        acc_g = acc_zeros(BLOCK_SIZE_M, BLOCK_SIZE_N, SWAP_AB)
+        acc_u = acc_zeros(BLOCK_SIZE_M, BLOCK_SIZE_N, SWAP_AB)
         for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
             # A: gathered rows, their K tail masked (always beside TMA weight tiles); then B.
             k_ok = offs_k < H - k * BLOCK_SIZE_K
@@ -375,10 +369,7 @@ def gemm2_weighted_sum_kernel(
     bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_bse, stride_bsn, offs_n, QUANT, GROUP_N)
 
     # K loop over this program's slice.
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc = acc_zeros(BLOCK_SIZE_M, BLOCK_SIZE_N, SWAP_AB)
     k_hi = min(k_lo + k_per_split, N_INTER)
     for k in range(k_lo, k_hi, BLOCK_SIZE_K):
         # A: inter's rows, the K tail of the slice masked (always beside TMA weight tiles); then B.
