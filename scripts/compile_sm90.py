@@ -219,6 +219,15 @@ def main(argv: list[str]) -> int:
                          dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>"), ("x_desc",)))
     print(build(T.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn),
                          dict(std_ptrs, w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
+    # fp8 block weights through TMA (options.use_tma=True) at a prefill tile: GEMM1's paired walk, GEMM2
+    blk = dict(QUANT=2, GROUP_N=128, GROUP_K=128)
+    c = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
+             IEEE_DOT=False, USE_TMA=True, **blk)
+    print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
+                dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv", w13_desc="tensordesc<fp8e4nv[128, 128]>"),
+                ("x_desc",)))
+    print(build(T.gemm2_weighted_sum_kernel, c,
+                dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv", w2_desc="tensordesc<fp8e4nv[128, 128]>")))
     # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
     # (looped chunks), dynamic scales, rows limited on the device.
     qptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "limit_ptr": "*i32"}

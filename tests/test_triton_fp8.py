@@ -391,6 +391,35 @@ def test_triton_fp8_swap_ab(name, wide):
         assert rel_err(got, plain.double()) < TIGHT, (m, bm)
 
 
+@pytest.mark.parametrize("name", ["tensor", "block128", "block32"])
+@pytest.mark.parametrize("wide", [False, True], ids=["paired", "wide"])
+def test_triton_fp8_tma_weight_tiles(name, wide, monkeypatch):
+    # use_tma=True: both GEMMs' fp8 weight tiles through TMA descriptors (H = 160, I = 80: 16-byte
+    # rows, partial 128-wide scale groups), with an expert map and the direct alignment; the
+    # descriptors are really made, and "auto" leaves fp8 on pointer loads
+    import moebench.kernels.triton.gemm as gemm
+
+    made = []
+    real = gemm.TensorDescriptor.from_tensor
+    monkeypatch.setattr(gemm.TensorDescriptor, "from_tensor", lambda t, block: made.append(t.dtype) or real(t, block))
+    scheme = SCHEMES[name]
+    e_local = 12
+    q13, q2 = _qweights(scheme, e=e_local, h=160, i=80)
+    emap = random_expert_map(E, e_local, DEV)
+    for m, bm in ((1, 16), (21, 32)):
+        x = _x(m, h=160)
+        tw, ti = _routing(m, E, K)
+        cfg = _cfg(scheme, BLOCK_SIZE_M=bm)
+        ref = moebench.reference_moe(x, q13, q2, tw, ti, emap)
+        with poisoned_outputs():
+            made.clear()
+            fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(wide_gemm1=wide))
+            assert made == [], "auto: no TMA for fp8"
+            got = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(use_tma=True, wide_gemm1=wide))
+            assert made == [FP8_DTYPE, FP8_DTYPE], made
+        assert rel_err(got, ref) < TIGHT, (m, bm)
+
+
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 def test_fused_per_tensor_intermediate_is_bit_exact(act):
     # GEMM1 storing the per-tensor fp8 intermediate itself gives the bytes of the two-step path

@@ -28,7 +28,8 @@ block scales multiply each K step's dot (BLOCK_SIZE_K divides bk, one scale colu
 weight scale is read per output column n // bn). The intermediate is stored in the layer's dtype,
 quantised with the scheme by moebench.kernels.triton.quant (only rows < num_tokens_post_padded,
 read on the device); for per-tensor scales GEMM1 quantises it itself with w2's static input scale
-(bit for bit the two-step result). No TMA for fp8. On Hopper tensor/token scales accumulate the
+(bit for bit the two-step result). fp8 weight tiles come through TMA only where
+TritonOptions.use_tma is True ("auto" keeps them on pointer loads). On Hopper tensor/token scales accumulate the
 whole K loop in the fp8 MMA accumulator, which wgmma keeps at reduced precision (as vLLM's Triton
 kernel does: 1-1.5e-2 from the emulating reference at M >= 64 tiles); block scales add each K
 step's dot in fp32 (<= 5e-3). Under the interpreter the bf16 stores round to nearest even
@@ -466,6 +467,11 @@ def _scale_args(scale: torch.Tensor | None, w) -> tuple:
     return (scale, w.scale, scale.stride(0), scale.stride(1), *w.scale_strides())
 
 
+def _stored(w) -> torch.Tensor:
+    """The tensor a weight's values are stored in (a QuantWeight's codes, or the weight itself)."""
+    return w.q if isinstance(w, QuantWeight) else w
+
+
 def _map_arg(align: AlignResult) -> torch.Tensor:
     """The GEMMs' expert_map pointer: the map of a mapped direct alignment, else a dummy."""
     return align.expert_map if align.expert_map is not None else align.expert_ids
@@ -540,7 +546,7 @@ def launch_gemm1(
     act_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else x.dtype
     inter = torch.empty((num_blocks * bm, n_inter), dtype=FP8_DTYPE if out_scale is not None else act_dtype,
                         device=x.device)
-    wq = w13.q if isinstance(w13, QuantWeight) else w13
+    wq = _stored(w13)
     desc = wq
     if use_tma and wide:  # one (2, BN, BK) box: gate rows of slice 2e, up rows of slice 2e + 1
         desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter, h), [2, bn1, bk])
@@ -630,7 +636,7 @@ def launch_gemm2(
     k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
     split_k = triton.cdiv(n_inter, k_per_split)
     weights = _flat_weights(topk_weights)
-    wq = w2.q if isinstance(w2, QuantWeight) else w2
+    wq = _stored(w2)
     desc = wq
     if use_tma:
         desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter), [bn, bk])
@@ -685,7 +691,8 @@ def fused_moe_gemms(
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
     in out_dtype (default bf16). The intermediate is quantised with the scheme before GEMM2 (by
-    GEMM1 itself for per-tensor scales, with w2.input_scale), as moebench.quant describes. No TMA.
+    GEMM1 itself for per-tensor scales, with w2.input_scale), as moebench.quant describes; its weight
+    tiles through TMA only with options.use_tma=True.
 
     activation / bias: the epilogues' function (moebench.activation) and per-expert biases (b13
     before the activation, b2 before the router weight). swigluoai's interleaved w13 runs the
@@ -709,7 +716,7 @@ def fused_moe_gemms(
             raise MoebenchError("fp8 triton experts need x as float8_e4m3fn with its a_scale")
         if scheme.scales == "tensor" and w2.input_scale is None:
             raise MoebenchError("per-tensor fp8 needs w2.input_scale (moebench.quant.quantize_weights sets it)")
-        use_tma = False
+        use_tma = resolve_use_tma(options, config, x.dtype)
     else:
         out_dtype = x.dtype
         use_tma = resolve_use_tma(options, config, x.dtype)
@@ -717,7 +724,7 @@ def fused_moe_gemms(
         out = alloc_output((m, h), out_dtype, x.device)
     if m == 0:
         return out
-    use_tma = use_tma and tma_ok(w13) and tma_ok(w2)
+    use_tma = use_tma and tma_ok(_stored(w13)) and tma_ok(_stored(w2))
     rows_per_expert = m * topk / (num_experts or w13.shape[0])
     pair_store = resolve_pair_store(options, w2.shape[2], rows_per_expert, align.remote, split_k)
     if pair_store:
@@ -753,7 +760,7 @@ def fused_moe_gemms(
                                 f"{config['BLOCK_SIZE_M']}: both GEMMs share one alignment")
         cfg2 = down_config
         if "USE_TMA" in down_config:
-            tma2 = bool(down_config["USE_TMA"]) and scheme is None and tma_ok(w2)
+            tma2 = bool(down_config["USE_TMA"]) and not (scheme is not None and scheme.weight_only) and tma_ok(_stored(w2))
     ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, inter_scale, ws=acc, pdl=pdl,
                       b2=None if bias is None else bias.b2, pair_store=pair_store,
                       swap_ab=resolve_swap_ab(options, cfg2, fp8, tma2))

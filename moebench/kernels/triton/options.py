@@ -45,7 +45,7 @@ class TritonOptions:
 
     #: Weight tiles through TMA descriptors where the hardware has them (Hopper+). "auto": 16-bit
     #: inputs with BLOCK_SIZE_M >= 32 (same-config A/B: 1-13% faster at >= 1024 tokens with 128-row
-    #: tiles; within +-1% at 32 rows; mixed at 16). fp8 never uses TMA.
+    #: tiles; within +-1% at 32 rows; mixed at 16). fp8 (w8a8) weights only with True.
     use_tma: bool | str = "auto"
     #: GEMM1's wide walk: gate and up as one (BK, BLOCK_SIZE_N) tile and one dot per K step (with TMA
     #: one (2, BN, BK) box of w13), instead of the paired walk's two tiles and two dots. "auto":
@@ -237,7 +237,7 @@ def use_swap_ab(config: Mapping[str, int]) -> bool:
 
 def resolve_swap_ab(options: TritonOptions, config: Mapping[str, int], fp8: bool, use_tma: bool) -> bool:
     """options.swap_ab for one GEMM of a layer with tile `config`: fp8 (w8a8) weights only, and not
-    with TMA weight tiles (which fp8 does not use); "auto" = `use_swap_ab`."""
+    with TMA weight tiles; "auto" = `use_swap_ab`."""
     if not fp8 or use_tma:
         return False
     if options.swap_ab == "auto":
