@@ -17,8 +17,7 @@ files); `nosorted` / `sorted`: GEMM1's A tiles gathered by pointer loads / alway
 x copied into sorted order (sorted_a False / True; `sorted` is n/a where the tile has no TMA);
 `wide`: the wide GEMM1 at every tile size (wide_gemm1=True); `pairstore` / `atomic`: GEMM2
 stores each pair's row and `topk_sum` adds them / the fp32 atomic sum over top-k (pair_store True
-/ False); `swapab`: the fp8 GEMMs as w^T x^T into a transposed accumulator (swap_ab=True;
-`swapab/current`; the same as current for 16-bit weights); `tma`: weight tiles through TMA at every
+/ False); `tma`: weight tiles through TMA at every
 tile and for fp8 too (use_tma=True; `tma/current`); `again`: the current defaults timed a
 second time, last (`again/current`: the point's noise). --fp8: per-tensor fp8_w8a8 weights (GEMM1
 quantises the intermediate itself); --fp8-block: fp8_w8a8 with 128 x 128 block scales. --variants picks which run (default: all).
@@ -53,13 +52,12 @@ VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions
             "pdl": (None, TritonOptions(pdl=True)), "nodown": (None, TritonOptions()),
             "nosorted": (None, TritonOptions(sorted_a=False)), "sorted": (None, TritonOptions(sorted_a=True)),
             "wide": (None, TritonOptions(wide_gemm1=True)), "pairstore": (None, TritonOptions(pair_store=True)),
-            "atomic": (None, TritonOptions(pair_store=False)), "swapab": (None, TritonOptions(swap_ab=True)),
+            "atomic": (None, TritonOptions(pair_store=False)),
             "tma": (None, TritonOptions(use_tma=True)), "again": (None, TritonOptions())}
 #: (a, b) pairs whose ratio a/b each row gets
 RATIOS = (("current", "nodirect"), ("current", "twolaunch"), ("current", "sk1"), ("sk2", "current"), ("sk4", "current"),
           ("current", "nopdl"), ("pdl", "nopdl"), ("current", "nodown"), ("current", "nosorted"), ("sorted", "nosorted"),
-          ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("swapab", "current"),
-          ("tma", "current"), ("again", "current"))
+          ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("tma", "current"), ("again", "current"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,11 +37,9 @@ from moebench.kernels.triton.options import (
     layer_split_k,
     resolve_pair_store,
     resolve_pdl,
-    resolve_swap_ab,
     resolve_use_tma,
     use_direct_align,
     use_pair_store,
-    use_swap_ab,
     use_sorted_a,
     wants_direct_align,
     wave_split,
@@ -162,16 +160,17 @@ def test_pair_store_rules():
         resolve_pair_store(TritonOptions(pair_store=True), 192, 4096, False, 2)
 
 
-def test_swap_ab_rules():
-    # fp8 without TMA only; "auto" = BLOCK_SIZE_M < 64 with BLOCK_SIZE_N >= 64 (vLLM's rule); off by default
-    small, wide = dict(CFG, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64), dict(CFG, BLOCK_SIZE_M=64, BLOCK_SIZE_N=128)
-    assert use_swap_ab(small) and not use_swap_ab(wide) and not use_swap_ab(dict(small, BLOCK_SIZE_N=32))
-    auto = TritonOptions(swap_ab="auto")
-    assert resolve_swap_ab(auto, small, True, False) and not resolve_swap_ab(auto, wide, True, False)
-    assert not resolve_swap_ab(TritonOptions(), small, True, False)
-    assert resolve_swap_ab(TritonOptions(swap_ab=True), wide, True, False)
-    assert not resolve_swap_ab(TritonOptions(swap_ab=True), small, False, False)  # 16-bit: not an fp8 GEMM
-    assert not resolve_swap_ab(TritonOptions(swap_ab=True), small, True, True)
+def test_use_tma_rules():
+    # "auto": 16-bit x from 32-row tiles, fp8 x from tma_fp8_min_rows (64); True / False as given
+    auto = TritonOptions()
+    cfg = lambda bm: dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1)  # noqa: E731
+    fp8 = torch.float8_e4m3fn
+    assert resolve_use_tma(auto, cfg(32), torch.bfloat16) and not resolve_use_tma(auto, cfg(16), torch.bfloat16)
+    assert resolve_use_tma(auto, cfg(64), fp8) and not resolve_use_tma(auto, cfg(32), fp8)
+    assert not resolve_use_tma(auto, cfg(128), torch.float32)
+    assert resolve_use_tma(TritonOptions(use_tma=True), cfg(16), fp8)
+    assert not resolve_use_tma(TritonOptions(use_tma=False), cfg(128), fp8)
+    assert not resolve_use_tma(TritonOptions(tma_fp8_min_rows=128), cfg(64), fp8)
 
 
 def test_alignment_rules():

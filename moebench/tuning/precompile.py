@@ -15,7 +15,10 @@ nothing) the workers only repeat work; the option is for GPUs.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import signal
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Mapping, Sequence
 
@@ -24,10 +27,20 @@ import torch
 _STATE: dict[str, Any] = {}
 
 
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies (prctl PR_SET_PDEATHSIG), so a tune
+    stopped by a signal (a timeout's SIGTERM, SIGKILL) leaves no worker holding the GPU; a no-op
+    elsewhere. Called first thing in every spawned tuning process."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+
+
 def _init(spec_json: dict[str, Any], device: str) -> None:
     """Worker start: the tuning settings and device; weights are built on first use."""
     from moebench.tuning.spec import TuneSpec
 
+    die_with_parent()
     if torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))
     _STATE.update(spec=TuneSpec.from_json(spec_json), device=device, weights=None, bench=None)

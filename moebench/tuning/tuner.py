@@ -61,7 +61,7 @@ from moebench.models import MoEShape
 from moebench.quant import QuantScheme
 from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.kernels.triton import configs as C
-from moebench.tuning.precompile import Precompiler
+from moebench.tuning.precompile import Precompiler, die_with_parent
 from moebench.tuning.search import (
     STRATEGIES,
     LayerBench,
@@ -424,6 +424,7 @@ def _worker_process(spec_json: dict[str, Any], tokens: list[int], run_dir: str, 
                     cache_limit_mb: float, compile_workers: int = 0,
                     config_path: str | None = None) -> list[dict[str, Any]]:
     """Entry point of a spawned worker (module level, picklable arguments)."""
+    die_with_parent()
     spec = TuneSpec.from_json(spec_json)
     return [r.as_dict() for r in run_worker(spec, tokens, run_dir, worker, device, cache_limit_mb=cache_limit_mb,
                                             compile_workers=compile_workers,

@@ -18,7 +18,6 @@ benchmark can move them.
     layer_split_k       GEMM2's K split (`choose_split_k`, `wave_split`: the split-K cost model)
     resolve_pair_store  GEMM2's sum over top-k: fp32 atomics into (M, H), or each pair's weighted
                         row stored and summed by a second launch (`use_pair_store`)
-    resolve_swap_ab     fp8 dots as w^T x^T into a transposed accumulator
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import triton
 from moebench.errors import MoebenchError
 from moebench.kernels.triton.env import interpreting
 
-_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "pair_store", "swap_ab")
+_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "pair_store")
 _ALIGN_METHODS = ("auto", "scan", "sort")
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -45,8 +44,11 @@ class TritonOptions:
 
     #: Weight tiles through TMA descriptors where the hardware has them (Hopper+). "auto": 16-bit
     #: inputs with BLOCK_SIZE_M >= 32 (same-config A/B: 1-13% faster at >= 1024 tokens with 128-row
-    #: tiles; within +-1% at 32 rows; mixed at 16). fp8 (w8a8) weights only with True.
+    #: tiles; within +-1% at 32 rows; mixed at 16), fp8 (w8a8) with BLOCK_SIZE_M >= tma_fp8_min_rows
+    #: (fp8 block layers at 1024 / 4096 tokens: 0.979-1.000 at 7 of 8 points, 1.039 at the eighth;
+    #: 0.90-1.22 at 16-row tiles).
     use_tma: bool | str = "auto"
+    tma_fp8_min_rows: int = 64
     #: GEMM1's wide walk: gate and up as one (BK, BLOCK_SIZE_N) tile and one dot per K step (with TMA
     #: one (2, BN, BK) box of w13), instead of the paired walk's two tiles and two dots. "auto":
     #: unquantised with BLOCK_SIZE_M >= 64 (1-4% faster layers; -0.1% to +1% at 16 / 32 rows).
@@ -94,11 +96,6 @@ class TritonOptions:
     pair_store: bool | str = "auto"
     pair_store_max_inter: int = 1024
     pair_store_min_rows: int = 32
-    #: fp8 GEMMs compute each tile as w^T x^T into a (BLOCK_SIZE_N, BLOCK_SIZE_M) accumulator, so the
-    #: weight columns fill the MMA's M side (wgmma's M is 64) where a block has few rows; vLLM's
-    #: kernel does so for fp8 on Hopper at BLOCK_SIZE_M < 64 with BLOCK_SIZE_N >= 64. "auto"
-    #: (`use_swap_ab`): that rule. Off by default: not yet timed in moebench's kernels.
-    swap_ab: bool | str = False
     #: batched-triton's default heuristic keeps 64-row tiles up to this many rows per expert where
     #: the sorted-token heuristic takes 128-row ones (128 x 256 tiles 10-30% faster at 192 and 768
     #: mean rows per expert, 4-9% slower at 48).
@@ -123,9 +120,12 @@ class TritonOptions:
 
 
 def resolve_use_tma(options: TritonOptions, config: Mapping[str, int], dtype: torch.dtype) -> bool:
-    """options.use_tma for a layer of `dtype` with GEMM1's `config`: "auto" = 16-bit inputs with
-    BLOCK_SIZE_M >= 32. (Whether the device can do TMA is checked where the descriptors are made.)"""
+    """options.use_tma for a layer of `dtype` (x's: float8_e4m3fn for fp8 w8a8) with GEMM1's `config`:
+    "auto" = 16-bit inputs with BLOCK_SIZE_M >= 32, fp8 with BLOCK_SIZE_M >= options.tma_fp8_min_rows.
+    (Whether the device can do TMA is checked where the descriptors are made.)"""
     if options.use_tma == "auto":
+        if dtype == torch.float8_e4m3fn:
+            return config["BLOCK_SIZE_M"] >= options.tma_fp8_min_rows
         return config["BLOCK_SIZE_M"] >= 32 and dtype in _16BIT
     return bool(options.use_tma)
 
@@ -227,22 +227,6 @@ def resolve_pair_store(options: TritonOptions, inter: int, rows_per_expert: floa
         raise MoebenchError(f"pair_store stores whole rows: GEMM2 cannot split K ({split_k} splits asked); "
                             "give split_k=1 or pair_store=False")
     return bool(options.pair_store)
-
-
-def use_swap_ab(config: Mapping[str, int]) -> bool:
-    """The "auto" rule of options.swap_ab for a GEMM with tile `config`: BLOCK_SIZE_M < 64 and
-    BLOCK_SIZE_N >= 64 (vLLM's rule for fp8 on Hopper)."""
-    return config["BLOCK_SIZE_M"] < 64 and config["BLOCK_SIZE_N"] >= 64
-
-
-def resolve_swap_ab(options: TritonOptions, config: Mapping[str, int], fp8: bool, use_tma: bool) -> bool:
-    """options.swap_ab for one GEMM of a layer with tile `config`: fp8 (w8a8) weights only, and not
-    with TMA weight tiles; "auto" = `use_swap_ab`."""
-    if not fp8 or use_tma:
-        return False
-    if options.swap_ab == "auto":
-        return use_swap_ab(config)
-    return bool(options.swap_ab)
 
 
 # ---------------------------------------------------------------------------------------------
