@@ -22,11 +22,11 @@ from moebench.inputs import make_weights
 from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.batched import batched_moe
-from moebench.kernels.triton.configs import fit_to_quant_block
+from moebench.kernels.triton.configs import device_name, fit_to_quant_block
 from moebench.kernels.triton.experts import BatchedTritonExperts, TritonExperts, fused_moe
 from moebench.kernels.triton.gemm import launch_gemm1
 from moebench.kernels.triton.options import TritonOptions
-from moebench.kernels.triton.quant import quantize_rows
+from moebench.kernels.triton.quant import check_block_config, quantize_rows
 from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation, quantize_weights
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -196,15 +196,15 @@ def test_fp8_zero_tokens(experts, pf):
 
 @pytest.mark.parametrize("name", ["token", "block32"])
 def test_triton_fp8_one_expert_split_k(name):
-    # Every token on expert 7 (top-1): a long run of blocks, the others empty; BLOCK_SIZE_K=16
-    # with split_k=2 splits GEMM2's K loop (I=72: 80-wide halves, block groups of 32 inside).
+    # Every token on expert 7 (top-1): a long run of blocks, the others empty; BLOCK_SIZE_K=32
+    # with split_k=2 splits GEMM2's K loop (I=72: a 64-wide and an 8-wide part, block groups of 32).
     scheme = SCHEMES[name]
     q13, q2 = _qweights(scheme)
     m = 40
     x = _x(m)
     ti = torch.full((m, 1), 7, dtype=torch.int32, device=DEV)
     tw = torch.rand(m, 1, device=DEV)
-    cfg = _cfg(scheme, BLOCK_SIZE_K=16, GROUP_SIZE_M=4)
+    cfg = _cfg(scheme, BLOCK_SIZE_K=32, GROUP_SIZE_M=4)
     out = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=cfg, split_k=2)
     assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
 
@@ -244,18 +244,27 @@ def test_triton_fp8_pair_store(name, use_map):
 
 
 def test_fp8_non_square_block():
-    # block [32, 48] (BLOCK_SIZE_K=16 divides 48, BLOCK_SIZE_N=32 divides 32), and use_tma=True,
-    # which fp8 ignores (no TMA for fp8).
-    scheme = QuantScheme("fp8_w8a8", "block", (32, 48))
+    # block [32, 96] (BLOCK_SIZE_K=32 divides 96, BLOCK_SIZE_N=32 divides 32; H=152: a partial
+    # K group), and use_tma=True, which these 152-byte fp8 rows cannot take (TMA wants 16-byte rows)
+    scheme = QuantScheme("fp8_w8a8", "block", (32, 96))
     q13, q2 = _qweights(scheme, e=16)
     x = _x(7)
     tw, ti = _routing(7, 16, K)
-    cfg = _cfg(scheme, BLOCK_SIZE_K=16)
+    cfg = _cfg(scheme, BLOCK_SIZE_K=32)
     out = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=cfg, options=TritonOptions(use_tma=True))
     ref = moebench.reference_moe(x, q13, q2, tw, ti)
     assert rel_err(out, ref) < TIGHT
     out = _run("batched-triton", "batched-local", x, q13, q2, tw, ti, config=cfg)
     assert rel_err(out, ref) < TIGHT
+
+
+def test_fp8_block_k_below_32_refused_on_gpu():
+    # the GPU's fp8 dots need K >= 32: a one-line error there; the interpreter runs 16
+    cfg = dict(CFG, BLOCK_SIZE_K=16)
+    with pytest.raises(MoebenchError, match=r"BLOCK_SIZE_K=16 is below 32.*use BLOCK_SIZE_K >= 32"):
+        check_block_config(cfg, SCHEMES["token"], "triton experts", "cuda")
+    check_block_config(cfg, SCHEMES["token"], "triton experts", "cpu")
+    check_block_config(cfg, QuantScheme("int4_w4a16", group_size=128), "triton experts", "cuda")
 
 
 @pytest.mark.parametrize("experts,pf", KERNELS, ids=KIDS)
@@ -293,7 +302,7 @@ def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch, expert
     assert rel_err(out, ref) < TIGHT
 
     entry = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
-    name = f"E={e},N={i},device_name=cpu,dtype=fp8_w8a8,block_shape=[32,32].json"
+    name = f"E={e},N={i},device_name={device_name(DEV)},dtype=fp8_w8a8,block_shape=[32,32].json"
     (tmp_path / name).write_text(json.dumps({"triton_version": "3.6.0", "8": entry}))
     with poisoned_outputs():
         out = kernel.apply(x, q13, q2, tw, ti)

@@ -327,7 +327,7 @@ def batched_moe(
                                 f"(the dtype its weights were quantised for), got {a.dtype}")
         out_dtype = a.dtype
     elif scheme is not None:
-        check_block_config(config, scheme, "batched-triton experts")
+        check_block_config(config, scheme, "batched-triton experts", a.device)
         if scheme.scales == "tensor" and w2.input_scale is None:
             raise MoebenchError("per-tensor fp8 needs w2.input_scale (moebench.quant.quantize_weights sets it)")
         if a.dtype == FP8_DTYPE:

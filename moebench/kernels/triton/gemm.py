@@ -702,7 +702,9 @@ def fused_moe_gemms(
         use_tma = False
     elif scheme is not None:
         out_dtype = out_dtype or torch.bfloat16
-        check_block_config(config, scheme, "triton experts")
+        check_block_config(config, scheme, "triton experts", x.device)
+        if down_config is not None:
+            check_block_config(down_config, scheme, "triton experts (GEMM2)", x.device)
         if a_scale is None or x.dtype != FP8_DTYPE:
             raise MoebenchError("fp8 triton experts need x as float8_e4m3fn with its a_scale")
         if scheme.scales == "tensor" and w2.input_scale is None:

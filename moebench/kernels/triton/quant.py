@@ -245,10 +245,17 @@ def quant_meta(w) -> dict[str, int]:
     return dict(QUANT=2, GROUP_N=scheme.block_shape[0], GROUP_K=scheme.block_shape[1])
 
 
-def check_block_config(cfg: Mapping[str, int], scheme: QuantScheme | None, where: str) -> None:
+def check_block_config(cfg: Mapping[str, int], scheme: QuantScheme | None, where: str,
+                       device: torch.device | str = "cpu") -> None:
     """Block-scaled GEMMs step K by BLOCK_SIZE_K and apply one scale column per step, so
-    BLOCK_SIZE_K must divide bk (moebench.kernels.triton.configs.fit_to_quant_block makes defaults so)."""
-    if scheme is None or scheme.block_shape is None:
+    BLOCK_SIZE_K must divide bk (moebench.kernels.triton.configs.fit_to_quant_block makes defaults so).
+    On a GPU every fp8 (w8a8) dot needs BLOCK_SIZE_K >= 32 (the MMA's fp8 K)."""
+    if scheme is None or scheme.weight_only:
+        return
+    if torch.device(device).type == "cuda" and cfg["BLOCK_SIZE_K"] < 32:
+        raise MoebenchError(f"{where}: BLOCK_SIZE_K={cfg['BLOCK_SIZE_K']} is below 32, the GPU's smallest fp8 dot "
+                            f"along K ({scheme.describe()}); use BLOCK_SIZE_K >= 32")
+    if scheme.block_shape is None:
         return
     bk = scheme.block_shape[1]
     if bk % cfg["BLOCK_SIZE_K"]:
