@@ -3,6 +3,8 @@
 #   mb ARGS...     run `moebench ARGS`, keep the last $TAIL lines of its output (all when TAIL is unset)
 #   calibrate      `moebench env --calibrate` into $OUT/env.json, its matmul ceilings into the log
 #   archive NAME   the run folders under $R into $OUT/NAME.tgz (names with '=' or ',' come back inside it), then removed
+#   engine_against DIR EN PREC   sets vs=(--against FILE ...): the engines' H200 files for shape EN
+#                  (E=..,N=..) and precision PREC (bf16 | fp8) under DIR/<engine>/ (`vllm_kernel --write-files DIR`)
 set -uo pipefail
 OUT="${OUT:-./device-out}"
 mkdir -p "$OUT"
@@ -14,3 +16,8 @@ mb() { python3 -m moebench.cli "$@" 2>&1 | tail -n "${TAIL:-+1}" | tee -a "$log"
 calibrate() { step env --calibrate; python3 -m moebench.cli env --calibrate --json > "$OUT/env.json" 2>>"$log"
               grep -A8 matmul_tflops "$OUT/env.json" >> "$log"; }
 archive() { tar czf "$OUT/$1.tgz" -C "$OUT" results 2>/dev/null && rm -rf "$R"; }
+engine_against() { vs=()
+  for f in "$1"/*/"$2",device_name=NVIDIA_H200*.json; do
+    [ -f "$f" ] || continue
+    case "$f" in *fp8_w8a8*) [ "$3" = fp8 ] && vs+=(--against "$f");; *) [ "$3" = bf16 ] && vs+=(--against "$f");; esac
+  done; }

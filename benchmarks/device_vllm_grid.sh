@@ -12,11 +12,7 @@ python3 -m benchmarks vllm_kernel --write-files "$G/engine" > /dev/null
 # model:layout:file shape:precision
 for item in "qwen3-30b-a3b::E=128,N=768:bf16" "deepseek-v3:--tp 8:E=256,N=256:fp8"; do
   IFS=: read -r model lay en prec <<< "$item"
-  vs=()
-  for f in "$G"/engine/*/"$en",device_name=NVIDIA_H200*.json; do
-    [ -f "$f" ] || continue
-    case "$f" in *fp8_w8a8*) [ "$prec" = fp8 ] && vs+=(--against "$f");; *) [ "$prec" = bf16 ] && vs+=(--against "$f");; esac
-  done
+  engine_against "$G"/engine "$en" "$prec"
   pq=(); [ "$prec" = fp8 ] && pq=(--dtype fp8_w8a8 --block-shape 128,128)
   step "grid: $model $lay $prec at $T"
   timeout "${EACH_S:-270}" python3 -m moebench.cli tune --model "$model" $lay --kernel vllm --search grid --tokens "$T" \

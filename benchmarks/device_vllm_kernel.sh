@@ -54,11 +54,7 @@ python3 -m benchmarks vllm_kernel --write-files "$VK/engine" > /dev/null
 done_count=0
 for item in "${ITEMS[@]}"; do
   IFS=: read -r model lay en prec <<< "$item"
-  vs=()
-  for f in "$VK"/engine/*/"$en",device_name=NVIDIA_H200*.json; do
-    [ -f "$f" ] || continue
-    case "$f" in *fp8_w8a8*) [ "$prec" = fp8 ] && vs+=(--against "$f");; *) [ "$prec" = bf16 ] && vs+=(--against "$f");; esac
-  done
+  engine_against "$VK"/engine "$en" "$prec"
   name="$model${lay// /}-$prec"; run="$VK/runs/$name"
 case ",${ONLY:-$name}," in *",$name,"*) ;; *) continue;; esac
   if [ -f "$run/DONE" ]; then done_count=$((done_count + 1)); continue; fi
