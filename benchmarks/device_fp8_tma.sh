@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # fp8 weight tiles through TMA, A/B in one call against the defaults: the fp8 TMA tests on the GPU,
 # then `decode_launches --variants tma,again` (use_tma=True at every tile against "auto", which
-# takes TMA for fp8 from 64-row tiles; 3 rotated rounds) for fp8 128 x 128 block at 1-4096 tokens
+# takes TMA for fp8 at 64-row tiles; 3 rotated rounds) for fp8 128 x 128 block at 1-4096 tokens
 # and per-tensor fp8 at 1-256.
 # $OUT/block/ and $OUT/tensor/ get decode_launches_fp8*.csv / .md.
 #   PYTHONPATH=. [TOKENS=...] [SHAPES=...] bash benchmarks/device_fp8_tma.sh

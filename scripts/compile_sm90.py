@@ -210,7 +210,7 @@ def main(argv: list[str]) -> int:
                          dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>"), ("x_desc",)))
     print(build(T.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn),
                          dict(std_ptrs, w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
-    # fp8 block weights through TMA (use_tma: 64-row and larger tiles) at a prefill tile: GEMM1's paired walk, GEMM2
+    # fp8 block weights through TMA (use_tma: 64-row tiles) at a prefill tile: GEMM1's paired walk, GEMM2
     blk = dict(QUANT=2, GROUP_N=128, GROUP_K=128)
     c = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=True, **blk)

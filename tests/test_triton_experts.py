@@ -161,12 +161,14 @@ def test_pair_store_rules():
 
 
 def test_use_tma_rules():
-    # "auto": 16-bit x from 32-row tiles, fp8 x from tma_fp8_min_rows (64); True / False as given
+    # "auto": 16-bit x from 32-row tiles, fp8 x at tma_fp8_min_rows..tma_fp8_max_rows (64); True / False as given
     auto = TritonOptions()
     cfg = lambda bm: dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1)  # noqa: E731
     fp8 = torch.float8_e4m3fn
     assert resolve_use_tma(auto, cfg(32), torch.bfloat16) and not resolve_use_tma(auto, cfg(16), torch.bfloat16)
     assert resolve_use_tma(auto, cfg(64), fp8) and not resolve_use_tma(auto, cfg(32), fp8)
+    assert not resolve_use_tma(auto, cfg(128), fp8) and resolve_use_tma(auto, cfg(128), torch.bfloat16)
+    assert resolve_use_tma(TritonOptions(tma_fp8_max_rows=128), cfg(128), fp8)
     assert not resolve_use_tma(auto, cfg(128), torch.float32)
     assert resolve_use_tma(TritonOptions(use_tma=True), cfg(16), fp8)
     assert not resolve_use_tma(TritonOptions(use_tma=False), cfg(128), fp8)

@@ -28,7 +28,7 @@ block scales multiply each K step's dot (BLOCK_SIZE_K divides bk, one scale colu
 weight scale is read per output column n // bn). The intermediate is stored in the layer's dtype,
 quantised with the scheme by moebench.kernels.triton.quant (only rows < num_tokens_post_padded,
 read on the device); for per-tensor scales GEMM1 quantises it itself with w2's static input scale
-(bit for bit the two-step result). fp8 weight tiles come through TMA at 64-row and larger tiles
+(bit for bit the two-step result). fp8 weight tiles come through TMA at 64-row tiles
 (`resolve_use_tma`). On Hopper tensor/token scales accumulate the
 whole K loop in the fp8 MMA accumulator, which wgmma keeps at reduced precision (as vLLM's Triton
 kernel does: 1-1.5e-2 from the emulating reference at M >= 64 tiles); block scales add each K

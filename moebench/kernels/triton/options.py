@@ -44,11 +44,12 @@ class TritonOptions:
 
     #: Weight tiles through TMA descriptors where the hardware has them (Hopper+). "auto": 16-bit
     #: inputs with BLOCK_SIZE_M >= 32 (same-config A/B: 1-13% faster at >= 1024 tokens with 128-row
-    #: tiles; within +-1% at 32 rows; mixed at 16), fp8 (w8a8) with BLOCK_SIZE_M >= tma_fp8_min_rows
-    #: (fp8 block layers at 1024 / 4096 tokens: 0.979-1.000 at 7 of 8 points, 1.039 at the eighth;
-    #: 0.90-1.22 at 16-row tiles).
+    #: tiles; within +-1% at 32 rows; mixed at 16), fp8 (w8a8) with tma_fp8_min_rows <= BLOCK_SIZE_M
+    #: <= tma_fp8_max_rows (fp8 block layers at 1024 / 4096 tokens: 0.979-1.000 at all 7 points with
+    #: 64-row tiles, 1.039 at the one 128-row tile; 0.87-1.22 at 16-row tiles).
     use_tma: bool | str = "auto"
     tma_fp8_min_rows: int = 64
+    tma_fp8_max_rows: int = 64
     #: GEMM1's wide walk: gate and up as one (BK, BLOCK_SIZE_N) tile and one dot per K step (with TMA
     #: one (2, BN, BK) box of w13), instead of the paired walk's two tiles and two dots. "auto":
     #: unquantised with BLOCK_SIZE_M >= 64 (1-4% faster layers; -0.1% to +1% at 16 / 32 rows).
@@ -121,11 +122,12 @@ class TritonOptions:
 
 def resolve_use_tma(options: TritonOptions, config: Mapping[str, int], dtype: torch.dtype) -> bool:
     """options.use_tma for a layer of `dtype` (x's: float8_e4m3fn for fp8 w8a8) with GEMM1's `config`:
-    "auto" = 16-bit inputs with BLOCK_SIZE_M >= 32, fp8 with BLOCK_SIZE_M >= options.tma_fp8_min_rows.
+    "auto" = 16-bit inputs with BLOCK_SIZE_M >= 32, fp8 with BLOCK_SIZE_M in [options.tma_fp8_min_rows,
+    options.tma_fp8_max_rows].
     (Whether the device can do TMA is checked where the descriptors are made.)"""
     if options.use_tma == "auto":
         if dtype == torch.float8_e4m3fn:
-            return config["BLOCK_SIZE_M"] >= options.tma_fp8_min_rows
+            return options.tma_fp8_min_rows <= config["BLOCK_SIZE_M"] <= options.tma_fp8_max_rows
         return config["BLOCK_SIZE_M"] >= 32 and dtype in _16BIT
     return bool(options.use_tma)
 
