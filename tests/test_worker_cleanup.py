@@ -17,16 +17,17 @@ PARENT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import child
     if __name__ == "__main__":
-        p = mp.get_context("spawn").Process(target=child.main)
+        p = mp.get_context("spawn").Process(target=child.main, args=(sys.argv[1] + "/ready",))
         p.start()
         print(p.pid, flush=True)
         time.sleep(600)
 """)
 CHILD = textwrap.dedent("""
-    import time
+    import pathlib, sys, time
     from moebench.tuning.precompile import die_with_parent
-    def main():
+    def main(ready):
         die_with_parent()
+        pathlib.Path(ready).touch()
         time.sleep(600)
 """)
 
@@ -47,8 +48,10 @@ def test_spawned_worker_dies_with_its_parent(tmp_path, sig):
     parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path)], stdout=subprocess.PIPE,
                               text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
     child = int(parent.stdout.readline())
-    time.sleep(1.0)  # the child has called die_with_parent
-    assert _alive(child)
+    deadline = time.time() + 120  # the child imports torch first: slow on a loaded machine
+    while not (tmp_path / "ready").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert (tmp_path / "ready").exists() and _alive(child), "the child never called die_with_parent"
     parent.send_signal(sig)
     parent.wait(timeout=30)
     deadline = time.time() + 20

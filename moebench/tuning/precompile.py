@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
+import os
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -34,6 +35,9 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        parent = mp.parent_process()
+        if parent is not None and os.getppid() != parent.pid:  # the parent died before the call
+            os._exit(1)
 
 
 def _init(spec_json: dict[str, Any], device: str) -> None:
