@@ -592,6 +592,11 @@ def scheme_of(w) -> QuantScheme | None:
     return w.scheme if isinstance(w, QuantWeight) else None
 
 
+def stored(w) -> torch.Tensor:
+    """The tensor a weight's values are stored in: a QuantWeight's codes, or the weight itself."""
+    return w.q if isinstance(w, QuantWeight) else w
+
+
 def as_float(w, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """A weight as a float tensor (dequantised when quantised)."""
     return w.dequantize(dtype) if isinstance(w, QuantWeight) else w.to(dtype)

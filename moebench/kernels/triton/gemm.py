@@ -73,7 +73,7 @@ from moebench.kernels.triton.options import (
 )
 from moebench.kernels.triton.quant import check_block_config, quant_group, quant_meta, quantize_rows
 from moebench.kernels.triton.wquant import check_wq_config, weight_tile, wq_meta, wq_offsets, wq_zero_args
-from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
+from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of, stored
 
 
 @triton.jit
@@ -463,11 +463,6 @@ def _scale_args(scale: torch.Tensor | None, w) -> tuple:
     return (scale, w.scale, scale.stride(0), scale.stride(1), *w.scale_strides())
 
 
-def _stored(w) -> torch.Tensor:
-    """The tensor a weight's values are stored in (a QuantWeight's codes, or the weight itself)."""
-    return w.q if isinstance(w, QuantWeight) else w
-
-
 def _map_arg(align: AlignResult) -> torch.Tensor:
     """The GEMMs' expert_map pointer: the map of a mapped direct alignment, else a dummy."""
     return align.expert_map if align.expert_map is not None else align.expert_ids
@@ -540,7 +535,7 @@ def launch_gemm1(
     act_dtype = (out_dtype or torch.bfloat16) if quant["QUANT"] else x.dtype
     inter = torch.empty((num_blocks * bm, n_inter), dtype=FP8_DTYPE if out_scale is not None else act_dtype,
                         device=x.device)
-    wq = _stored(w13)
+    wq = stored(w13)
     desc = wq
     if use_tma and wide:  # one (2, BN, BK) box: gate rows of slice 2e, up rows of slice 2e + 1
         desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter, h), [2, bn1, bk])
@@ -628,7 +623,7 @@ def launch_gemm2(
     k_per_split = triton.cdiv(triton.cdiv(n_inter, split_k), bk) * bk
     split_k = triton.cdiv(n_inter, k_per_split)
     weights = _flat_weights(topk_weights)
-    wq = _stored(w2)
+    wq = stored(w2)
     desc = wq
     if use_tma:
         desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter), [bn, bk])
@@ -717,7 +712,7 @@ def fused_moe_gemms(
         out = alloc_output((m, h), out_dtype, x.device)
     if m == 0:
         return out
-    use_tma = use_tma and tma_ok(_stored(w13)) and tma_ok(_stored(w2))
+    use_tma = use_tma and tma_ok(stored(w13)) and tma_ok(stored(w2))
     rows_per_expert = m * topk / (num_experts or w13.shape[0])
     pair_store = resolve_pair_store(options, w2.shape[2], rows_per_expert, align.remote, split_k)
     if pair_store:
@@ -752,7 +747,7 @@ def fused_moe_gemms(
                                 f"{config['BLOCK_SIZE_M']}: both GEMMs share one alignment")
         cfg2 = down_config
         if "USE_TMA" in down_config:
-            tma2 = bool(down_config["USE_TMA"]) and not (scheme is not None and scheme.weight_only) and tma_ok(_stored(w2))
+            tma2 = bool(down_config["USE_TMA"]) and not (scheme is not None and scheme.weight_only) and tma_ok(stored(w2))
     ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, inter_scale, ws=acc, pdl=pdl,
                       b2=None if bias is None else bias.b2, pair_store=pair_store)
     if pair_store:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from moebench.errors import MoebenchError
 from moebench.kernels.triton.common import cast_rne
-from moebench.quant import QuantScheme, QuantWeight, scheme_of
+from moebench.quant import QuantScheme, QuantWeight, scheme_of, stored
 
 #: WQ constexpr values.
 WQ_NONE, WQ_INT8, WQ_INT4, WQ_MXFP4 = 0, 1, 2, 3
@@ -184,7 +184,7 @@ def wq_zero_args(w) -> tuple:
     pointer (the weight itself) and zeros, never read."""
     if isinstance(w, QuantWeight) and w.zeros is not None:
         return (w.zeros, *w.zeros.stride())
-    return (w.q if isinstance(w, QuantWeight) else w, 0, 0, 0)
+    return (stored(w), 0, 0, 0)
 
 
 def check_wq_config(cfg: Mapping[str, int], scheme: QuantScheme | None, where: str) -> None:
