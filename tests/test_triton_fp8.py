@@ -424,3 +424,94 @@ def test_fused_per_tensor_intermediate_is_bit_exact(act):
     used = int(align.num_tokens_post_padded)
     assert fused.dtype == FP8_DTYPE
     assert torch.equal(fused[:used].view(torch.uint8), q_ref[:used].view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 block: GEMM2 quantising the intermediate as it loads its A tiles (quant_in_gemm2)
+
+
+@pytest.mark.parametrize("name,inter", [("block128", 200), ("block32", 72)])
+def test_quant_in_gemm2_is_bit_exact(name, inter):
+    # GEMM2 reading the bf16 intermediate and quantising each (BM, bk) A tile itself gives the
+    # rows of the two-step path (quantize_rows, then GEMM2 on fp8 + scales) bit for bit: per-pair
+    # rows (no atomics, so no summation order), I = 200 / 72 with a partial last scale group.
+    from moebench.kernels.triton.gemm import launch_gemm2
+
+    scheme = SCHEMES[name]
+    q13, q2 = _qweights(scheme, i=inter)
+    m = 9
+    xq, xs = quantize_rows(_x(m), scheme)
+    tw, ti = _routing(m, E, K)
+    cfg = _cfg(scheme, BLOCK_SIZE_K=scheme.block_shape[1])
+    align = moe_align_block_size(ti, cfg["BLOCK_SIZE_M"], E)
+    inter16 = launch_gemm1(xq, q13, align, K, cfg, a_scale=xs)
+    q, s = quantize_rows(inter16, scheme, row_limit=align.num_tokens_post_padded)
+    two_step = launch_gemm2(q, q2, tw, align, K, cfg, a_scale=s, pair_store=True)
+    fused = launch_gemm2(inter16, q2, tw, align, K, cfg, pair_store=True, quant_a=True)
+    assert fused.abs().sum() > 0 and torch.equal(fused, two_step)
+
+
+@pytest.mark.parametrize("m,split_k,use_map", [(1, 1, False), (1, 1, True), (13, 2, False), (13, 1, True)],
+                         ids=["one-token", "one-token-map", "split-k", "map"])
+def test_triton_fp8_block_quant_in_gemm2(m, split_k, use_map):
+    # The layer with the intermediate quantised by GEMM2, against the float64 reference: one
+    # token (which then takes the direct alignment: one block per pair, its rows mapped through
+    # the expert map in the GEMMs), GEMM2 split over K (atomics), and an expert map; H = 152 and
+    # I = 200 give a partial last scale group on both GEMMs' K.
+    scheme = SCHEMES["block128"]
+    e_local = 12 if use_map else E
+    q13, q2 = _qweights(scheme, e=e_local, i=200)
+    emap = random_expert_map(E, e_local, DEV) if use_map else None
+    x = _x(m)
+    tw, ti = _routing(m, E, K)
+    cfg = _cfg(scheme, BLOCK_SIZE_K=128)
+    xq, xs = quantize_rows(x, scheme)
+    ref = moebench.reference_moe(x, q13, q2, tw, ti, emap)
+    with poisoned_outputs():
+        out = fused_moe(xq, q13, q2, tw, ti, emap, E, cfg, split_k, a_scale=xs,
+                        options=TritonOptions(quant_in_gemm2=True))
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TIGHT
+    # the layer through make_kernel: "auto" takes the same path at one token
+    out = _run("triton", "no-dpep", x, q13, q2, tw, ti, emap, E, config=cfg, split_k=split_k)
+    assert rel_err(out, ref) < TIGHT
+
+
+def test_quant_in_gemm2_rules(monkeypatch):
+    from moebench.kernels.triton import align as A
+    from moebench.kernels.triton.options import resolve_quant_in_gemm2, wants_direct_align
+
+    block, token = SCHEMES["block128"], SCHEMES["token"]
+    o, forced = TritonOptions(), TritonOptions(quant_in_gemm2=True)
+    bk128, bk64 = dict(CFG, BLOCK_SIZE_K=128), dict(CFG, BLOCK_SIZE_K=64)
+    # "auto": block scales, BLOCK_SIZE_K == bk, at most quant_in_gemm2_max_rows pairs per expert
+    assert resolve_quant_in_gemm2(o, block, bk128, 0.06) and resolve_quant_in_gemm2(o, block, bk128, 16)
+    assert not resolve_quant_in_gemm2(o, block, bk128, 17) and not resolve_quant_in_gemm2(o, block, bk64, 1)
+    assert not resolve_quant_in_gemm2(TritonOptions(quant_in_gemm2=False), block, bk128, 1)
+    # other schemes keep their own path, also when forced; forced with another BLOCK_SIZE_K refuses
+    assert not resolve_quant_in_gemm2(forced, token, bk128, 1) and not resolve_quant_in_gemm2(forced, None, bk128, 1)
+    assert resolve_quant_in_gemm2(forced, block, bk128, 4096)
+    with pytest.raises(MoebenchError, match="BLOCK_SIZE_K equal to the scale block's 128"):
+        resolve_quant_in_gemm2(forced, block, bk64, 1)
+    # one token of an fp8 block layer takes the direct alignment only where GEMM2 quantises
+    assert wants_direct_align(o, 1, 8, 128, block, True) and not wants_direct_align(o, 1, 8, 128, block, False)
+    # and the layer asks for it: a spy on the direct alignment
+    calls = []
+    real = A.direct_align
+    monkeypatch.setattr(A, "direct_align", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q13, q2 = _qweights(block)
+    tw, ti = _routing(1, E, K)
+    xq, xs = quantize_rows(_x(1), block)
+    fused_moe(xq, q13, q2, tw, ti, config=_cfg(block, BLOCK_SIZE_K=128), a_scale=xs)
+    assert calls == [1]
+    fused_moe(xq, q13, q2, tw, ti, config=_cfg(block, BLOCK_SIZE_K=64), a_scale=xs)
+    assert calls == [1]
+
+
+def test_quant_in_gemm2_refused_without_the_fitting_block_k():
+    scheme = SCHEMES["block128"]
+    q13, q2 = _qweights(scheme)
+    tw, ti = _routing(3, E, K)
+    xq, xs = quantize_rows(_x(3), scheme)
+    with pytest.raises(MoebenchError, match="quant_in_gemm2 needs GEMM2's BLOCK_SIZE_K"):
+        fused_moe(xq, q13, q2, tw, ti, config=_cfg(scheme, BLOCK_SIZE_K=64), a_scale=xs,
+                  options=TritonOptions(quant_in_gemm2=True))

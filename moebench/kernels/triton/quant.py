@@ -61,14 +61,27 @@ def round_e4m3(v):
 
 
 @triton.jit
-def quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
-    """Store clamp(x / scale[:, None], +-448) as e4m3 at q_ptrs (x (BM, BK) fp32; also the fused
-    epilogue of the Triton experts' GEMM1, moebench.kernels.triton.gemm)."""
+def row_scales(x):
+    """The dynamic scale of each row of x (BM, BK) fp32, its whole group: max(amax, AMAX_EPS) / 448
+    (moebench.quant.scale_of)."""
+    return tl.maximum(tl.max(tl.abs(x), axis=1), _EPS) * _INV_FP8_MAX
+
+
+@triton.jit
+def to_e4m3(x, scale, EXACT_ROUND: tl.constexpr):
+    """clamp(x / scale[:, None], +-448) as e4m3 (x (BM, BK) fp32, scale (BM,))."""
     v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if EXACT_ROUND:
         v = round_e4m3(v)
-    tl.store(q_ptrs, v.to(q_ptrs.dtype.element_ty), mask=mask)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
+    """Store clamp(x / scale[:, None], +-448) as e4m3 at q_ptrs (x (BM, BK) fp32; also the fused
+    epilogue of the Triton experts' GEMM1, moebench.kernels.triton.gemm)."""
+    tl.store(q_ptrs, to_e4m3(x, scale, EXACT_ROUND), mask=mask)
 
 
 @triton.jit
@@ -123,8 +136,7 @@ def quant_rows_kernel(
         if STATIC:
             scale = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(static_ptr)
         else:
-            amax = tl.maximum(tl.max(tl.abs(x), axis=1), _EPS)
-            scale = amax * _INV_FP8_MAX  # moebench.quant.scale_of
+            scale = row_scales(x)
         quant_group(x, scale, q_row + cols[None, :] * stride_qk, mask, EXACT_ROUND)
     else:
         if STATIC:
