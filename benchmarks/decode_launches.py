@@ -18,9 +18,8 @@ x copied into sorted order (sorted_a False / True; `sorted` is n/a where the til
 `wide`: the wide GEMM1 at every tile size (wide_gemm1=True); `pairstore` / `atomic`: GEMM2
 stores each pair's row and `topk_sum` adds them / the fp32 atomic sum over top-k (pair_store True
 / False); `tma`: weight tiles through TMA at every
-tile and for fp8 too (use_tma=True; `tma/current`); `qinter` / `noqinter`: fp8 block's
-intermediate quantised by GEMM2 as it loads it / by its own launch (quant_in_gemm2 True / False;
-`current/noqinter`, `qinter/noqinter`; without it one token keeps the alignment kernels); `again`: the current defaults timed a
+tile and for fp8 too (use_tma=True; `tma/current`); `nopdlq`: the fp8 intermediate's quantisation
+launch outside the PDL chain (pdl_inter_quant=False; `current/nopdlq`); `again`: the current defaults timed a
 second time, last (`again/current`: the point's noise). --fp8: per-tensor fp8_w8a8 weights (GEMM1
 quantises the intermediate itself); --fp8-block: fp8_w8a8 with 128 x 128 block scales. --variants picks which run (default: all).
 --rounds N times every variant N times, interleaved in a rotated order (median; `<name>_spread` =
@@ -56,13 +55,13 @@ VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions
             "nosorted": (None, TritonOptions(sorted_a=False)), "sorted": (None, TritonOptions(sorted_a=True)),
             "wide": (None, TritonOptions(wide_gemm1=True)), "pairstore": (None, TritonOptions(pair_store=True)),
             "atomic": (None, TritonOptions(pair_store=False)),
-            "tma": (None, TritonOptions(use_tma=True)), "qinter": (None, TritonOptions(quant_in_gemm2=True)),
-            "noqinter": (None, TritonOptions(quant_in_gemm2=False)), "again": (None, TritonOptions())}
+            "tma": (None, TritonOptions(use_tma=True)), "nopdlq": (None, TritonOptions(pdl_inter_quant=False)),
+            "again": (None, TritonOptions())}
 #: (a, b) pairs whose ratio a/b each row gets
 RATIOS = (("current", "nodirect"), ("direct", "current"), ("current", "twolaunch"), ("current", "sk1"), ("sk2", "current"), ("sk4", "current"),
           ("current", "nopdl"), ("pdl", "nopdl"), ("current", "nodown"), ("current", "nosorted"), ("sorted", "nosorted"),
-          ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("tma", "current"), ("current", "noqinter"),
-          ("qinter", "noqinter"), ("again", "current"))
+          ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("tma", "current"), ("current", "nopdlq"),
+          ("again", "current"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -219,17 +219,14 @@ def main(argv: list[str]) -> int:
                 ("x_desc",)))
     print(build(T.gemm2_weighted_sum_kernel, c,
                 dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv", w2_desc="tensordesc<fp8e4nv[128, 128]>")))
-    # fp8 block: GEMM2 quantising its bf16 A tiles as it loads them (quant_in_gemm2), at the decode
-    # tile with pointer weights and at the 64-row tile with TMA weights
-    print(build(T.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, USE_TMA=False, QUANT_A=True),
-                dict(std_ptrs, w2_ptr="*fp8e4nv"), ("w2_desc",)))
-    print(build(T.gemm2_weighted_sum_kernel, dict(c, QUANT_A=True),
-                dict(std_ptrs, w2_ptr="*fp8e4nv", w2_desc="tensordesc<fp8e4nv[128, 128]>")))
     # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
-    # (looped chunks), dynamic scales, rows limited on the device.
+    # (looped chunks), dynamic scales, rows limited on the device; the intermediate's between the
+    # GEMMs launched with PDL.
     qptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "limit_ptr": "*i32"}
-    for one_chunk, block_m, block_k, limit in ((True, 32, 128, 1), (False, 4, 1024, 2)):
-        qc = dict(STATIC=False, LIMIT=limit, ONE_CHUNK=one_chunk, BLOCK_M=block_m, BLOCK_K=block_k, EXACT_ROUND=False)
+    for one_chunk, block_m, block_k, limit, pdl in ((True, 32, 128, 1, False), (False, 4, 1024, 2, False),
+                                                    (True, 32, 128, 1, True)):
+        qc = dict(STATIC=False, LIMIT=limit, ONE_CHUNK=one_chunk, BLOCK_M=block_m, BLOCK_K=block_k, EXACT_ROUND=False,
+                  PDL=pdl)
         print(build(Q.quant_rows_kernel, qc, qptrs))
     # Alignment: the two-kernel paths (scan: 2048-pair chunks; sort: 256-pair chunks, Qwen3 4096
     # tokens x top-8 over 128 local experts) and the one launch for few pairs (Qwen3 64 tokens),

@@ -107,7 +107,8 @@ def test_options_are_frozen_and_validated():
     opts = TritonOptions()
     with pytest.raises(Exception):
         opts.use_tma = False  # type: ignore[misc]
-    for bad in (dict(use_tma="yes"), dict(sorted_a=None), dict(align_method="bubble"), dict(pdl_max_inter=-1)):
+    for bad in (dict(use_tma="yes"), dict(sorted_a=None), dict(align_method="bubble"), dict(pdl_max_inter=-1),
+                dict(pdl_inter_quant="auto")):
         with pytest.raises(MoebenchError, match="TritonOptions"):
             TritonOptions(**bad)
 

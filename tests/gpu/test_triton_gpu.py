@@ -190,6 +190,43 @@ def test_pdl_chain_in_a_cuda_graph(shape, m):
         assert _rel(chain(), chain(pdl=False)) < 2e-2  # eager, with and without PDL
 
 
+@pytest.mark.parametrize("m", [1, 16, 256])
+def test_pdl_chain_fp8_block_in_a_cuda_graph(m):
+    # fp8 128 x 128 block at Qwen3-30B: the intermediate's quantisation launch sits in the PDL chain
+    # between GEMM1 and GEMM2 (waits for GEMM1, releases GEMM2). Three layers in one graph, replayed
+    # on new inputs, against the reference and against the chain without PDL: a quantisation that
+    # read GEMM1's rows early, or a GEMM2 that read its fp8 rows or scales before they were
+    # written, would leave stale rows.
+    from moebench.quant import QuantScheme, quantize_weights
+
+    x, w13, w2, tw, ti, emap, e = _setup("qwen3-30b-a3b", m)
+    q13, q2 = quantize_weights(w13, w2, QuantScheme("fp8_w8a8", "block", (128, 128)))
+    k = ti.shape[1]
+    logits = torch.randn(m, e, device="cuda")
+
+    def chain(pdl=True):
+        y = x
+        for _ in range(3):
+            w, ids = fused_topk_softmax(logits, k, renormalize=True)
+            y = X.fused_moe(y, q13, q2, w, ids, None, e, options=TritonOptions(pdl=pdl)) * 8.0
+        return y
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for seed in (5, 6, 7):
+        replay_on_new_inputs(graph, x, seed, logits)
+        torch.cuda.synchronize()
+        y = x.clone()
+        w, ids = fused_topk_softmax(logits, k, renormalize=True)
+        for _ in range(3):
+            y = (moebench.reference_moe(y, q13, q2, w, ids) * 8.0).to(x.dtype)
+        assert _rel(out, y) < 3e-2
+        assert _rel(chain(), chain(pdl=False)) < 2e-2
+
+
 @pytest.mark.parametrize("m", [1, 16, 1024])
 def test_gemm2_own_config_gpu(m):
     # GEMM2 with its own tile config (a `_down.json` entry), with and without USE_TMA (w2's tiles

@@ -437,15 +437,14 @@ def align_pairs(
     scheme=None,
     options: TritonOptions | None = None,
     pdl: bool = False,
-    inter_in_gemm: bool = False,
 ) -> AlignResult:
     """The block alignment `fused_moe` uses for topk_ids (M, K) of a layer with `num_experts`
-    global experts and fp8 scheme `scheme` (None: 16-bit; inter_in_gemm: a GEMM quantises its
-    intermediate): `direct_align` where `wants_direct_align(options, ...)` says so, else
-    `moe_align_block_size` (pdl: its one-launch kernel with programmatic dependent launch)."""
+    global experts and fp8 scheme `scheme` (None: 16-bit): `direct_align` where
+    `wants_direct_align(options, ...)` says so, else `moe_align_block_size` (pdl: its one-launch
+    kernel with programmatic dependent launch)."""
     options = options or TritonOptions()
     m, k = topk_ids.shape
-    if wants_direct_align(options, m, k, num_experts, scheme, inter_in_gemm):
+    if wants_direct_align(options, m, k, num_experts, scheme):
         return direct_align(topk_ids, block_size_m, expert_map)
     return moe_align_block_size(topk_ids, block_size_m, num_local_experts, expert_map, options=options, pdl=pdl)
 

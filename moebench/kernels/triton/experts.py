@@ -60,7 +60,7 @@ from moebench.kernels.triton.configs import (
 )
 from moebench.kernels.triton.env import num_sms, triton_unavailable_reason
 from moebench.kernels.triton.gemm import fused_moe_gemms
-from moebench.kernels.triton.options import TritonOptions, layer_split_k, resolve_pdl, resolve_quant_in_gemm2
+from moebench.kernels.triton.options import TritonOptions, layer_split_k, resolve_pdl
 from moebench.kernels.triton.quant import quantize_rows
 from moebench.quant import FP8_DTYPE, QUANT_KINDS, QuantScheme, scheme_of
 
@@ -155,9 +155,7 @@ def fused_moe(
     if m == 0:
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
     pdl = resolve_pdl(options, x.device, w2.shape[2])
-    inter_in_gemm = resolve_quant_in_gemm2(options, scheme, down_config or config, m * k / num_experts)
-    align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, options, pdl,
-                        inter_in_gemm)
+    align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, options, pdl)
     if split_k is None and options.pair_store is True:
         split_k = 1  # stored rows are whole rows
     if split_k is None:

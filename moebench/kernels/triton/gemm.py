@@ -27,9 +27,8 @@ scales multiply the accumulator in the epilogue (x's row scale times the weight'
 block scales multiply each K step's dot (BLOCK_SIZE_K divides bk, one scale column per step; the
 weight scale is read per output column n // bn). The intermediate is stored in the layer's dtype,
 quantised with the scheme by moebench.kernels.triton.quant (only rows < num_tokens_post_padded,
-read on the device); for per-tensor scales GEMM1 quantises it itself with w2's static input scale,
-for block scales GEMM2 quantises each A tile as it loads it where its BLOCK_SIZE_K is the scale
-group (`quant_in_gemm2`): bit for bit the two-step result either way. fp8 weight tiles come through TMA at 64-row tiles
+read on the device); for per-tensor scales GEMM1 quantises it itself with w2's static input scale
+(bit for bit the two-step result). fp8 weight tiles come through TMA at 64-row tiles
 (`resolve_use_tma`). On Hopper tensor/token scales accumulate the
 whole K loop in the fp8 MMA accumulator, which wgmma keeps at reduced precision (as vLLM's Triton
 kernel does: 1-1.5e-2 from the emulating reference at M >= 64 tiles); block scales add each K
@@ -52,7 +51,6 @@ from moebench.kernels.modular import ExpertBias, alloc_output
 from moebench.kernels.triton.align import AlignResult
 from moebench.kernels.triton.common import (
     block_expert,
-    block_scaled_mma,
     cast_rne,
     dequant,
     gate_up_epilogue,
@@ -71,11 +69,9 @@ from moebench.kernels.triton.options import (
     gemm1_walk,
     resolve_pair_store,
     resolve_pdl,
-    resolve_quant_in_gemm2,
     resolve_use_tma,
 )
-from moebench.kernels.triton.quant import (check_block_config, quant_group, quant_meta, quantize_rows, row_scales,
-                                          to_e4m3)
+from moebench.kernels.triton.quant import check_block_config, quant_group, quant_meta, quantize_rows
 from moebench.kernels.triton.wquant import check_wq_config, weight_tile, wq_meta, wq_offsets, wq_zero_args
 from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of, stored
 
@@ -337,8 +333,6 @@ def gemm2_weighted_sum_kernel(
     WQ_PACK: tl.constexpr = 1,
     HAS_BIAS: tl.constexpr = False,  # add b2 before the router weight
     PAIR_STORE: tl.constexpr = False,  # ws_ptr is (M*K, H): store each pair's row (no K split)
-    QUANT_A: tl.constexpr = False,  # QUANT 2 with BLOCK_SIZE_K == GROUP_K: inter is 16-bit, each A tile
-    #                                 (one scale group of its rows) is quantised here as it is loaded
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -387,17 +381,8 @@ def gemm2_weighted_sum_kernel(
             b = weight_tile(b_ptrs, k_ok, k, k_hi, offs_n, col_ok, w_scale_ptr, stride_bse, stride_bsn, stride_bsk, wz_ptr,
                             stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, EVEN_K, BLOCK_SIZE_K,
                             inter_ptr.dtype.element_ty, UPCAST)
-        if QUANT_A:
-            # The tile's row of BLOCK_SIZE_K columns is one whole scale group: its scale and e4m3
-            # values, bit for bit what `quantize_rows` stores (sentinel rows of zeros get the floor
-            # scale and zeros), then the block-scaled step with that scale.
-            a32 = a.to(tl.float32)
-            a_s = row_scales(a32)
-            b_s = tl.load(bs_ptrs + (k // GROUP_K) * stride_bsk, mask=col_ok, other=0.0)
-            acc = block_scaled_mma(to_e4m3(a32, a_s, UPCAST), b, acc, a_s, b_s, UPCAST, IEEE_DOT)
-        else:
-            acc = scaled_mma(a, b, acc, k, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_bsk,
-                             QUANT, GROUP_K, UPCAST, IEEE_DOT)
+        acc = scaled_mma(a, b, acc, k, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_bsk,
+                         QUANT, GROUP_K, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik
         b_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
     acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
@@ -611,7 +596,6 @@ def launch_gemm2(
     pdl: bool = False,
     b2: torch.Tensor | None = None,
     pair_store: bool = False,
-    quant_a: bool = False,
 ) -> torch.Tensor:
     """GEMM2 [+ b2 (E_local, H), before the router weight] + router weight on aligned pairs -> ws (M, H) fp32, the sum over top-k done by atomic
     adds (`ws` given = already zeroed, e.g. by GEMM1; else zeroed here). split_k: K splits (clamped
@@ -621,9 +605,7 @@ def launch_gemm2(
     bf16 for fp8): each pair's weighted row is stored there, nothing summed (`topk_sum` does);
     the rows of pairs that are not aligned (remote experts) are not written. One K split only.
 
-    fp8: w2 a QuantWeight, inter (max_padded, I) float8_e4m3fn with a_scale (max_padded, G); or,
-    quant_a (block scales, BLOCK_SIZE_K == the scale group's bk), inter unquantised and no
-    a_scale: GEMM2 quantises each A tile as it loads it (bit for bit `quantize_rows`' result)."""
+    fp8: w2 a QuantWeight, inter (max_padded, I) float8_e4m3fn with a_scale (max_padded, G)."""
     m, k = topk_weights.shape
     e_local, h, n_inter = w2.shape
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
@@ -645,12 +627,6 @@ def launch_gemm2(
     desc = wq
     if use_tma:
         desc = TensorDescriptor.from_tensor(wq.view(-1, n_inter), [bn, bk])
-    if quant_a:
-        if quant["QUANT"] != 2 or quant["GROUP_K"] != bk or inter.dtype == FP8_DTYPE:
-            raise MoebenchError(f"GEMM2 quantises its A tiles only for fp8 block scales with BLOCK_SIZE_K equal to "
-                                f"the scale group ({quant['GROUP_K']}, config has {bk}), from an unquantised "
-                                "intermediate")
-        a_scale = w2.scale  # a placeholder pointer, never read: the kernel computes the scales
     sc = _scale_args(a_scale, w2)
     grid2 = (num_blocks * triton.cdiv(h, bn), split_k)
     gemm2_weighted_sum_kernel[grid2](
@@ -661,7 +637,7 @@ def launch_gemm2(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, MAPPED=align.expert_map is not None,
-        HAS_BIAS=b2 is not None, PAIR_STORE=pair_store, QUANT_A=quant_a,
+        HAS_BIAS=b2 is not None, PAIR_STORE=pair_store,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **wq_meta(w2), **pdl_launch_args(pdl),
     )
     return ws
@@ -695,16 +671,14 @@ def fused_moe_gemms(
     on GEMM1's config, where the device has TMA), GEMM1's walk and sorted_a (`gemm1_walk`; "auto"
     sizes pairs per expert as M * K / num_experts, None: E_local), PDL (`resolve_pdl`), GEMM2's
     sum over top-k (`resolve_pair_store`: per-pair rows and a `topk_sum` launch instead of the
-    atomics, the cast and GEMM1's zeroing), and for fp8 block scales who quantises the
-    intermediate (`resolve_quant_in_gemm2`: GEMM2 as it loads it, or a launch between the GEMMs).
+    atomics, the cast and GEMM1's zeroing).
     down_config: GEMM2's own tile config (same BLOCK_SIZE_M as `config`; split_k is GEMM2's for
     it); its optional USE_TMA decides whether GEMM2 loads w2 through TMA, instead of GEMM1's
     choice. None: GEMM2 runs with `config`.
 
     fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn (M, H) with a_scale (M, G); out is
-    in out_dtype (default bf16). The intermediate is quantised with the scheme before GEMM2's dot (by
-    GEMM1 itself for per-tensor scales, with w2.input_scale; by GEMM2 for block scales where
-    `resolve_quant_in_gemm2`), as moebench.quant describes.
+    in out_dtype (default bf16). The intermediate is quantised with the scheme before GEMM2 (by
+    GEMM1 itself for per-tensor scales, with w2.input_scale), as moebench.quant describes.
 
     activation / bias: the epilogues' function (moebench.activation) and per-expert biases (b13
     before the activation, b2 before the router weight). swigluoai's interleaved w13 runs the
@@ -760,6 +734,13 @@ def fused_moe_gemms(
     inter = launch_gemm1(x, w13, align, topk, config, tma1, a_scale, out_dtype, zero=None if pair_store else acc, wide=wide,
                          out_scale=w2.input_scale if fuse else None, pdl=pdl, sorted_a=sorted_a,
                          activation=activation, b13=None if bias is None else bias.b13)
+    inter_scale = None
+    if fuse:
+        inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
+    elif fp8:
+        # Only rows < num_tokens_post_padded are in use (read on the device).
+        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded,
+                                           pdl=pdl and options.pdl_inter_quant)
     cfg2, tma2 = config, use_tma
     if down_config is not None:
         if down_config["BLOCK_SIZE_M"] != config["BLOCK_SIZE_M"]:
@@ -768,15 +749,8 @@ def fused_moe_gemms(
         cfg2 = down_config
         if "USE_TMA" in down_config:
             tma2 = bool(down_config["USE_TMA"]) and not (scheme is not None and scheme.weight_only) and tma_ok(stored(w2))
-    quant_a = resolve_quant_in_gemm2(options, scheme, cfg2, rows_per_expert)
-    inter_scale = None
-    if fuse:
-        inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
-    elif fp8 and not quant_a:
-        # Only rows < num_tokens_post_padded are in use (read on the device).
-        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
     ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, inter_scale, ws=acc, pdl=pdl,
-                      b2=None if bias is None else bias.b2, pair_store=pair_store, quant_a=quant_a)
+                      b2=None if bias is None else bias.b2, pair_store=pair_store)
     if pair_store:
         if out.is_contiguous():
             return topk_sum(ws, out, topk)

@@ -18,8 +18,6 @@ benchmark can move them.
     layer_split_k       GEMM2's K split (`choose_split_k`, `wave_split`: the split-K cost model)
     resolve_pair_store  GEMM2's sum over top-k: fp32 atomics into (M, H), or each pair's weighted
                         row stored and summed by a second launch (`use_pair_store`)
-    resolve_quant_in_gemm2  fp8 block scales: the intermediate quantised by GEMM2 as it loads its
-                        A tiles, or by a launch of its own between the GEMMs
 """
 
 from __future__ import annotations
@@ -34,7 +32,8 @@ import triton
 from moebench.errors import MoebenchError
 from moebench.kernels.triton.env import interpreting
 
-_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "pair_store", "quant_in_gemm2")
+_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "pair_store")
+_BOOL_FIELDS = ("pdl_inter_quant",)
 _ALIGN_METHODS = ("auto", "scan", "sort")
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -73,6 +72,9 @@ class TritonOptions:
     #: (2048)). Never on other devices or under the interpreter.
     pdl: bool | str = "auto"
     pdl_max_inter: int = 1024
+    #: With PDL on, fp8's intermediate quantisation launch between the GEMMs (block and per-token
+    #: scales) joins the chain too (waits for GEMM1, releases GEMM2), instead of a plain launch.
+    pdl_inter_quant: bool = True
     #: `direct_align`: one block per pair, no alignment kernel. "auto" (`use_direct_align`): where the
     #: pairs hit nearly distinct experts (one token), for 16-bit weights and per-tensor fp8 (-12% of
     #: the layer at Qwen3-30B M=1; fp8 with a separate quantisation launch measured slower with it).
@@ -99,13 +101,6 @@ class TritonOptions:
     pair_store: bool | str = "auto"
     pair_store_max_inter: int = 1024
     pair_store_min_rows: int = 32
-    #: fp8 block scales: GEMM2 quantises each A tile of the 16-bit intermediate as it loads it (the
-    #: tile's row is one scale group: BLOCK_SIZE_K == bk), instead of a `quantize_rows` launch
-    #: between the GEMMs; bit for bit the same operands. It also lets one token take `direct_align`.
-    #: "auto" (`use_quant_in_gemm2`): where BLOCK_SIZE_K allows and experts get at most
-    #: quant_in_gemm2_max_rows pairs each (every N tile of GEMM2 quantises its rows again).
-    quant_in_gemm2: bool | str = "auto"
-    quant_in_gemm2_max_rows: int = 16
     #: batched-triton's default heuristic keeps 64-row tiles up to this many rows per expert where
     #: the sorted-token heuristic takes 128-row ones (128 x 256 tiles 10-30% faster at 192 and 768
     #: mean rows per expert, 4-9% slower at 48).
@@ -121,7 +116,10 @@ class TritonOptions:
                                 f"got {self.align_method!r}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name not in _AUTO_FIELDS and f.name != "align_method" and (isinstance(v, bool) or v < 0):
+            if f.name in _BOOL_FIELDS:
+                if not isinstance(v, bool):
+                    raise MoebenchError(f"TritonOptions.{f.name} must be True or False, got {v!r}")
+            elif f.name not in _AUTO_FIELDS and f.name != "align_method" and (isinstance(v, bool) or v < 0):
                 raise MoebenchError(f"TritonOptions.{f.name} must be a number >= 0, got {v!r}")
 
 
@@ -198,15 +196,13 @@ def use_direct_align(num_tokens: int, topk: int, num_experts: int) -> bool:
     return num_tokens == 1 or 0 < num_tokens * topk * 20 <= num_experts
 
 
-def wants_direct_align(options: TritonOptions, num_tokens: int, topk: int, num_experts: int, scheme=None,
-                       inter_in_gemm: bool = False) -> bool:
+def wants_direct_align(options: TritonOptions, num_tokens: int, topk: int, num_experts: int, scheme=None) -> bool:
     """options.direct_align for num_tokens x topk pairs over num_experts global experts with fp8
     scheme `scheme` (None: 16-bit): "auto" = `use_direct_align`, for 16-bit activations (unquantised
-    or weight-only weights) and fp8 whose intermediate a GEMM quantises (inter_in_gemm: per tensor
-    always, GEMM1; block scales where `resolve_quant_in_gemm2`); a separate quantisation launch would
-    go over every row of the one-block-per-pair layout, so the other fp8 layers keep the alignment."""
+    or weight-only weights) and per-tensor fp8 (whose intermediate GEMM1 quantises itself); other
+    fp8 schemes keep the alignment kernels."""
     if options.direct_align == "auto":
-        fused = scheme is None or scheme.weight_only or scheme.scales == "tensor" or inter_in_gemm
+        fused = scheme is None or scheme.weight_only or scheme.scales == "tensor"
         return fused and use_direct_align(num_tokens, topk, num_experts)
     return bool(options.direct_align)
 
@@ -240,30 +236,6 @@ def resolve_pair_store(options: TritonOptions, inter: int, rows_per_expert: floa
         raise MoebenchError(f"pair_store stores whole rows: GEMM2 cannot split K ({split_k} splits asked); "
                             "give split_k=1 or pair_store=False")
     return bool(options.pair_store)
-
-
-def use_quant_in_gemm2(options: TritonOptions, rows_per_expert: float) -> bool:
-    """The "auto" rule of options.quant_in_gemm2 where it can run: at most
-    options.quant_in_gemm2_max_rows expected pairs per local expert."""
-    return rows_per_expert <= options.quant_in_gemm2_max_rows
-
-
-def resolve_quant_in_gemm2(options: TritonOptions, scheme, gemm2_config: Mapping[str, int],
-                           rows_per_expert: float) -> bool:
-    """options.quant_in_gemm2 for a layer of fp8 scheme `scheme` whose GEMM2 runs `gemm2_config`:
-    only block scales with BLOCK_SIZE_K == bk can (one scale group per A tile row); "auto" there =
-    `use_quant_in_gemm2`. Other schemes: False (their intermediate has its own path); True on a
-    block layer whose BLOCK_SIZE_K is not bk raises MoebenchError."""
-    if scheme is None or scheme.weight_only or scheme.block_shape is None or options.quant_in_gemm2 is False:
-        return False
-    fits = gemm2_config["BLOCK_SIZE_K"] == scheme.block_shape[1]
-    if options.quant_in_gemm2 == "auto":
-        return fits and use_quant_in_gemm2(options, rows_per_expert)
-    if not fits:
-        raise MoebenchError(f"quant_in_gemm2 needs GEMM2's BLOCK_SIZE_K equal to the scale block's "
-                            f"{scheme.block_shape[1]} (config has {gemm2_config['BLOCK_SIZE_K']}); "
-                            "give such a config or quant_in_gemm2=False")
-    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from moebench.errors import MoebenchError
+from moebench.kernels.triton.common import pdl_launch_args, pdl_release, pdl_wait
 from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.quant import AMAX_EPS, FP8_DTYPE, INV_FP8_MAX, QuantScheme, scale_of, scheme_of
 
@@ -61,27 +62,14 @@ def round_e4m3(v):
 
 
 @triton.jit
-def row_scales(x):
-    """The dynamic scale of each row of x (BM, BK) fp32, its whole group: max(amax, AMAX_EPS) / 448
-    (moebench.quant.scale_of)."""
-    return tl.maximum(tl.max(tl.abs(x), axis=1), _EPS) * _INV_FP8_MAX
-
-
-@triton.jit
-def to_e4m3(x, scale, EXACT_ROUND: tl.constexpr):
-    """clamp(x / scale[:, None], +-448) as e4m3 (x (BM, BK) fp32, scale (BM,))."""
+def quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
+    """Store clamp(x / scale[:, None], +-448) as e4m3 at q_ptrs (x (BM, BK) fp32; also the fused
+    epilogue of the Triton experts' GEMM1, moebench.kernels.triton.gemm)."""
     v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if EXACT_ROUND:
         v = round_e4m3(v)
-    return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
-    """Store clamp(x / scale[:, None], +-448) as e4m3 at q_ptrs (x (BM, BK) fp32; also the fused
-    epilogue of the Triton experts' GEMM1, moebench.kernels.triton.gemm)."""
-    tl.store(q_ptrs, to_e4m3(x, scale, EXACT_ROUND), mask=mask)
+    tl.store(q_ptrs, v.to(q_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -109,10 +97,13 @@ def quant_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EXACT_ROUND: tl.constexpr,  # interpreter: round in fp32 before the cast
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the kernel before
 ):
     pid_m = tl.program_id(0)
     grp = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
+    pdl_wait(PDL)
+    pdl_release(PDL)
     rows_used = T
     if LIMIT == 1:
         rows_used = tl.minimum(tl.load(limit_ptr), T)
@@ -136,7 +127,8 @@ def quant_rows_kernel(
         if STATIC:
             scale = tl.full((BLOCK_M,), 1.0, tl.float32) * tl.load(static_ptr)
         else:
-            scale = row_scales(x)
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), _EPS)
+            scale = amax * _INV_FP8_MAX  # moebench.quant.scale_of
         quant_group(x, scale, q_row + cols[None, :] * stride_qk, mask, EXACT_ROUND)
     else:
         if STATIC:
@@ -168,6 +160,7 @@ def _launch(
     static: torch.Tensor | None,
     row_limit: torch.Tensor | None,
     batch_counts: torch.Tensor | None,
+    pdl: bool = False,
 ) -> None:
     """x3, q3 (B, T, K); s3 (B, T, G) for the dynamic schemes; static (1,) fp32 for tensor."""
     nb, t, k = x3.shape
@@ -193,7 +186,7 @@ def _launch(
         x3, q3, s_arg, static_arg, limit, t, k, group_k,
         x3.stride(0), x3.stride(1), x3.stride(2), q3.stride(0), q3.stride(1), q3.stride(2), *s_strides,
         STATIC=is_static, LIMIT=mode, ONE_CHUNK=group_k <= block_k, BLOCK_M=block_m, BLOCK_K=block_k,
-        EXACT_ROUND=interpreting(), num_warps=4,
+        EXACT_ROUND=interpreting(), num_warps=4, **pdl_launch_args(pdl),
     )
 
 
@@ -204,6 +197,7 @@ def quantize_rows(
     *,
     row_limit: torch.Tensor | None = None,
     batch_counts: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) float -> (q (..., K) float8_e4m3fn, scale (..., G) float32), equal bit for bit to
     moebench.quant.quantize_activation(x, scheme, static_scale), computed by one Triton launch.
@@ -213,7 +207,9 @@ def quantize_rows(
 
     row_limit (1,) int32 on the device: only rows < row_limit[0] of a 2-D x are quantised;
     batch_counts (B,): x is (B, T, K) and only rows [0, count[b]) of batch b are. Skipped rows of q
-    and of a dynamic scale stay unwritten. Neither synchronises with the host."""
+    and of a dynamic scale stay unwritten. Neither synchronises with the host.
+    pdl: launch with programmatic dependent launch (CUDA, Hopper+: `resolve_pdl` decides), between
+    two kernels of such a chain (the Triton experts' GEMM1 and GEMM2)."""
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise MoebenchError(f"quantize_rows takes fp32/fp16/bf16 activations, got {x.dtype}")
     k = x.shape[-1]
@@ -234,13 +230,13 @@ def quantize_rows(
             static = scale_of(amax).reshape(1)
         else:
             static = static_scale.to(device=x.device, dtype=torch.float32).reshape(1)
-        _launch(x3, q3, None, scheme, static, row_limit, batch_counts)
+        _launch(x3, q3, None, scheme, static, row_limit, batch_counts, pdl)
         return q, static.reshape([1] * (len(lead) + 1)).expand(*lead, 1)
     groups = scheme.num_groups(k)
     if x.numel() == 0:
         return q, torch.ones((*lead, groups), dtype=torch.float32, device=x.device)
     s = torch.empty((*lead, groups), dtype=torch.float32, device=x.device)
-    _launch(x3, q3, s.view(*x3.shape[:-1], groups), scheme, None, row_limit, batch_counts)
+    _launch(x3, q3, s.view(*x3.shape[:-1], groups), scheme, None, row_limit, batch_counts, pdl)
     return q, s
 
 
