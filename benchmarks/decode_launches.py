@@ -18,8 +18,7 @@ x copied into sorted order (sorted_a False / True; `sorted` is n/a where the til
 `wide`: the wide GEMM1 at every tile size (wide_gemm1=True); `pairstore` / `atomic`: GEMM2
 stores each pair's row and `topk_sum` adds them / the fp32 atomic sum over top-k (pair_store True
 / False); `tma`: weight tiles through TMA at every
-tile and for fp8 too (use_tma=True; `tma/current`); `nopdlq`: the fp8 intermediate's quantisation
-launch outside the PDL chain (pdl_inter_quant=False; `current/nopdlq`); `again`: the current defaults timed a
+tile and for fp8 too (use_tma=True; `tma/current`); `again`: the current defaults timed a
 second time, last (`again/current`: the point's noise). --fp8: per-tensor fp8_w8a8 weights (GEMM1
 quantises the intermediate itself); --fp8-block: fp8_w8a8 with 128 x 128 block scales. --variants picks which run (default: all).
 --rounds N times every variant N times, interleaved in a rotated order (median; `<name>_spread` =
@@ -39,7 +38,7 @@ import torch
 import moebench
 from moebench.errors import MoebenchError
 from moebench.kernels.triton.experts import select_config
-from moebench.kernels.triton.options import TritonOptions, use_direct_align
+from moebench.kernels.triton.options import TritonOptions, wants_direct_align
 from moebench.kernels.triton.routing import fused_topk_softmax
 
 from benchmarks.bench_common import HEURISTIC_ONLY, SHAPES, layer_config, script_setup, seeded_inputs, timed_us, write_rows
@@ -55,13 +54,11 @@ VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions
             "nosorted": (None, TritonOptions(sorted_a=False)), "sorted": (None, TritonOptions(sorted_a=True)),
             "wide": (None, TritonOptions(wide_gemm1=True)), "pairstore": (None, TritonOptions(pair_store=True)),
             "atomic": (None, TritonOptions(pair_store=False)),
-            "tma": (None, TritonOptions(use_tma=True)), "nopdlq": (None, TritonOptions(pdl_inter_quant=False)),
-            "again": (None, TritonOptions())}
+            "tma": (None, TritonOptions(use_tma=True)), "again": (None, TritonOptions())}
 #: (a, b) pairs whose ratio a/b each row gets
 RATIOS = (("current", "nodirect"), ("direct", "current"), ("current", "twolaunch"), ("current", "sk1"), ("sk2", "current"), ("sk4", "current"),
           ("current", "nopdl"), ("pdl", "nopdl"), ("current", "nodown"), ("current", "nosorted"), ("sorted", "nosorted"),
-          ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("tma", "current"), ("current", "nopdlq"),
-          ("again", "current"))
+          ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("tma", "current"), ("again", "current"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 tw, ids = fused_topk_softmax(logits, k, renormalize=True)
                 return kern.apply(x, w13, w2, tw, ids, expert_map=emap, num_experts=e)
 
-            row = dict(shape=shape, tokens=m, direct_rule=use_direct_align(m, k, e))
+            row = dict(shape=shape, tokens=m, direct_rule=wants_direct_align(TritonOptions(), m, k, e, scheme, emap is not None))
             ref = None
             runs = {}  # name: the layer of each variant this point can take
             for name, (split, opts) in variants.items():

@@ -220,13 +220,10 @@ def main(argv: list[str]) -> int:
     print(build(T.gemm2_weighted_sum_kernel, c,
                 dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv", w2_desc="tensordesc<fp8e4nv[128, 128]>")))
     # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
-    # (looped chunks), dynamic scales, rows limited on the device; the intermediate's between the
-    # GEMMs launched with PDL.
+    # (looped chunks), dynamic scales, rows limited on the device.
     qptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "limit_ptr": "*i32"}
-    for one_chunk, block_m, block_k, limit, pdl in ((True, 32, 128, 1, False), (False, 4, 1024, 2, False),
-                                                    (True, 32, 128, 1, True)):
-        qc = dict(STATIC=False, LIMIT=limit, ONE_CHUNK=one_chunk, BLOCK_M=block_m, BLOCK_K=block_k, EXACT_ROUND=False,
-                  PDL=pdl)
+    for one_chunk, block_m, block_k, limit in ((True, 32, 128, 1), (False, 4, 1024, 2)):
+        qc = dict(STATIC=False, LIMIT=limit, ONE_CHUNK=one_chunk, BLOCK_M=block_m, BLOCK_K=block_k, EXACT_ROUND=False)
         print(build(Q.quant_rows_kernel, qc, qptrs))
     # Alignment: the two-kernel paths (scan: 2048-pair chunks; sort: 256-pair chunks, Qwen3 4096
     # tokens x top-8 over 128 local experts) and the one launch for few pairs (Qwen3 64 tokens),

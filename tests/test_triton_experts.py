@@ -107,8 +107,7 @@ def test_options_are_frozen_and_validated():
     opts = TritonOptions()
     with pytest.raises(Exception):
         opts.use_tma = False  # type: ignore[misc]
-    for bad in (dict(use_tma="yes"), dict(sorted_a=None), dict(align_method="bubble"), dict(pdl_max_inter=-1),
-                dict(pdl_inter_quant="auto")):
+    for bad in (dict(use_tma="yes"), dict(sorted_a=None), dict(align_method="bubble"), dict(pdl_max_inter=-1)):
         with pytest.raises(MoebenchError, match="TritonOptions"):
             TritonOptions(**bad)
 
@@ -182,9 +181,15 @@ def test_alignment_rules():
     assert use_direct_align(2, 10, 512) and not use_direct_align(3, 10, 512)
     o = TritonOptions()
     tensor, token = QuantScheme("fp8_w8a8", "tensor"), QuantScheme("fp8_w8a8", "token")
-    # direct alignment for one token: 16-bit and per-tensor fp8, not fp8 with a quantisation launch
+    # direct alignment for one token: 16-bit and per-tensor fp8; fp8 with a quantisation launch up
+    # to a quarter as many pairs as experts, without an expert map
+    block = QuantScheme("fp8_w8a8", "block", (128, 128))
     assert wants_direct_align(o, 1, 8, 128) and wants_direct_align(o, 1, 8, 128, tensor)
-    assert not wants_direct_align(o, 1, 8, 128, token) and not wants_direct_align(o, 9, 8, 128)
+    assert not wants_direct_align(o, 2, 8, 128, tensor) and not wants_direct_align(o, 9, 8, 128)
+    assert wants_direct_align(o, 4, 8, 128, token) and wants_direct_align(o, 8, 8, 256, block)
+    assert not wants_direct_align(o, 5, 8, 128, block) and not wants_direct_align(o, 1, 8, 256, block, mapped=True)
+    assert not wants_direct_align(o, 0, 8, 256, block)
+    assert wants_direct_align(TritonOptions(direct_fp8_max_fill=0.5), 8, 8, 128, block)
     assert wants_direct_align(TritonOptions(direct_align=True), 9, 8, 128, token)
     assert not wants_direct_align(TritonOptions(direct_align=False), 1, 8, 128)
     # one launch up to 1024 pairs; above, sort from 2^20 experts x pairs

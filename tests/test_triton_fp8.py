@@ -424,3 +424,25 @@ def test_fused_per_tensor_intermediate_is_bit_exact(act):
     used = int(align.num_tokens_post_padded)
     assert fused.dtype == FP8_DTYPE
     assert torch.equal(fused[:used].view(torch.uint8), q_ref[:used].view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["block128", "token"])
+def test_fp8_direct_alignment_few_tokens(name, monkeypatch):
+    # fp8 whose intermediate has its own quantisation launch takes one block per pair up to a
+    # quarter as many pairs as experts, without an expert map: the layer against the reference, and
+    # a spy on which alignment ran (one token: 4 pairs of 20 experts; 2 tokens: 8 pairs; a map)
+    from moebench.kernels.triton import align as A
+
+    scheme = SCHEMES[name]
+    calls = []
+    real = A.direct_align
+    monkeypatch.setattr(A, "direct_align", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for m, e_local, want in ((1, E, [1]), (2, E, []), (1, 12, [])):
+        calls.clear()
+        q13, q2 = _qweights(scheme, e=e_local)
+        emap = random_expert_map(E, e_local, DEV) if e_local < E else None
+        x = _x(m)
+        tw, ti = _routing(m, E, K)
+        out = _run("triton", "no-dpep", x, q13, q2, tw, ti, emap, E, config=_cfg(scheme))
+        assert calls == want, (m, e_local)
+        assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti, emap)) < TIGHT

@@ -444,7 +444,7 @@ def align_pairs(
     kernel with programmatic dependent launch)."""
     options = options or TritonOptions()
     m, k = topk_ids.shape
-    if wants_direct_align(options, m, k, num_experts, scheme):
+    if wants_direct_align(options, m, k, num_experts, scheme, expert_map is not None):
         return direct_align(topk_ids, block_size_m, expert_map)
     return moe_align_block_size(topk_ids, block_size_m, num_local_experts, expert_map, options=options, pdl=pdl)
 

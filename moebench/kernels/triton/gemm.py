@@ -739,8 +739,7 @@ def fused_moe_gemms(
         inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
     elif fp8:
         # Only rows < num_tokens_post_padded are in use (read on the device).
-        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded,
-                                           pdl=pdl and options.pdl_inter_quant)
+        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
     cfg2, tma2 = config, use_tma
     if down_config is not None:
         if down_config["BLOCK_SIZE_M"] != config["BLOCK_SIZE_M"]:

@@ -33,7 +33,6 @@ from moebench.errors import MoebenchError
 from moebench.kernels.triton.env import interpreting
 
 _AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "pair_store")
-_BOOL_FIELDS = ("pdl_inter_quant",)
 _ALIGN_METHODS = ("auto", "scan", "sort")
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -72,13 +71,15 @@ class TritonOptions:
     #: (2048)). Never on other devices or under the interpreter.
     pdl: bool | str = "auto"
     pdl_max_inter: int = 1024
-    #: With PDL on, fp8's intermediate quantisation launch between the GEMMs (block and per-token
-    #: scales) joins the chain too (waits for GEMM1, releases GEMM2), instead of a plain launch.
-    pdl_inter_quant: bool = True
-    #: `direct_align`: one block per pair, no alignment kernel. "auto" (`use_direct_align`): where the
-    #: pairs hit nearly distinct experts (one token), for 16-bit weights and per-tensor fp8 (-12% of
-    #: the layer at Qwen3-30B M=1; fp8 with a separate quantisation launch measured slower with it).
+    #: `direct_align`: one block per pair, no alignment kernel. "auto" (`wants_direct_align`): for
+    #: 16-bit weights and per-tensor fp8 where the pairs hit nearly distinct experts (`use_direct_align`;
+    #: -12% of the layer at Qwen3-30B M=1); for fp8 with a quantisation launch between the GEMMs
+    #: (block, token) without an expert map up to direct_fp8_max_fill pairs per global expert, which
+    #: also spares that launch the alignment's worst-case rows (fp8 block, 1-8 tokens of DeepSeek-V3 TP8
+    #: and 1-4 of Qwen3-30B / Qwen3-235B TP8: 0.72-0.98 of the layer; beyond, 1.08-1.23; with
+    #: DeepSeek-V3 EP8's expert map 1.32 at one token).
     direct_align: bool | str = "auto"
+    direct_fp8_max_fill: float = 0.25
     #: The alignment kernels: one launch up to this many pairs (0.96-1.005 of the layer from 2 to 64
     #: tokens against two launches), above it two launches by align_method: "scan", "sort", or "auto"
     #: = sort where local experts x pairs >= sort_min_work (Qwen3-30B 4096 tokens 20.1 -> 8.5 us;
@@ -116,10 +117,7 @@ class TritonOptions:
                                 f"got {self.align_method!r}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in _BOOL_FIELDS:
-                if not isinstance(v, bool):
-                    raise MoebenchError(f"TritonOptions.{f.name} must be True or False, got {v!r}")
-            elif f.name not in _AUTO_FIELDS and f.name != "align_method" and (isinstance(v, bool) or v < 0):
+            if f.name not in _AUTO_FIELDS and f.name != "align_method" and (isinstance(v, bool) or v < 0):
                 raise MoebenchError(f"TritonOptions.{f.name} must be a number >= 0, got {v!r}")
 
 
@@ -196,14 +194,18 @@ def use_direct_align(num_tokens: int, topk: int, num_experts: int) -> bool:
     return num_tokens == 1 or 0 < num_tokens * topk * 20 <= num_experts
 
 
-def wants_direct_align(options: TritonOptions, num_tokens: int, topk: int, num_experts: int, scheme=None) -> bool:
+def wants_direct_align(options: TritonOptions, num_tokens: int, topk: int, num_experts: int, scheme=None,
+                       mapped: bool = False) -> bool:
     """options.direct_align for num_tokens x topk pairs over num_experts global experts with fp8
-    scheme `scheme` (None: 16-bit): "auto" = `use_direct_align`, for 16-bit activations (unquantised
-    or weight-only weights) and per-tensor fp8 (whose intermediate GEMM1 quantises itself); other
-    fp8 schemes keep the alignment kernels."""
+    scheme `scheme` (None: 16-bit; mapped: an expert map is given). "auto": `use_direct_align` for
+    16-bit activations (unquantised or weight-only weights) and per-tensor fp8 (whose intermediate
+    GEMM1 quantises itself); the other fp8 schemes, whose intermediate a launch of its own
+    quantises, without an expert map up to options.direct_fp8_max_fill pairs per global expert
+    (vLLM's per-pair rule at the default 0.25)."""
     if options.direct_align == "auto":
-        fused = scheme is None or scheme.weight_only or scheme.scales == "tensor"
-        return fused and use_direct_align(num_tokens, topk, num_experts)
+        if scheme is None or scheme.weight_only or scheme.scales == "tensor":
+            return use_direct_align(num_tokens, topk, num_experts)
+        return not mapped and 0 < num_tokens * topk <= options.direct_fp8_max_fill * num_experts
     return bool(options.direct_align)
 
 

@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from moebench.errors import MoebenchError
-from moebench.kernels.triton.common import pdl_launch_args, pdl_release, pdl_wait
 from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.quant import AMAX_EPS, FP8_DTYPE, INV_FP8_MAX, QuantScheme, scale_of, scheme_of
 
@@ -97,13 +96,10 @@ def quant_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EXACT_ROUND: tl.constexpr,  # interpreter: round in fp32 before the cast
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch: wait for the kernel before
 ):
     pid_m = tl.program_id(0)
     grp = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    pdl_wait(PDL)
-    pdl_release(PDL)
     rows_used = T
     if LIMIT == 1:
         rows_used = tl.minimum(tl.load(limit_ptr), T)
@@ -160,7 +156,6 @@ def _launch(
     static: torch.Tensor | None,
     row_limit: torch.Tensor | None,
     batch_counts: torch.Tensor | None,
-    pdl: bool = False,
 ) -> None:
     """x3, q3 (B, T, K); s3 (B, T, G) for the dynamic schemes; static (1,) fp32 for tensor."""
     nb, t, k = x3.shape
@@ -186,7 +181,7 @@ def _launch(
         x3, q3, s_arg, static_arg, limit, t, k, group_k,
         x3.stride(0), x3.stride(1), x3.stride(2), q3.stride(0), q3.stride(1), q3.stride(2), *s_strides,
         STATIC=is_static, LIMIT=mode, ONE_CHUNK=group_k <= block_k, BLOCK_M=block_m, BLOCK_K=block_k,
-        EXACT_ROUND=interpreting(), num_warps=4, **pdl_launch_args(pdl),
+        EXACT_ROUND=interpreting(), num_warps=4,
     )
 
 
@@ -197,7 +192,6 @@ def quantize_rows(
     *,
     row_limit: torch.Tensor | None = None,
     batch_counts: torch.Tensor | None = None,
-    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) float -> (q (..., K) float8_e4m3fn, scale (..., G) float32), equal bit for bit to
     moebench.quant.quantize_activation(x, scheme, static_scale), computed by one Triton launch.
@@ -207,9 +201,7 @@ def quantize_rows(
 
     row_limit (1,) int32 on the device: only rows < row_limit[0] of a 2-D x are quantised;
     batch_counts (B,): x is (B, T, K) and only rows [0, count[b]) of batch b are. Skipped rows of q
-    and of a dynamic scale stay unwritten. Neither synchronises with the host.
-    pdl: launch with programmatic dependent launch (CUDA, Hopper+: `resolve_pdl` decides), between
-    two kernels of such a chain (the Triton experts' GEMM1 and GEMM2)."""
+    and of a dynamic scale stay unwritten. Neither synchronises with the host."""
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise MoebenchError(f"quantize_rows takes fp32/fp16/bf16 activations, got {x.dtype}")
     k = x.shape[-1]
@@ -230,13 +222,13 @@ def quantize_rows(
             static = scale_of(amax).reshape(1)
         else:
             static = static_scale.to(device=x.device, dtype=torch.float32).reshape(1)
-        _launch(x3, q3, None, scheme, static, row_limit, batch_counts, pdl)
+        _launch(x3, q3, None, scheme, static, row_limit, batch_counts)
         return q, static.reshape([1] * (len(lead) + 1)).expand(*lead, 1)
     groups = scheme.num_groups(k)
     if x.numel() == 0:
         return q, torch.ones((*lead, groups), dtype=torch.float32, device=x.device)
     s = torch.empty((*lead, groups), dtype=torch.float32, device=x.device)
-    _launch(x3, q3, s.view(*x3.shape[:-1], groups), scheme, None, row_limit, batch_counts, pdl)
+    _launch(x3, q3, s.view(*x3.shape[:-1], groups), scheme, None, row_limit, batch_counts)
     return q, s
 
 
