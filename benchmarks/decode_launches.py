@@ -18,7 +18,9 @@ x copied into sorted order (sorted_a False / True; `sorted` is n/a where the til
 `wide`: the wide GEMM1 at every tile size (wide_gemm1=True); `pairstore` / `atomic`: GEMM2
 stores each pair's row and `topk_sum` adds them / the fp32 atomic sum over top-k (pair_store True
 / False); `tma`: weight tiles through TMA at every
-tile and for fp8 too (use_tma=True; `tma/current`); `again`: the current defaults timed a
+tile and for fp8 too (use_tma=True; `tma/current`); `swapab` / `noswap`: the fp8 GEMMs as w^T x^T
+into a transposed accumulator at every tile / at none (swap_ab True / False; `current/noswap`,
+`swapab/noswap`; the same as current for 16-bit weights); `again`: the current defaults timed a
 second time, last (`again/current`: the point's noise). --fp8: per-tensor fp8_w8a8 weights (GEMM1
 quantises the intermediate itself); --fp8-block: fp8_w8a8 with 128 x 128 block scales. --variants picks which run (default: all).
 --rounds N times every variant N times, interleaved in a rotated order (median; `<name>_spread` =
@@ -54,11 +56,13 @@ VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions
             "nosorted": (None, TritonOptions(sorted_a=False)), "sorted": (None, TritonOptions(sorted_a=True)),
             "wide": (None, TritonOptions(wide_gemm1=True)), "pairstore": (None, TritonOptions(pair_store=True)),
             "atomic": (None, TritonOptions(pair_store=False)),
-            "tma": (None, TritonOptions(use_tma=True)), "again": (None, TritonOptions())}
+            "tma": (None, TritonOptions(use_tma=True)), "swapab": (None, TritonOptions(swap_ab=True)),
+            "noswap": (None, TritonOptions(swap_ab=False)), "again": (None, TritonOptions())}
 #: (a, b) pairs whose ratio a/b each row gets
 RATIOS = (("current", "nodirect"), ("direct", "current"), ("current", "twolaunch"), ("current", "sk1"), ("sk2", "current"), ("sk4", "current"),
           ("current", "nopdl"), ("pdl", "nopdl"), ("current", "nodown"), ("current", "nosorted"), ("sorted", "nosorted"),
-          ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("tma", "current"), ("again", "current"))
+          ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("tma", "current"), ("current", "noswap"),
+          ("swapab", "noswap"), ("again", "current"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -197,6 +197,14 @@ def main(argv: list[str]) -> int:
                  TOPK=8, EVEN_K=True, UPCAST=False, IEEE_DOT=False, USE_TMA=False, PAIR_STORE=True, **quant)
         p2 = dict(std_ptrs, ws_ptr="*bf16", **(dict(inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if quant["QUANT"] else {}))
         print(build(T.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
+    # fp8 dots as w^T x^T into a transposed accumulator (swap_ab): per-token scales on the decode
+    # tile and block scales on the 16 x 128 tile "auto" swaps, GEMM1 (paired walk) and GEMM2
+    for quant, bn in ((dict(QUANT=1, GROUP_N=1, GROUP_K=1), 64), (dict(QUANT=2, GROUP_N=128, GROUP_K=128), 128)):
+        c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
+                 UPCAST=False, IEEE_DOT=False, USE_TMA=False, SWAP_AB=True, **quant)
+        print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
+                    dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
+        print(build(T.gemm2_weighted_sum_kernel, c, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"), ("w2_desc",)))
     # per-tensor fp8: GEMM1 quantising the intermediate in its epilogue (fp8 store)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, QUANT=1, GROUP_N=1, GROUP_K=1, QUANT_OUT=True)

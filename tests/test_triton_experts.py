@@ -37,6 +37,7 @@ from moebench.kernels.triton.options import (
     layer_split_k,
     resolve_pair_store,
     resolve_pdl,
+    resolve_swap_ab,
     resolve_use_tma,
     use_direct_align,
     use_pair_store,
@@ -158,6 +159,20 @@ def test_pair_store_rules():
     assert not resolve_pair_store(TritonOptions(pair_store=False), 192, 4096, False, 1)
     with pytest.raises(MoebenchError, match="pair_store"):
         resolve_pair_store(TritonOptions(pair_store=True), 192, 4096, False, 2)
+
+
+def test_swap_ab_rules():
+    # fp8 without TMA only; "auto" = block scales on 16-row tiles >= swap_ab_min_cols (128) wide
+    block, token = QuantScheme("fp8_w8a8", "block", (128, 128)), QuantScheme("fp8_w8a8", "token")
+    cfg = lambda bm, bn: dict(CFG, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn)  # noqa: E731
+    auto = TritonOptions()
+    assert resolve_swap_ab(auto, cfg(16, 128), block, False) and resolve_swap_ab(auto, cfg(16, 256), block, False)
+    assert not resolve_swap_ab(auto, cfg(16, 64), block, False) and not resolve_swap_ab(auto, cfg(32, 128), block, False)
+    assert not resolve_swap_ab(auto, cfg(16, 128), token, False) and not resolve_swap_ab(auto, cfg(16, 128), block, True)
+    assert resolve_swap_ab(TritonOptions(swap_ab_min_cols=64), cfg(16, 64), block, False)
+    assert resolve_swap_ab(TritonOptions(swap_ab=True), cfg(64, 128), token, False)
+    assert not resolve_swap_ab(TritonOptions(swap_ab=True), cfg(16, 64), None, False)  # 16-bit: not an fp8 GEMM
+    assert not resolve_swap_ab(TritonOptions(swap_ab=False), cfg(16, 128), block, False)
 
 
 def test_use_tma_rules():

@@ -378,6 +378,50 @@ def test_triton_fp8_wide_gemm1(name):
     assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
 
 
+@pytest.mark.parametrize("name", ["tensor", "token", "block128", "block32"])
+@pytest.mark.parametrize("wide", [False, True], ids=["paired", "wide"])
+def test_triton_fp8_swap_ab(name, wide):
+    # both GEMMs as w^T x^T into a transposed accumulator, scales transposed with it: the
+    # reference, on 16-row blocks (one token: the direct alignment) and 32-row blocks, with an
+    # expert map; the same result as the unswapped dots within rounding
+    scheme = SCHEMES[name]
+    e_local = 12
+    q13, q2 = _qweights(scheme, e=e_local)
+    emap = random_expert_map(E, e_local, DEV)
+    for m, bm in ((1, 16), (21, 32)):
+        x = _x(m)
+        tw, ti = _routing(m, E, K)
+        cfg = _cfg(scheme, BLOCK_SIZE_M=bm)
+        ref = moebench.reference_moe(x, q13, q2, tw, ti, emap)
+        with poisoned_outputs():
+            got = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(swap_ab=True, wide_gemm1=wide))
+            plain = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(swap_ab=False, wide_gemm1=wide))
+        assert rel_err(got, ref) < TIGHT, (m, bm)
+        assert rel_err(got, plain.double()) < TIGHT, (m, bm)
+
+
+def test_triton_fp8_block_swap_ab_auto(monkeypatch):
+    # "auto" swaps the block-scaled GEMMs of 16-row tiles at least 128 wide (one token: the direct
+    # alignment; 13 tokens: the alignment kernels), not 64-wide ones: a spy on the resolved choice
+    # of both GEMMs, and the layer against the reference
+    import moebench.kernels.triton.gemm as gemm
+
+    seen = []
+    real = gemm.resolve_swap_ab
+    monkeypatch.setattr(gemm, "resolve_swap_ab", lambda *a: seen.append(real(*a)) or seen[-1])
+    scheme = SCHEMES["block128"]
+    q13, q2 = _qweights(scheme)
+    for m in (1, 13):
+        x = _x(m)
+        tw, ti = _routing(m, E, K)
+        ref = moebench.reference_moe(x, q13, q2, tw, ti)
+        for bn, want in ((128, [True, True]), (64, [False, False])):
+            seen.clear()
+            out = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=_cfg(scheme, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128))
+            assert seen == want, (m, bn)
+            assert rel_err(out, ref) < TIGHT, (m, bn)
+
+
 @pytest.mark.parametrize("name", ["tensor", "block128", "block32"])
 @pytest.mark.parametrize("wide", [False, True], ids=["paired", "wide"])
 def test_triton_fp8_tma_weight_tiles(name, wide, monkeypatch):

@@ -1,6 +1,7 @@
 """@triton.jit pieces shared by moebench's Triton kernels (and the launch arguments of PDL).
 
     mma, block_scaled_mma, scaled_mma, dequant   one K step of a (fp8-scaled) GEMM; its epilogue scales
+    acc_zeros                                    a tile's accumulator (transposed for swapped operands)
     scale_ptrs                                   where a weight row's fp8 scales are
     grouped_tile                                 program id -> (row tile, column tile), L2-friendly order
     block_expert, tile_rows                      a sorted block's expert and rows (sorted-token GEMMs)
@@ -15,12 +16,16 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def mma(a, b, acc, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
+def mma(a, b, acc, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr = False):
     """acc += a @ b with fp32 accumulation. UPCAST: operands to fp32 first (the CPU interpreter
-    gets 16-bit tl.dot wrong); IEEE_DOT: exact fp32 products (no TF32) for fp32 inputs."""
+    gets 16-bit tl.dot wrong); IEEE_DOT: exact fp32 products (no TF32) for fp32 inputs. SWAP_AB:
+    acc is the transposed (BN, BM) accumulator and gets b^T @ a^T, so that b's columns fill the
+    MMA's M side when a has few rows."""
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
+    if SWAP_AB:
+        a, b = tl.trans(b), tl.trans(a)
     if IEEE_DOT:
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
@@ -95,13 +100,26 @@ def tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, ROWS: tl.cons
 
 
 @triton.jit
-def block_scaled_mma(a, b, acc, a_s, b_s, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
+def acc_zeros(ROWS: tl.constexpr, COLS: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The zero fp32 accumulator of a (ROWS, COLS) output tile: (COLS, ROWS) under SWAP_AB (`mma`)."""
+    if SWAP_AB:
+        acc = tl.zeros((COLS, ROWS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def block_scaled_mma(a, b, acc, a_s, b_s, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+                     SWAP_AB: tl.constexpr = False):
     """acc + (a @ b) * a_s[:, None] * b_s[None, :]: one K step of a block-scaled fp8 GEMM (the dot
     of this step alone, then its row and column dequantisation scales). UPCAST as in `mma` (the
-    interpreter cannot dot fp8 operands)."""
+    interpreter cannot dot fp8 operands); SWAP_AB: the transposed accumulator, as in `mma`."""
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
+    if SWAP_AB:
+        a, b, a_s, b_s = tl.trans(b), tl.trans(a), b_s, a_s
     if IEEE_DOT:
         d = tl.dot(a, b, input_precision="ieee")
     else:
@@ -130,26 +148,33 @@ def scale_ptrs(base, expert, stride_e, stride_n, rows, QUANT: tl.constexpr, GROU
 
 @triton.jit
 def scaled_mma(a, b, acc, k_start, as_ptrs, bs_ptrs, row_ok, col_ok, stride_ag, stride_bk,
-               QUANT: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
+               QUANT: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+               SWAP_AB: tl.constexpr = False):
     """One K step starting at column k_start: acc += a @ b, or for block scales (QUANT 2) the
-    step's own product times its scale column k_start // GROUP_K of a's rows and b's columns."""
+    step's own product times its scale column k_start // GROUP_K of a's rows and b's columns.
+    SWAP_AB: acc is (BN, BM), as in `mma`."""
     if QUANT == 2:
         kg = k_start // GROUP_K
         a_s = tl.load(as_ptrs + kg * stride_ag, mask=row_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kg * stride_bk, mask=col_ok, other=0.0)
-        acc = block_scaled_mma(a, b, acc, a_s, b_s, UPCAST, IEEE_DOT)
+        acc = block_scaled_mma(a, b, acc, a_s, b_s, UPCAST, IEEE_DOT, SWAP_AB)
     else:
-        acc = mma(a, b, acc, UPCAST, IEEE_DOT)
+        acc = mma(a, b, acc, UPCAST, IEEE_DOT, SWAP_AB)
     return acc
 
 
 @triton.jit
-def dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT: tl.constexpr):
-    """Epilogue of per-tensor / per-token fp8 (QUANT 1): acc * a's row scale * b's column scale."""
+def dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT: tl.constexpr, SWAP_AB: tl.constexpr = False):
+    """Epilogue of per-tensor / per-token fp8 (QUANT 1): acc * a's row scale * b's column scale.
+    SWAP_AB: acc is (BN, BM) and comes back transposed to (BM, BN)."""
     if QUANT == 1:
         a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
         b_s = tl.load(bs_ptrs, mask=col_ok, other=0.0)
+        if SWAP_AB:
+            a_s, b_s = b_s, a_s
         acc = acc * a_s[:, None] * b_s[None, :]
+    if SWAP_AB:
+        acc = tl.trans(acc)
     return acc
 
 

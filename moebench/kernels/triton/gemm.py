@@ -50,6 +50,7 @@ from moebench.errors import MoebenchError
 from moebench.kernels.modular import ExpertBias, alloc_output
 from moebench.kernels.triton.align import AlignResult
 from moebench.kernels.triton.common import (
+    acc_zeros,
     block_expert,
     cast_rne,
     dequant,
@@ -69,6 +70,7 @@ from moebench.kernels.triton.options import (
     gemm1_walk,
     resolve_pair_store,
     resolve_pdl,
+    resolve_swap_ab,
     resolve_use_tma,
 )
 from moebench.kernels.triton.quant import check_block_config, quant_group, quant_meta, quantize_rows
@@ -148,6 +150,7 @@ def silu_mul_gemm1_kernel(
     ACTIVATION: tl.constexpr = 0,  # moebench.activation kind: 0 silu, 1 gelu, 2 swigluoai (gate_up_epilogue)
     HAS_BIAS: tl.constexpr = False,  # add b13 before the activation
     INTERLEAVED: tl.constexpr = False,  # w13's gate and up rows interleaved (2j, 2j + 1: swigluoai)
+    SWAP_AB: tl.constexpr = False,  # accumulate (BN, BM) = w^T x^T (common.mma), transposed back after the K loop
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -194,7 +197,7 @@ def silu_mul_gemm1_kernel(
         w_slice = (2 * expert).to(tl.int32)
 
         # K loop: one (BM, 2 BN) dot per step.
-        acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
+        acc = acc_zeros(BLOCK_SIZE_M, 2 * BLOCK_SIZE_N, SWAP_AB)
         for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
             # A: the block's rows of the sorted copy through TMA (past H the descriptor reads zeros),
             # or gathered rows, their K tail masked (always beside TMA weight tiles); then B.
@@ -212,10 +215,10 @@ def silu_mul_gemm1_kernel(
                                 stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
                                 EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
             acc = scaled_mma(a, w, acc, k * BLOCK_SIZE_K, as_ptrs, ws_ptrs, row_ok, wcol_ok, stride_asg, stride_wsk,
-                             QUANT, GROUP_K, UPCAST, IEEE_DOT)
+                             QUANT, GROUP_K, UPCAST, IEEE_DOT, SWAP_AB)
             a_ptrs += BLOCK_SIZE_K * stride_xk
             w_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
-        acc = dequant(acc, as_ptrs, ws_ptrs, row_ok, wcol_ok, QUANT)
+        acc = dequant(acc, as_ptrs, ws_ptrs, row_ok, wcol_ok, QUANT, SWAP_AB)
         # (BM, 2 BN) -> (BM, 2, BN) -> (BM, BN, 2) -> gate, up
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1)))
     else:
@@ -231,8 +234,8 @@ def silu_mul_gemm1_kernel(
         us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, u_rows, QUANT, GROUP_N)
 
         # K loop: two (BM, BN) dots per step, one A tile for both.
-        acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+        acc_g = acc_zeros(BLOCK_SIZE_M, BLOCK_SIZE_N, SWAP_AB)
+        acc_u = acc_zeros(BLOCK_SIZE_M, BLOCK_SIZE_N, SWAP_AB)
         for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
             # A: gathered rows, their K tail masked (always beside TMA weight tiles); then B.
             k_ok = offs_k < H - k * BLOCK_SIZE_K
@@ -251,14 +254,14 @@ def silu_mul_gemm1_kernel(
                                 stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
                                 EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
             acc_g = scaled_mma(a, g, acc_g, k * BLOCK_SIZE_K, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                               QUANT, GROUP_K, UPCAST, IEEE_DOT)
+                               QUANT, GROUP_K, UPCAST, IEEE_DOT, SWAP_AB)
             acc_u = scaled_mma(a, u, acc_u, k * BLOCK_SIZE_K, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                               QUANT, GROUP_K, UPCAST, IEEE_DOT)
+                               QUANT, GROUP_K, UPCAST, IEEE_DOT, SWAP_AB)
             a_ptrs += BLOCK_SIZE_K * stride_xk
             g_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
             u_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
-        acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
-        acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
+        acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT, SWAP_AB)
+        acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT, SWAP_AB)
 
     # Epilogue: [+ b13], the activation: SiLU(gate) * up by default.
     h = gate_up_epilogue(acc_g, acc_u, b13_ptr + expert * stride_be + offs_n * stride_bn, b_up_off, col_ok, alpha, limit,
@@ -333,6 +336,7 @@ def gemm2_weighted_sum_kernel(
     WQ_PACK: tl.constexpr = 1,
     HAS_BIAS: tl.constexpr = False,  # add b2 before the router weight
     PAIR_STORE: tl.constexpr = False,  # ws_ptr is (M*K, H): store each pair's row (no K split)
+    SWAP_AB: tl.constexpr = False,  # as in GEMM1
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -366,7 +370,7 @@ def gemm2_weighted_sum_kernel(
     bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_bse, stride_bsn, offs_n, QUANT, GROUP_N)
 
     # K loop over this program's slice.
-    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc = acc_zeros(BLOCK_SIZE_M, BLOCK_SIZE_N, SWAP_AB)
     k_hi = min(k_lo + k_per_split, N_INTER)
     for k in range(k_lo, k_hi, BLOCK_SIZE_K):
         # A: inter's rows, the K tail of the slice masked (always beside TMA weight tiles); then B.
@@ -382,10 +386,10 @@ def gemm2_weighted_sum_kernel(
                             stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, EVEN_K, BLOCK_SIZE_K,
                             inter_ptr.dtype.element_ty, UPCAST)
         acc = scaled_mma(a, b, acc, k, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_bsk,
-                         QUANT, GROUP_K, UPCAST, IEEE_DOT)
+                         QUANT, GROUP_K, UPCAST, IEEE_DOT, SWAP_AB)
         a_ptrs += BLOCK_SIZE_K * stride_ik
         b_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
-    acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
+    acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT, SWAP_AB)
 
     # Epilogue: [+ b2 (the first K split only)], the router weight of each pair.
     if HAS_BIAS:
@@ -505,6 +509,7 @@ def launch_gemm1(
     sorted_a: bool = False,
     activation: Activation = SILU,
     b13: torch.Tensor | None = None,
+    swap_ab: bool = False,
 ) -> torch.Tensor:
     """GEMM1 + activation-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
     activation (moebench.activation) picks the epilogue's function and w13's gate/up layout
@@ -518,6 +523,7 @@ def launch_gemm1(
     reads its A tiles through TMA from the copy (needs use_tma and wide).
     pdl: launch with programmatic dependent launch (CUDA, Hopper+).
     zero: a contiguous fp32 tensor that the kernel also sets to zero (GEMM2's accumulator).
+    swap_ab: the dots as w^T x^T into a transposed accumulator (`resolve_swap_ab`; fp8 only).
     out_scale: (1,) fp32 static scale: inter comes back as float8_e4m3fn, bit for bit what
     `quantize_rows(inter, per-tensor scheme, out_scale)` makes of the out_dtype intermediate.
 
@@ -575,7 +581,7 @@ def launch_gemm1(
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
         MAPPED=align.expert_map is not None, A_TMA=sorted_a, ACTIVATION=activation.kind, HAS_BIAS=b13 is not None,
-        INTERLEAVED=il,
+        INTERLEAVED=il, SWAP_AB=swap_ab,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"], **quant, **wq_meta(w13), **pdl_launch_args(pdl),
     )
@@ -596,6 +602,7 @@ def launch_gemm2(
     pdl: bool = False,
     b2: torch.Tensor | None = None,
     pair_store: bool = False,
+    swap_ab: bool = False,
 ) -> torch.Tensor:
     """GEMM2 [+ b2 (E_local, H), before the router weight] + router weight on aligned pairs -> ws (M, H) fp32, the sum over top-k done by atomic
     adds (`ws` given = already zeroed, e.g. by GEMM1; else zeroed here). split_k: K splits (clamped
@@ -604,6 +611,7 @@ def launch_gemm2(
     pair_store: ws is (M*K, H) (any float dtype; given, or allocated in inter's 16-bit dtype,
     bf16 for fp8): each pair's weighted row is stored there, nothing summed (`topk_sum` does);
     the rows of pairs that are not aligned (remote experts) are not written. One K split only.
+    swap_ab: as in `launch_gemm1`.
 
     fp8: w2 a QuantWeight, inter (max_padded, I) float8_e4m3fn with a_scale (max_padded, G)."""
     m, k = topk_weights.shape
@@ -637,7 +645,7 @@ def launch_gemm2(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, MAPPED=align.expert_map is not None,
-        HAS_BIAS=b2 is not None, PAIR_STORE=pair_store,
+        HAS_BIAS=b2 is not None, PAIR_STORE=pair_store, SWAP_AB=swap_ab,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **wq_meta(w2), **pdl_launch_args(pdl),
     )
     return ws
@@ -671,7 +679,7 @@ def fused_moe_gemms(
     on GEMM1's config, where the device has TMA), GEMM1's walk and sorted_a (`gemm1_walk`; "auto"
     sizes pairs per expert as M * K / num_experts, None: E_local), PDL (`resolve_pdl`), GEMM2's
     sum over top-k (`resolve_pair_store`: per-pair rows and a `topk_sum` launch instead of the
-    atomics, the cast and GEMM1's zeroing).
+    atomics, the cast and GEMM1's zeroing), the fp8 dots' operand order (`resolve_swap_ab`).
     down_config: GEMM2's own tile config (same BLOCK_SIZE_M as `config`; split_k is GEMM2's for
     it); its optional USE_TMA decides whether GEMM2 loads w2 through TMA, instead of GEMM1's
     choice. None: GEMM2 runs with `config`.
@@ -733,7 +741,8 @@ def fused_moe_gemms(
         wide = sorted_a = tma1 = False
     inter = launch_gemm1(x, w13, align, topk, config, tma1, a_scale, out_dtype, zero=None if pair_store else acc, wide=wide,
                          out_scale=w2.input_scale if fuse else None, pdl=pdl, sorted_a=sorted_a,
-                         activation=activation, b13=None if bias is None else bias.b13)
+                         activation=activation, b13=None if bias is None else bias.b13,
+                         swap_ab=resolve_swap_ab(options, config, scheme, tma1))
     inter_scale = None
     if fuse:
         inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
@@ -749,7 +758,8 @@ def fused_moe_gemms(
         if "USE_TMA" in down_config:
             tma2 = bool(down_config["USE_TMA"]) and not (scheme is not None and scheme.weight_only) and tma_ok(stored(w2))
     ws = launch_gemm2(inter, w2, topk_weights, align, topk, cfg2, split_k, tma2, inter_scale, ws=acc, pdl=pdl,
-                      b2=None if bias is None else bias.b2, pair_store=pair_store)
+                      b2=None if bias is None else bias.b2, pair_store=pair_store,
+                      swap_ab=resolve_swap_ab(options, cfg2, scheme, tma2))
     if pair_store:
         if out.is_contiguous():
             return topk_sum(ws, out, topk)

@@ -18,6 +18,7 @@ benchmark can move them.
     layer_split_k       GEMM2's K split (`choose_split_k`, `wave_split`: the split-K cost model)
     resolve_pair_store  GEMM2's sum over top-k: fp32 atomics into (M, H), or each pair's weighted
                         row stored and summed by a second launch (`use_pair_store`)
+    resolve_swap_ab     fp8 dots as w^T x^T into a transposed accumulator (`use_swap_ab`)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import triton
 from moebench.errors import MoebenchError
 from moebench.kernels.triton.env import interpreting
 
-_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "pair_store")
+_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "pair_store", "swap_ab")
 _ALIGN_METHODS = ("auto", "scan", "sort")
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -102,6 +103,14 @@ class TritonOptions:
     pair_store: bool | str = "auto"
     pair_store_max_inter: int = 1024
     pair_store_min_rows: int = 32
+    #: fp8 GEMMs compute each tile as w^T x^T into a (BLOCK_SIZE_N, BLOCK_SIZE_M) accumulator, so the
+    #: weight columns fill the MMA's M side (wgmma's M is 64) where a block has few rows (vLLM's
+    #: kernel swaps for fp8 on Hopper at BLOCK_SIZE_M < 64 with BLOCK_SIZE_N >= 64). "auto"
+    #: (`use_swap_ab`): block scales, 16-row tiles at least swap_ab_min_cols wide, pointer weight tiles:
+    #: the only tiles where it measured faster (DeepSeek-V3 TP8 64-256 tokens 0.92-0.94, Qwen3-30B
+    #: 16 tokens 0.96, all 128-256 wide); 64 wide 1.02-1.83x, per-tensor scales slower at 17 of 20.
+    swap_ab: bool | str = "auto"
+    swap_ab_min_cols: int = 128
     #: batched-triton's default heuristic keeps 64-row tiles up to this many rows per expert where
     #: the sorted-token heuristic takes 128-row ones (128 x 256 tiles 10-30% faster at 192 and 768
     #: mean rows per expert, 4-9% slower at 48).
@@ -238,6 +247,23 @@ def resolve_pair_store(options: TritonOptions, inter: int, rows_per_expert: floa
         raise MoebenchError(f"pair_store stores whole rows: GEMM2 cannot split K ({split_k} splits asked); "
                             "give split_k=1 or pair_store=False")
     return bool(options.pair_store)
+
+
+def use_swap_ab(options: TritonOptions, config: Mapping[str, int]) -> bool:
+    """The "auto" rule of options.swap_ab for a block-scaled fp8 GEMM with tile `config`:
+    BLOCK_SIZE_M 16 and BLOCK_SIZE_N >= options.swap_ab_min_cols."""
+    return config["BLOCK_SIZE_M"] == 16 and config["BLOCK_SIZE_N"] >= options.swap_ab_min_cols
+
+
+def resolve_swap_ab(options: TritonOptions, config: Mapping[str, int], scheme, use_tma: bool) -> bool:
+    """options.swap_ab for one GEMM of a layer with fp8 scheme `scheme` (None: 16-bit) and tile
+    `config`: fp8 (w8a8) weights only, and not with TMA weight tiles; "auto" = `use_swap_ab` for
+    block scales, never for per-tensor / per-token ones."""
+    if scheme is None or scheme.weight_only or use_tma:
+        return False
+    if options.swap_ab == "auto":
+        return scheme.block_shape is not None and use_swap_ab(options, config)
+    return bool(options.swap_ab)
 
 
 # ---------------------------------------------------------------------------------------------
