@@ -192,11 +192,13 @@ def test_pdl_chain_in_a_cuda_graph(shape, m):
 
 @pytest.mark.parametrize("m", [1, 16, 256])
 def test_pdl_chain_fp8_block_in_a_cuda_graph(m):
-    # fp8 128 x 128 block at Qwen3-30B: the intermediate's quantisation launch sits in the PDL chain
-    # between GEMM1 and GEMM2 (waits for GEMM1, releases GEMM2). Three layers in one graph, replayed
-    # on new inputs, against the reference and against the chain without PDL: a quantisation that
-    # read GEMM1's rows early, or a GEMM2 that read its fp8 rows or scales before they were
-    # written, would leave stale rows.
+    # fp8 128 x 128 block at Qwen3-30B (one token: the direct alignment; 16: a swapped 16 x 128 tile;
+    # 256: the pair store): the quantisation launches between PDL-launched kernels. Three layers in
+    # one graph, replayed on new inputs; each layer against the reference on the input it was given
+    # (a chain of fp8 layers against a reference chain would mostly measure how one fp8 rounding
+    # flip in an early layer grows: a legitimately different accumulation order exceeds any fixed
+    # bound there): a quantisation that read GEMM1's rows early, or a GEMM2 that read its fp8 rows
+    # or scales before they were written, would leave stale rows.
     from moebench.quant import QuantScheme, quantize_weights
 
     x, w13, w2, tw, ti, emap, e = _setup("qwen3-30b-a3b", m)
@@ -205,26 +207,28 @@ def test_pdl_chain_fp8_block_in_a_cuda_graph(m):
     logits = torch.randn(m, e, device="cuda")
 
     def chain(pdl=True):
-        y = x
+        ys = [x]
         for _ in range(3):
             w, ids = fused_topk_softmax(logits, k, renormalize=True)
-            y = X.fused_moe(y, q13, q2, w, ids, None, e, options=TritonOptions(pdl=pdl)) * 8.0
-        return y
+            ys.append(X.fused_moe(ys[-1], q13, q2, w, ids, None, e, options=TritonOptions(pdl=pdl)) * 8.0)
+        return ys
 
     chain()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = chain()
+        outs = chain()
     for seed in (5, 6, 7):
         replay_on_new_inputs(graph, x, seed, logits)
         torch.cuda.synchronize()
-        y = x.clone()
         w, ids = fused_topk_softmax(logits, k, renormalize=True)
-        for _ in range(3):
-            y = (moebench.reference_moe(y, q13, q2, w, ids) * 8.0).to(x.dtype)
-        assert _rel(out, y) < 3e-2
-        assert _rel(chain(), chain(pdl=False)) < 2e-2
+        for layer in range(3):
+            ref = (moebench.reference_moe(outs[layer], q13, q2, w, ids) * 8.0).to(x.dtype)
+            assert _rel(outs[layer + 1], ref) < 1e-2, (seed, layer)
+        for layer in range(3):  # eager without PDL, each layer on the graph's input to it
+            w, ids = fused_topk_softmax(logits, k, renormalize=True)
+            got = X.fused_moe(outs[layer], q13, q2, w, ids, None, e, options=TritonOptions(pdl=False)) * 8.0
+            assert _rel(outs[layer + 1], got) < 1e-2, (seed, layer)
 
 
 @pytest.mark.parametrize("m", [1, 16, 1024])

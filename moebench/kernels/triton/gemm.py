@@ -32,7 +32,9 @@ read on the device); for per-tensor scales GEMM1 quantises it itself with w2's s
 (`resolve_use_tma`). On Hopper tensor/token scales accumulate the
 whole K loop in the fp8 MMA accumulator, which wgmma keeps at reduced precision (as vLLM's Triton
 kernel does: 1-1.5e-2 from the emulating reference at M >= 64 tiles); block scales add each K
-step's dot in fp32 (<= 5e-3). Under the interpreter the bf16 stores round to nearest even
+step's dot in fp32 (<= 5e-3; up to 5.7e-3 where a 16-row tile is swapped, `resolve_swap_ab`: its
+weight columns then fill wgmma's M side and the step's fp8 products are summed at wgmma's reduced
+precision). Under the interpreter the bf16 stores round to nearest even
 explicitly (the interpreter's cast truncates), so the kernels match the reference's rounding points.
 """
 
