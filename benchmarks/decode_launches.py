@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 tw, ids = fused_topk_softmax(logits, k, renormalize=True)
                 return kern.apply(x, w13, w2, tw, ids, expert_map=emap, num_experts=e)
 
-            row = dict(shape=shape, tokens=m, direct_rule=wants_direct_align(TritonOptions(), m, k, e, scheme, emap is not None))
+            row = dict(shape=shape, tokens=m,
+                       direct_rule=wants_direct_align(TritonOptions(), m, k, e, scheme, emap is not None))
             ref = None
             runs = {}  # name: the layer of each variant this point can take
             for name, (split, opts) in variants.items():

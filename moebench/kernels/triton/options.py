@@ -77,7 +77,7 @@ class TritonOptions:
     #: -12% of the layer at Qwen3-30B M=1); for fp8 with a quantisation launch between the GEMMs
     #: (block, token) without an expert map up to direct_fp8_max_fill pairs per global expert, which
     #: also spares that launch the alignment's worst-case rows (fp8 block, 1-8 tokens of DeepSeek-V3 TP8
-    #: and 1-4 of Qwen3-30B / Qwen3-235B TP8: 0.72-0.98 of the layer; beyond, 1.08-1.23; with
+    #: and 1-4 of Qwen3-30B / Qwen3-235B TP8: 0.57-0.99 of the layer; beyond it 1.08-1.27; with
     #: DeepSeek-V3 EP8's expert map 1.32 at one token).
     direct_align: bool | str = "auto"
     direct_fp8_max_fill: float = 0.25
@@ -107,7 +107,7 @@ class TritonOptions:
     #: weight columns fill the MMA's M side (wgmma's M is 64) where a block has few rows (vLLM's
     #: kernel swaps for fp8 on Hopper at BLOCK_SIZE_M < 64 with BLOCK_SIZE_N >= 64). "auto"
     #: (`use_swap_ab`): block scales, 16-row tiles at least swap_ab_min_cols wide, pointer weight tiles:
-    #: the only tiles where it measured faster (DeepSeek-V3 TP8 64-256 tokens 0.92-0.94, Qwen3-30B
+    #: the only tiles where it measured faster (DeepSeek-V3 TP8 48-512 tokens 0.91-0.94, Qwen3-30B
     #: 16 tokens 0.96, all 128-256 wide); 64 wide 1.02-1.83x, per-tensor scales slower at 17 of 20.
     swap_ab: bool | str = "auto"
     swap_ab_min_cols: int = 128
