@@ -78,7 +78,8 @@ class TritonOptions:
     #: (block, token) without an expert map up to direct_fp8_max_fill pairs per global expert, which
     #: also spares that launch the alignment's worst-case rows (fp8 block, 1-8 tokens of DeepSeek-V3 TP8
     #: and 1-4 of Qwen3-30B / Qwen3-235B TP8: 0.57-0.99 of the layer; beyond it 1.08-1.27; with
-    #: DeepSeek-V3 EP8's expert map 1.32 at one token).
+    #: DeepSeek-V3 EP8's expert map 1.32 at one token; per-token scales, with the same launches,
+    #: not timed).
     direct_align: bool | str = "auto"
     direct_fp8_max_fill: float = 0.25
     #: The alignment kernels: one launch up to this many pairs (0.96-1.005 of the layer from 2 to 64
