@@ -18,15 +18,22 @@ routings; each layer is first checked against the float64 reference):
           activation quantisation included) against the faster of vLLM's / SGLang's file in the
           vllm-triton experts: ratio triton / engine
 
+    # PERF.md's tables from vllm_kernel_triton.csv files (a later file's point replaces an earlier one's):
+    PYTHONPATH=. python -m benchmarks vllm_kernel --summary A.csv [B.csv ...] [--ceilings bf16=749.6,fp8=1336.2]
+
 Writes vllm_kernel_files.{csv,md} and vllm_kernel_triton.{csv,md} under $OUT. A point without a
 file for a column shows "-" (vLLM ships no H200 file for E=256,N=256 bf16, SGLang's set is
 smaller: the JSON files say which). --smoke: a tiny shape on a CPU under the interpreter (checks
-the script; its times mean nothing).
+the script; its times mean nothing). --summary prints, per precision, how many points of the four
+TP shapes (the default ones) are at or below the engine file and their median, then a row per shape: the ratio at 1, 16,
+64, 256, 1024 and 4096 tokens (bold: above), at or below, median, and the 4096-token layer over its
+compute floor, 2 x tokens x topk x 3 x H x I / the matmul ceiling (--ceilings, TFLOP/s).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
 from pathlib import Path
@@ -90,6 +97,49 @@ def tuned_table(folder: Path | None, e: int, n: int, quant) -> dict[int, dict] |
     return {k: dict(v) for k, v in load_config_file(p).items()} if p.is_file() else None
 
 
+SUMMARY_TOKENS = (1, 16, 64, 256, 1024, 4096)
+
+
+def summary_tables(rows: list[dict], ceilings: dict[str, float]) -> str:
+    """PERF.md's kernel tables from vllm_kernel_triton rows (a later row of the same point replaces
+    an earlier one): per precision a headline over the default shapes' points with an engine file,
+    then one row per shape (see the module docstring)."""
+    points = {(r["shape"], r["precision"], int(r["tokens"])): r for r in rows}
+    shapes = list(dict.fromkeys(s for s, _, _ in points))
+
+    def ratio(r) -> float | None:
+        return float(r["triton_over_engine"]) if r and r["triton_over_engine"] not in ("-", "") else None
+
+    out = []
+    for prec in dict.fromkeys(p for _, p, _ in points):
+        every = [v for (s, p, t), r in points.items()
+                 if p == prec and s in DEFAULT_SHAPES and (v := ratio(r)) is not None]
+        if every:
+            out.append(f"{prec} ({', '.join(DEFAULT_SHAPES)}): {sum(v <= 1 for v in every)} of {len(every)} points "
+                       f"at or below, median {statistics.median(every):.3f}\n")
+        out.append(f"| {prec} | " + " | ".join(map(str, SUMMARY_TOKENS))
+                   + " | at or below | median | 4096: us / compute floor |")
+        out.append("|---" * (len(SUMMARY_TOKENS) + 4) + "|")
+        for shape in shapes:
+            vals = [v for (s, p, t), r in points.items() if s == shape and p == prec and (v := ratio(r)) is not None]
+            cells = []
+            for t in SUMMARY_TOKENS:
+                v = ratio(points.get((shape, prec, t)))
+                cells.append("-" if v is None else f"**{v:.3f}**" if v > 1 else f"{v:.3f}")
+            last = points.get((shape, prec, SUMMARY_TOKENS[-1]))
+            floor = "-"
+            if last and last["triton_us"] not in ("-", "") and prec in ceilings:
+                e, k, h, n = SHAPES[shape]
+                floor_us = 2 * SUMMARY_TOKENS[-1] * k * 3 * h * n / (ceilings[prec] * 1e6)
+                us = float(last["triton_us"])
+                floor = f"{us:.0f} / {floor_us:.0f} = **{us / floor_us:.2f}**"
+            med = f"{statistics.median(vals):.3f}" if vals else "-"
+            out.append(f"| {shape} | " + " | ".join(cells) + f" | {sum(v <= 1 for v in vals)} of {len(vals)} | {med} | "
+                       f"{floor} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="vllm_kernel")
     ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma list of {', '.join(SHAPES)}")
@@ -103,7 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-files", type=Path, default=None, metavar="DIR",
                     help="only write the shipped engine files as DIR/<engine>/<file name> (for `tune --against`)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--summary", type=Path, nargs="+", default=None, metavar="CSV",
+                    help="only print PERF.md's tables from these vllm_kernel_triton.csv files")
+    ap.add_argument("--ceilings", default="bf16=749.6,fp8=1336.2",
+                    help="matmul ceilings for --summary's compute floor, TFLOP/s per precision")
     args = ap.parse_args(argv)
+    if args.summary is not None:
+        rows = [r for p in args.summary for r in csv.DictReader(p.open())]
+        print(summary_tables(rows, {k: float(v) for k, v in (c.split("=") for c in args.ceilings.split(","))}))
+        return 0
     if args.write_files is not None:
         for p in write_engine_files(args.write_files):
             print(p)
