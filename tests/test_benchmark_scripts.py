@@ -48,6 +48,13 @@ def test_unknown_case_is_a_one_line_error():
     assert _runner().returncode == 2  # no case at all: the usage line
 
 
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("device_*.sh")))
+def test_device_scripts_parse(script):
+    # the device scripts run only on a GPU machine: here at least bash must read them whole
+    r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_no_benchmark_imports_a_private_name():
     src = "\n".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))
     assert not re.search(r"from moebench\S* import .*\b_", src) and not re.search(r"moebench\.[a-z_.]*\._", src)

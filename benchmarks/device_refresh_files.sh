@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Re-tune shipped moebench files under the current kernels at vLLM's 18 token counts, each against
+# the file it replaces (`tune --against`: the file's nearest entry seeds the search and runs in the
+# final stage, so the new file is not slower at any count in the same run). The default items are
+# the 6-count files tuned before PDL, the one-launch alignment, pair_store and fp8 TMA, behind the
+# lagging points of PERF.md section 1 (Mixtral TP8 and Qwen3-235B TP8 bf16 decode, DeepSeek-V3 TP8
+# fp8 block), and the Qwen3-30B fp8 block file whose prefill entries predate fp8 TMA.
+# Run folders live in $REFRESH_DIR (default .gpu-out/refresh, ignored by git): a finished item is
+# skipped and an unfinished one resumed, so the same command continues where a call was cut off.
+# The new files ($REFRESH_DIR/configs) and the reports come back in $OUT/refresh.tgz; time them with
+#   MOEBENCH_CONFIG_DIR=<the unpacked configs> TABLES=1 ONLY=none SKIP_TESTS=1 bash benchmarks/device_vllm_kernel.sh
+# and copy the ones that win into moebench/configs.
+#   PYTHONPATH=. [ITEMS="model|flags|file;..."] [TUNE_BUDGET=8] [CW=14] bash benchmarks/device_refresh_files.sh
+TAIL="${TAIL:-12}"
+source "$(dirname "$0")/device_env.sh"
+P="${REFRESH_DIR:-.gpu-out/refresh}"
+mkdir -p "$P/configs" "$P/runs"
+TOKS=1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096
+FP8="--dtype fp8_w8a8 --block-shape 128,128"
+DEFAULT_ITEMS="mixtral-8x7b|--tp 8|E=8,N=1792,device_name=NVIDIA_H200.json;\
+qwen3-235b-a22b|--tp 8|E=128,N=192,device_name=NVIDIA_H200.json;\
+deepseek-v3|--tp 8 $FP8|E=256,N=256,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json;\
+qwen3-30b-a3b|$FP8|E=128,N=768,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
+IFS=';' read -ra LIST <<< "${ITEMS:-$DEFAULT_ITEMS}"
+for item in "${LIST[@]}"; do
+  IFS='|' read -r model flags file <<< "$item"
+  dir="$P/runs/${model}$(echo "$flags" | tr -d ' -,')"
+  run=$(ls -d "$dir"/*/ 2>/dev/null | head -n 1)
+  if [ -n "$run" ] && [ -f "$run/report.md" ]; then
+    step "done before: $model $flags ($run)"; continue
+  fi
+  if [ -n "$run" ] && [ -f "$run/tune.json" ]; then
+    step "resume $model $flags ($run)"
+    mb tune --resume "$run" --compile-workers "${CW:-14}" --out "$P/configs"
+  else
+    step "tune $model $flags against moebench/configs/$file"
+    mkdir -p "$dir"
+    mb tune --model "$model" $flags --tokens "$TOKS" --against "moebench/configs/$file" --budget "${TUNE_BUDGET:-8}" \
+      --compile-workers "${CW:-14}" --out "$P/configs" --results-dir "$dir"
+  fi
+done
+OUT_ABS=$(cd "$OUT" && pwd)
+(cd "$P" && tar czf "$OUT_ABS/refresh.tgz" configs $(find runs -name report.md -o -name report.csv | sort))
+step done
