@@ -8,7 +8,8 @@
 # Run folders live in $REFRESH_DIR (default .gpu-out/refresh, ignored by git): a finished item is
 # skipped and an unfinished one resumed, so the same command continues where a call was cut off.
 # The new files ($REFRESH_DIR/configs) and the reports come back in $OUT/refresh.tgz; time them with
-#   MOEBENCH_CONFIG_DIR=<the unpacked configs> TABLES=1 ONLY=none SKIP_TESTS=1 bash benchmarks/device_vllm_kernel.sh
+#   MOEBENCH_CONFIG_DIR=<the unpacked configs> TABLES=1 ONLY=none TUNED_DIR=moebench/configs/vllm SKIP_TESTS=1 \
+#     bash benchmarks/device_vllm_kernel.sh
 # and copy the ones that win into moebench/configs.
 #   PYTHONPATH=. [ITEMS="model|flags|file;..."] [TUNE_BUDGET=8] [CW=14] bash benchmarks/device_refresh_files.sh
 TAIL="${TAIL:-12}"
