@@ -18,11 +18,11 @@ P="${REFRESH_DIR:-.gpu-out/refresh}"
 mkdir -p "$P/configs" "$P/runs"
 TOKS=1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096
 FP8="--dtype fp8_w8a8 --block-shape 128,128"
-DEFAULT_ITEMS="mixtral-8x7b|--tp 8|E=8,N=1792,device_name=NVIDIA_H200.json;\
+SHIPPED_ITEMS="mixtral-8x7b|--tp 8|E=8,N=1792,device_name=NVIDIA_H200.json;\
 qwen3-235b-a22b|--tp 8|E=128,N=192,device_name=NVIDIA_H200.json;\
 deepseek-v3|--tp 8 $FP8|E=256,N=256,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json;\
 qwen3-30b-a3b|$FP8|E=128,N=768,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
-IFS=';' read -ra LIST <<< "${ITEMS:-$DEFAULT_ITEMS}"
+IFS=';' read -ra LIST <<< "${ITEMS:-$SHIPPED_ITEMS}"
 for item in "${LIST[@]}"; do
   IFS='|' read -r model flags file <<< "$item"
   dir="$P/runs/${model}$(echo "$flags" | tr -d ' -,')"
