@@ -424,6 +424,15 @@ def test_triton_fp8_block_swap_ab_auto(monkeypatch):
             out = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=_cfg(scheme, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128))
             assert seen == want, (m, bn)
             assert rel_err(out, ref) < (SWAPPED_GPU if DEV == "cuda" and bn == 128 else TIGHT), (m, bn)
+    # the swapped GEMM2 storing per-pair rows (pair_store), with an expert map
+    emap = random_expert_map(E, 12, DEV)
+    q13, q2 = _qweights(scheme, e=12)
+    seen.clear()
+    with poisoned_outputs():
+        out = fused_moe(x, q13, q2, tw, ti, emap, E, _cfg(scheme, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128), 1,
+                        options=TritonOptions(pair_store=True))
+    assert seen == [True, True]
+    assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti, emap)) < (SWAPPED_GPU if DEV == "cuda" else TIGHT)
 
 
 @pytest.mark.parametrize("name", ["tensor", "block128", "block32"])
