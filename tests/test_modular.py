@@ -55,6 +55,24 @@ def test_pair_matches_reference(experts, pf, dtype, m, e, k, h, i):
     check_pair(experts, pf, make_case(m, e, k, h, i, dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_torch_ignores_what_the_padding_rows_hold(dtype, monkeypatch):
+    # the batched layout's rows past each expert's count are garbage (whatever the buffer held):
+    # NaN there must not reach a valid row (torch's CPU bf16 bmm carried it into its batch's rows)
+    import moebench.dispatch.batched_local as bl
+
+    real = bl.scatter_to_batched
+
+    def scatter_over_nan(x, slot_map, num_local, max_tokens):
+        buf = real(x, slot_map, num_local, max_tokens)
+        counts = torch.bincount(slot_map[slot_map >= 0] // max_tokens, minlength=num_local)
+        pad = torch.arange(max_tokens) >= counts.unsqueeze(1)
+        return torch.where(pad.unsqueeze(-1), torch.tensor(float("nan"), dtype=buf.dtype), buf)
+
+    monkeypatch.setattr(bl, "scatter_to_batched", scatter_over_nan)
+    check_pair("batched-torch", "batched-local", make_case(17, 6, 3, 50, 14, dtype))
+
+
 @pytest.mark.parametrize("experts,pf", PAIRS)
 @pytest.mark.parametrize("routing", ["one-expert", "few-experts"])
 def test_skewed_routing(experts, pf, routing):

@@ -293,7 +293,9 @@ class TorchExperts(Experts):
 
 class BatchedTorchExperts(Experts):
     """BatchedExperts: bmm over (E_local, T, H). Returns (E_local, T, H) unweighted; rows past
-    expert_num_tokens are not meaningful (the finalize only reads valid slots)."""
+    expert_num_tokens are not meaningful (the finalize only reads valid slots). Those rows of the
+    input are zeroed first: they hold whatever the buffer held (NaN, inf), and torch's bf16 bmm on
+    CPU carried a NaN of such a row into the valid rows of its batch."""
 
     name = "batched-torch"
     activation_format = ActivationFormat.BATCHED
@@ -306,6 +308,8 @@ class BatchedTorchExperts(Experts):
     def apply(self, prep: PrepareResult, w13: torch.Tensor, w2: torch.Tensor, *, activation: Activation = SILU,
               bias: ExpertBias | None = None) -> torch.Tensor:
         a = prep.a  # (E_local, T, H)
+        live = torch.arange(a.shape[1], device=a.device) < prep.expert_num_tokens.to(a.device).unsqueeze(1)
+        a = torch.where(live.unsqueeze(-1), a, torch.zeros((), dtype=a.dtype, device=a.device))
         gate_up = torch.bmm(a, w13.transpose(1, 2))  # (E_local, T, 2I)
         if bias is not None:
             gate_up = gate_up + bias.b13.to(gate_up.dtype).unsqueeze(1)
