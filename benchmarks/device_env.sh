@@ -3,6 +3,9 @@
 #   mb ARGS...     run `moebench ARGS`, keep the last $TAIL lines of its output (all when TAIL is unset)
 #   calibrate      `moebench env --calibrate` into $OUT/env.json, its matmul ceilings into the log
 #   archive NAME   the run folders under $R into $OUT/NAME.tgz (names with '=' or ',' come back inside it), then removed
+#   tune_in DIR LABEL COMMON... -- NEW...   one resumable tune per folder DIR: skipped when its run has a
+#                  report, resumed (`tune --resume RUN COMMON...`) when it has a journal, else started
+#                  (`tune NEW... COMMON... --results-dir DIR`)
 #   engine_against DIR EN PREC   sets vs=(--against FILE ...): the engines' H200 files for shape EN
 #                  (E=..,N=..) and precision PREC (bf16 | fp8) under DIR/<engine>/ (`vllm_kernel --write-files DIR`)
 set -uo pipefail
@@ -21,3 +24,9 @@ engine_against() { vs=()
     [ -f "$f" ] || continue
     case "$f" in *fp8_w8a8*) [ "$3" = fp8 ] && vs+=(--against "$f");; *) [ "$3" = bf16 ] && vs+=(--against "$f");; esac
   done; }
+tune_in() { local dir=$1 label=$2 run common=(); shift 2
+  while [ "$1" != -- ]; do common+=("$1"); shift; done; shift
+  run=$(ls -d "$dir"/*/ 2>/dev/null | head -n 1)
+  if [ -n "$run" ] && [ -f "$run/report.md" ]; then step "done before: $label ($run)"; return; fi
+  if [ -n "$run" ] && [ -f "$run/tune.json" ]; then step "resume $label ($run)"; mb tune --resume "$run" "${common[@]}"; return; fi
+  step "tune $label"; mkdir -p "$dir"; mb tune "$@" "${common[@]}" --results-dir "$dir"; }

@@ -45,19 +45,8 @@ for item in "${LIST[@]}"; do
   toks=$TOKS
   if [ -n "${FILL:-}" ]; then toks=${lay##*:}; lay=${lay%:*}; fi
   dir="$P/runs/${model}$(echo "$lay" | tr -d ' -')${FILL:+-fill}"
-  run=$(ls -d "$dir"/*/ 2>/dev/null | head -n 1)
-  if [ -n "$run" ] && [ -f "$run/report.md" ]; then
-    step "done before: $model $lay ($run)"; continue
-  fi
-  if [ -n "$run" ] && [ -f "$run/tune.json" ]; then
-    step "resume $model $lay ($run)"
-    mb tune --resume "$run" --gpus "${GPUS:-all}" --compile-workers "${CW:-0}" --out "$P/configs"
-  else
-    step "tune $model $lay"
-    mkdir -p "$dir"
-    mb tune --model "$model" $lay --tokens "$toks" --gpus "${GPUS:-all}" --compile-workers "${CW:-0}" --out "$P/configs" \
-      --results-dir "$dir"
-  fi
+  tune_in "$dir" "$model $lay" --gpus "${GPUS:-all}" --compile-workers "${CW:-0}" --out "$P/configs" -- \
+    --model "$model" $lay --tokens "$toks"
   (cd "$P" && tar czf "$OUT/presets.tgz" configs $(find runs -name 'report.*') 2>/dev/null)
 done
 step done

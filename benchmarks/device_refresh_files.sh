@@ -26,19 +26,8 @@ IFS=';' read -ra LIST <<< "${ITEMS:-$SHIPPED_ITEMS}"
 for item in "${LIST[@]}"; do
   IFS='|' read -r model flags file <<< "$item"
   dir="$P/runs/${model}$(echo "$flags" | tr -d ' -,')"
-  run=$(ls -d "$dir"/*/ 2>/dev/null | head -n 1)
-  if [ -n "$run" ] && [ -f "$run/report.md" ]; then
-    step "done before: $model $flags ($run)"; continue
-  fi
-  if [ -n "$run" ] && [ -f "$run/tune.json" ]; then
-    step "resume $model $flags ($run)"
-    mb tune --resume "$run" --compile-workers "${CW:-14}" --out "$P/configs"
-  else
-    step "tune $model $flags against moebench/configs/$file"
-    mkdir -p "$dir"
-    mb tune --model "$model" $flags --tokens "$TOKS" --against "moebench/configs/$file" --budget "${TUNE_BUDGET:-8}" \
-      --compile-workers "${CW:-14}" --out "$P/configs" --results-dir "$dir"
-  fi
+  tune_in "$dir" "$model $flags" --compile-workers "${CW:-14}" --out "$P/configs" -- \
+    --model "$model" $flags --tokens "$TOKS" --against "moebench/configs/$file" --budget "${TUNE_BUDGET:-8}"
 done
 OUT_ABS=$(cd "$OUT" && pwd)
 (cd "$P" && tar czf "$OUT_ABS/refresh.tgz" configs $(find runs -name report.md -o -name report.csv | sort))
