@@ -39,7 +39,6 @@ from moebench.kernels.triton.options import (
     resolve_pdl,
     resolve_swap_ab,
     resolve_use_tma,
-    use_direct_align,
     use_pair_store,
     use_sorted_a,
     wants_direct_align,
@@ -191,20 +190,21 @@ def test_use_tma_rules():
 
 
 def test_alignment_rules():
-    assert use_direct_align(1, 8, 128) and use_direct_align(1, 2, 8)
-    assert not use_direct_align(2, 8, 128) and not use_direct_align(16, 2, 8) and not use_direct_align(0, 8, 128)
-    assert use_direct_align(2, 10, 512) and not use_direct_align(3, 10, 512)
     o = TritonOptions()
     tensor, token = QuantScheme("fp8_w8a8", "tensor"), QuantScheme("fp8_w8a8", "token")
-    # direct alignment for one token: 16-bit and per-tensor fp8; fp8 with a quantisation launch up
-    # to a quarter as many pairs as experts, without an expert map
     block = QuantScheme("fp8_w8a8", "block", (128, 128))
-    assert wants_direct_align(o, 1, 8, 128) and wants_direct_align(o, 1, 8, 128, tensor)
-    assert not wants_direct_align(o, 2, 8, 128, tensor) and not wants_direct_align(o, 9, 8, 128)
-    assert wants_direct_align(o, 4, 8, 128, token) and wants_direct_align(o, 8, 8, 256, block)
-    assert not wants_direct_align(o, 5, 8, 128, block) and not wants_direct_align(o, 1, 8, 256, block, mapped=True)
-    assert not wants_direct_align(o, 0, 8, 256, block)
-    assert wants_direct_align(TritonOptions(direct_fp8_max_fill=0.5), 8, 8, 128, block)
+    # one token: always, but for an expert map with a quantisation launch between the GEMMs
+    for scheme in (None, tensor, token, block):
+        assert wants_direct_align(o, 1, 8, 128, scheme) and wants_direct_align(o, 1, 2, 4, scheme)
+    assert wants_direct_align(o, 1, 8, 256, mapped=True) and wants_direct_align(o, 1, 8, 256, tensor, mapped=True)
+    assert not wants_direct_align(o, 1, 8, 256, block, mapped=True) and not wants_direct_align(o, 1, 8, 256, token, mapped=True)
+    # more tokens: up to a quarter as many pairs as global experts, without an expert map
+    for scheme in (None, tensor, token, block):
+        assert wants_direct_align(o, 4, 8, 128, scheme) and not wants_direct_align(o, 5, 8, 128, scheme)
+        assert wants_direct_align(o, 8, 8, 256, scheme) and not wants_direct_align(o, 2, 8, 256, scheme, mapped=True)
+    assert not wants_direct_align(o, 2, 2, 8) and wants_direct_align(o, 12, 10, 512) and not wants_direct_align(o, 13, 10, 512)
+    assert not wants_direct_align(o, 0, 8, 256) and not wants_direct_align(o, 0, 8, 256, block)
+    assert wants_direct_align(TritonOptions(direct_max_fill=0.5), 8, 8, 128, block)
     assert wants_direct_align(TritonOptions(direct_align=True), 9, 8, 128, token)
     assert not wants_direct_align(TritonOptions(direct_align=False), 1, 8, 128)
     # one launch up to 1024 pairs; above, sort from 2^20 experts x pairs
@@ -411,6 +411,26 @@ def test_triton_direct_align_matches_reference(m, use_map, split_k):
     assert rel_err(out, ref) < TOL[dtype]
     if use_map:
         assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_direct_align_auto_rule(dtype, monkeypatch):
+    # 16-bit layers take one block per pair for one token and, without an expert map, up to a
+    # quarter as many pairs as global experts (32 experts, top-4: 2 tokens yes, 3 no; with a map
+    # only one token): a spy on which alignment ran, the layer against the reference each time.
+    calls = []
+    real = A.direct_align
+    monkeypatch.setattr(A, "direct_align", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    e_global = 32
+    for m, e_local, want in ((1, 32, [1]), (2, 32, [2]), (3, 32, []), (1, 8, [1]), (2, 8, [])):
+        calls.clear()
+        emap = random_expert_map(e_global, e_local, DEV) if e_local < e_global else None
+        w13, w2 = _weights(e_local, dtype)
+        x = _x(m, dtype)
+        tw, ti = _routing(m, e_global, K)
+        out = _run("triton", "no-dpep", x, w13, w2, tw, ti, emap, e_global, config=CFG)
+        assert calls == want, (m, e_local)
+        assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < TOL[dtype]
 
 
 def test_fp32_output_is_the_accumulator():

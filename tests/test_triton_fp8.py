@@ -312,6 +312,27 @@ def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch, expert
     assert rel_err(out, ref) < TIGHT
 
 
+def test_fp8_block_default_tiles():
+    # the sorted-token layer's fp8 block default by pairs per expert (M * 8 / 128 here): 64-wide
+    # 16-row tiles below a quarter of a pair, 128-wide 16-row tiles in 3 stages up to 16 pairs,
+    # then 64-row tiles with 4 warps; K inside the scale block; N capped by the layer's N
+    from moebench.kernels.triton.configs import heuristic_config
+
+    block = SCHEMES["block128"]
+
+    def tile(m, n=768, e=128):
+        c = heuristic_config(m, e, n, 2048, 8, torch.bfloat16, block)
+        return tuple(c[k] for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages"))
+
+    assert tile(2) == (16, 64, 128, 4, 4)
+    assert tile(4) == tile(256) == (16, 128, 128, 4, 3)
+    assert tile(512) == tile(4096) == (64, 128, 128, 4, 4)
+    assert tile(64, n=48)[:2] == (16, 64)
+    # the batched experts' default (no pairs-per-expert band) keeps its own tile, fitted to the block
+    batched = BatchedTritonExperts().config_for(64, 128, 768, 2048, torch.bfloat16, block, device_type="cpu")
+    assert batched["BLOCK_SIZE_K"] == 128 and batched["BLOCK_SIZE_N"] <= 128
+
+
 def test_batched_fp8_default_config_fitted():
     scheme = SCHEMES["block32"]
     cfg = BatchedTritonExperts().config_for(64, 8, 4096, 4096, torch.bfloat16, scheme, device_type="cpu")

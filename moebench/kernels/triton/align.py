@@ -403,7 +403,7 @@ def direct_align(
     when given (by the GEMMs as they read it: no launch), -1 = remote, a block the GEMMs skip.
 
     The same AlignResult format as `moe_align_block_size`, so the GEMM kernels are unchanged; pairs
-    sharing an expert each read its weights, so use it where `options.use_direct_align` says. The
+    sharing an expert each read its weights, so use it where `wants_direct_align` says. The
     sorted ids and used length depend only on (M*K, block_size_m) and are cached per device for
     small M*K (not while a CUDA graph is being captured: the tensors would hold data only after a
     replay)."""
@@ -421,7 +421,7 @@ def direct_align(
         sorted_ids[:, 0] = torch.arange(num_pairs, dtype=torch.int32, device=dev)
         ntpp = torch.full((1,), num_pairs * block_size_m, dtype=torch.int32, device=dev)
         layout = (sorted_ids.reshape(-1), ntpp)
-        small = num_pairs * block_size_m <= 1 << 16  # what `use_direct_align` picks; forced big ones are not kept
+        small = num_pairs * block_size_m <= 1 << 16  # what `wants_direct_align` picks; forced big ones are not kept
         if small and (dev.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
             _DIRECT_LAYOUTS[key] = layout
     return AlignResult(layout[0], ids, layout[1], block_size_m, num_pairs, direct=True, expert_map=mapped,

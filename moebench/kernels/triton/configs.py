@@ -399,9 +399,14 @@ def layer_config(
 def heuristic_config(M: int, E: int, N: int, H: int, topk: int, dtype: torch.dtype = torch.bfloat16,
                      quant: "QuantScheme | None" = None) -> TileConfig:
     """The config without a tuned file: `default_config`, for an fp8 scheme adapted by
-    `quant_default` (twice the BLOCK_SIZE_K, fitted inside the scale block)."""
+    `quant_default` (twice the BLOCK_SIZE_K, fitted inside the scale block; block scales: the
+    tiles of M * topk / E pairs per expert that tunes pick)."""
     cfg = default_config(M, E, N, H, topk, dtype)
-    return quant_default(cfg, quant) if quant is not None else cfg
+    if quant is None:
+        return cfg
+    cfg = quant_default(cfg, quant, M * topk / max(E, 1))
+    cfg["BLOCK_SIZE_N"] = min(cfg["BLOCK_SIZE_N"], max(32, _next_pow2(N)))  # as default_config caps it
+    return cfg
 
 
 def lookup_down_config(
@@ -430,11 +435,13 @@ def lookup_down_config(
     return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
 
 
-def quant_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
+def quant_default(cfg: TileConfig, quant: "QuantScheme", pairs_per_expert: float | None = None) -> TileConfig:
     """A 16-bit default config adapted to fp8: twice the BLOCK_SIZE_K (fp8 elements are half the
     bytes, so a pipeline stage holds as many bytes, and block scales are multiplied in half as
-    often), then fitted inside the scale block (`fit_to_quant_block`). Weight-only schemes:
-    `weight_only_default`."""
+    often), then fitted inside the scale block (`fit_to_quant_block`). Block scales: at most 128
+    wide, 64-row tiles in groups of 16 for prefill; with pairs_per_expert (the sorted-token
+    layer's M * topk / E) also the tiles H200 tunes picked (`fp8_block_tile`). Weight-only
+    schemes: `weight_only_default`."""
     if quant.weight_only:
         return weight_only_default(cfg, quant)
     out = TileConfig(**{**cfg, "BLOCK_SIZE_K": min(2 * cfg["BLOCK_SIZE_K"], 256)})  # type: ignore[typeddict-item]
@@ -447,7 +454,27 @@ def quant_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:
             # Qwen3-30B-A3B, Qwen3-235B-A22B TP8 and DeepSeek-V3 TP8 (the 128-row default 1.16-1.21x
             # slower than tuned there)
             out["BLOCK_SIZE_M"], out["GROUP_SIZE_M"] = 64, 16
+        if pairs_per_expert is not None:
+            out = fp8_block_tile(out, pairs_per_expert)
     return fit_to_quant_block(out, quant)
+
+
+def fp8_block_tile(cfg: TileConfig, pairs_per_expert: float) -> TileConfig:
+    """The sorted-token layer's fp8 block-scale tile at `pairs_per_expert` (M * topk / E), from the
+    H200 tunes of Qwen3-30B-A3B and DeepSeek-V3 TP8 at vLLM's 18 token counts (PERF.md section 2,
+    where the bands' tiles were 1.05-1.21x slower than tuned):
+    - 64-row tiles take 4 warps (8: 1.05-1.18x slower at 512-4096 tokens of Qwen3-30B, 1.06-1.14x
+      at 3072-4096 of DeepSeek-V3 TP8);
+    - from a quarter of a pair to 16 pairs per expert, 16-row tiles 128 wide in 3 stages (which
+      `swap_ab` runs as w^T x^T): the winners at 4-256 tokens of Qwen3-30B and 8-512 of
+      DeepSeek-V3 TP8, where the 64-wide 16-row tile and the 32-row band were 1.04-1.21x slower;
+      below a quarter (1-2 tokens) the 64-wide tile stays, tuned best there."""
+    out = TileConfig(**cfg)  # type: ignore[typeddict-item]
+    if out["BLOCK_SIZE_M"] == 64:
+        out["num_warps"] = 4
+    elif 0.25 <= pairs_per_expert <= 16:
+        out.update(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, num_warps=4, num_stages=3)  # type: ignore[typeddict-item]
+    return out
 
 
 def weight_only_default(cfg: TileConfig, quant: "QuantScheme") -> TileConfig:

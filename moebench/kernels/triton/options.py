@@ -13,7 +13,7 @@ benchmark can move them.
                         wide walk (one tile of both, one dot), and whether x comes through TMA
                         from a copy in sorted order (sorted_a; `use_sorted_a`)
     resolve_pdl         GEMM1 and GEMM2 with programmatic dependent launch
-    wants_direct_align  one block per pair and no alignment kernel (`use_direct_align`)
+    wants_direct_align  one block per pair and no alignment kernel
     align_kernels       the alignment's kernels: one launch, or two by "scan" or "sort"
     layer_split_k       GEMM2's K split (`choose_split_k`, `wave_split`: the split-K cost model)
     resolve_pair_store  GEMM2's sum over top-k: fp32 atomics into (M, H), or each pair's weighted
@@ -72,16 +72,16 @@ class TritonOptions:
     #: (2048)). Never on other devices or under the interpreter.
     pdl: bool | str = "auto"
     pdl_max_inter: int = 1024
-    #: `direct_align`: one block per pair, no alignment kernel. "auto" (`wants_direct_align`): for
-    #: 16-bit weights and per-tensor fp8 where the pairs hit nearly distinct experts (`use_direct_align`;
-    #: -12% of the layer at Qwen3-30B M=1); for fp8 with a quantisation launch between the GEMMs
-    #: (block, token) without an expert map up to direct_fp8_max_fill pairs per global expert, which
-    #: also spares that launch the alignment's worst-case rows (fp8 block, 1-8 tokens of DeepSeek-V3 TP8
-    #: and 1-4 of Qwen3-30B / Qwen3-235B TP8: 0.57-0.99 of the layer; beyond it 1.08-1.27; with
-    #: DeepSeek-V3 EP8's expert map 1.32 at one token; per-token scales, with the same launches,
-    #: not timed).
+    #: `direct_align`: one block per pair, no alignment kernel. "auto" (`wants_direct_align`): one
+    #: token (a token's top-k experts are distinct), except with an expert map where an fp8
+    #: quantisation launch (block, token scales) sits between the GEMMs (DeepSeek-V3 EP8 fp8 block
+    #: 1.32 of the layer); more tokens up to direct_max_fill pairs per global expert (vLLM's
+    #: per-pair rule at 0.25) without an expert map. One token: -12% of the layer at Qwen3-30B
+    #: bf16, 0.57-0.91 at fp8 block (which it also spares the alignment's worst-case rows in the
+    #: quantisation launch); 2-4 tokens of Qwen3-235B TP8 / Qwen3-30B bf16 0.88-1.01, fp8 block
+    #: (and 2-8 of DeepSeek-V3 TP8) 0.96-0.99; past the rule 1.03-1.27.
     direct_align: bool | str = "auto"
-    direct_fp8_max_fill: float = 0.25
+    direct_max_fill: float = 0.25
     #: The alignment kernels: one launch up to this many pairs (0.96-1.005 of the layer from 2 to 64
     #: tokens against two launches), above it two launches by align_method: "scan", "sort", or "auto"
     #: = sort where local experts x pairs >= sort_min_work (Qwen3-30B 4096 tokens 20.1 -> 8.5 us;
@@ -196,27 +196,22 @@ def resolve_pdl(options: TritonOptions, device: torch.device, inter: int) -> boo
 # Alignment
 
 
-def use_direct_align(num_tokens: int, topk: int, num_experts: int) -> bool:
-    """Whether `direct_align` beats the alignment kernels: when the pairs hit (nearly) distinct
-    experts, so one block per pair reads no expert twice. A token's top-k ids are distinct, so
-    always for one token; for more, while the expected share of pairs that repeat an expert of
-    an earlier pair, about M*K / (2E) under uniform routing, stays <= 2.5%."""
-    return num_tokens == 1 or 0 < num_tokens * topk * 20 <= num_experts
-
-
 def wants_direct_align(options: TritonOptions, num_tokens: int, topk: int, num_experts: int, scheme=None,
                        mapped: bool = False) -> bool:
     """options.direct_align for num_tokens x topk pairs over num_experts global experts with fp8
-    scheme `scheme` (None: 16-bit; mapped: an expert map is given). "auto": `use_direct_align` for
-    16-bit activations (unquantised or weight-only weights) and per-tensor fp8 (whose intermediate
-    GEMM1 quantises itself); the other fp8 schemes, whose intermediate a launch of its own
-    quantises, without an expert map up to options.direct_fp8_max_fill pairs per global expert
-    (vLLM's per-pair rule at the default 0.25)."""
-    if options.direct_align == "auto":
-        if scheme is None or scheme.weight_only or scheme.scales == "tensor":
-            return use_direct_align(num_tokens, topk, num_experts)
-        return not mapped and 0 < num_tokens * topk <= options.direct_fp8_max_fill * num_experts
-    return bool(options.direct_align)
+    scheme `scheme` (None: 16-bit; mapped: an expert map is given). "auto": always for one token,
+    unless an expert map meets an fp8 scheme whose intermediate a launch of its own quantises
+    (block, token scales); for more tokens without an expert map, up to
+    options.direct_max_fill pairs per global expert (pairs sharing an expert each read its
+    weights, which the alignment's launch is worth beyond that)."""
+    if options.direct_align != "auto":
+        return bool(options.direct_align)
+    if num_tokens <= 0:
+        return False
+    quant_launch = scheme is not None and not scheme.weight_only and scheme.scales != "tensor"
+    if num_tokens == 1 and not (mapped and quant_launch):
+        return True
+    return not mapped and num_tokens * topk <= options.direct_max_fill * num_experts
 
 
 def align_kernels(options: TritonOptions, num_local: int, num_pairs: int) -> str:
