@@ -204,10 +204,10 @@ def test_pdl_chain_in_a_cuda_graph(shape, m):
         assert _rel(eager_pdl, eager.double()) < 2e-2  # eager, with and without PDL
 
 
-@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("m", [1, 16, 512])
 def test_pdl_chain_fp8_block_in_a_cuda_graph(m):
     # fp8 128 x 128 block at Qwen3-30B (one token: the direct alignment; 16: a swapped 16 x 128 tile;
-    # 256: the pair store): the quantisation launches between PDL-launched kernels. Three layers in
+    # 512: 32 pairs per expert, the pair store): the quantisation launches between PDL-launched kernels. Three layers in
     # one graph, replayed on new inputs; each layer against the reference on the input it was given,
     # not three layers against a reference chain: there an early difference flips the next layers'
     # fp8 roundings (on a CPU, the reference chain with 3e-4 of noise added per layer ends 6% away),
