@@ -6,7 +6,7 @@ changed, on the same routing, CUDA-graph replay.
         [--variants a,b] [--rounds N] [--reps N]
 
 Variants (each a TritonOptions, a split or a config; column `current/<name>` or `<name>/current`):
-`nodirect`: the alignment kernels also where the direct alignment is the default (one token;
+`nodirect`: the alignment kernels also where the direct alignment is the default (`direct_rule`;
 direct_align=False); `direct`: one block per pair at every point (direct_align=True; `direct/current`); `twolaunch`: the two-launch alignment also up to 1024 pairs
 (one_launch_max_pairs=0); `sk1` / `sk2` / `sk4`: GEMM2 split 1 / 2 / 4 ways over K instead of the
 split rule's choice (`sk1` = no wave split; PERF.md measured `sk2` / `sk4` a loss at
