@@ -4,7 +4,9 @@
 # shipped file), then the layer with and without the new file in one process
 # (`python -m benchmarks decode_launches`, `current/nodown`). The file and the tune report come back in
 # $OUT/down.tgz (file names with '=' do not come back as plain files).
-#   PYTHONPATH=. [MODEL=qwen3-30b-a3b] [TOKS=1,2,4,8,16] [BUDGET=N] [CW=12] bash benchmarks/device_down.sh
+# LAYOUT: the tune's layout options (e.g. "--tp 8"); SHAPE: decode_launches' name for the same shard
+# (e.g. qwen3-235b-tp8; default MODEL).
+#   PYTHONPATH=. [MODEL=qwen3-30b-a3b] [LAYOUT="--tp 8" SHAPE=qwen3-235b-tp8] [TOKS=1,2,4,8,16] [BUDGET=N] [CW=12] bash benchmarks/device_down.sh
 TAIL="${TAIL:-12}"
 source "$(dirname "$0")/device_env.sh"
 MODEL="${MODEL:-qwen3-30b-a3b}"
@@ -14,9 +16,9 @@ rm -rf "$D/runs" && mkdir -p "$D"  # configs stay: a later call adds token count
 step "gpu tests (down config)"
 python3 -m pytest -q -m gpu tests/gpu -k "gemm2_own" -p no:cacheprovider 2>&1 | tail -n 3 | tee -a "$log"
 step "tune --down $MODEL $TOKS"
-mb tune --model "$MODEL" --tokens "$TOKS" --down ${BUDGET:+--budget "$BUDGET"} --compile-workers "${CW:-12}" --out "$D/configs" --results-dir "$D/runs"
+mb tune --model "$MODEL" ${LAYOUT:-} --tokens "$TOKS" --down ${BUDGET:+--budget "$BUDGET"} --compile-workers "${CW:-12}" --out "$D/configs" --results-dir "$D/runs"
 (cd "$D" && tar czf "$OUT/down.tgz" configs $(find runs -name 'report.*') 2>/dev/null)
 step "layer with / without the down file"
-MOEBENCH_CONFIG_DIR="$D/configs" OUT="$OUT" python3 -m benchmarks decode_launches --shapes "$MODEL" --tokens "$TOKS" \
+MOEBENCH_CONFIG_DIR="$D/configs" OUT="$OUT" python3 -m benchmarks decode_launches --shapes "${SHAPE:-$MODEL}" --tokens "$TOKS" \
   --variants nodown 2>&1 | tail -n 8
 step done
