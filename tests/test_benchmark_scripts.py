@@ -24,9 +24,14 @@ from benchmarks.bench_common import library_gemms
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _runner(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m benchmarks ARGS` on CPU (Triton interpreter), the repository on PYTHONPATH."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1", **(env or {}))
+def _runner(*args: str, env: dict | None = None, gpu: bool = False) -> subprocess.CompletedProcess:
+    """`python -m benchmarks ARGS`, the repository on PYTHONPATH: Triton kernels under the CPU
+    interpreter, or compiled for the GPU (`gpu`: the interpreter would take minutes there)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    if gpu:
+        env.pop("TRITON_INTERPRET", None)
+    else:
+        env["TRITON_INTERPRET"] = "1"
     return subprocess.run([sys.executable, "-m", "benchmarks", *args], env=env, capture_output=True, text=True,
                           timeout=300)
 
@@ -271,7 +276,7 @@ def test_vllm_kernel_writes_the_shipped_files_tune_against_reads(tmp_path):
 def test_vllm_kernel_profile_lists_each_layers_launches(tmp_path):
     """--profile on the GPU: per-launch rows for the triton layer and the engine files' layers."""
     r = _runner("vllm_kernel", "--profile", "--shapes", "mixtral-tp8", "--precisions", "bf16", "--tokens", "1,64",
-                env={"OUT": str(tmp_path)})
+                env={"OUT": str(tmp_path)}, gpu=True)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = list(csv.DictReader(open(tmp_path / "kernel_times.csv")))
     by_col = {c: {row["kernel"] for row in rows if row["column"] == c} for c in ("triton", "vllm")}
