@@ -24,7 +24,7 @@ ON_GPU = torch.cuda.is_available()
 SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768, 128),
           "dsv3-ep8-local": (32, 8, 7168, 2048, 32), "dsv3-ep8": (256, 8, 7168, 2048, 32),
           "qwen3-next-80b-a3b": (512, 10, 2048, 512, 512), "qwen3-235b-tp8": (128, 8, 4096, 192, 128),
-          "dsv3-tp8": (256, 8, 7168, 256, 256)}
+          "dsv3-tp8": (256, 8, 7168, 256, 256), "mixtral-tp8": (8, 2, 4096, 1792, 8)}
 #: Shapes timed with the default heuristic instead of the shipped file: the E=32,N=2048 file is
 #: tuned for EP8 routing over 256 experts (bench_triton.py's HEURISTIC_ONLY says more).
 HEURISTIC_ONLY = {"dsv3-ep8-local"}

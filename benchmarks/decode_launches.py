@@ -20,7 +20,9 @@ stores each pair's row and `topk_sum` adds them / the fp32 atomic sum over top-k
 / False); `tma`: weight tiles through TMA at every
 tile and for fp8 too (use_tma=True; `tma/current`); `swapab` / `noswap`: the fp8 GEMMs as w^T x^T
 into a transposed accumulator at every tile / at none (swap_ab True / False; `current/noswap`,
-`swapab/noswap`; the same as current for 16-bit weights); `again`: the current defaults timed a
+`swapab/noswap`; the same as current for 16-bit weights); `heuristic`: the layer without tuned
+files, both GEMMs with the default heuristic's config (`configs.heuristic_config`, given explicitly;
+column `heuristic_cfg`; `heuristic/current` = default / tuned where a file exists); `again`: the current defaults timed a
 second time, last (`again/current`: the point's noise). --fp8: per-tensor fp8_w8a8 weights (GEMM1
 quantises the intermediate itself); --fp8-block: fp8_w8a8 with 128 x 128 block scales. --variants picks which run (default: all).
 --rounds N times every variant N times, interleaved in a rotated order (median; `<name>_spread` =
@@ -39,6 +41,7 @@ import torch
 
 import moebench
 from moebench.errors import MoebenchError
+from moebench.kernels.triton.configs import TILE_KEYS, heuristic_config
 from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.options import TritonOptions, wants_direct_align
 from moebench.kernels.triton.routing import fused_topk_softmax
@@ -57,12 +60,13 @@ VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions
             "wide": (None, TritonOptions(wide_gemm1=True)), "pairstore": (None, TritonOptions(pair_store=True)),
             "atomic": (None, TritonOptions(pair_store=False)),
             "tma": (None, TritonOptions(use_tma=True)), "swapab": (None, TritonOptions(swap_ab=True)),
-            "noswap": (None, TritonOptions(swap_ab=False)), "again": (None, TritonOptions())}
+            "noswap": (None, TritonOptions(swap_ab=False)), "heuristic": (None, TritonOptions()),
+            "again": (None, TritonOptions())}
 #: (a, b) pairs whose ratio a/b each row gets
 RATIOS = (("current", "nodirect"), ("direct", "current"), ("current", "twolaunch"), ("current", "sk1"), ("sk2", "current"), ("sk4", "current"),
           ("current", "nopdl"), ("pdl", "nopdl"), ("current", "nodown"), ("current", "nosorted"), ("sorted", "nosorted"),
           ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("tma", "current"), ("current", "noswap"),
-          ("swapab", "noswap"), ("again", "current"))
+          ("swapab", "noswap"), ("heuristic", "current"), ("again", "current"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                 kw = dict(cfg_kw, split_k=split, options=opts)
                 if name == "nodown" and not cfg_kw:  # both GEMMs with GEMM1's config from the lookup
                     kw["config"] = dict(select_config(m, k, w13, w2, e, dt)[0])
+                if name == "heuristic":  # no file: the default over the global experts, as the lookup falls back
+                    kw["config"] = dict(heuristic_config(m, e, inter, h, k, dt, quant=scheme))
+                    row["heuristic_cfg"] = "/".join(str(kw["config"][c]) for c in TILE_KEYS)
                 kern = moebench.make_kernel("triton", "no-dpep", experts_kwargs=kw)
                 try:
                     out = layer(kern)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import moebench
+from moebench.kernels.triton.configs import TILE_KEYS, heuristic_config
 from moebench.kernels.triton.routing import fused_topk_softmax, topk_softmax_launch
 from moebench.kernels.vllm_triton import vllm_align
 
@@ -104,11 +105,15 @@ def test_smoke_run_writes_its_table(tmp_path):
 
 def test_decode_launches_smoke(tmp_path):
     # every variant (a TritonOptions each) correct against the reference, table written
-    variants = ("nodirect", "twolaunch", "sk4", "nopdl", "nodown", "wide")
+    variants = ("nodirect", "twolaunch", "sk4", "nopdl", "nodown", "wide", "heuristic")
     rows = _smoke("decode_launches", tmp_path, "--tokens", "1,3", "--variants", ",".join(variants + ("sorted",)))
     assert len(rows) == 4 and [r["direct_rule"] for r in rows[:2]] == ["True", "False"]
     assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows for v in ("current",) + variants)
     assert all(float(r["sk4/current"]) > 0 and float(r["current/nopdl"]) > 0 for r in rows)
+    # `heuristic` ran the default heuristic's config of each point (tiny: E 16, top-2, H 64, I 32)
+    for r in rows[:2]:
+        cfg = heuristic_config(int(r["tokens"]), 16, 32, 64, 2, torch.bfloat16)
+        assert r["heuristic_cfg"] == "/".join(str(cfg[c]) for c in TILE_KEYS) and float(r["heuristic/current"]) > 0
 
 
 def test_bench_triton_smoke(tmp_path):
