@@ -119,20 +119,29 @@ def test_gemm_path_rules():
     assert resolve_use_tma(o, mid, torch.bfloat16) and not resolve_use_tma(o, CFG, torch.bfloat16)
     assert not resolve_use_tma(o, big, torch.float32)
     assert resolve_use_tma(TritonOptions(use_tma=True), CFG, torch.float32)
-    # GEMM1's walk: wide from 64-row tiles when unquantised; sorted_a from 512 pairs per expert
-    # (256 where I >= 4096), with TMA only
-    assert gemm1_walk(o, CFG, torch.bfloat16, False, False, 768, 1) == (False, False)
-    assert gemm1_walk(o, big, torch.bfloat16, False, True, 768, 256) == (True, False)
-    assert gemm1_walk(o, big, torch.bfloat16, False, True, 768, 512) == (True, True)
-    assert gemm1_walk(o, big, torch.bfloat16, False, False, 768, 512) == (True, False)  # no TMA: no sorted_a
-    assert gemm1_walk(o, big, torch.bfloat16, True, False, 768, 512) == (False, False)  # fp8: paired
+    # GEMM1's walk: wide from 64-row tiles when unquantised, and for block-scaled fp8 from 128 pairs
+    # per expert (a field); sorted_a from 512 pairs per expert (256 where I >= 4096), with TMA only
+    assert gemm1_walk(o, CFG, torch.bfloat16, None, False, 768, 1) == (False, False)
+    assert gemm1_walk(o, big, torch.bfloat16, None, True, 768, 256) == (True, False)
+    assert gemm1_walk(o, big, torch.bfloat16, None, True, 768, 512) == (True, True)
+    assert gemm1_walk(o, big, torch.bfloat16, None, False, 768, 512) == (True, False)  # no TMA: no sorted_a
+    block, tensor = QuantScheme("fp8_w8a8", "block", (128, 128)), QuantScheme("fp8_w8a8", "tensor")
+    f8 = torch.float8_e4m3fn
+    assert gemm1_walk(o, big, f8, tensor, True, 768, 512) == (False, False)  # per-tensor fp8: paired
+    assert gemm1_walk(o, big, torch.bfloat16, QuantScheme("int4_w4a16", group_size=128), True, 768, 512) == (False, False)
+    assert gemm1_walk(o, big, f8, block, True, 768, 128) == (True, False)  # block fp8: wide, never sorted_a
+    assert gemm1_walk(o, big, f8, block, True, 768, 64) == (False, False)
+    assert gemm1_walk(o, CFG, f8, block, True, 768, 512) == (False, False)  # 16-row tiles
+    assert gemm1_walk(TritonOptions(wide_fp8_block_min_rows=64), big, f8, block, True, 768, 64) == (True, False)
     # sorted_a implies the wide walk; an "auto" sorted_a yields to wide_gemm1=False, a True raises
-    assert gemm1_walk(TritonOptions(sorted_a=True), mid, torch.bfloat16, False, True, 8, 1) == (True, True)
-    assert gemm1_walk(TritonOptions(wide_gemm1=False), big, torch.bfloat16, False, True, 768, 4096) == (False, False)
+    assert gemm1_walk(TritonOptions(sorted_a=True), mid, torch.bfloat16, None, True, 8, 1) == (True, True)
+    assert gemm1_walk(TritonOptions(wide_gemm1=False), big, torch.bfloat16, None, True, 768, 4096) == (False, False)
     with pytest.raises(MoebenchError, match="sorted_a"):
-        gemm1_walk(TritonOptions(sorted_a=True, wide_gemm1=False), big, torch.bfloat16, False, True, 768, 4096)
+        gemm1_walk(TritonOptions(sorted_a=True, wide_gemm1=False), big, torch.bfloat16, None, True, 768, 4096)
     with pytest.raises(MoebenchError, match="sorted_a"):
-        gemm1_walk(TritonOptions(sorted_a=True), big, torch.bfloat16, False, False, 768, 4096)
+        gemm1_walk(TritonOptions(sorted_a=True), big, torch.bfloat16, None, False, 768, 4096)
+    with pytest.raises(MoebenchError, match="sorted_a"):
+        gemm1_walk(TritonOptions(sorted_a=True), big, f8, block, True, 768, 4096)
     # the sorted_a rule's thresholds are fields
     assert use_sorted_a(o, big, torch.bfloat16, 14336, 256) and use_sorted_a(o, big, torch.float16, 2048, 1024)
     assert not use_sorted_a(o, big, torch.bfloat16, 2048, 256)  # DeepSeek-V3 local 1024 tokens: a loss

@@ -735,7 +735,7 @@ def fused_moe_gemms(
     fp8 = scheme is not None and not scheme.weight_only
     fuse = fp8 and scheme.scales == "tensor"
     pdl = resolve_pdl(options, x.device, w2.shape[2])
-    wide, sorted_a = gemm1_walk(options, config, x.dtype, scheme is not None, use_tma, w2.shape[2], rows_per_expert)
+    wide, sorted_a = gemm1_walk(options, config, x.dtype, scheme, use_tma, w2.shape[2], rows_per_expert)
     tma1 = use_tma
     if activation.interleaved:
         if scheme is not None and not scheme.weight_only:

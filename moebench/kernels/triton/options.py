@@ -32,6 +32,7 @@ import triton
 
 from moebench.errors import MoebenchError
 from moebench.kernels.triton.env import interpreting
+from moebench.quant import QuantScheme
 
 _AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "pair_store", "swap_ab")
 _ALIGN_METHODS = ("auto", "scan", "sort")
@@ -53,8 +54,12 @@ class TritonOptions:
     tma_fp8_max_rows: int = 64
     #: GEMM1's wide walk: gate and up as one (BK, BLOCK_SIZE_N) tile and one dot per K step (with TMA
     #: one (2, BN, BK) box of w13), instead of the paired walk's two tiles and two dots. "auto":
-    #: unquantised with BLOCK_SIZE_M >= 64 (1-4% faster layers; -0.1% to +1% at 16 / 32 rows).
+    #: BLOCK_SIZE_M >= 64, unquantised (1-4% faster layers; -0.1% to +1% at 16 / 32 rows) or fp8
+    #: with block scales from wide_fp8_block_min_rows pairs per expert (layers at 128-256 pairs:
+    #: Qwen3-30B 0.939-0.950, Qwen3-235B TP8 0.951-0.952, DeepSeek-V3 TP8 1.009; at 64 pairs mixed,
+    #: 0.961-1.027; at 16 DeepSeek-V3 TP8 1.038). Per-tensor / per-token fp8 and weight-only: paired.
     wide_gemm1: bool | str = "auto"
+    wide_fp8_block_min_rows: int = 128
     #: GEMM1 takes x's rows through TMA from a copy in sorted order (`sorted_rows`: one gather launch)
     #: instead of gathering them by pointer loads in its K loop; needs TMA, 16-bit inputs and the wide
     #: walk. "auto" (`use_sorted_a`): BLOCK_SIZE_M >= 64 and, expected per local expert, at least
@@ -157,17 +162,20 @@ def use_sorted_a(options: TritonOptions, config: Mapping[str, int], dtype: torch
     return bool(options.sorted_a)
 
 
-def gemm1_walk(options: TritonOptions, config: Mapping[str, int], dtype: torch.dtype, quantized: bool,
+def gemm1_walk(options: TritonOptions, config: Mapping[str, int], dtype: torch.dtype, scheme: QuantScheme | None,
                use_tma: bool, n_inter: int, rows_per_expert: float) -> tuple[bool, bool]:
-    """(wide, sorted_a) that GEMM1 runs with. wide: options.wide_gemm1, "auto" = unquantised with
-    BLOCK_SIZE_M >= 64. sorted_a (`use_sorted_a`) runs only with TMA on (use_tma: resolved and
-    device-checked), unquantised weights and the wide walk, which it then implies; an "auto" that
-    cannot run is off, a True that cannot raises MoebenchError."""
+    """(wide, sorted_a) that GEMM1 runs with, for weights quantised with `scheme` (None: 16-bit).
+    wide: options.wide_gemm1, "auto" = BLOCK_SIZE_M >= 64, unquantised or block-scaled fp8 with at
+    least options.wide_fp8_block_min_rows pairs per expert. sorted_a (`use_sorted_a`) runs only
+    with TMA on (use_tma: resolved and device-checked), unquantised weights and the wide walk, which
+    it then implies; an "auto" that cannot run is off, a True that cannot raises MoebenchError."""
     wide = options.wide_gemm1
     if wide == "auto":
-        wide = not quantized and config["BLOCK_SIZE_M"] >= 64
+        block_fp8 = scheme is not None and not scheme.weight_only and scheme.block_shape is not None
+        wide = config["BLOCK_SIZE_M"] >= 64 and (
+            scheme is None or (block_fp8 and rows_per_expert >= options.wide_fp8_block_min_rows))
     sorted_a = use_sorted_a(options, config, dtype, n_inter, rows_per_expert)
-    if sorted_a and (quantized or not use_tma or options.wide_gemm1 is False):
+    if sorted_a and (scheme is not None or not use_tma or options.wide_gemm1 is False):
         if options.sorted_a != "auto":
             raise MoebenchError("sorted_a needs 16-bit inputs on a device with TMA (use_tma) and the wide GEMM1 "
                                 "(wide_gemm1 not False)")
