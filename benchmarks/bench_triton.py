@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             t_gemm = time_cuda(gemm, reps=30, graph_calls=5)
             # GEMM1 as the layer runs it: x through TMA from a sorted copy where the sorted_a rule picks
             # it (the copy included), else the wide walk at >= 64-row tiles (wide_gemm1 "auto")
-            wide0, s_a = gemm1_walk(opts, cfg, dtype, False, tma0, inter, m * k / e)
+            wide0, s_a = gemm1_walk(opts, cfg, dtype, None, tma0, inter, m * k / e)
             g1_kw = dict(sorted_a=s_a, wide=wide0)
             inter0 = launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw)
             t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw), reps=20, graph_calls=5)

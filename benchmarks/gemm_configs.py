@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         align = align_pairs(ids, base["BLOCK_SIZE_M"], e_local, emap, e)
         opts = TritonOptions()
         tma = resolve_use_tma(opts, base, dt) and tma_ok(w13) and tma_ok(w2)
-        wide = gemm1_walk(opts, base, dt, False, False, inter, 0)[0]  # the wide walk from 64-row tiles (no sorted copy)
+        wide = gemm1_walk(opts, base, dt, None, False, inter, 0)[0]  # the wide walk from 64-row tiles (no sorted copy)
         split0 = layer_split_k(opts, m, k, e, e_local, h, inter, base, align.max_blocks, num_sms(dev))
         inter0 = launch_gemm1(x, w13, align, k, base, tma, wide=wide)
         # GEMM1's rows that hold a pair (padding rows and unused blocks are left unwritten)
