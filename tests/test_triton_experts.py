@@ -119,20 +119,23 @@ def test_gemm_path_rules():
     assert resolve_use_tma(o, mid, torch.bfloat16) and not resolve_use_tma(o, CFG, torch.bfloat16)
     assert not resolve_use_tma(o, big, torch.float32)
     assert resolve_use_tma(TritonOptions(use_tma=True), CFG, torch.float32)
-    # GEMM1's walk: wide from 64-row tiles when unquantised, and for block-scaled fp8 from 128 pairs
-    # per expert (a field); sorted_a from 512 pairs per expert (256 where I >= 4096), with TMA only
+    # GEMM1's walk: wide from 64-row tiles when unquantised, for fp8 from 128 pairs per expert (block
+    # scales) or 32 (tensor, token scales; fields); sorted_a from 512 pairs per expert (256 where I >= 4096), with TMA only
     assert gemm1_walk(o, CFG, torch.bfloat16, None, False, 768, 1) == (False, False)
     assert gemm1_walk(o, big, torch.bfloat16, None, True, 768, 256) == (True, False)
     assert gemm1_walk(o, big, torch.bfloat16, None, True, 768, 512) == (True, True)
     assert gemm1_walk(o, big, torch.bfloat16, None, False, 768, 512) == (True, False)  # no TMA: no sorted_a
     block, tensor = QuantScheme("fp8_w8a8", "block", (128, 128)), QuantScheme("fp8_w8a8", "tensor")
     f8 = torch.float8_e4m3fn
-    assert gemm1_walk(o, big, f8, tensor, True, 768, 512) == (False, False)  # per-tensor fp8: paired
+    assert gemm1_walk(o, big, f8, tensor, True, 768, 32) == (True, False)  # per-tensor fp8: wide from 32
+    assert gemm1_walk(o, big, f8, tensor, True, 768, 16) == (False, False)
+    assert gemm1_walk(o, big, f8, QuantScheme("fp8_w8a8", "token"), True, 768, 32) == (True, False)
     assert gemm1_walk(o, big, torch.bfloat16, QuantScheme("int4_w4a16", group_size=128), True, 768, 512) == (False, False)
     assert gemm1_walk(o, big, f8, block, True, 768, 128) == (True, False)  # block fp8: wide, never sorted_a
     assert gemm1_walk(o, big, f8, block, True, 768, 64) == (False, False)
     assert gemm1_walk(o, CFG, f8, block, True, 768, 512) == (False, False)  # 16-row tiles
     assert gemm1_walk(TritonOptions(wide_fp8_block_min_rows=64), big, f8, block, True, 768, 64) == (True, False)
+    assert gemm1_walk(TritonOptions(wide_fp8_tensor_min_rows=64), big, f8, tensor, True, 768, 32) == (False, False)
     # sorted_a implies the wide walk; an "auto" sorted_a yields to wide_gemm1=False, a True raises
     assert gemm1_walk(TritonOptions(sorted_a=True), mid, torch.bfloat16, None, True, 8, 1) == (True, True)
     assert gemm1_walk(TritonOptions(wide_gemm1=False), big, torch.bfloat16, None, True, 768, 4096) == (False, False)

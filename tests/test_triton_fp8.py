@@ -386,7 +386,7 @@ def test_batched_moe_quantises_unquantised_input():
     assert torch.isnan(out[0]).all() and torch.isnan(out[2, 5:]).all()  # skipped rows stay unwritten
 
 
-@pytest.mark.parametrize("name", ["token", "block32"])
+@pytest.mark.parametrize("name", ["tensor", "token", "block32"])
 def test_triton_fp8_wide_gemm1(name):
     # GEMM1 as one (BK, BLOCK_SIZE_N) tile and one dot: each column's scale follows its w13 row
     # (gate n or up I + n), per channel and per block, and the result matches the reference.

@@ -54,12 +54,15 @@ class TritonOptions:
     tma_fp8_max_rows: int = 64
     #: GEMM1's wide walk: gate and up as one (BK, BLOCK_SIZE_N) tile and one dot per K step (with TMA
     #: one (2, BN, BK) box of w13), instead of the paired walk's two tiles and two dots. "auto":
-    #: BLOCK_SIZE_M >= 64, unquantised (1-4% faster layers; -0.1% to +1% at 16 / 32 rows) or fp8
-    #: with block scales from wide_fp8_block_min_rows pairs per expert (layers at 128-256 pairs:
-    #: Qwen3-30B 0.939-0.950, Qwen3-235B TP8 0.951-0.952, DeepSeek-V3 TP8 1.009; at 64 pairs mixed,
-    #: 0.961-1.027; at 16 DeepSeek-V3 TP8 1.038). Per-tensor / per-token fp8 and weight-only: paired.
+    #: BLOCK_SIZE_M >= 64, unquantised (1-4% faster layers; -0.1% to +1% at 16 / 32 rows); fp8 with
+    #: block scales from wide_fp8_block_min_rows pairs per expert (layers at 128-256 pairs: Qwen3-30B
+    #: 0.939-0.950, Qwen3-235B TP8 0.951-0.952, DeepSeek-V3 TP8 1.009; at 64 pairs mixed,
+    #: 0.961-1.027; at 16 DeepSeek-V3 TP8 1.038); fp8 with tensor / token scales from
+    #: wide_fp8_tensor_min_rows (per tensor at 32-256 pairs, the same three shapes: 0.928-0.996, 9 of 9;
+    #: per token untimed). Weight-only: paired.
     wide_gemm1: bool | str = "auto"
     wide_fp8_block_min_rows: int = 128
+    wide_fp8_tensor_min_rows: int = 32
     #: GEMM1 takes x's rows through TMA from a copy in sorted order (`sorted_rows`: one gather launch)
     #: instead of gathering them by pointer loads in its K loop; needs TMA, 16-bit inputs and the wide
     #: walk. "auto" (`use_sorted_a`): BLOCK_SIZE_M >= 64 and, expected per local expert, at least
@@ -165,15 +168,21 @@ def use_sorted_a(options: TritonOptions, config: Mapping[str, int], dtype: torch
 def gemm1_walk(options: TritonOptions, config: Mapping[str, int], dtype: torch.dtype, scheme: QuantScheme | None,
                use_tma: bool, n_inter: int, rows_per_expert: float) -> tuple[bool, bool]:
     """(wide, sorted_a) that GEMM1 runs with, for weights quantised with `scheme` (None: 16-bit).
-    wide: options.wide_gemm1, "auto" = BLOCK_SIZE_M >= 64, unquantised or block-scaled fp8 with at
-    least options.wide_fp8_block_min_rows pairs per expert. sorted_a (`use_sorted_a`) runs only
+    wide: options.wide_gemm1, "auto" = BLOCK_SIZE_M >= 64, unquantised or fp8 (w8a8) with at least
+    options.wide_fp8_block_min_rows (block scales) / wide_fp8_tensor_min_rows (tensor, token scales)
+    pairs per expert. sorted_a (`use_sorted_a`) runs only
     with TMA on (use_tma: resolved and device-checked), unquantised weights and the wide walk, which
     it then implies; an "auto" that cannot run is off, a True that cannot raises MoebenchError."""
     wide = options.wide_gemm1
     if wide == "auto":
-        block_fp8 = scheme is not None and not scheme.weight_only and scheme.block_shape is not None
-        wide = config["BLOCK_SIZE_M"] >= 64 and (
-            scheme is None or (block_fp8 and rows_per_expert >= options.wide_fp8_block_min_rows))
+        if scheme is None:
+            wide = True
+        elif scheme.weight_only:
+            wide = False
+        else:
+            min_rows = options.wide_fp8_tensor_min_rows if scheme.block_shape is None else options.wide_fp8_block_min_rows
+            wide = rows_per_expert >= min_rows
+        wide = wide and config["BLOCK_SIZE_M"] >= 64
     sorted_a = use_sorted_a(options, config, dtype, n_inter, rows_per_expert)
     if sorted_a and (scheme is not None or not use_tma or options.wide_gemm1 is False):
         if options.sorted_a != "auto":
