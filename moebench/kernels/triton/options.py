@@ -170,9 +170,9 @@ def gemm1_walk(options: TritonOptions, config: Mapping[str, int], dtype: torch.d
     """(wide, sorted_a) that GEMM1 runs with, for weights quantised with `scheme` (None: 16-bit).
     wide: options.wide_gemm1, "auto" = BLOCK_SIZE_M >= 64, unquantised or fp8 (w8a8) with at least
     options.wide_fp8_block_min_rows (block scales) / wide_fp8_tensor_min_rows (tensor, token scales)
-    pairs per expert. sorted_a (`use_sorted_a`) runs only
-    with TMA on (use_tma: resolved and device-checked), unquantised weights and the wide walk, which
-    it then implies; an "auto" that cannot run is off, a True that cannot raises MoebenchError."""
+    pairs per expert. sorted_a (`use_sorted_a`) runs only with TMA on (use_tma: resolved and
+    device-checked), unquantised weights and the wide walk, which it then implies; an "auto" that
+    cannot run is off, a True that cannot raises MoebenchError."""
     wide = options.wide_gemm1
     if wide == "auto":
         if scheme is None:
