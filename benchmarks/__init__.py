@@ -18,6 +18,7 @@ CASES: dict[str, str] = {
     "vllm_style": "triton GEMMs against the vllm-triton experts with vLLM's H200 configs, same routings",
     "vllm_kernel": "engine files (new, vLLM's, SGLang's) in the vllm-triton experts; triton layer vs the best of them",
     "decode_launches": "the triton layer's code paths (TritonOptions variants) A/B at decode and prefill",
+    "vendor_gemms": "prefill by a vendor grouped GEMM: DeepGEMM's GEMMs alone and its layer vs triton, over the floor",
     "gemm_configs": "each GEMM of the triton layer against its own best tile config",
     "routing_configs": "launch shape of the routing kernel against its rule",
     "align_methods": "alignment above the one-launch limit: scan vs sort over chunk sizes, and the auto rule",
