@@ -5,7 +5,7 @@ the matmul ceiling). The question it answers: can a layer built around the vendo
 1.5x of the floor where the Triton layer does not, and how much of the `deepgemm` layer is glue.
 
     PYTHONPATH=. python -m benchmarks vendor_gemms [--shapes a,b] [--tokens 1024,4096] [--fp8-block]
-        [--ceilings bf16=749.6,fp8=1336.2] [--smoke]
+        [--ceilings bf16=749.6,fp8=1336.2] [--warm] [--smoke]
 
 The GEMM-alone rows use the adapter's psum layout (`moebench.kernels.deepgemm.contiguous_layout`,
 DeepGEMM's 128-row alignment) on the routed pairs, with activation values drawn at random (the
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-block", action="store_true", help="fp8_w8a8 weights with 128 x 128 block scales")
     ap.add_argument("--ceilings", default="bf16=749.6,fp8=1336.2", help="matmul ceilings, TFLOP/s")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warm", action="store_true",
+                    help="run every kernel once, unchecked and untimed (fills DeepGEMM's and Triton's caches)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     ceil = {k: float(v) for k, v in (p.split("=") for p in args.ceilings.split(","))}
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     dg = None
     if dg_reason is None:
         import deep_gemm as dg
-    stem = "vendor_gemms_fp8block" if fp8 else "vendor_gemms"
+    stem = ("vendor_gemms_fp8block" if fp8 else "vendor_gemms") + ("_warm" if args.warm else "")
     rows = []
     for shape in args.shapes.split(","):
         e, k, h, inter, e_local = shapes[shape]
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             pairs = int((ids_local >= 0).sum())
             floor_us = 2 * pairs * 3 * h * inter / (ceil["fp8" if fp8 else "bf16"] * 1e12) * 1e6
             row = dict(shape=shape, tokens=m, pairs=pairs, floor_us=round(floor_us, 1))
-            ref = moebench.reference_moe(x, w13, w2, tw, ids, emap)
+            ref = None if args.warm else moebench.reference_moe(x, w13, w2, tw, ids, emap)
             layers = {"triton": None, "deepgemm": dg_reason}
             for name, reason in layers.items():
                 if reason is not None:
@@ -112,10 +114,13 @@ def main(argv: list[str] | None = None) -> int:
                 def layer(kern=kern):
                     return kern.apply(x, w13, w2, tw, ids, expert_map=emap, num_experts=e)
                 try:
-                    row[f"{name}_err"] = _rel_err(layer(), ref)
+                    out = layer()
                 except MoebenchError as ex:
                     row[f"{name}_note"] = str(ex)[:60]
                     continue
+                if args.warm:
+                    continue
+                row[f"{name}_err"] = _rel_err(out, ref)
                 row[f"{name}_us"] = round(timed_us(layer, reps=args.reps, graph_calls=5), 1)
             gemms = {}
             if dg is not None:
@@ -130,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                     gemms["torch_grouped"] = lib["grouped"]
             for name, fn in gemms.items():
                 fn()
+                if args.warm:
+                    continue
                 row[f"{name}_us"] = round(timed_us(fn, reps=args.reps, graph_calls=5), 1)
             if "dg_gemm1_us" in row:
                 row["dg_gemms_us"] = round(row["dg_gemm1_us"] + row["dg_gemm2_us"], 1)
