@@ -7,8 +7,8 @@ the matmul ceiling). The question it answers: can a layer built around the vendo
     PYTHONPATH=. python -m benchmarks vendor_gemms [--shapes a,b] [--tokens 1024,4096] [--fp8-block]
         [--ceilings bf16=749.6,fp8=1336.2] [--warm] [--smoke]
 
-The GEMM-alone rows use the adapter's psum layout (`moebench.kernels.deepgemm.contiguous_layout`,
-DeepGEMM's 128-row alignment) on the routed pairs, with activation values drawn at random (the
+The GEMM-alone rows use the adapter's psum layout (`moe_align_block_size` with DeepGEMM's 128-row
+alignment as the block, `moebench.kernels.deepgemm.grouped_layout`) on the routed pairs, with activation values drawn at random (the
 time does not depend on them); routing is done once, outside the timed region. Needs deep_gemm
 (README, "Vendor libraries"); without it the DeepGEMM columns say why and the rest still runs.
 """
@@ -23,6 +23,7 @@ import moebench
 from moebench.errors import MoebenchError
 from moebench.kernels import deepgemm as dgk
 from moebench.kernels.token_layout import local_topk_ids
+from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.quant import FP8_DTYPE
 
@@ -38,24 +39,26 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> str:
 
 def _dg_gemms(dg, ids_local, e: int, h: int, inter: int, w13, w2, fp8: bool, dev) -> dict:
     """DeepGEMM's GEMM1 and GEMM2 alone on the contiguous (psum) layout of these pairs."""
-    lay = dgk.contiguous_layout(ids_local, e, dg.get_mk_alignment_for_contiguous_layout())
+    align = moe_align_block_size(ids_local, dg.get_mk_alignment_for_contiguous_layout(), e)
+    group_end = dgk.grouped_layout(align, ids_local, e)
+    rows = align.sorted_token_ids.numel()
     m, k = ids_local.shape
     expected_m = max(1, -(-m * k // e))
     kw = {"use_psum_layout": True, "expected_m_for_psum_layout": expected_m}
-    a = torch.randn(lay.rows, h, device=dev).to(torch.bfloat16)
-    act = torch.randn(lay.rows, inter, device=dev).to(torch.bfloat16)
-    gate_up = torch.empty(lay.rows, 2 * inter, dtype=torch.bfloat16, device=dev)
-    y = torch.empty(lay.rows, h, dtype=torch.bfloat16, device=dev)
+    a = torch.randn(rows, h, device=dev).to(torch.bfloat16)
+    act = torch.randn(rows, inter, device=dev).to(torch.bfloat16)
+    gate_up = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=dev)
+    y = torch.empty(rows, h, dtype=torch.bfloat16, device=dev)
     if fp8:
         a, act = a.to(FP8_DTYPE), act.to(FP8_DTYPE)
-        sa, sact = dgk.empty_mn_major((lay.rows, h // 128), dev), dgk.empty_mn_major((lay.rows, inter // 128), dev)
+        sa, sact = dgk.empty_mn_major((rows, h // 128), dev), dgk.empty_mn_major((rows, inter // 128), dev)
         sa.fill_(1.0)
         sact.fill_(1.0)
         b13, b2 = (w13.q, w13.scale.contiguous()), (w2.q, w2.scale.contiguous())
-        return {"gemm1": lambda: dg.m_grouped_fp8_gemm_nt_contiguous((a, sa), b13, gate_up, lay.group_end, **kw),
-                "gemm2": lambda: dg.m_grouped_fp8_gemm_nt_contiguous((act, sact), b2, y, lay.group_end, **kw)}
-    return {"gemm1": lambda: dg.m_grouped_bf16_gemm_nt_contiguous(a, w13, gate_up, lay.group_end, **kw),
-            "gemm2": lambda: dg.m_grouped_bf16_gemm_nt_contiguous(act, w2, y, lay.group_end, **kw)}
+        return {"gemm1": lambda: dg.m_grouped_fp8_gemm_nt_contiguous((a, sa), b13, gate_up, group_end, **kw),
+                "gemm2": lambda: dg.m_grouped_fp8_gemm_nt_contiguous((act, sact), b2, y, group_end, **kw)}
+    return {"gemm1": lambda: dg.m_grouped_bf16_gemm_nt_contiguous(a, w13, gate_up, group_end, **kw),
+            "gemm2": lambda: dg.m_grouped_bf16_gemm_nt_contiguous(act, w2, y, group_end, **kw)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,14 +15,15 @@ from moebench.correctness import is_correct, relative_error
 from moebench.kernels.deepgemm import (
     BatchedDeepGemmExperts,
     DeepGemmExperts,
-    contiguous_layout,
-    contiguous_rows,
+    grouped_layout,
     masked_rows,
     masked_rows_per_group,
     mn_major_scales,
     mn_major_strides,
+    pair_rows,
     tma_aligned,
 )
+from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.modular import FusedMoEKernel
 from moebench.kernels.reference import reference_moe
 from moebench.backends import check_combination, make_prepare_finalize
@@ -60,44 +61,42 @@ def test_mn_major_scales_refuses_other_dtypes():
 
 
 def _reference_layout(local: torch.Tensor, e: int, align: int):
-    """Plain-Python contiguous layout: per group, its pairs in flat order, runs aligned."""
+    """Plain-Python contiguous layout: per group, its pairs in flat order, runs aligned. Returns
+    (each pair's row or None when remote, each group's end row, each used row's group or -1)."""
     flat = local.reshape(-1).tolist()
-    rows = contiguous_rows(len(flat), e, align)
-    dest = [rows - 1] * len(flat)
-    group_of_row = [-1] * rows
+    dest = [None] * len(flat)
+    group_of_row = []
     ends = []
-    start = 0
     for g in range(e):
         members = [p for p, x in enumerate(flat) if x == g]
+        start = len(group_of_row)
         for j, p in enumerate(members):
             dest[p] = start + j
-            group_of_row[start + j] = g
         ends.append(start + len(members))
-        start += -(-len(members) // align) * align
-    assert start <= rows - align  # the spare block stays free
-    return rows, dest, ends, group_of_row
+        run = -(-len(members) // align) * align
+        group_of_row += [g] * len(members) + [-1] * (run - len(members))
+    return dest, ends, group_of_row
 
 
-@pytest.mark.parametrize("m,k,e,align,seed", [(1, 1, 1, 4, 0), (9, 2, 5, 4, 1), (30, 4, 8, 16, 2), (3, 8, 16, 128, 3)])
-def test_contiguous_layout_matches_reference(m, k, e, align, seed):
+@pytest.mark.parametrize("m,k,e,align,seed", [(1, 1, 1, 4, 0), (9, 2, 5, 4, 1), (30, 4, 8, 16, 2), (3, 8, 16, 128, 3),
+                                              (300, 8, 6, 16, 4)])
+def test_grouped_layout_and_pair_rows_match_reference(m, k, e, align, seed):
+    # DeepGEMM's contiguous layout read off the block alignment (moe_align_block_size with DeepGEMM's
+    # row alignment as the block): psum ends, m-indices, and each pair's row for the top-k sum
     g = torch.Generator().manual_seed(seed)
-    local = torch.randint(-1, e, (m, k), generator=g)  # -1: remote (EP)
-    lay = contiguous_layout(local, e, align, with_m_indices=True)
-    rows, dest, ends, group_of_row = _reference_layout(local, e, align)
-    assert lay.rows == rows and lay.sink == rows - 1
-    assert lay.dest.tolist() == dest
-    assert lay.group_end.dtype == torch.int32 and lay.group_end.tolist() == ends
-    assert lay.m_indices.dtype == torch.int32 and lay.m_indices.tolist() == group_of_row
-    starts = [0] + [-(-x // align) * align for x in ends[:-1]]
-    assert all(s % align == 0 for s in starts)
-
-
-def test_contiguous_layout_worst_case_fits():
-    # Every group with one pair more than a multiple of the alignment: the most padding there can be.
-    e, align = 4, 8
-    local = torch.arange(e).repeat_interleave(align + 1).reshape(-1, 1)
-    lay = contiguous_layout(local, e, align)
-    assert int(lay.group_end[-1]) <= lay.sink and int(lay.dest.max()) < lay.rows - align
+    local = torch.randint(-1, e, (m, k), generator=g, dtype=torch.int32)  # -1: remote (EP)
+    al = moe_align_block_size(local, align, e)
+    rows = al.sorted_token_ids.numel()
+    dest, ends, group_of_row = _reference_layout(local, e, align)
+    used = len(group_of_row)
+    assert int(al.num_tokens_post_padded) == used and used <= rows
+    psum = grouped_layout(al, local, e)
+    assert psum.dtype == torch.int32 and psum.tolist() == ends
+    idx = grouped_layout(al, local, e, "indices")
+    assert idx.dtype == torch.int32 and idx.shape == (rows,)
+    assert idx[:used].tolist() == group_of_row and (idx[used:] == -1).all()
+    inv = pair_rows(al, rows)
+    assert inv.dtype == torch.int32 and inv.tolist() == [rows if d is None else d for d in dest]
 
 
 def test_masked_rows_per_group_are_whole_blocks():

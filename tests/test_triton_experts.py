@@ -516,6 +516,19 @@ def test_topk_sum_matches_torch():
         torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
 
 
+def test_topk_sum_gathers_and_weights():
+    # rows picked through a row index (DeepGEMM's layout order), each times its router weight, summed in fp32
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(40, 1100, generator=g).to(DEV, torch.bfloat16)
+    idx = torch.randperm(40, generator=g)[: 7 * K].to(DEV, torch.int32).view(7, K)
+    w = torch.rand(7, K, generator=g).to(DEV)
+    want = (rows.float()[idx.long()] * w.unsqueeze(-1)).sum(1)
+    got = topk_sum(rows, torch.empty(7, 1100, dtype=torch.float32, device=DEV), K, row_index=idx, weights=w)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    unweighted = topk_sum(rows, torch.empty(7, 1100, dtype=torch.float32, device=DEV), K, row_index=idx)
+    torch.testing.assert_close(unweighted, rows.float()[idx.long()].sum(1), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("use_map", [False, True], ids=["all-local", "expert-map"])
 def test_pair_store_matches_reference(dtype, use_map):

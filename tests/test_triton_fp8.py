@@ -26,7 +26,7 @@ from moebench.kernels.triton.configs import device_name, fit_to_quant_block
 from moebench.kernels.triton.experts import BatchedTritonExperts, TritonExperts, fused_moe
 from moebench.kernels.triton.gemm import launch_gemm1
 from moebench.kernels.triton.options import TritonOptions
-from moebench.kernels.triton.quant import check_block_config, quantize_rows
+from moebench.kernels.triton.quant import check_block_config, quantize_rows, silu_mul_rows
 from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation, quantize_weights
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,6 +108,32 @@ def test_quantize_rows_bit_exact(name, shape):
             assert q.dtype == FP8_DTYPE and q.shape == q_ref.shape
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (name, shape, dtype, static)
             assert s.shape == s_ref.shape and s.stride() == s_ref.stride() and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("i", [128, 384, 192])
+def test_silu_mul_rows_matches_reference(i):
+    # silu(gate) * up rounded to bf16, then (I a multiple of 128) quantised per row and 128 columns
+    # bit for bit as moebench.quant does, scales written through the caller's strides (DeepGEMM's
+    # MN-major layout); rows at or past the limit stay unwritten
+    g = torch.Generator().manual_seed(i)
+    gu = (torch.randn(37, 2 * i, generator=g) * 3).to(DEV, torch.bfloat16)
+    limit = torch.tensor([30], dtype=torch.int32, device=DEV)
+    h = (torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()).bfloat16()
+    out = torch.full((37, i), 7.0, dtype=torch.bfloat16, device=DEV)
+    silu_mul_rows(gu, limit, out)
+    torch.testing.assert_close(out[:30].float(), h[:30].float(), rtol=1e-2, atol=1e-2)  # sigmoid's last bits
+    assert (out[30:] == 7.0).all()
+    if i % 128:
+        with pytest.raises(MoebenchError, match="multiple of 128"):
+            silu_mul_rows(gu, limit, torch.empty((37, i), dtype=FP8_DTYPE, device=DEV),
+                          torch.empty((37, 1), device=DEV))
+        return
+    q = torch.zeros((37, i), dtype=FP8_DTYPE, device=DEV)
+    s = torch.empty_strided((37, i // 128), (1, 40), device=DEV).fill_(-1.0)  # MN-major, rows padded to 40
+    silu_mul_rows(gu, limit, q, s)
+    q_ref, s_ref = quantize_activation(out[:30], QuantScheme(scales="block", block_shape=(128, 128)))
+    assert torch.equal(q[:30].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s[:30], s_ref)
+    assert (s[30:] == -1.0).all() and (q[30:].view(torch.uint8) == 0).all()
 
 
 def test_quantize_rows_rounding_edges():

@@ -33,8 +33,11 @@ is not a multiple (batched-local: T = M tokens; DeepEP-LL's T = 128 x ranks need
 Outputs are bf16 only. The intermediate after SiLU-and-mul is rounded to bf16 and quantised again
 (1 x 128 groups, dynamic) before GEMM2, the rounding points the reference emulates.
 
-The layout helpers (`contiguous_layout`, `masked_rows`, `mn_major_scales`, ...) are plain torch, run on
-any device and hold no host synchronisation, so the adapters stay CUDA-graph capturable.
+`deepgemm`'s glue around the two GEMMs is moebench's Triton kernels (the block alignment, the row
+gather, SiLU-and-mul with the requantisation, the weighted top-k sum): five launches besides
+DeepGEMM's two and a few small torch ones. The layout helpers (`grouped_layout`, `pair_rows`,
+`masked_rows`, `mn_major_scales`, ...) are plain torch, run on any device and hold no host
+synchronisation, so the adapters stay CUDA-graph capturable.
 deep_gemm is imported lazily; nothing else in moebench needs it.
 """
 
@@ -52,12 +55,15 @@ from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
     PrepareResult,
-    TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
+    TopKWeightAndReduceNoOp,
     alloc_output,
 )
 from moebench.kernels.reference import silu_and_mul
-from moebench.kernels.token_layout import local_topk_ids, sort_by_expert
+from moebench.kernels.token_layout import local_topk_ids
+from moebench.kernels.triton.align import AlignResult, moe_align_block_size
+from moebench.kernels.triton.gemm import sorted_rows, topk_sum
+from moebench.kernels.triton.quant import silu_mul_rows
 from moebench.quant import FP8_DTYPE, ActQuant, QuantScheme, QuantWeight, scheme_of
 
 #: The only fp8 block DeepGEMM's sm90 grouped GEMMs take: 1 x 128 activation groups, 128 x 128
@@ -109,60 +115,34 @@ def mn_major_scales(scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@dataclass
-class ContiguousLayout:
-    """Where each (token, k) pair sits in DeepGEMM's contiguous layout.
-
-    rows:         buffer rows (static): room for every local pair plus each group's padding to
-                  `align`, plus one spare block at the end whose last row is the sink
-    dest:         (M*K,) int64 buffer row of each flat pair; the sink row (rows - 1) for remote pairs
-    group_end:    (E,) int32 psum layout: end row of group e's run, which starts at
-                  align_up(group_end[e-1]) (0 for e = 0); empty groups have start == end
-    m_indices:    (rows,) int32 m-indices layout: the group of each row, -1 for padding rows, or
-                  None when not asked for
-    align:        the alignment the layout was built for
-    """
-
-    rows: int
-    dest: torch.Tensor
-    group_end: torch.Tensor
-    m_indices: torch.Tensor | None
-    align: int
-
-    @property
-    def sink(self) -> int:
-        return self.rows - 1
-
-
-def contiguous_rows(pairs: int, num_groups: int, align: int) -> int:
-    """Static buffer rows for `pairs` local pairs over `num_groups` groups: each group's run padded
-    to `align` (at most align - 1 rows each), rounded up to `align`, plus a spare block (its last
-    row is the sink of remote pairs; no group ever reaches it)."""
-    used = -(-(pairs + num_groups * (align - 1)) // align) * align
-    return used + align
-
-
-def contiguous_layout(local_ids: torch.Tensor, num_groups: int, align: int,
-                      with_m_indices: bool = False) -> ContiguousLayout:
-    """local_ids (M, K) local expert ids, -1 for remote pairs -> ContiguousLayout. Pairs keep
-    their token order inside a group (stable sort), as `sort_by_expert` orders them."""
-    if align < 1:
-        raise MoebenchError(f"contiguous layout alignment must be >= 1, got {align}")
-    m, k = local_ids.shape
-    rows = contiguous_rows(m * k, num_groups, align)
-    s = sort_by_expert(local_ids, num_groups)
-    padded = (s.counts + align - 1) // align * align
-    starts = torch.cumsum(padded, 0) - padded
-    group_end = (starts + s.counts).to(torch.int32)
+def grouped_layout(align: AlignResult, local_ids: torch.Tensor, num_groups: int, layout: str = "psum") -> torch.Tensor:
+    """DeepGEMM's `grouped_layout` for the rows of a block alignment whose block is DeepGEMM's
+    row alignment (every expert's run starts at a multiple of it, in expert order, as DeepGEMM's
+    contiguous layout wants). local_ids (M, K): the pairs' local experts, -1 remote.
+    psum: (G,) int32, the end row of each group's pairs (its run starts at the previous end rounded
+    up to the block; an empty group ends where it starts); indices: (rows,) int32, each row's
+    group, -1 for padding rows. Plain torch, static shapes, no host synchronisation."""
+    if layout == "indices":
+        per_row = align.expert_ids.repeat_interleave(align.block_size_m)
+        pad = align.sorted_token_ids >= align.num_pairs
+        return torch.where(pad, torch.full_like(per_row, -1), per_row).to(torch.int32).contiguous()
     flat = local_ids.reshape(-1).long()
-    sink = torch.full_like(flat, rows - 1)
-    dest = torch.where(flat >= 0, starts[flat.clamp(min=0)] + s.pos, sink)
-    m_indices = None
-    if with_m_indices:
-        m_indices = torch.full((rows,), -1, dtype=torch.int32, device=local_ids.device)
-        # Remote pairs write -1 into the sink row, which is padding anyway.
-        m_indices.index_copy_(0, dest, flat.clamp(min=-1).to(torch.int32))
-    return ContiguousLayout(rows=rows, dest=dest, group_end=group_end, m_indices=m_indices, align=align)
+    slot = torch.where(flat >= 0, flat, torch.full_like(flat, num_groups))  # remote pairs count in a spare slot
+    counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, slot, torch.ones_like(slot))
+    counts = counts[:num_groups]
+    b = align.block_size_m
+    padded = (counts + b - 1) // b * b
+    return (torch.cumsum(padded, 0) - padded + counts).to(torch.int32)
+
+
+def pair_rows(align: AlignResult, sink: int) -> torch.Tensor:
+    """(M*K,) int32: the row of each flat pair in the aligned layout, `sink` for the pairs the
+    alignment left out (remote experts). Plain torch (one scatter), no host synchronisation."""
+    rows = align.sorted_token_ids.numel()
+    inv = torch.full((align.num_pairs + 1,), sink, dtype=torch.int32, device=align.sorted_token_ids.device)
+    # Padding slots hold the sentinel num_pairs: they all land in the spare last entry, dropped.
+    inv.scatter_(0, align.sorted_token_ids.long(), torch.arange(rows, dtype=torch.int32, device=inv.device))
+    return inv[: align.num_pairs]
 
 
 def masked_rows(counts: torch.Tensor, rows_per_group: int, bound: int) -> torch.Tensor:
@@ -296,8 +276,12 @@ class _DeepGemmBackend(Experts):
 
 class DeepGemmExperts(_DeepGemmBackend):
     """Standard: (token, k) pairs placed by expert into DeepGEMM's contiguous layout (psum or
-    m-indices grouped layout), two grouped GEMMs, SiLU-and-mul on the pairs' rows only. Returns
-    (M, K, H) unweighted, remote pairs zero."""
+    m-indices grouped layout), two grouped GEMMs, and moebench's Triton kernels around them:
+    the block alignment (`moe_align_block_size`, DeepGEMM's row alignment as the block), x's rows
+    gathered into that order with their scales (`sorted_rows`), SiLU-and-mul with the
+    requantisation in one launch (`silu_mul_rows`), and the router-weighted sum over top-k read
+    straight from GEMM2's rows (`topk_sum` with a row index). Returns (M, H), weighted and summed;
+    remote pairs (EP) add nothing."""
 
     name = "deepgemm"
     activation_format = ActivationFormat.STANDARD
@@ -308,12 +292,10 @@ class DeepGemmExperts(_DeepGemmBackend):
         self.layout = layout
 
     def weight_and_reduce(self):
-        return TopKWeightAndReduceContiguous()
+        return TopKWeightAndReduceNoOp()
 
-    def _gemm(self, dg, a, a_scale, w, d, lay: ContiguousLayout, expected_m: int) -> None:
-        psum = self.layout == "psum"
-        grouped = lay.group_end if psum else lay.m_indices
-        kw = {"use_psum_layout": True, "expected_m_for_psum_layout": expected_m} if psum else {}
+    def _gemm(self, dg, a, a_scale, w, d, grouped: torch.Tensor, expected_m: int) -> None:
+        kw = {"use_psum_layout": True, "expected_m_for_psum_layout": expected_m} if self.layout == "psum" else {}
         if a_scale is None:
             dg.m_grouped_bf16_gemm_nt_contiguous(a, w, d, grouped, **kw)
         else:
@@ -324,8 +306,9 @@ class DeepGemmExperts(_DeepGemmBackend):
         import deep_gemm as dg
 
         fp8 = isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight)
-        scheme = _fp8_weights(w13, w2, self.name)[2] if fp8 else None
-        _check_shapes(w13, w2, scheme, self.name)
+        if fp8:
+            _fp8_weights(w13, w2, self.name)
+        _check_shapes(w13, w2, BLOCK_SHAPE if fp8 else None, self.name)
         out_dtype = self._out_dtype(prep)
         if fp8 and (prep.a.dtype != FP8_DTYPE or prep.a_scale is None):
             raise UnsupportedError(f"experts '{self.name}' take fp8 activations quantised by prepare (prep.a_scale is missing)")
@@ -334,39 +317,25 @@ class DeepGemmExperts(_DeepGemmBackend):
         e, two_i, h = w13.shape
         i = two_i // 2
         dev = x.device
-        lay = contiguous_layout(local_topk_ids(ids, prep.expert_map), e, dg.get_mk_alignment_for_contiguous_layout(),
-                                with_m_indices=self.layout == "indices")
-        rows, dest = lay.rows, lay.dest
+        align = moe_align_block_size(ids, dg.get_mk_alignment_for_contiguous_layout(), e, prep.expert_map)
+        rows = align.sorted_token_ids.numel()
+        grouped = grouped_layout(align, local_topk_ids(ids, prep.expert_map), e, self.layout)
         expected_m = max(1, -(-m * k // e))  # mean rows per group: DeepGEMM's config hint
-        token = torch.arange(m * k, device=dev) // k
 
-        a = torch.empty((rows, h), dtype=x.dtype, device=dev)
-        _scatter_rows(a, dest, _gather_rows(x, token))
-        a_scale = None
-        if fp8:
-            a_scale = empty_mn_major((rows, h // 128), dev)
-            a_scale.index_copy_(0, dest, prep.a_scale.float().index_select(0, token))
+        a = sorted_rows(x, align, k)
+        a_scale = sorted_rows(prep.a_scale.float(), align, k, out=empty_mn_major((rows, h // 128), dev)) if fp8 else None
         gate_up = torch.empty((rows, two_i), dtype=out_dtype, device=dev)
-        self._gemm(dg, a, a_scale, w13, gate_up, lay, expected_m)
+        self._gemm(dg, a, a_scale, w13, gate_up, grouped, expected_m)
 
-        # SiLU-and-mul (and the requantisation) on the pairs' rows only, written back in place.
-        act = silu_and_mul(gate_up.index_select(0, dest).float()).to(out_dtype)  # (M*K, I)
-        act_buf = torch.empty((rows, i), dtype=FP8_DTYPE if fp8 else out_dtype, device=dev)
-        act_scale = None
-        if fp8:
-            q, s = _quantize(act, scheme)
-            _scatter_rows(act_buf, dest, q)
-            act_scale = empty_mn_major((rows, i // 128), dev)
-            act_scale.index_copy_(0, dest, s)
-        else:
-            act_buf.index_copy_(0, dest, act)
-        y = torch.empty((rows, h), dtype=out_dtype, device=dev)
-        self._gemm(dg, act_buf, act_scale, w2, y, lay, expected_m)
+        act = torch.empty((rows, i), dtype=FP8_DTYPE if fp8 else out_dtype, device=dev)
+        act_scale = empty_mn_major((rows, i // 128), dev) if fp8 else None
+        silu_mul_rows(gate_up, align.num_tokens_post_padded, act, act_scale)
+        y = torch.empty((rows + 1, h), dtype=out_dtype, device=dev)  # the last row: zeros, for remote pairs
+        self._gemm(dg, act, act_scale, w2, y[:rows], grouped, expected_m)
+        y[rows].zero_()
 
-        out = alloc_output((m * k, h), out_dtype, dev)
-        valid = dest != lay.sink  # remote pairs (EP) contribute zero
-        out.copy_(torch.where(valid.unsqueeze(-1), y.index_select(0, dest), torch.zeros((), dtype=y.dtype, device=dev)))
-        return out.view(m, k, h)
+        out = alloc_output((m, h), out_dtype, dev)
+        return topk_sum(y, out, k, row_index=pair_rows(align, rows), weights=prep.topk_weights)
 
 
 # ---------------------------------------------------------------------------------------------

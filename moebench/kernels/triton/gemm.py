@@ -411,33 +411,47 @@ def gemm2_weighted_sum_kernel(
 
 
 @triton.jit
-def topk_sum_kernel(x_ptr, y_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr):
-    """One program per (token, column block): y[t, h] = sum_k x[t, k, h] in fp32, cast to y's
-    dtype (EXACT: rounded to nearest even also under the interpreter)."""
+def topk_sum_kernel(x_ptr, y_ptr, row_ptr, w_ptr, H, TOP_K: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
+                    BLOCK: tl.constexpr, EXACT: tl.constexpr):
+    """One program per (token, column block): y[t, h] = sum_k w[t, k] * x[r(t, k), h] in fp32, cast to
+    y's dtype (EXACT: rounded to nearest even also under the interpreter). r(t, k) = t * TOP_K + k, or
+    row_ptr[t * TOP_K + k] (GATHER); w = 1 unless WEIGHTED (w_ptr: (M*K,) fp32)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in range(TOP_K):
-        acc += tl.load(x_ptr + (t * TOP_K + k) * H + offs, mask=ok, other=0.0).to(tl.float32)
+        row = t * TOP_K + k
+        if GATHER:
+            row = tl.load(row_ptr + row).to(tl.int64)
+        v = tl.load(x_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v = v * tl.load(w_ptr + t * TOP_K + k)
+        acc += v
     tl.store(y_ptr + t * H + offs, cast_rne(acc, y_ptr.dtype.element_ty, EXACT), mask=ok)
 
 
-def topk_sum(rows: torch.Tensor, out: torch.Tensor, topk: int) -> torch.Tensor:
-    """out (M, H) = rows (M*K, H), a token's K rows consecutive, summed over K in fp32 (both
-    contiguous); returns out."""
+def topk_sum(rows: torch.Tensor, out: torch.Tensor, topk: int, *, row_index: torch.Tensor | None = None,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
+    """out (M, H) = the sum over K of each token's K rows of `rows` (R, H), in fp32 (both contiguous);
+    returns out. The rows of token t are t*K .. t*K + K - 1 (R = M*K), or row_index[t*K + k] ((M*K,)
+    int, any R); weights (M, K): each row times its router weight first."""
     m, h = out.shape
-    assert rows.shape == (m * topk, h) and rows.is_contiguous() and out.is_contiguous()
+    assert rows.shape[1] == h and rows.is_contiguous() and out.is_contiguous()
+    assert row_index is not None or rows.shape[0] == m * topk
     interpreter_compat()
     if m:
-        topk_sum_kernel[(m, triton.cdiv(h, 1024))](rows, out, h, TOP_K=topk, BLOCK=1024,
+        w = _flat_weights(weights) if weights is not None else rows
+        idx = row_index.reshape(-1).contiguous() if row_index is not None else rows
+        topk_sum_kernel[(m, triton.cdiv(h, 1024))](rows, out, idx, w, h, TOP_K=topk, GATHER=row_index is not None,
+                                                   WEIGHTED=weights is not None, BLOCK=1024,
                                                    EXACT=interpreting() and out.dtype == torch.bfloat16)
     return out
 
 
 @triton.jit
 def sorted_rows_kernel(x_ptr, xs_ptr, sorted_ids_ptr, ntpp_ptr, num_pairs, H, stride_xm, stride_xk, stride_sm,
-                       TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+                       stride_sk, TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     # Program (r, c): sorted rows r * ROWS .. of the used length, columns c * BLOCK_H ..; a row
     # holds its pair's token row of x, a sentinel row zeros. Rows past the used length stay unset.
     row0 = tl.program_id(0) * ROWS
@@ -448,7 +462,7 @@ def sorted_rows_kernel(x_ptr, xs_ptr, sorted_ids_ptr, ntpp_ptr, num_pairs, H, st
     h_ok = offs_h < H
     v = tl.load(x_ptr + token[:, None] * stride_xm + offs_h[None, :] * stride_xk, mask=row_ok[:, None] & h_ok[None, :],
                 other=0.0)
-    tl.store(xs_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_h[None, :], v, mask=h_ok[None, :])
+    tl.store(xs_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_h[None, :] * stride_sk, v, mask=h_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,16 +496,19 @@ def _flat_weights(topk_weights: torch.Tensor) -> torch.Tensor:
     return weights
 
 
-def sorted_rows(x: torch.Tensor, align: AlignResult, topk: int) -> torch.Tensor:
+def sorted_rows(x: torch.Tensor, align: AlignResult, topk: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, H) -> (max_padded, H): row r = x[sorted_token_ids[r] // topk] for the used rows,
-    zeros for sentinels; rows past num_tokens_post_padded are left unset (no kernel reads them)."""
+    zeros for sentinels; rows past num_tokens_post_padded are left unset (no kernel reads them).
+    out: a (max_padded, H) tensor of x's dtype to write, any strides (DeepGEMM's MN-major scales);
+    None: a new contiguous one. fp8 rows move as they are."""
     interpreter_compat()
     rows, h = align.sorted_token_ids.numel(), x.shape[1]
-    xs = torch.empty((rows, h), dtype=x.dtype, device=x.device)
+    xs = torch.empty((rows, h), dtype=x.dtype, device=x.device) if out is None else out
+    assert xs.shape == (rows, h) and xs.dtype == x.dtype
     r, bh = min(32, align.block_size_m), 256  # up to 16 KB of bf16 per program; r divides every block
     sorted_rows_kernel[(triton.cdiv(rows, r), triton.cdiv(h, bh))](
         x, xs, align.sorted_token_ids, align.num_tokens_post_padded, align.num_pairs, h, x.stride(0), x.stride(1),
-        xs.stride(0), TOPK=topk, ROWS=r, BLOCK_H=bh, num_warps=4)
+        xs.stride(0), xs.stride(1), TOPK=topk, ROWS=r, BLOCK_H=bh, num_warps=4)
     return xs
 
 

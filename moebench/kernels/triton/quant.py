@@ -21,6 +21,13 @@ cast wrong when the rounding carries into the exponent (1.97 -> 1.0) and for e4m
 under the interpreter the kernel rounds in fp32 first (`round_e4m3`, exact bit arithmetic) and
 the cast only converts an exactly representable value.
 
+    silu_mul_rows(gate_up, row_limit, quant_block, q, scale)
+                                            gate_up (R, 2I) [gate | up] -> silu(gate) * up rounded to
+                                            bf16, then (quant_block) quantised per row and 1 x bk group
+
+The second is the step between two GEMMs done by a library (DeepGEMM's grouped GEMMs in
+moebench.kernels.deepgemm): it writes the scales with whatever strides the caller's tensor has.
+
 Also here, for the fp8 GEMM kernels: `quant_meta` (their QUANT / GROUP_N / GROUP_K constexprs) and
 `check_block_config`, the tile-config rule of block scales (BLOCK_SIZE_K divides bk: one scale
 column per K step).
@@ -35,6 +42,7 @@ import triton
 import triton.language as tl
 
 from moebench.errors import MoebenchError
+from moebench.kernels.triton.common import cast_rne
 from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.quant import AMAX_EPS, FP8_DTYPE, INV_FP8_MAX, QuantScheme, scale_of, scheme_of
 
@@ -230,6 +238,57 @@ def quantize_rows(
     s = torch.empty((*lead, groups), dtype=torch.float32, device=x.device)
     _launch(x3, q3, s.view(*x3.shape[:-1], groups), scheme, None, row_limit, batch_counts)
     return q, s
+
+
+@triton.jit
+def silu_mul_rows_kernel(gu_ptr, q_ptr, s_ptr, limit_ptr, I, stride_gm, stride_qm, stride_sm, stride_sg,
+                         QUANT: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, EXACT: tl.constexpr):
+    # Program (r, g): rows r * BLOCK_M .. (those below limit_ptr[0]), columns g * GROUP .. of the
+    # intermediate. h = silu(gate) * up in fp32, rounded to bf16 (where the reference rounds it),
+    # then stored as bf16 or, QUANT, as e4m3 with one scale per row and GROUP columns.
+    pid_m = tl.program_id(0)
+    grp = tl.program_id(1)
+    rows_used = tl.load(limit_ptr)
+    if pid_m * BLOCK_M >= rows_used:
+        return
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = grp * GROUP + tl.arange(0, GROUP)
+    row_ok = rows < rows_used
+    mask = row_ok[:, None] & (cols < I)[None, :]
+    gate = tl.load(gu_ptr + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + rows[:, None] * stride_gm + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = cast_rne(gate * tl.sigmoid(gate) * up, tl.bfloat16, EXACT).to(tl.float32)
+    q_ptrs = q_ptr + rows[:, None] * stride_qm + cols[None, :]
+    if QUANT:
+        scale = tl.maximum(tl.max(tl.abs(h), axis=1), _EPS) * _INV_FP8_MAX  # moebench.quant.scale_of
+        quant_group(h, scale, q_ptrs, mask, EXACT)
+        tl.store(s_ptr + rows * stride_sm + grp * stride_sg, scale, mask=row_ok)
+    else:
+        tl.store(q_ptrs, h.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_rows(gate_up: torch.Tensor, row_limit: torch.Tensor, out: torch.Tensor,
+                  scale: torch.Tensor | None = None, group: int = 128) -> None:
+    """out[r] = silu(gate_up[r, :I]) * gate_up[r, I:] for rows r < row_limit[0] ((1,) int32 on the
+    device; later rows stay unwritten), computed in fp32 and rounded to bf16. out (R, I): bf16, or
+    float8_e4m3fn with `scale` (R, I / group) float32 (any strides) taking one dynamic scale per
+    row and `group` columns, the arithmetic of moebench.quant's block scheme. One launch, no host
+    synchronisation."""
+    r, two_i = gate_up.shape
+    i = two_i // 2
+    quant = out.dtype == FP8_DTYPE
+    if quant and (scale is None or i % group or scale.shape != (r, i // group)):
+        raise MoebenchError(f"silu_mul_rows: fp8 output needs (rows, {i} / {group}) scales and I a multiple of {group}")
+    if out.dtype not in (FP8_DTYPE, torch.bfloat16) or out.shape != (r, i) or out.stride(1) != 1 or gate_up.stride(1) != 1:
+        raise MoebenchError("silu_mul_rows: gate_up (R, 2I) and out (R, I) bf16 / fp8, rows contiguous")
+    if r == 0:
+        return
+    interpreter_compat()
+    s_arg, s_strides = (scale, scale.stride()) if quant else (out, (0, 0))
+    block_m = 16
+    silu_mul_rows_kernel[(triton.cdiv(r, block_m), triton.cdiv(i, group))](
+        gate_up, out, s_arg, row_limit, i, gate_up.stride(0), out.stride(0), *s_strides,
+        QUANT=quant, BLOCK_M=block_m, GROUP=group, EXACT=interpreting(), num_warps=4)
 
 
 def quant_meta(w) -> dict[str, int]:
