@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                          "and of each engine file's vllm-triton layer, one row per launch (kernel_times.csv)")
     ap.add_argument("--write-files", type=Path, default=None, metavar="DIR",
                     help="only write the shipped engine files as DIR/<engine>/<file name> (for `tune --against`)")
+    ap.add_argument("--deepgemm", action="store_true",
+                    help="also time the `deepgemm` experts (no-dpep prepare: x quantised in the timed region) on the "
+                         "same routings where deep_gemm imports and takes the shape: columns deepgemm_us, "
+                         "deepgemm_over_engine")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--summary", type=Path, nargs="+", default=None, metavar="CSV",
                     help="only print PERF.md's tables from these vllm_kernel_triton.csv files")
@@ -189,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                     if kernel_rows:  # none on a CPU: no device timeline
                         write_rows(kernel_rows, out_dir, "kernel_times", head + "; per-kernel CUDA time per call, eager")
                     continue
-                per: dict[str, list[float]] = {c: [] for c in ("new", "vllm", "sglang", "triton")}
+                per: dict[str, list[float]] = {c: [] for c in ("new", "vllm", "sglang", "triton", "deepgemm")}
+                dg_kernel, dg_note = _deepgemm_kernel(args.deepgemm, dev, w13, w2, quant)
                 errs: dict[str, float] = {}
                 for r in range(args.routings):
                     g = torch.Generator(device=dev).manual_seed(1000 * r + m)
@@ -212,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                     if ref is not None:
                         errs["triton"] = relative_error(tfn(), ref)
                     per["triton"].append(timed_us(tfn, reps=20, graph_calls=4))
+                    if dg_kernel is not None:
+                        dfn = lambda: dg_kernel.apply(x, w13, w2, tw, ids)  # noqa: E731
+                        if ref is not None:
+                            errs["deepgemm"] = relative_error(dfn(), ref)
+                        per["deepgemm"].append(timed_us(dfn, reps=20, graph_calls=4))
                     del ref
                 bad = [c for c, v in errs.items() if not is_correct(v, torch.bfloat16, quant)]
                 med = {c: statistics.median(v) if v else None for c, v in per.items()}
@@ -233,13 +243,33 @@ def main(argv: list[str] | None = None) -> int:
                     engine_us=us[eng] if eng else "-", engine_file=eng or "-",
                     triton_over_engine=ratio("triton", eng) if eng else "-",
                     triton_cfg="/".join(str(triton_cfg[0][kk]) for kk in TILE_KEYS), triton_cfg_source=triton_cfg[1],
-                    wrong=",".join(bad) or "-"))
+                    wrong=",".join(bad) or "-",
+                    **({"deepgemm_us": us["deepgemm"], "deepgemm_over_engine": ratio("deepgemm", eng) if eng else "-",
+                        "deepgemm_note": dg_note} if args.deepgemm else {})))
                 write_rows(triton_rows, out_dir, "vllm_kernel_triton",
                            head + "; moebench's triton layer vs the faster engine file in the vllm-triton experts")
             w13 = w2 = None
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     return 0
+
+
+def _deepgemm_kernel(wanted: bool, dev, w13, w2, quant):
+    """(the `deepgemm` layer, "") where asked for and it runs here, else (None, why not)."""
+    if not wanted:
+        return None, ""
+    from moebench.errors import MoebenchError
+    from moebench.kernels import deepgemm
+
+    reason = deepgemm.DeepGemmExperts.unavailable_reason(dev.type)
+    if reason is None:
+        try:
+            deepgemm._check_shapes(w13, w2, quant, "deepgemm")
+        except MoebenchError as e:
+            reason = str(e)
+    if reason is not None:
+        return None, reason[:60]
+    return moebench.make_kernel("deepgemm", "no-dpep"), ""
 
 
 def _kernel_times(shape, prec, m, e, k, h, w13, w2, tables, dev, calls: int = 10) -> list[dict]:

@@ -306,9 +306,8 @@ class DeepGemmExperts(_DeepGemmBackend):
         import deep_gemm as dg
 
         fp8 = isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight)
-        if fp8:
-            _fp8_weights(w13, w2, self.name)
-        _check_shapes(w13, w2, BLOCK_SHAPE if fp8 else None, self.name)
+        scheme = _fp8_weights(w13, w2, self.name)[2] if fp8 else None
+        _check_shapes(w13, w2, scheme, self.name)
         out_dtype = self._out_dtype(prep)
         if fp8 and (prep.a.dtype != FP8_DTYPE or prep.a_scale is None):
             raise UnsupportedError(f"experts '{self.name}' take fp8 activations quantised by prepare (prep.a_scale is missing)")
