@@ -576,6 +576,16 @@ def test_sorted_rows_copies_x_in_sorted_order():
     ids = align.sorted_token_ids[:used].long()
     real = ids < m * k
     assert torch.equal(xs[:used][real], x[ids[real] // k]) and not xs[:used][~real].any()
+    # zero_pad=False: sentinel rows untouched; an fp8 x moves bit for bit; any output strides
+    q = x.to(torch.float8_e4m3fn)
+    out = torch.full_like(xs, 5.0).to(torch.float8_e4m3fn)
+    sorted_rows(q, align, k, out=out, zero_pad=False)
+    assert torch.equal(out[:used][real].view(torch.uint8), q[ids[real] // k].view(torch.uint8))
+    assert (out[:used][~real].float() == 5.0).all()
+    s = torch.arange(m * 3, dtype=torch.float32).view(m, 3)
+    st = torch.empty_strided((xs.shape[0], 3), (1, xs.shape[0]))  # column-major, as DeepGEMM's scales
+    sorted_rows(s, align, k, out=st)
+    assert torch.equal(st[:used][real], s[ids[real] // k])
 
 
 def test_gemm2_with_its_own_config_matches_reference(tmp_path, monkeypatch):

@@ -321,8 +321,11 @@ class DeepGemmExperts(_DeepGemmBackend):
         grouped = grouped_layout(align, local_topk_ids(ids, prep.expert_map), e, self.layout)
         expected_m = max(1, -(-m * k // e))  # mean rows per group: DeepGEMM's config hint
 
-        a = sorted_rows(x, align, k)
-        a_scale = sorted_rows(prep.a_scale.float(), align, k, out=empty_mn_major((rows, h // 128), dev)) if fp8 else None
+        # DeepGEMM's rows are independent and nothing reads a padding row's output: padding stays unset
+        a = sorted_rows(x, align, k, zero_pad=False)
+        a_scale = None
+        if fp8:
+            a_scale = sorted_rows(prep.a_scale.float(), align, k, out=empty_mn_major((rows, h // 128), dev), zero_pad=False)
         gate_up = torch.empty((rows, two_i), dtype=out_dtype, device=dev)
         self._gemm(dg, a, a_scale, w13, gate_up, grouped, expected_m)
 

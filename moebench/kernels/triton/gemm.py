@@ -451,9 +451,11 @@ def topk_sum(rows: torch.Tensor, out: torch.Tensor, topk: int, *, row_index: tor
 
 @triton.jit
 def sorted_rows_kernel(x_ptr, xs_ptr, sorted_ids_ptr, ntpp_ptr, num_pairs, H, stride_xm, stride_xk, stride_sm,
-                       stride_sk, TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+                       stride_sk, TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                       ZERO_PAD: tl.constexpr):
     # Program (r, c): sorted rows r * ROWS .. of the used length, columns c * BLOCK_H ..; a row
-    # holds its pair's token row of x, a sentinel row zeros. Rows past the used length stay unset.
+    # holds its pair's token row of x, a sentinel row zeros (ZERO_PAD) or nothing. Rows past the
+    # used length stay unset.
     row0 = tl.program_id(0) * ROWS
     if row0 >= tl.load(ntpp_ptr):
         return
@@ -462,7 +464,8 @@ def sorted_rows_kernel(x_ptr, xs_ptr, sorted_ids_ptr, ntpp_ptr, num_pairs, H, st
     h_ok = offs_h < H
     v = tl.load(x_ptr + token[:, None] * stride_xm + offs_h[None, :] * stride_xk, mask=row_ok[:, None] & h_ok[None, :],
                 other=0.0)
-    tl.store(xs_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_h[None, :] * stride_sk, v, mask=h_ok[None, :])
+    store_ok = h_ok[None, :] if ZERO_PAD else row_ok[:, None] & h_ok[None, :]
+    tl.store(xs_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_h[None, :] * stride_sk, v, mask=store_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,19 +499,22 @@ def _flat_weights(topk_weights: torch.Tensor) -> torch.Tensor:
     return weights
 
 
-def sorted_rows(x: torch.Tensor, align: AlignResult, topk: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def sorted_rows(x: torch.Tensor, align: AlignResult, topk: int, out: torch.Tensor | None = None,
+                zero_pad: bool = True) -> torch.Tensor:
     """x (M, H) -> (max_padded, H): row r = x[sorted_token_ids[r] // topk] for the used rows,
-    zeros for sentinels; rows past num_tokens_post_padded are left unset (no kernel reads them).
-    out: a (max_padded, H) tensor of x's dtype to write, any strides (DeepGEMM's MN-major scales);
-    None: a new contiguous one. fp8 rows move as they are."""
+    zeros for sentinels (zero_pad; else left unset, for a consumer whose rows are independent and
+    whose padding rows nobody reads); rows past num_tokens_post_padded are left unset (no kernel
+    reads them). out: a (max_padded, H) tensor of x's dtype to write, any strides (DeepGEMM's
+    MN-major scales); None: a new contiguous one. fp8 rows move as they are."""
     interpreter_compat()
     rows, h = align.sorted_token_ids.numel(), x.shape[1]
     xs = torch.empty((rows, h), dtype=x.dtype, device=x.device) if out is None else out
     assert xs.shape == (rows, h) and xs.dtype == x.dtype
-    r, bh = min(32, align.block_size_m), 256  # up to 16 KB of bf16 per program; r divides every block
+    r = min(32, align.block_size_m)  # r divides every block
+    bh = 256 if x.element_size() > 1 else 512  # 16 KB of bf16 / fp8 per program
     sorted_rows_kernel[(triton.cdiv(rows, r), triton.cdiv(h, bh))](
         x, xs, align.sorted_token_ids, align.num_tokens_post_padded, align.num_pairs, h, x.stride(0), x.stride(1),
-        xs.stride(0), xs.stride(1), TOPK=topk, ROWS=r, BLOCK_H=bh, num_warps=4)
+        xs.stride(0), xs.stride(1), TOPK=topk, ROWS=r, BLOCK_H=bh, ZERO_PAD=zero_pad, num_warps=4)
     return xs
 
 
