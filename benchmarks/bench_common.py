@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 import triton
 
+import moebench
 from moebench.bench.timing import time_cpu, time_cuda
 from moebench.kernels.triton.configs import default_config
 from moebench.kernels.triton.experts import select_config
@@ -58,6 +59,23 @@ def layer_config(shape: str, m: int, w13, w2, num_experts: int, topk: int, dtype
     if shape in HEURISTIC_ONLY:
         return dict(default_config(m, num_experts, w2.shape[2], w2.shape[1], topk, dtype))
     return dict(select_config(m, topk, w13, w2, num_experts, dtype)[0])
+
+
+def shard_weights(shape: tuple, scheme, dev: torch.device):
+    """(w13, w2, expert_map) of a SHAPES entry (E, topk, H, I, E local): random bf16 weights of the
+    local experts scaled to unit-order outputs, quantised with `scheme` when given; the map keeps the
+    first E local of the E global experts (None when all are local)."""
+    e, _, h, inter, e_local = shape
+    dt = torch.bfloat16
+    w13 = torch.randn(e_local, 2 * inter, h, dtype=dt, device=dev).mul_(h**-0.5)
+    w2 = torch.randn(e_local, h, inter, dtype=dt, device=dev).mul_(inter**-0.5)
+    if scheme is not None:
+        w13, w2 = moebench.quantize_weights(w13, w2, scheme, act_dtype=dt)
+    emap = None
+    if e_local < e:
+        emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
+        emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
+    return w13, w2, emap
 
 
 def seeded_inputs(m: int, h: int, e: int, dtype: torch.dtype, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,7 +46,8 @@ from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.options import TritonOptions, wants_direct_align
 from moebench.kernels.triton.routing import fused_topk_softmax
 
-from benchmarks.bench_common import HEURISTIC_ONLY, SHAPES, layer_config, script_setup, seeded_inputs, timed_us, write_rows
+from benchmarks.bench_common import (HEURISTIC_ONLY, SHAPES, layer_config, script_setup, seeded_inputs, shard_weights,
+                                     timed_us, write_rows)
 
 DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8,qwen3-next-80b-a3b"
 SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
@@ -99,14 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         e, k, h, inter, e_local = SHAPES[shape]
         dt = torch.bfloat16
-        w13 = torch.randn(e_local, 2 * inter, h, dtype=dt, device=dev).mul_(h**-0.5)
-        w2 = torch.randn(e_local, h, inter, dtype=dt, device=dev).mul_(inter**-0.5)
-        if scheme is not None:
-            w13, w2 = moebench.quantize_weights(w13, w2, scheme, act_dtype=dt)
-        emap = None
-        if e_local < e:
-            emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
-            emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
+        w13, w2, emap = shard_weights(SHAPES[shape], scheme, dev)
         for m in [int(t) for t in args.tokens.split(",")]:
             x, logits = seeded_inputs(m, h, e, dt, dev)
             # the tile config bench_triton.py times (the default heuristic for HEURISTIC_ONLY shapes)

@@ -27,7 +27,7 @@ from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.quant import FP8_DTYPE
 
-from benchmarks.bench_common import SHAPES, library_gemms, script_setup, seeded_inputs, timed_us, write_rows
+from benchmarks.bench_common import SHAPES, library_gemms, script_setup, seeded_inputs, shard_weights, timed_us, write_rows
 
 DEFAULT_SHAPES = "mixtral-tp8,qwen3-30b-a3b,qwen3-235b-tp8,dsv3-tp8,mixtral,dsv3-ep8-local"
 SMOKE = {"tiny": (16, 2, 128, 128, 16)}
@@ -91,14 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         e, k, h, inter, e_local = shapes[shape]
         dt = torch.bfloat16
-        w13 = torch.randn(e_local, 2 * inter, h, dtype=dt, device=dev).mul_(h**-0.5)
-        w2 = torch.randn(e_local, h, inter, dtype=dt, device=dev).mul_(inter**-0.5)
-        if scheme is not None:
-            w13, w2 = moebench.quantize_weights(w13, w2, scheme, act_dtype=dt)
-        emap = None
-        if e_local < e:
-            emap = torch.full((e,), -1, dtype=torch.int32, device=dev)
-            emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
+        w13, w2, emap = shard_weights(shapes[shape], scheme, dev)
         for m in [int(t) for t in args.tokens.split(",")]:
             x, logits = seeded_inputs(m, h, e, dt, dev)
             tw, ids = fused_topk_softmax(logits, k, renormalize=True)
