@@ -44,7 +44,6 @@ deep_gemm is imported lazily; nothing else in moebench needs it.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
