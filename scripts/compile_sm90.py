@@ -266,7 +266,20 @@ def main(argv: list[str]) -> int:
                          (dict(vbase, **fp8_block), vfp8), (dict(vbase, **fp8_block, SWAP_AB=True), vfp8)):
         print(build(V.vllm_moe_gemm_kernel, consts, ptrs))
     print(build(V.silu_and_mul_kernel, dict(BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
-    print(build(T.topk_sum_kernel, dict(TOP_K=8, BLOCK=1024, EXACT=False), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
+    tsum = {"x_ptr": "*bf16", "y_ptr": "*bf16", "row_ptr": "*bf16", "w_ptr": "*bf16"}
+    print(build(T.topk_sum_kernel, dict(TOP_K=8, GATHER=False, WEIGHTED=False, BLOCK=1024, EXACT=False), tsum))
+    # deepgemm's glue: the sum gathering GEMM2's rows by index, weighted; x's rows in sorted order
+    # (fp8, padding unset) and their scales; SiLU-and-mul with and without the requantisation
+    print(build(T.topk_sum_kernel, dict(TOP_K=8, GATHER=True, WEIGHTED=True, BLOCK=1024, EXACT=False),
+                dict(tsum, row_ptr="*i32", w_ptr="*fp32")))
+    srows = {"sorted_ids_ptr": "*i32", "ntpp_ptr": "*i32"}
+    print(build(T.sorted_rows_kernel, dict(TOPK=8, ROWS=32, BLOCK_H=512, ZERO_PAD=False),
+                dict(srows, x_ptr="*fp8e4nv", xs_ptr="*fp8e4nv")))
+    print(build(T.sorted_rows_kernel, dict(TOPK=8, ROWS=32, BLOCK_H=256, ZERO_PAD=True),
+                dict(srows, x_ptr="*fp32", xs_ptr="*fp32")))
+    for q, out in ((True, "*fp8e4nv"), (False, "*bf16")):
+        print(build(Q.silu_mul_rows_kernel, dict(QUANT=q, BLOCK_M=16, GROUP=128, EXACT=False),
+                    {"gu_ptr": "*bf16", "q_ptr": out, "s_ptr": "*fp32", "limit_ptr": "*i32"}))
     # As launched: the prefill tile of Qwen3-30B-A3B at 4096 tokens (H 2048, I 768, 32768 pairs),
     # 128 x 256 x 64, 8 warps, 4 stages (the shipped file's entry), GEMM1 wide with pointer loads
     # (as on a device without TMA), GEMM2 with w2 through TMA

@@ -5,7 +5,8 @@ unquantised GEMMs (2 tiles x 4 kernels), their fp8 variants (per-token and block
 launch (griddepcontrol), GEMM1's wide walk (3 tiles; and through TMA at the prefill tile, A
 gathered or from the sorted copy: its weight box lands in shared memory by TMA), the TMA
 variants of both GEMMs, GEMM1 storing a per-tensor fp8 intermediate, GEMM2 storing per-pair rows
-(pair_store, bf16 and fp8 block) and the top-k sum, the fp8 GEMMs with swapped operands (swap_ab:
+(pair_store, bf16 and fp8 block) and the top-k sum (also gathered and weighted), the deepgemm
+experts' row copy and SiLU-and-mul-quantise kernels, the fp8 GEMMs with swapped operands (swap_ab:
 per-token and block scales, GEMM1 and GEMM2), both fp8 block GEMMs with TMA weight tiles
 (GEMM1's paired walk, GEMM2), the fp8 activation
 quantisation kernel (2 variants), the alignment and routing kernels; and both GEMMs at the
@@ -29,8 +30,12 @@ def test_kernels_compile_for_hopper(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 100 and all("cubin" in line for line in lines), res.stdout
+    assert len(lines) == 105 and all("cubin" in line for line in lines), res.stdout
     assert sum("quant_rows_kernel" in line for line in lines) == 2, res.stdout
+    # deepgemm's glue: the top-k sum plain and gathered + weighted, sorted rows (fp8, fp32 scales),
+    # SiLU-and-mul with and without the requantisation
+    assert [sum(line.startswith(f"{k}:") for line in lines) for k in
+            ("topk_sum_kernel", "sorted_rows_kernel", "silu_mul_rows_kernel")] == [2, 2, 2], res.stdout
     for line in lines[-5:-3]:  # the prefill tile: no register spills, its pointer loads pipelined
         m = re.match(r"as launched: (\w+): .* spills (\d+) B, pipelined loads (\d+) \+ TMA (\d+)$", line)
         assert m and m.group(2) == "0" and int(m.group(3)) > 0, line
