@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir, dev, head = script_setup((scheme.describe() if scheme else "bf16")
                                       + "; layers without routing, GEMMs alone (us); floor = compute floor")
     print("# " + head, flush=True)
-    dg_reason = dgk._deep_gemm_reason(dev.type)
+    dg_reason = dgk.DeepGemmExperts.unavailable_reason(dev.type)
     dg = None
     if dg_reason is None:
         import deep_gemm as dg
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             gemms = {}
             if dg is not None:
                 try:
-                    dgk._check_shapes(w13, w2, scheme, "deepgemm")
+                    dgk.check_shapes(w13, w2, scheme, "deepgemm")
                     gemms.update({f"dg_{n}": f for n, f in _dg_gemms(dg, ids_local, e_local, h, inter, w13, w2, fp8, dev).items()})
                 except MoebenchError as ex:
                     row["dg_note"] = str(ex)[:60]

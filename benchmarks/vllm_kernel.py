@@ -264,7 +264,7 @@ def _deepgemm_kernel(wanted: bool, dev, w13, w2, quant):
     reason = deepgemm.DeepGemmExperts.unavailable_reason(dev.type)
     if reason is None:
         try:
-            deepgemm._check_shapes(w13, w2, quant, "deepgemm")
+            deepgemm.check_shapes(w13, w2, quant, "deepgemm")
         except MoebenchError as e:
             reason = str(e)
     if reason is not None:

@@ -216,7 +216,7 @@ def _deep_gemm_reason(device: str) -> str | None:
     return None
 
 
-def _check_shapes(w13, w2, quant: QuantScheme | None, name: str) -> None:
+def check_shapes(w13, w2, quant: QuantScheme | None, name: str) -> None:
     """K of both GEMMs (H, I) must be whole DeepGEMM K blocks: 64 in bf16, 128 in fp8."""
     _, two_i, h = w13.shape
     i = two_i // 2
@@ -306,7 +306,7 @@ class DeepGemmExperts(_DeepGemmBackend):
 
         fp8 = isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight)
         scheme = _fp8_weights(w13, w2, self.name)[2] if fp8 else None
-        _check_shapes(w13, w2, scheme, self.name)
+        check_shapes(w13, w2, scheme, self.name)
         out_dtype = self._out_dtype(prep)
         if fp8 and (prep.a.dtype != FP8_DTYPE or prep.a_scale is None):
             raise UnsupportedError(f"experts '{self.name}' take fp8 activations quantised by prepare (prep.a_scale is missing)")
@@ -375,7 +375,7 @@ class BatchedDeepGemmExperts(_DeepGemmBackend):
 
         fp8 = isinstance(w13, QuantWeight) or isinstance(w2, QuantWeight)
         scheme = _fp8_weights(w13, w2, self.name)[2] if fp8 else None
-        _check_shapes(w13, w2, scheme, self.name)
+        check_shapes(w13, w2, scheme, self.name)
         out_dtype = self._out_dtype(prep)
         a, counts = prep.a, prep.expert_num_tokens.to(torch.int32).contiguous()
         if fp8 and (a.dtype != FP8_DTYPE or prep.a_scale is None):
