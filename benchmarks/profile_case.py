@@ -1,7 +1,16 @@
-"""Profile one (prepare/finalize, experts) case with torch.profiler: where does the time go?
+"""Where one (prepare/finalize, experts) case spends its time: torch.profiler's table, or plain
+calls for an outside profiler such as Nsight Compute.
 
-    PYTHONPATH=. python -m benchmarks profile_case --model qwen3-30b-a3b --tokens 1 \
+    PYTHONPATH=. python -m benchmarks profile_case --shape qwen3-30b-a3b --tokens 1 \
         --experts batched-triton --prepare-finalize batched-local
+    ncu --clock-control none -k regex:gemm --launch-skip 4 --launch-count 2 --section SpeedOfLight \
+        python -m benchmarks profile_case --shape dsv3-tp8 --tokens 64 --fp8-block --plain --calls 3
+
+--shape: a bench shape (bench_common.SHAPES: whole models and the TP / EP shards of the tables,
+routing over the global experts through an expert map where fewer are local). --fp8-block:
+fp8_w8a8 weights with 128 x 128 block scales. --plain: no torch.profiler, just --calls calls after
+the warm-up (each call launches the same kernels, so `--launch-skip` counts whole calls).
+--smoke: a tiny shape on CPU under the Triton interpreter (checks the script).
 """
 
 from __future__ import annotations
@@ -11,31 +20,60 @@ import argparse
 import torch
 
 import moebench
-from moebench.inputs import make_tokens, make_weights
-from moebench.models import get_model
-from moebench.routing import make_routing
+from moebench.kernels.triton.routing import fused_topk_softmax
+
+from benchmarks.bench_common import SHAPES, script_setup, seeded_inputs, shard_weights
+
+SMOKE = {"tiny": (16, 2, 64, 32, 16)}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--shape", "--model", dest="shape", default="qwen3-30b-a3b", help="a bench_common.SHAPES entry")
     ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--experts", default="batched-triton")
-    ap.add_argument("--prepare-finalize", default="batched-local")
+    ap.add_argument("--experts", default="triton")
+    ap.add_argument("--prepare-finalize", default="no-dpep")
+    ap.add_argument("--fp8-block", action="store_true", help="fp8_w8a8 weights with 128 x 128 block scales")
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--plain", action="store_true", help="no torch.profiler: the calls alone, for an outside profiler")
+    ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
-    s = get_model(a.model)
-    dev, dt = "cuda", torch.bfloat16
-    w13, w2 = make_weights(range(s.num_experts), s.hidden, s.intermediate, dt, dev, 0)
-    x = make_tokens(a.tokens, s.hidden, dt, dev, 1)
-    w, ids = make_routing("uniform", a.tokens, s.num_experts, s.topk, seed=1, device=dev)
-    k = moebench.make_kernel(a.experts, a.prepare_finalize)
+    if a.smoke:
+        SHAPES.update(SMOKE)
+        a.shape = "tiny"
+    if a.shape not in SHAPES:
+        raise SystemExit(f"error: unknown --shape {a.shape!r}; pick one of {', '.join(SHAPES)}")
+    _, dev, head = script_setup("profile_case")
+    e, k, h, _, _ = SHAPES[a.shape]
+    scheme = moebench.QuantScheme(scales="block", block_shape=(128, 128)) if a.fp8_block else None
+    w13, w2, emap = shard_weights(SHAPES[a.shape], scheme, dev)
+    x, logits = seeded_inputs(a.tokens, h, e, torch.bfloat16, dev)
+    w, ids = fused_topk_softmax(logits, k, renormalize=True)
+    kern = moebench.make_kernel(a.experts, a.prepare_finalize)
+
+    def call():
+        return kern.apply(x, w13, w2, w, ids, expert_map=emap, num_experts=e)
+
     for _ in range(3):
-        k.apply(x, w13, w2, w, ids)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    what = f"{a.shape} M={a.tokens} {a.prepare_finalize}+{a.experts} {scheme.describe() if scheme else 'bf16'}"
+    if a.plain:
         for _ in range(a.calls):
-            k.apply(x, w13, w2, w, ids)
-        torch.cuda.synchronize()
-    print(f"{a.model} M={a.tokens} {a.prepare_finalize}+{a.experts}, {a.calls} calls")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+            call()
+        sync()
+        print(f"# {head}\n{what}: {a.calls} calls", flush=True)
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(a.calls):
+            call()
+        sync()
+    sort = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+    print(f"# {head}\n{what}, {a.calls} calls")
+    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

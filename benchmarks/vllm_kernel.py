@@ -26,8 +26,10 @@ file for a column shows "-" (vLLM ships no H200 file for E=256,N=256 bf16, SGLan
 smaller: the JSON files say which). --smoke: a tiny shape on a CPU under the interpreter (checks
 the script; its times mean nothing). --summary prints, per precision, how many points of the four
 TP shapes (the default ones) are at or below the engine file and their median, then a row per shape: the ratio at 1, 16,
-64, 256, 1024 and 4096 tokens (bold: above), at or below, median, and the 4096-token layer over its
-compute floor, 2 x tokens x topk x 3 x H x I / the matmul ceiling (--ceilings, TFLOP/s).
+64, 256, 1024 and 4096 tokens (bold: above), at or below, median, the engine file's layer over the
+weight-read floor at 16-256 tokens (`read_floor_us`, --read-gbs; the headline counts the points
+where 0.90 x the engine would be under it), and the 4096-token layer over its compute floor,
+2 x tokens x topk x 3 x H x I / the matmul ceiling (--ceilings, TFLOP/s).
 """
 
 from __future__ import annotations
@@ -100,7 +102,17 @@ def tuned_table(folder: Path | None, e: int, n: int, quant) -> dict[int, dict] |
 SUMMARY_TOKENS = (1, 16, 64, 256, 1024, 4096)
 
 
-def summary_tables(rows: list[dict], ceilings: dict[str, float]) -> str:
+def read_floor_us(shape: str, prec: str, tokens: int, read_gbs: float) -> float:
+    """The layer's weight-read floor: the bytes of the experts that uniform routing touches in
+    expectation (E x (1 - (1 - K/E)^M) of E, each 3 x H x I weights of 2 bytes in bf16, 1 in fp8
+    plus a 4-byte scale per 128 x 128 block), x read and the output written, over the read ceiling."""
+    e, k, h, n = SHAPES[shape]
+    touched = e * (1 - (1 - k / e) ** tokens)
+    per_expert = 3 * h * n * (2 if prec == "bf16" else 1 + 4 / (128 * 128))
+    return (touched * per_expert + tokens * h * 2 * 2) / (read_gbs * 1e3)
+
+
+def summary_tables(rows: list[dict], ceilings: dict[str, float], read_gbs: float = 4374.0) -> str:
     """PERF.md's kernel tables from vllm_kernel_triton rows (a later row of the same point replaces
     an earlier one): per precision a headline over the default shapes' points with an engine file,
     then one row per shape (see the module docstring)."""
@@ -110,16 +122,24 @@ def summary_tables(rows: list[dict], ceilings: dict[str, float]) -> str:
     def ratio(r) -> float | None:
         return float(r["triton_over_engine"]) if r and r["triton_over_engine"] not in ("-", "") else None
 
+    def engine_over_floor(key) -> float | None:
+        r = points.get(key)
+        if r is None or r.get("engine_us") in (None, "-", "") or key[0] not in SHAPES:
+            return None
+        return float(r["engine_us"]) / read_floor_us(*key, read_gbs)
+
     out = []
     for prec in dict.fromkeys(p for _, p, _ in points):
-        every = [v for (s, p, t), r in points.items()
-                 if p == prec and s in DEFAULT_SHAPES and (v := ratio(r)) is not None]
+        keys = [key for key, r in points.items() if key[1] == prec and key[0] in DEFAULT_SHAPES and ratio(r) is not None]
+        every = [ratio(points[key]) for key in keys]
         if every:
+            bound = [key for key in keys if (f := engine_over_floor(key)) is not None and 0.9 * f < 1]
             out.append(f"{prec} ({', '.join(DEFAULT_SHAPES)}): {sum(v <= 1 for v in every)} of {len(every)} points "
-                       f"at or below, median {statistics.median(every):.3f}\n")
+                       f"at or below, median {statistics.median(every):.3f}; at {len(bound)} of them 0.90 x the "
+                       f"engine is under the weight-read floor ({read_gbs:.0f} GB/s)\n")
         out.append(f"| {prec} | " + " | ".join(map(str, SUMMARY_TOKENS))
-                   + " | at or below | median | 4096: us / compute floor |")
-        out.append("|---" * (len(SUMMARY_TOKENS) + 4) + "|")
+                   + " | at or below | median | engine / read floor, 16-256 | 4096: us / compute floor |")
+        out.append("|---" * (len(SUMMARY_TOKENS) + 5) + "|")
         for shape in shapes:
             vals = [v for (s, p, t), r in points.items() if s == shape and p == prec and (v := ratio(r)) is not None]
             cells = []
@@ -133,9 +153,12 @@ def summary_tables(rows: list[dict], ceilings: dict[str, float]) -> str:
                 floor_us = 2 * SUMMARY_TOKENS[-1] * k * 3 * h * n / (ceilings[prec] * 1e6)
                 us = float(last["triton_us"])
                 floor = f"{us:.0f} / {floor_us:.0f} = **{us / floor_us:.2f}**"
+            decode = [f for (s, p, t) in points if s == shape and p == prec and 16 <= t <= 256
+                      and (f := engine_over_floor((s, p, t))) is not None]
+            span = f"{min(decode):.2f}-{max(decode):.2f}" if decode else "-"
             med = f"{statistics.median(vals):.3f}" if vals else "-"
             out.append(f"| {shape} | " + " | ".join(cells) + f" | {sum(v <= 1 for v in vals)} of {len(vals)} | {med} | "
-                       f"{floor} |")
+                       f"{span} | {floor} |")
         out.append("")
     return "\n".join(out)
 
@@ -161,10 +184,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="only print PERF.md's tables from these vllm_kernel_triton.csv files")
     ap.add_argument("--ceilings", default="bf16=749.6,fp8=1336.2",
                     help="matmul ceilings for --summary's compute floor, TFLOP/s per precision")
+    ap.add_argument("--read-gbs", type=float, default=4374.0,
+                    help="read ceiling for --summary's weight-read floor, GB/s (`moebench env --calibrate`)")
     args = ap.parse_args(argv)
     if args.summary is not None:
         rows = [r for p in args.summary for r in csv.DictReader(p.open())]
-        print(summary_tables(rows, {k: float(v) for k, v in (c.split("=") for c in args.ceilings.split(","))}))
+        print(summary_tables(rows, {k: float(v) for k, v in (c.split("=") for c in args.ceilings.split(","))},
+                             args.read_gbs))
         return 0
     if args.write_files is not None:
         for p in write_engine_files(args.write_files):

@@ -428,21 +428,35 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme, act_dtype: torch.dtype
     packed in a weight-only scheme (`quantize_weight_only`; act_dtype: its scales' dtype)."""
     if scheme.weight_only:
         return quantize_weight_only(w, scheme, act_dtype)
+    # A few experts at a time: the fp32 temporaries stay near _QUANT_CHUNK_BYTES instead of several
+    # copies of the whole weight (a tuner's compile workers each build one).
     e, n, k = w.shape
-    wf = w.float()
+    step = max(1, _QUANT_CHUNK_BYTES // max(1, n * k * 4))
+    parts = [_quantize_fp8(w[i:i + step].float(), scheme) for i in range(0, e, step)]
+    q = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+    s = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+    return QuantWeight(q, s, scheme)
+
+
+#: fp32 bytes of weights `quantize_weight` converts at a time.
+_QUANT_CHUNK_BYTES = 1 << 28
+
+
+def _quantize_fp8(wf: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 wf (E, N, K) -> (fp8 codes (E, N, K), fp32 scales: (E,) tensor, (E, N) token, (E, nb, kb) block)."""
+    e, n, k = wf.shape
     if scheme.scales == "tensor":
         s = scale_of(wf.abs().amax(dim=(1, 2)))  # (E,)
-        return QuantWeight(_to_fp8(wf, s.view(e, 1, 1)), s, scheme)
+        return _to_fp8(wf, s.view(e, 1, 1)), s
     if scheme.scales == "token":
         s = scale_of(wf.abs().amax(dim=2))  # (E, N)
-        return QuantWeight(_to_fp8(wf, s.view(e, n, 1)), s, scheme)
+        return _to_fp8(wf, s.view(e, n, 1)), s
     bn, bk = scheme.block_shape
     nb, kb = -(-n // bn), -(-k // bk)
     wp = torch.nn.functional.pad(wf, (0, kb * bk - k, 0, nb * bn - n)).view(e, nb, bn, kb, bk)
     s = scale_of(wp.abs().amax(dim=(2, 4)))  # (E, nb, kb)
     q = (wp / s.view(e, nb, 1, kb, 1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    q = q.view(e, nb * bn, kb * bk)[:, :n, :k].contiguous()
-    return QuantWeight(q, s.contiguous(), scheme)
+    return q.view(e, nb * bn, kb * bk)[:, :n, :k].contiguous(), s.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

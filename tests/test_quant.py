@@ -57,6 +57,19 @@ def test_weight_scale_layout_and_roundtrip(scheme):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
+def test_weights_are_quantised_a_few_experts_at_a_time(scheme, monkeypatch):
+    # Chunks of experts (bounded temporaries) give the same codes and scales as one pass.
+    import moebench.quant as Q
+
+    w = torch.randn(5, 200, 72, generator=torch.Generator().manual_seed(1)) * 0.1
+    whole = quantize_weight(w, scheme)
+    monkeypatch.setattr(Q, "_QUANT_CHUNK_BYTES", 2 * 200 * 72 * 4)  # two experts per chunk: 2 + 2 + 1
+    parts = quantize_weight(w, scheme)
+    assert torch.equal(parts.q.view(torch.uint8), whole.q.view(torch.uint8))
+    assert torch.equal(parts.scale, whole.scale) and parts.scale.shape == whole.scale.shape
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
 def test_activation_scales_per_row_and_group(scheme):
     x = torch.randn(5, 72).bfloat16()
     static = torch.tensor([0.01]) if scheme.scales == "tensor" else None

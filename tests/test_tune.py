@@ -276,6 +276,51 @@ def test_precompiler_reports_what_fails(tmp_path):
     assert ok == "ok" and bad != "ok" and len(bad.splitlines()) == 1
 
 
+def test_precompiler_stops_with_a_warning_when_a_worker_dies(capsys):
+    # A worker killed (for memory, most often) breaks the pool: the run goes on, the timing process
+    # compiling what it times, and says so once.
+    from concurrent.futures.process import BrokenProcessPool
+
+    from moebench.tuning.precompile import Precompiler
+
+    class DeadPool:
+        def map(self, fn, tasks):
+            raise BrokenProcessPool("a process in the process pool was terminated abruptly")
+
+        def shutdown(self, **kw):
+            pass
+
+    spec = T.TuneSpec(shape=SHAPE, layout=ParallelLayout(), tokens=[2], dtype=torch.float32, device="cpu")
+    cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+    pre = Precompiler(spec, "cpu", 1)
+    pre._pool.shutdown()
+    pre._pool = DeadPool()
+    first = pre.compile(2, [cfg, cfg])
+    again = pre.compile(4, [cfg])
+    pre.close()
+    assert len(first) == 2 and all(v.startswith("not compiled") for v in first + again)
+    err = capsys.readouterr().err
+    assert err.count("warning: a compile worker died") == 1 and "--compile-workers" in err
+
+
+def test_tune_out_of_gpu_memory_is_one_line_with_the_run_to_resume(tmp_path, monkeypatch, capsys):
+    from moebench.cli import main
+
+    def oom(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 896.00 MiB. GPU 0 has ...\nmore")
+
+    monkeypatch.setattr(T, "tune", oom)
+    monkeypatch.chdir(tmp_path)
+    sizes = ["--num-experts", "4", "--topk", "2", "--hidden", "64", "--intermediate", "32", "--device", "cpu"]
+    monkeypatch.setattr("sys.argv", ["moebench", "tune", *sizes, "--tokens", "1", "--compile-workers", "3"])
+    with pytest.raises(SystemExit) as ex:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert ex.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "out of GPU memory (CUDA out of memory)" in err and "3 compile workers" in err
+    assert "moebench tune --resume" in err
+
+
 def test_failed_and_wrong_configs_are_skipped(tmp_path, monkeypatch):
     orig_kernel, orig_call = S.LayerBench._kernel, S.LayerBench._call
 

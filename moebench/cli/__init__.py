@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import click
+import torch
 
 from moebench.cli import compare as compare_commands
 from moebench.cli import report as report_commands
@@ -34,6 +35,11 @@ def main() -> None:
         cli.main(standalone_mode=False)
     except MoebenchError as e:
         err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except torch.OutOfMemoryError as e:
+        first = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else "out of memory"
+        err_console.print(f"error: out of GPU memory ({first}); free the GPU, or run fewer or smaller shapes",
+                          markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except click.exceptions.Abort:
         err_console.print("aborted")

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import click
+import torch
 from rich.table import Table
 
 from moebench.cli.options import (
@@ -207,6 +208,10 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         err_console.print(f"interrupted: finished measurements are kept in {run_dir} "
                           f"(continue with: moebench tune --resume {run_dir})")
         sys.exit(130)
+    except torch.OutOfMemoryError as e:
+        raise MoebenchError(f"out of GPU memory ({str(e).splitlines()[0].split('. ')[0]}) with {compile_workers} "
+                            f"compile workers beside the timing process: give fewer --compile-workers; finished "
+                            f"measurements are kept (continue with: moebench tune --resume {run_dir})") from None
     if not outcome.is_main:
         return  # a torchrun rank other than 0: rank 0 prints and writes
     console.print(T.rich_table(outcome.results))

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -61,6 +62,8 @@ def _compile_one(task: tuple[int, dict[str, int]]) -> str:
         if _STATE["weights"] is None:
             _STATE["weights"] = LayerWeights.build(spec.shape, spec.layout, spec.dtype, device, spec.seed,
                                                    quant=spec.quant)
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()  # the build's temporaries: N workers share one GPU
         bench = _STATE["bench"]
         if bench is None or bench.tokens != tokens:
             _STATE["bench"] = bench = layer_bench(spec, _STATE["weights"], tokens, device, n_routings=1)
@@ -84,11 +87,25 @@ class Precompiler:
                                          initargs=(spec.to_json(), device))
 
     def compile(self, tokens: int, cfgs: Sequence[Mapping[str, int]]) -> list[str]:
-        """Compile every config at `tokens`; returns 'ok' or the error per config, in order."""
-        return list(self._pool.map(_compile_one, [(int(tokens), dict(c)) for c in cfgs]))
+        """Compile every config at `tokens`; returns 'ok' or the error per config, in order.
+        When a worker dies (killed, most often for memory: each holds the layer's weights), the
+        pool stops for the rest of the run, with one warning on stderr, and the timing process
+        compiles what it times itself."""
+        if self._pool is None:
+            return ["not compiled: no compile workers"] * len(cfgs)
+        try:
+            return list(self._pool.map(_compile_one, [(int(tokens), dict(c)) for c in cfgs]))
+        except BrokenProcessPool:
+            self.close()
+            print(f"warning: a compile worker died (out of memory with {self.workers} workers holding the "
+                  "layer's weights?); compiling in the timing process from here (fewer --compile-workers "
+                  "avoids it)", file=sys.stderr, flush=True)
+            return ["not compiled: the compile workers stopped"] * len(cfgs)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def __enter__(self) -> "Precompiler":
         return self
