@@ -244,20 +244,27 @@ def test_engine_h200_data_files_hold_the_table_shapes():
 
 def test_vllm_kernel_summary_tables(tmp_path):
     """--summary: the headline over the default (TP) shapes' points with an engine file, a later
-    file's point replacing an earlier one's, bold above 1, and the compute floor at 4096 tokens."""
+    file's point replacing an earlier one's, bold above 1, the engine over the weight-read floor at
+    16-256 tokens, and the compute floor at 4096 tokens."""
     head = "shape,precision,tokens,triton_us,engine_us,engine_file,triton_over_engine,triton_cfg,triton_cfg_source,wrong\n"
     first, second = tmp_path / "a.csv", tmp_path / "b.csv"
     first.write_text(head + "qwen3-30b-a3b,fp8,1,30,29,vllm,1.034,c,s,-\nqwen3-30b-a3b,fp8,4096,862,757,vllm,1.139,c,s,-\n"
                      "qwen3-30b-a3b,fp8,16,100,101,vllm,0.990,c,s,-\nmixtral,fp8,4096,6000,-,-,-,c,s,-\n")
     second.write_text(head + "qwen3-30b-a3b,fp8,1,28,29,vllm,0.966,c,s,-\n")
-    r = _runner("vllm_kernel", "--summary", str(first), str(second), "--ceilings", "fp8=1000")
+    r = _runner("vllm_kernel", "--summary", str(first), str(second), "--ceilings", "fp8=1000", "--read-gbs", "4000")
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
+    # Qwen3-30B at 16 tokens: 128 x (1 - (120/128)^16) = 82.4 experts touched, of 3 x 2048 x 768 fp8
+    # bytes (+ 4 per 128 x 128 block) each, and x in, out: 389 MB / 4000 GB/s = 97.3 us; 101 / 97.3 =
+    # 1.04, and 0.90 x 1.04 < 1: a point the engine's speed bounds.
     assert lines[0].startswith("fp8 (mixtral-tp8, qwen3-30b-a3b,") and lines[0].endswith(
-        "2 of 3 points at or below, median 0.990")
+        "2 of 3 points at or below, median 0.990; at 1 of them 0.90 x the engine is under the weight-read floor "
+        "(4000 GB/s)")
     # Qwen3-30B at 4096 tokens: 2 x 4096 x 8 x 3 x 2048 x 768 flops / 1000 TFLOP/s = 309 us
-    assert "| qwen3-30b-a3b | 0.966 | 0.990 | - | - | - | **1.139** | 2 of 3 | 0.990 | 862 / 309 = **2.79** |" in lines
-    assert any(ln.startswith("| mixtral | - |") and ln.endswith("| 0 of 0 | - | 6000 / 2886 = **2.08** |") for ln in lines)
+    assert ("| qwen3-30b-a3b | 0.966 | 0.990 | - | - | - | **1.139** | 2 of 3 | 0.990 | 1.04-1.04 | 862 / 309 = **2.79** |"
+            in lines)
+    assert any(ln.startswith("| mixtral | - |") and ln.endswith("| 0 of 0 | - | - | 6000 / 2886 = **2.08** |")
+               for ln in lines)
 
 
 def test_vllm_kernel_writes_the_shipped_files_tune_against_reads(tmp_path):
