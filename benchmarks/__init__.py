@@ -27,7 +27,7 @@ CASES: dict[str, str] = {
     "gemm1_granularity": "GEMM1's weight-streaming rate at decode against the number of experts hit",
     "read_pattern": "HBM read rate of GEMM1's paired gate/up walk against the contiguous one (no MMA)",
     "topk_ties": "where fused_topk_softmax and torch's topk pick different experts, and by how much",
-    "profile_case": "torch.profiler table of one (prepare/finalize, experts) case",
+    "profile_case": "torch.profiler table of one (prepare/finalize, experts) case, or its calls for ncu",
     "tune_device": "moebench tune on a device: halving vs grid vs the default heuristic",
     "fp8_table": "fp8 vs bf16 table from moebench sweep result folders",
     "weight_only_table": "weight-only (int8_w8a16 / int4_w4a16 / mxfp4) vs bf16 table from sweep result folders",

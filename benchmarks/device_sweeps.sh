@@ -19,7 +19,7 @@ done
 step "compare deepseek-v3 tp-vs-ep world 8, zipf routing"
 mb compare tp-vs-ep --model deepseek-v3 --dtype bf16 --shared-experts none --world-size 8 --tokens 1,8,32,128,512,2048,8192 --experts triton,batched-triton --routing zipf:1.2 --plot "$OUT/compare-deepseek-v3-zipf.png" --out "$R" --reps 20
 step "profile batched-local + batched-triton"
-python3 -m benchmarks profile_case --model qwen3-30b-a3b --tokens 1 2>&1 | tail -22 | tee -a "$log"
+python3 -m benchmarks profile_case --shape qwen3-30b-a3b --tokens 1 --experts batched-triton --prepare-finalize batched-local 2>&1 | tail -22 | tee -a "$log"
 if [ -n "${TUNE:-}" ]; then
   step "tune shards"
   mb tune --model deepseek-v3 --ep 8 --tokens 1,16,64,256,1024,4096 --budget 10 --out "$OUT/configs" --results-dir "$R/tune"

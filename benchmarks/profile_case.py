@@ -16,6 +16,7 @@ the warm-up (each call launches the same kernels, so `--launch-skip` counts whol
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
         SHAPES.update(SMOKE)
         a.shape = "tiny"
     if a.shape not in SHAPES:
-        raise SystemExit(f"error: unknown --shape {a.shape!r}; pick one of {', '.join(SHAPES)}")
+        print(f"error: unknown --shape {a.shape!r}; pick one of {', '.join(SHAPES)}", file=sys.stderr)
+        sys.exit(2)
     _, dev, head = script_setup("profile_case")
     e, k, h, _, _ = SHAPES[a.shape]
     scheme = moebench.QuantScheme(scales="block", block_shape=(128, 128)) if a.fp8_block else None

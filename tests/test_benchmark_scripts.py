@@ -61,6 +61,20 @@ def test_device_scripts_parse(script):
     assert r.returncode == 0, r.stderr
 
 
+def test_profile_case_smoke():
+    # torch.profiler's table of the layer's launches, fp8 block included; --plain: the calls alone
+    # (what `device_ncu.sh` runs under ncu), and a bad --shape is one line.
+    r = _runner("profile_case", "--smoke", "--tokens", "3", "--fp8-block", "--calls", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tiny M=3 no-dpep+triton fp8_w8a8 block[128,128], 1 calls" in r.stdout and "Self CPU time total" in r.stdout
+    r = _runner("profile_case", "--smoke", "--tokens", "3", "--plain", "--calls", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().endswith("tiny M=3 no-dpep+triton bf16: 2 calls") and "Self CPU" not in r.stdout
+    r = _runner("profile_case", "--shape", "nope")
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: unknown --shape 'nope'; pick one of mixtral,")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_no_benchmark_imports_a_private_name():
     src = "\n".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))
     assert not re.search(r"from moebench\S* import .*\b_", src) and not re.search(r"moebench\.[a-z_.]*\._", src)
