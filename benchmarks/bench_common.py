@@ -13,7 +13,6 @@ import triton
 
 import moebench
 from moebench.bench.timing import time_cpu, time_cuda
-from moebench.kernels.triton.configs import default_config
 from moebench.kernels.triton.experts import select_config
 from moebench.report import markdown
 from moebench.results import atomic_write_text
@@ -26,9 +25,6 @@ SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768
           "dsv3-ep8-local": (32, 8, 7168, 2048, 32), "dsv3-ep8": (256, 8, 7168, 2048, 32),
           "qwen3-next-80b-a3b": (512, 10, 2048, 512, 512), "qwen3-235b-tp8": (128, 8, 4096, 192, 128),
           "dsv3-tp8": (256, 8, 7168, 256, 256), "mixtral-tp8": (8, 2, 4096, 1792, 8)}
-#: Shapes timed with the default heuristic instead of the shipped file: the E=32,N=2048 file is
-#: tuned for EP8 routing over 256 experts (bench_triton.py's HEURISTIC_ONLY says more).
-HEURISTIC_ONLY = {"dsv3-ep8-local"}
 
 
 def ok_rows(root: Path) -> pd.DataFrame:
@@ -54,10 +50,7 @@ def script_setup(what: str) -> tuple[Path, torch.device, str]:
 
 
 def layer_config(shape: str, m: int, w13, w2, num_experts: int, topk: int, dtype: torch.dtype) -> dict:
-    """The tile config the layer runs with at m tokens: the shipped tuned file's (the lookup), or
-    the default heuristic for HEURISTIC_ONLY shapes."""
-    if shape in HEURISTIC_ONLY:
-        return dict(default_config(m, num_experts, w2.shape[2], w2.shape[1], topk, dtype))
+    """The tile config the layer runs with at m tokens (the tuned-file lookup, else the default heuristic)."""
     return dict(select_config(m, topk, w13, w2, num_experts, dtype)[0])
 
 

@@ -45,7 +45,6 @@ from moebench.bench import timing
 from moebench.bench.hardware import read_gbps_candidates
 from moebench.bench.timing import time_cpu
 from moebench.kernels.triton.align import align_pairs, moe_align_block_size
-from moebench.kernels.triton.configs import default_config
 from moebench.kernels.triton.env import num_sms, tma_ok
 from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1, launch_gemm2
@@ -64,12 +63,6 @@ SHAPES = {
     # The brief's EP8 shard: routing over 256 experts, 32 here via expert_map (~M local pairs).
     "dsv3-ep8": (256, 8, 7168, 2048, 32, True),
 }
-# Shapes whose routing density differs from the one the shipped tuned file for their (E, N) was
-# tuned under: a file is keyed by the token count M, so its configs hold for that routing only.
-# E=32,N=2048 is tuned for DeepSeek-V3 EP8 (routing over 256 experts, ~M*8/256 pairs per local
-# expert); dsv3-ep8-local routes over the 32 (8x the pairs), where that file's decode configs
-# measured 1.2-2.8x slower (2026-11-29). These shapes take the default heuristic instead.
-HEURISTIC_ONLY = {"dsv3-ep8-local": "default heuristic (E=32,N=2048 file is tuned for EP8 routing over 256)"}
 TOKENS = [1, 16, 64, 256, 1024, 4096]
 REF = {
     "mixtral": [191, 583, 673, 791, 1682, 5684],
@@ -203,10 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         for ti_, m in enumerate(tokens):
             x, logits = seeded_inputs(m, h, e, dtype, dev)
             tw, ids = routing(logits, k)
-            if shape in HEURISTIC_ONLY:
-                cfg, src = default_config(m, e, inter, h, k, dtype), HEURISTIC_ONLY[shape]
-            else:
-                cfg, src = select_config(m, k, w13, w2, e, dtype)
+            # dsv3-ep8-local reads the E=32,N=2048 file (tuned routing over 256 experts) by its tuned
+            # routing: M tokens here are its 8M-token entries (configs.file_tokens)
+            cfg, src = select_config(m, k, w13, w2, e, dtype)
             kernel = moebench.make_kernel("triton", "no-dpep", experts_kwargs=dict(config=cfg))
             # correctness first
             out = kernel.apply(x, w13, w2, tw, ids, expert_map=emap, num_experts=e)

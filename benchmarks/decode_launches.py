@@ -46,7 +46,7 @@ from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.options import TritonOptions, wants_direct_align
 from moebench.kernels.triton.routing import fused_topk_softmax
 
-from benchmarks.bench_common import (HEURISTIC_ONLY, SHAPES, layer_config, script_setup, seeded_inputs, shard_weights,
+from benchmarks.bench_common import (SHAPES, script_setup, seeded_inputs, shard_weights,
                                      timed_us, write_rows)
 
 DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8,qwen3-next-80b-a3b"
@@ -103,9 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         w13, w2, emap = shard_weights(SHAPES[shape], scheme, dev)
         for m in [int(t) for t in args.tokens.split(",")]:
             x, logits = seeded_inputs(m, h, e, dt, dev)
-            # the tile config bench_triton.py times (the default heuristic for HEURISTIC_ONLY shapes)
-            cfg_kw = {} if scheme is not None or shape not in HEURISTIC_ONLY else dict(
-                config=layer_config(shape, m, w13, w2, e, k, dt))
 
             def layer(kern):
                 tw, ids = fused_topk_softmax(logits, k, renormalize=True)
@@ -116,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             ref = None
             runs = {}  # name: the layer of each variant this point can take
             for name, (split, opts) in variants.items():
-                kw = dict(cfg_kw, split_k=split, options=opts)
-                if name == "nodown" and not cfg_kw:  # both GEMMs with GEMM1's config from the lookup
+                kw = dict(split_k=split, options=opts)
+                if name == "nodown":  # both GEMMs with GEMM1's config from the lookup
                     kw["config"] = dict(select_config(m, k, w13, w2, e, dt)[0])
                 if name == "heuristic":  # no file: the default over the global experts, as the lookup falls back
                     kw["config"] = dict(heuristic_config(m, e, inter, h, k, dt, quant=scheme))

@@ -233,7 +233,7 @@ def test_resume_after_kill_repeats_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         _tune(tmp_path, timer=killer, run_dir=run_dir)
     done = _journal_lines(run_dir)
-    assert len(done) == 3 and not any((tmp_path / "cfg").iterdir())  # no token count was finished
+    assert len(done) == 3 and not list((tmp_path / "cfg").glob("E=*.json"))  # no token count was finished
     # A crash mid-write leaves a torn line: it is skipped and the next record starts a fresh line.
     with open(run_dir / T.JOURNAL, "a") as f:
         f.write('{"tokens": 4, "conf')
@@ -436,8 +436,12 @@ def test_configs_list_show_diff_commit(tmp_path, monkeypatch):
     res = r.invoke(g, ["configs", "commit", str(b)])
     assert res.exit_code == 0 and "added" in res.output
     assert C.load_config_file(pkg / b.name) == C.load_config_file(b)
+    assert C.tuned_routing(pkg / b.name) is None  # b's folder records no routing: none committed
+    C.write_tuned_routing(b, (64, 2))  # ...now it does: the routing goes with the file
     res = r.invoke(g, ["configs", "commit", str(b)])
-    assert "unchanged" in res.output
+    assert "unchanged" in res.output and C.tuned_routing(pkg / b.name) == (64, 2)
+    rows = json.loads(r.invoke(g, ["configs", "list", "--json", "--dir", str(pkg)]).output)
+    assert [x["routing"] for x in rows if x["dir"] == str(pkg)] == [{"experts": 64, "topk": 2}]
 
     bad = tmp_path / "E=8,N=64,device_name=X.json"
     bad.write_text(json.dumps({"1": dict(GOOD, BLOCK_SIZE_N=48)}))
@@ -461,6 +465,7 @@ def test_tune_command_dry_run_and_tiny_run(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     path = tmp_path / "results" / "configs" / "E=4,N=32,device_name=cpu.json"
     assert_vllm_loadable(path, [1])
+    assert C.tuned_routing(path) == (4, 2)  # what its token keys mean: top-2 over 4 experts
     res = r.invoke(g, ["configs", "list", "--json"])
     listed = [x for x in json.loads(res.output) if x["E"] == 4 and x["N"] == 32]  # the package ships others
     assert [x["tokens"] for x in listed] == [[1]]

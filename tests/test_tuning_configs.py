@@ -156,3 +156,54 @@ def test_lookup_down_config(tmp_path, monkeypatch):
     # both, so GEMM2 keeps GEMM1's config, and the source says why
     cfg, src = C.lookup_down_config(4, 8, 60, GOOD, torch.bfloat16, device_name="cpu")
     assert cfg is None and "_down.json[64] has BLOCK_SIZE_M 64, GEMM1's config 16 at 60 tokens" in src
+
+
+def test_tuned_routing_reads_token_keys_as_the_tunes_load(tmp_path, monkeypatch):
+    # A file tuned for an EP8 shard (top-8 over 256 experts, 32 local): M tokens of a layer routing
+    # top-8 over the same 32 experts load each local expert 8x as much, so they read its 8M entry.
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / C.config_file_name(32, 64, "cpu")
+    C.write_config_file(path, {1: GOOD, 8: BIG})
+    C.write_config_file(tmp_path / C.config_file_name(32, 64, "cpu", down=True), {1: GOOD, 8: BIG})
+    # no record: keys are tokens (vLLM's meaning), whatever the layer's routing
+    assert C.lookup_config(32, 64, 1, None, "cpu", topk=8, num_experts_global=32) == (GOOD, f"{path}[1]")
+    C.write_tuned_routing(path, (256, 8))
+    C.write_tuned_routing(path.with_name(C.config_file_name(32, 64, "cpu", down=True)), (256, 8))
+    assert C.tuned_routing(path) == (256, 8)
+    assert json.loads((tmp_path / C.ROUTING_FILE).read_text())[path.name] == {"experts": 256, "topk": 8}
+    # the tune's own routing: unchanged; unknown topk: unchanged
+    assert C.lookup_config(32, 64, 1, None, "cpu", topk=8, num_experts_global=256) == (GOOD, f"{path}[1]")
+    assert C.lookup_config(32, 64, 1, None, "cpu")[0] == GOOD
+    # top-8 over the 32: 1 token = 8 tokens of the tune
+    cfg, src = C.lookup_config(32, 64, 1, None, "cpu", topk=8, num_experts_global=32)
+    assert cfg == BIG and src == f"{path}[8] (its routing's load at 8 tokens, here 1)"
+    assert C.layer_config(1, local_experts=32, inter=64, hidden=64, topk=8, num_experts=32, dtype=None,
+                          device_name="cpu")[0] == BIG
+    down, dsrc = C.lookup_down_config(32, 64, 1, BIG, None, device_name="cpu", topk=8, num_experts_global=32)
+    assert down == BIG and dsrc.endswith("_down.json[8] (its routing's load at 8 tokens, here 1)")
+    assert C.file_tokens(path, 3, 2, 32) == 6  # top-2 over 32 experts: 2/32 = 2x the tune's 8/256
+    # a record for another file or a removed one changes nothing else
+    C.write_tuned_routing(path, None)
+    assert C.tuned_routing(path) is None and C.lookup_config(32, 64, 1, None, "cpu", topk=8, num_experts_global=32)[0] == GOOD
+
+
+def test_claim_tuned_routing(tmp_path):
+    path = tmp_path / C.config_file_name(32, 64, "cpu")
+    C.claim_tuned_routing(path, 256, 8)  # a new file: recorded before its first entry
+    assert C.tuned_routing(path) == (256, 8)
+    C.write_config_file(path, {1: GOOD})
+    C.claim_tuned_routing(path, 256, 8)  # the same routing again: fine
+    with pytest.raises(MoebenchError, match="top-8 over 256 experts; this tune routes top-8 over 32: give another --out"):
+        C.claim_tuned_routing(path, 32, 8)
+    old = tmp_path / C.config_file_name(16, 64, "cpu")
+    C.write_config_file(old, {1: GOOD})
+    C.claim_tuned_routing(old, 16, 2)  # a file of unknown routing stays unknown
+    assert C.tuned_routing(old) is None
+
+
+@pytest.mark.parametrize("content", ['[1, 2]', '{"f.json": {"experts": 8}}', '{"f.json": {"experts": 4, "topk": 8}}', "{no"])
+def test_bad_tuned_routing_file_is_one_clear_error(tmp_path, content):
+    (tmp_path / C.ROUTING_FILE).write_text(content)
+    with pytest.raises(MoebenchError, match="tuned_routing.json"):
+        C.tuned_routing(tmp_path / "f.json")

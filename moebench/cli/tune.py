@@ -311,7 +311,12 @@ def configs_list(dirs, as_json):
                 toks, status = list(table), "ok"
             except MoebenchError as e:
                 toks, status = [], f"invalid: {e}"
+            try:
+                routing = C.tuned_routing(f) if kernel == "moebench" else None
+            except MoebenchError as e:
+                routing, status = None, f"invalid: {e}"
             rows.append({"dir": str(folder), "file": f.name, "kernel": kernel, **parts, "tokens": toks,
+                         "routing": None if routing is None else {"experts": routing[0], "topk": routing[1]},
                          "status": status, "_order": order})
     # by E, then N, as numbers; the same file's folders next to each other, in lookup order
     rows.sort(key=lambda r: (r["E"], r["N"], r["device"], r["dtype"] or "", r["block_shape"] or "",
@@ -325,13 +330,16 @@ def configs_list(dirs, as_json):
         console.print("no tuned-config files in " + ", ".join(str(d) for d in C.config_search_dirs()))
         return
     t = Table(title="tuned configs (first folder wins at lookup)")
-    for c in ("folder", "kernel", "E", "N", "device", "dtype", "block_shape", "GEMM", "token counts", "status"):
+    for c in ("folder", "kernel", "E", "N", "device", "dtype", "block_shape", "GEMM", "token counts", "tuned routing",
+              "status"):
         t.add_column(c)
     for r in rows:
+        rt = r["routing"]
         t.add_row(r["dir"], r["kernel"], str(r["E"]), str(r["N"]), str(r["device"]),
                   (r["dtype"] or "-") + (" per-channel" if r["per_channel_quant"] else ""),
                   f"[{r['block_shape']}]" if r["block_shape"] else "-", "2 (down)" if r["down"] else "1 (2 too without _down)",
-                  ",".join(map(str, r["tokens"])), r["status"])
+                  ",".join(map(str, r["tokens"])), "-" if rt is None else f"top-{rt['topk']} of {rt['experts']}",
+                  r["status"])
     console.print(t)
 
 
@@ -503,9 +511,10 @@ def configs_commit(files, kernel):
     for f, dest_dir in checked:
         dest_dir.mkdir(parents=True, exist_ok=True)
         dest = dest_dir / f.name
-        if dest.exists() and filecmp.cmp(f, dest, shallow=False):
-            console.print(f"unchanged {dest}")
-            continue
-        verb = "replaced" if dest.exists() else "added"
-        atomic_write_bytes(dest, f.read_bytes())
+        same = dest.exists() and filecmp.cmp(f, dest, shallow=False)
+        verb = "unchanged" if same else "replaced" if dest.exists() else "added"
+        if not same:
+            atomic_write_bytes(dest, f.read_bytes())
+        if kernel == "moebench":  # the routing its keys mean goes with it (unknown: none recorded)
+            C.write_tuned_routing(dest, C.tuned_routing(f))
         console.print(f"{verb} {dest}")

@@ -586,6 +586,8 @@ def tune(
     main = ctx is None or ctx.rank == 0
     if main:  # before the first measurement: a folder the file cannot go to fails now, not after the search
         ensure_writable_dir(config_path.parent)
+        if spec.kernel == "moebench":  # the routing the file's token keys will mean (configs module docstring)
+            C.claim_tuned_routing(config_path, shape.num_experts, shape.topk)
     if resume is None:
         if run_dir is None and main:
             run_dir = ensure_writable_dir(Path(results_dir)) / new_run_id("tune", shape.name)

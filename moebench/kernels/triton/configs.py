@@ -29,6 +29,15 @@ Lookup order at run time: $MOEBENCH_CONFIG_DIR, then results/configs/ (relative 
 directory), then the package's moebench/configs/. The first folder holding the file wins; inside it
 the entry with the nearest token count wins (ties go to the smaller count). Without a file,
 `default_config` (a documented heuristic) decides.
+
+The routing a file was tuned under. A token key means a load of pairs per local expert only under
+the routing of its tune: E=32,N=2048 tuned for DeepSeek-V3's EP8 shard (top-8 over 256 experts,
+about M local pairs at M tokens) holds tiles for 8x fewer pairs than a layer routing top-8 over the
+same 32 experts (vLLM's tuner) has. vLLM's files cannot say which (token keys only), so each config
+folder may hold `tuned_routing.json`, {file name: {"experts": E, "topk": K}} (tokens routed top-K
+over E experts), which `moebench tune` fills for the files it writes. The lookup then reads the
+file's keys as that routing's load: M tokens of a layer routing top-k over n experts are looked up
+as M x (k / n) / (K / E) tokens. A file without an entry is read as tokens (vLLM's meaning).
 """
 
 from __future__ import annotations
@@ -294,6 +303,78 @@ def merge_config_file(
     return write_config_file(p, merged)
 
 
+#: In a config folder: the routing each file there was tuned under (module docstring).
+ROUTING_FILE = "tuned_routing.json"
+
+
+def read_tuned_routing(folder: str | os.PathLike) -> dict[str, dict[str, int]]:
+    """{file name: {"experts": E, "topk": K}} of a config folder's ROUTING_FILE ({} without one).
+    Raises MoebenchError for a file that is not that."""
+    p = Path(folder) / ROUTING_FILE
+    if not p.is_file():
+        return {}
+    st = p.stat()
+    key = (str(p), st.st_mtime_ns, st.st_size)
+    if key not in _ROUTING_CACHE:
+        try:
+            doc = json.loads(p.read_text())
+            table = {str(name): {"experts": int(r["experts"]), "topk": int(r["topk"])} for name, r in doc.items()}
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise MoebenchError(f"{p}: not a tuned-routing file ({{file name: {{\"experts\": E, \"topk\": K}}}}): "
+                                f"{e}; fix or delete it") from None
+        if any(r["experts"] < 1 or not 1 <= r["topk"] <= r["experts"] for r in table.values()):
+            raise MoebenchError(f"{p}: an entry with topk outside 1..experts; fix or delete it")
+        _ROUTING_CACHE[key] = table
+    return _ROUTING_CACHE[key]
+
+
+def tuned_routing(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(experts, topk) the config file at `path` was tuned under, None where its folder does not say."""
+    p = Path(path)
+    r = read_tuned_routing(p.parent).get(p.name)
+    return None if r is None else (r["experts"], r["topk"])
+
+
+def write_tuned_routing(path: str | os.PathLike, routing: tuple[int, int] | None) -> None:
+    """Record (experts, topk) for the config file at `path` in its folder's ROUTING_FILE (None:
+    drop its entry), atomically."""
+    p = Path(path)
+    table = dict(read_tuned_routing(p.parent))
+    if routing is None:
+        if table.pop(p.name, None) is None:
+            return
+    else:
+        table[p.name] = {"experts": int(routing[0]), "topk": int(routing[1])}
+    p.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(p.parent / ROUTING_FILE, json.dumps(dict(sorted(table.items())), indent=4) + "\n")
+
+
+def claim_tuned_routing(path: str | os.PathLike, experts: int, topk: int) -> None:
+    """Before a tune writes into the file at `path`: record that it routes top-`topk` over
+    `experts`, where the file is new or already says so. Refused (MoebenchError) for a file tuned
+    under another routing (its entries would mix two meanings of a token key); a file whose
+    routing is unknown is left so."""
+    p = Path(path)
+    have = tuned_routing(p)
+    if have is not None and have != (experts, topk):
+        raise MoebenchError(f"{p} holds entries tuned for routing top-{have[1]} over {have[0]} experts; this tune "
+                            f"routes top-{topk} over {experts}: give another --out")
+    if have is None and not p.exists():
+        write_tuned_routing(p, (experts, topk))
+
+
+def file_tokens(path: str | os.PathLike, M: int, topk: int | None, num_experts: int | None) -> int:
+    """The token key of the file at `path` that M tokens of a layer routing top-`topk` over
+    `num_experts` experts correspond to: the same pairs per local expert under the file's tuned
+    routing (module docstring); M itself where the routing of either is unknown."""
+    r = tuned_routing(path)
+    if r is None or not topk or not num_experts:
+        return M
+    experts, k = r
+    return max(1, round(M * topk * experts / (num_experts * k)))
+
+
+_ROUTING_CACHE: dict[tuple[str, int, int], dict[str, dict[str, int]]] = {}
 _CACHE: dict[tuple[str, int, int], dict[int, TileConfig]] = {}
 
 
@@ -334,6 +415,10 @@ def find_config_file(
     return None
 
 
+def _as_tokens(M: int, mk: int) -> str:
+    return "" if mk == M else f" (its routing's load at {mk} tokens, here {M})"
+
+
 def nearest_entry(table: Mapping[int, TileConfig], M: int) -> tuple[int, TileConfig]:
     """The entry whose token count is nearest to M (ties: the smaller count)."""
     key = min(table, key=lambda t: (abs(t - M), t))
@@ -359,7 +444,9 @@ def lookup_config(
     name; per-token scales: `...,dtype=fp8_w8a8,per_channel_quant=True.json`, SGLang's) and the
     default heuristic keeps BLOCK_SIZE_K / BLOCK_SIZE_N inside the scale block.
 
-    Returns (config, source) where source is "<file path>[<tokens>]" or "default heuristic".
+    Returns (config, source) where source is "<file path>[<tokens>]" (then " (its routing's load at
+    K tokens, here M)" where the file's tuned routing reads M tokens as K: `file_tokens`) or
+    "default heuristic".
     Without a file, `default_config(M, E_for_heuristic, N, hidden, topk, dtype)` decides, with
     E_for_heuristic = num_experts_global (tokens spread over all experts) or E; hidden and topk
     default to 4096 and 1 when unknown; `default` given: that config instead (another kernel's
@@ -368,8 +455,9 @@ def lookup_config(
     dev = device_name if device_name is not None else current_device_name()
     path = find_config_file(E, N, dev, *name_parts(dtype, quant), per_channel_quant=per_channel_quant(quant))
     if path is not None:
-        key, cfg = nearest_entry(_load_cached(path), M)
-        return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
+        mk = file_tokens(path, M, topk, num_experts_global or E)
+        key, cfg = nearest_entry(_load_cached(path), mk)
+        return TileConfig(**cfg), f"{path}[{key}]" + _as_tokens(M, mk)  # type: ignore[typeddict-item]
     if default is not None:
         return TileConfig(**default), "default heuristic"  # type: ignore[typeddict-item]
     return heuristic_config(M, num_experts_global or E, N, hidden or 4096, topk or 1,
@@ -418,9 +506,11 @@ def lookup_down_config(
     device_name: str | None = None,
     *,
     quant: "QuantScheme | None" = None,
+    topk: int | None = None,
+    num_experts_global: int | None = None,
 ) -> tuple[TileConfig | None, str]:
     """GEMM2's config for M tokens from the `_down.json` file next to GEMM1's (same E, N, device,
-    dtype), nearest token key. (None, why) when GEMM2 runs with GEMM1's config instead: there is
+    dtype), nearest token key (read as in `lookup_config`, by the file's tuned routing). (None, why) when GEMM2 runs with GEMM1's config instead: there is
     no such file, or its entry has another BLOCK_SIZE_M than GEMM1's `gemm1` (both GEMMs run on
     one alignment; the reason names the entry, and shows in the experts' config source)."""
     dev = device_name if device_name is not None else current_device_name()
@@ -428,11 +518,12 @@ def lookup_down_config(
                             per_channel_quant=per_channel_quant(quant))
     if path is None:
         return None, "GEMM1's config"
-    key, cfg = nearest_entry(_load_cached(path), M)
+    mk = file_tokens(path, M, topk, num_experts_global or E)
+    key, cfg = nearest_entry(_load_cached(path), mk)
     if cfg["BLOCK_SIZE_M"] != gemm1["BLOCK_SIZE_M"]:
         return None, (f"GEMM1's config ({path}[{key}] has BLOCK_SIZE_M {cfg['BLOCK_SIZE_M']}, GEMM1's config "
                       f"{gemm1['BLOCK_SIZE_M']} at {M} tokens)")
-    return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
+    return TileConfig(**cfg), f"{path}[{key}]" + _as_tokens(M, mk)  # type: ignore[typeddict-item]
 
 
 def quant_default(cfg: TileConfig, quant: "QuantScheme", pairs_per_expert: float | None = None) -> TileConfig:

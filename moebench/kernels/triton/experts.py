@@ -85,13 +85,13 @@ def select_config(
 
 
 def select_down_config(
-    m: int, w2, gemm1: Mapping[str, int], dtype: torch.dtype
+    m: int, w2, gemm1: Mapping[str, int], dtype: torch.dtype, topk: int | None = None, num_experts: int | None = None
 ) -> tuple[TileConfig | None, str]:
     """GEMM2's own config from a `_down.json` file (`configs.lookup_down_config`), or
     (None, "GEMM1's config") without one."""
     e_local, _, n_inter = w2.shape
-    return lookup_down_config(e_local, n_inter, max(m, 1), gemm1, dtype,
-                              device_name=device_name(w2.device), quant=scheme_of(w2))
+    return lookup_down_config(e_local, n_inter, max(m, 1), gemm1, dtype, device_name=device_name(w2.device),
+                              quant=scheme_of(w2), topk=topk, num_experts_global=num_experts)
 
 
 def fused_moe(
@@ -151,7 +151,7 @@ def fused_moe(
     if config is None:
         config, _ = select_config(m, k, w13, w2, num_experts, out_dtype)
         if down_config is None:
-            down_config, _ = select_down_config(m, w2, config, out_dtype)
+            down_config, _ = select_down_config(m, w2, config, out_dtype, k, num_experts)
     if m == 0:
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
     pdl = resolve_pdl(options, x.device, w2.shape[2])
@@ -214,7 +214,7 @@ class TritonExperts(Experts):
             return dict(self.config), (dict(self.down_config) if self.down_config is not None else None)
         cfg, src = select_config(m, topk, w13, w2, num_experts, dtype)
         down, down_src = (dict(self.down_config), "explicit") if self.down_config is not None else \
-            select_down_config(m, w2, cfg, dtype)
+            select_down_config(m, w2, cfg, dtype, topk, num_experts)
         self.last_config_source = src + (f"; GEMM2: {down_src}" if down_src != "GEMM1's config" else "")
         return dict(cfg), (dict(down) if down is not None else None)
 
@@ -301,7 +301,7 @@ class BatchedTritonExperts(Experts):
             return dict(default)
         cfg, self.last_config_source = lookup_config(
             e_local, n_inter, max(tokens, 1), dtype, device_name=device_name(device_type), quant=quant,
-            default=default)
+            default=default, topk=topk, num_experts_global=num_experts)
         return dict(cfg)
 
     def apply(self, prep: PrepareResult, w13, w2, *, activation: Activation = SILU,
