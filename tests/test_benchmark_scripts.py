@@ -75,6 +75,13 @@ def test_profile_case_smoke():
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_fp8_k_step_smoke(tmp_path):
+    # every variant (fp8 block with one or two scale groups per K step, bf16) checked against torch
+    rows = _smoke("fp8_k_step", tmp_path)
+    assert {(r["dtype"], r["groups_per_step"]) for r in rows} == {("fp8", "1"), ("fp8", "2"), ("bf16", "1"), ("bf16", "2")}
+    assert all(float(r["err"]) < 1e-5 for r in rows)
+
+
 def test_no_benchmark_imports_a_private_name():
     src = "\n".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))
     assert not re.search(r"from moebench\S* import .*\b_", src) and not re.search(r"moebench\.[a-z_.]*\._", src)
