@@ -432,10 +432,8 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme, act_dtype: torch.dtype
     # copies of the whole weight (a tuner's compile workers each build one).
     e, n, k = w.shape
     step = max(1, _QUANT_CHUNK_BYTES // max(1, n * k * 4))
-    parts = [_quantize_fp8(w[i:i + step].float(), scheme) for i in range(0, e, step)]
-    q = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-    s = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-    return QuantWeight(q, s, scheme)
+    codes, scales = zip(*(_quantize_fp8(w[i:i + step].float(), scheme) for i in range(0, e, step)))
+    return QuantWeight(torch.cat(codes), torch.cat(scales), scheme)
 
 
 #: fp32 bytes of weights `quantize_weight` converts at a time.

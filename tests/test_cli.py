@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,3 +168,13 @@ def test_env_and_models():
     assert res.returncode == 0
     for m in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "dbrx", "olmoe-1b-7b"):
         assert m in res.stdout
+
+
+def test_out_of_gpu_memory_is_one_line(monkeypatch):
+    import moebench.cli as cli_module
+
+    def oom(**kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity ...")
+
+    monkeypatch.setattr(cli_module.cli, "main", oom)
+    assert_bad_input(moebench_inproc("sweep", *SMALL), "error: out of GPU memory (CUDA out of memory); free the GPU")

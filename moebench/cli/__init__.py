@@ -14,7 +14,7 @@ from moebench.cli import compare as compare_commands
 from moebench.cli import report as report_commands
 from moebench.cli import run as run_commands
 from moebench.cli import tune as tune_commands
-from moebench.cli.options import err_console
+from moebench.cli.options import err_console, oom_text
 from moebench.errors import MoebenchError
 
 
@@ -37,8 +37,7 @@ def main() -> None:
         err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except torch.OutOfMemoryError as e:
-        first = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else "out of memory"
-        err_console.print(f"error: out of GPU memory ({first}); free the GPU, or run fewer or smaller shapes",
+        err_console.print(f"error: out of GPU memory ({oom_text(e)}); free the GPU, or run fewer or smaller shapes",
                           markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except click.exceptions.Abort:

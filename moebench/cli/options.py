@@ -20,6 +20,12 @@ err_console = Console(stderr=True)
 
 # -- shared option parsing ---------------------------------------------------------------------
 
+def oom_text(e: BaseException) -> str:
+    """The first sentence of an out-of-memory error ("CUDA out of memory"), for a one-line message."""
+    lines = str(e).strip().splitlines()
+    return lines[0].split(". ")[0] if lines else "out of memory"
+
+
 def parse_tokens(value: str) -> list[int]:
     """'1,16,64' -> [1, 16, 64]; each a non-negative integer."""
     out = []

@@ -27,6 +27,7 @@ from moebench.cli.options import (
     PRECISION_FLAGS,
     console,
     err_console,
+    oom_text,
     options,
     parse_tokens,
     resolve_device,
@@ -209,7 +210,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                           f"(continue with: moebench tune --resume {run_dir})")
         sys.exit(130)
     except torch.OutOfMemoryError as e:
-        raise MoebenchError(f"out of GPU memory ({str(e).splitlines()[0].split('. ')[0]}) with {compile_workers} "
+        raise MoebenchError(f"out of GPU memory ({oom_text(e)}) with {compile_workers} "
                             f"compile workers beside the timing process: give fewer --compile-workers; finished "
                             f"measurements are kept (continue with: moebench tune --resume {run_dir})") from None
     if not outcome.is_main:

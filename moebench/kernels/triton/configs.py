@@ -311,9 +311,10 @@ def read_tuned_routing(folder: str | os.PathLike) -> dict[str, dict[str, int]]:
     """{file name: {"experts": E, "topk": K}} of a config folder's ROUTING_FILE ({} without one).
     Raises MoebenchError for a file that is not that."""
     p = Path(folder) / ROUTING_FILE
-    if not p.is_file():
+    try:
+        st = p.stat()  # one system call per lookup: the experts look a file up at every call
+    except OSError:
         return {}
-    st = p.stat()
     key = (str(p), st.st_mtime_ns, st.st_size)
     if key not in _ROUTING_CACHE:
         try:
@@ -510,9 +511,10 @@ def lookup_down_config(
     num_experts_global: int | None = None,
 ) -> tuple[TileConfig | None, str]:
     """GEMM2's config for M tokens from the `_down.json` file next to GEMM1's (same E, N, device,
-    dtype), nearest token key (read as in `lookup_config`, by the file's tuned routing). (None, why) when GEMM2 runs with GEMM1's config instead: there is
-    no such file, or its entry has another BLOCK_SIZE_M than GEMM1's `gemm1` (both GEMMs run on
-    one alignment; the reason names the entry, and shows in the experts' config source)."""
+    dtype), nearest token key (read by the file's tuned routing, as in `lookup_config`). (None, why)
+    when GEMM2 runs with GEMM1's config instead: there is no such file, or its entry has another
+    BLOCK_SIZE_M than GEMM1's `gemm1` (both GEMMs run on one alignment; the reason names the entry,
+    and shows in the experts' config source)."""
     dev = device_name if device_name is not None else current_device_name()
     path = find_config_file(E, N, dev, *name_parts(dtype, quant), down=True,
                             per_channel_quant=per_channel_quant(quant))
