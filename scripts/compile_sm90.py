@@ -205,6 +205,9 @@ def main(argv: list[str]) -> int:
         print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
                     dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
         print(build(T.gemm2_weighted_sum_kernel, c, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"), ("w2_desc",)))
+    # ... and GEMM1's paired walk taking two block-scale groups per iteration (fp8_k_groups "auto")
+    print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False, K_GROUPS=2),
+                dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
     # per-tensor fp8: GEMM1 quantising the intermediate in its epilogue (fp8 store)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, QUANT=1, GROUP_N=1, GROUP_K=1, QUANT_OUT=True)

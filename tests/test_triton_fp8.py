@@ -550,3 +550,40 @@ def test_fp8_direct_alignment_few_tokens(name, monkeypatch):
         out = _run("triton", "no-dpep", x, q13, q2, tw, ti, emap, E, config=_cfg(scheme))
         assert calls == want, (m, e_local)
         assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti, emap)) < TIGHT
+
+
+@pytest.mark.parametrize("name", ["block128", "block32"])
+def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
+    # GEMM1's paired walk taking two scale groups per iteration (fp8_k_groups): the reference and the
+    # one-group result, with an expert map; "auto" takes two at 16-row tiles where H is a multiple
+    # of 2 x BLOCK_SIZE_K (a spy on the resolved choice), one at 32-row tiles; a forced 2 that
+    # cannot run (H = 152) is refused
+    import moebench.kernels.triton.gemm as gemm
+
+    scheme = SCHEMES[name]
+    h, e_local = 256, 12
+    q13, q2 = _qweights(scheme, e=e_local, h=h)
+    emap = random_expert_map(E, e_local, DEV)
+    seen = []
+    real = gemm.resolve_k_groups
+    monkeypatch.setattr(gemm, "resolve_k_groups", lambda *a: seen.append(real(*a)) or seen[-1])
+    for m, bm, want in ((1, 16, 2), (9, 16, 2), (21, 32, 1)):
+        x = _x(m, h=h)
+        tw, ti = _routing(m, E, K)
+        cfg = _cfg(scheme, BLOCK_SIZE_M=bm)
+        ref = moebench.reference_moe(x, q13, q2, tw, ti, emap)
+        seen.clear()
+        with poisoned_outputs():
+            auto = fused_moe(x, q13, q2, tw, ti, emap, E, cfg)
+            two = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups=2))
+            one = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups=1))
+        assert seen == [want, 2, 1], (m, bm)
+        assert rel_err(two, ref) < TIGHT and rel_err(auto, ref) < TIGHT, (m, bm)
+        assert rel_err(two, one.double()) < TIGHT, (m, bm)
+    q13, q2 = _qweights(scheme)  # H = 152
+    x = _x(9)
+    tw, ti = _routing(9, E, K)
+    with pytest.raises(MoebenchError, match="fp8_k_groups=2 needs"):
+        fused_moe(x, q13, q2, tw, ti, config=_cfg(scheme), options=TritonOptions(fp8_k_groups=2))
+    with pytest.raises(MoebenchError, match="fp8_k_groups must be 1, 2"):
+        TritonOptions(fp8_k_groups=3)

@@ -72,6 +72,7 @@ from moebench.kernels.triton.options import (
     gemm1_walk,
     resolve_pair_store,
     resolve_pdl,
+    resolve_k_groups,
     resolve_swap_ab,
     resolve_use_tma,
 )
@@ -153,6 +154,7 @@ def silu_mul_gemm1_kernel(
     HAS_BIAS: tl.constexpr = False,  # add b13 before the activation
     INTERLEAVED: tl.constexpr = False,  # w13's gate and up rows interleaved (2j, 2j + 1: swigluoai)
     SWAP_AB: tl.constexpr = False,  # accumulate (BN, BM) = w^T x^T (common.mma), transposed back after the K loop
+    K_GROUPS: tl.constexpr = 1,  # paired walk: K steps per loop iteration (H a multiple of K_GROUPS x BLOCK_SIZE_K)
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -235,33 +237,36 @@ def silu_mul_gemm1_kernel(
         gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, g_rows, QUANT, GROUP_N)
         us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, u_rows, QUANT, GROUP_N)
 
-        # K loop: two (BM, BN) dots per step, one A tile for both.
+        # K loop: two (BM, BN) dots per step, one A tile for both; K_GROUPS such steps per iteration
+        # (fp8 block: that many scale groups, each row's bytes of the steps read together).
         acc_g = acc_zeros(BLOCK_SIZE_M, BLOCK_SIZE_N, SWAP_AB)
         acc_u = acc_zeros(BLOCK_SIZE_M, BLOCK_SIZE_N, SWAP_AB)
-        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K)):
-            # A: gathered rows, their K tail masked (always beside TMA weight tiles); then B.
-            k_ok = offs_k < H - k * BLOCK_SIZE_K
-            if EVEN_K and not USE_TMA:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if USE_TMA:
-                g = w13_desc.load([g_row, k * BLOCK_SIZE_K]).T
-                u = w13_desc.load([g_row + N_INTER, k * BLOCK_SIZE_K]).T
-            else:
-                g = weight_tile(g_ptrs, k_ok, k * BLOCK_SIZE_K, H, g_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
-                                stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
-                                EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
-                u = weight_tile(u_ptrs, k_ok, k * BLOCK_SIZE_K, H, u_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
-                                stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
-                                EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
-            acc_g = scaled_mma(a, g, acc_g, k * BLOCK_SIZE_K, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                               QUANT, GROUP_K, UPCAST, IEEE_DOT, SWAP_AB)
-            acc_u = scaled_mma(a, u, acc_u, k * BLOCK_SIZE_K, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                               QUANT, GROUP_K, UPCAST, IEEE_DOT, SWAP_AB)
-            a_ptrs += BLOCK_SIZE_K * stride_xk
-            g_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
-            u_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
+        for k in range(0, tl.cdiv(H, BLOCK_SIZE_K * K_GROUPS)):
+            for j in tl.static_range(K_GROUPS):
+                k0 = (k * K_GROUPS + j) * BLOCK_SIZE_K
+                # A: gathered rows, their K tail masked (always beside TMA weight tiles); then B.
+                k_ok = offs_k < H - k0
+                if EVEN_K and not USE_TMA:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                if USE_TMA:
+                    g = w13_desc.load([g_row, k0]).T
+                    u = w13_desc.load([g_row + N_INTER, k0]).T
+                else:
+                    g = weight_tile(g_ptrs, k_ok, k0, H, g_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                                    stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
+                                    EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
+                    u = weight_tile(u_ptrs, k_ok, k0, H, u_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
+                                    stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP,
+                                    EVEN_K, BLOCK_SIZE_K, x_ptr.dtype.element_ty, UPCAST)
+                acc_g = scaled_mma(a, g, acc_g, k0, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                                   QUANT, GROUP_K, UPCAST, IEEE_DOT, SWAP_AB)
+                acc_u = scaled_mma(a, u, acc_u, k0, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
+                                   QUANT, GROUP_K, UPCAST, IEEE_DOT, SWAP_AB)
+                a_ptrs += BLOCK_SIZE_K * stride_xk
+                g_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
+                u_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
         acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT, SWAP_AB)
         acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT, SWAP_AB)
 
@@ -535,6 +540,7 @@ def launch_gemm1(
     activation: Activation = SILU,
     b13: torch.Tensor | None = None,
     swap_ab: bool = False,
+    k_groups: int = 1,
 ) -> torch.Tensor:
     """GEMM1 + activation-and-mul on aligned pairs -> inter (max_padded, I), sorted rows, in x's dtype.
     activation (moebench.activation) picks the epilogue's function and w13's gate/up layout
@@ -549,6 +555,7 @@ def launch_gemm1(
     pdl: launch with programmatic dependent launch (CUDA, Hopper+).
     zero: a contiguous fp32 tensor that the kernel also sets to zero (GEMM2's accumulator).
     swap_ab: the dots as w^T x^T into a transposed accumulator (`resolve_swap_ab`; fp8 only).
+    k_groups: K steps per iteration of the paired walk (`resolve_k_groups`; H a multiple of k_groups x BLOCK_SIZE_K).
     out_scale: (1,) fp32 static scale: inter comes back as float8_e4m3fn, bit for bit what
     `quantize_rows(inter, per-tensor scheme, out_scale)` makes of the out_dtype intermediate.
 
@@ -583,6 +590,9 @@ def launch_gemm1(
         assert zero.dtype == torch.float32 and zero.is_contiguous()
     # Where a gate row's up row is: I rows further, or (interleaved) the next row, gate rows two apart.
     il = activation.interleaved
+    if k_groups > 1 and (wide or h % (k_groups * bk)):
+        raise MoebenchError(f"GEMM1 takes {k_groups} K steps per iteration in its paired walk with H a multiple of "
+                            f"{k_groups} x BLOCK_SIZE_K (H {h}, BLOCK_SIZE_K {bk})")
     if il and (use_tma or wide or sorted_a or quant["QUANT"]):
         raise MoebenchError("swigluoai's interleaved w13 runs GEMM1's paired walk without TMA, unquantised or "
                             "weight-only (TritonOptions gemm1_wide / use_tma off)")
@@ -606,7 +616,7 @@ def launch_gemm1(
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
         MAPPED=align.expert_map is not None, A_TMA=sorted_a, ACTIVATION=activation.kind, HAS_BIAS=b13 is not None,
-        INTERLEAVED=il, SWAP_AB=swap_ab,
+        INTERLEAVED=il, SWAP_AB=swap_ab, K_GROUPS=k_groups,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"], **quant, **wq_meta(w13), **pdl_launch_args(pdl),
     )
@@ -767,7 +777,8 @@ def fused_moe_gemms(
     inter = launch_gemm1(x, w13, align, topk, config, tma1, a_scale, out_dtype, zero=None if pair_store else acc, wide=wide,
                          out_scale=w2.input_scale if fuse else None, pdl=pdl, sorted_a=sorted_a,
                          activation=activation, b13=None if bias is None else bias.b13,
-                         swap_ab=resolve_swap_ab(options, config, scheme, tma1))
+                         swap_ab=resolve_swap_ab(options, config, scheme, tma1),
+                         k_groups=resolve_k_groups(options, config, scheme, tma1, wide, x.shape[1]))
     inter_scale = None
     if fuse:
         inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)

@@ -19,6 +19,7 @@ benchmark can move them.
     resolve_pair_store  GEMM2's sum over top-k: fp32 atomics into (M, H), or each pair's weighted
                         row stored and summed by a second launch (`use_pair_store`)
     resolve_swap_ab     fp8 dots as w^T x^T into a transposed accumulator (`use_swap_ab`)
+    resolve_k_groups    fp8 block scale groups per K step of GEMM1's paired walk
 """
 
 from __future__ import annotations
@@ -120,6 +121,13 @@ class TritonOptions:
     #: 16 tokens 0.96, all 128-256 wide); 64 wide 1.02-1.83x, per-tensor scales slower at 17 of 20.
     swap_ab: bool | str = "auto"
     swap_ab_min_cols: int = 128
+    #: fp8 block scale groups each K step of GEMM1's paired walk takes (two: two BLOCK_SIZE_K-wide
+    #: loads, dots and scalings per iteration, twice the bytes of each weight row per step). The
+    #: experts' weight stream alone (`fp8_k_step`) moved 3923 -> 4103 GB/s (K 7168) and 3867 -> 3937
+    #: (K 2048) with two at 16 rows per expert, nothing or a loss at GEMM2's short K. "auto"
+    #: (`resolve_k_groups`): 2 at 16-row tiles with pointer weight tiles where H is a multiple of
+    #: 2 x BLOCK_SIZE_K, else 1.
+    fp8_k_groups: int | str = "auto"
     #: batched-triton's default heuristic keeps 64-row tiles up to this many rows per expert where
     #: the sorted-token heuristic takes 128-row ones (128 x 256 tiles 10-30% faster at 192 and 768
     #: mean rows per expert, 4-9% slower at 48).
@@ -133,14 +141,31 @@ class TritonOptions:
         if self.align_method not in _ALIGN_METHODS:
             raise MoebenchError(f"TritonOptions.align_method must be one of {', '.join(_ALIGN_METHODS)}, "
                                 f"got {self.align_method!r}")
+        if self.fp8_k_groups not in ("auto", 1, 2) or isinstance(self.fp8_k_groups, bool):
+            raise MoebenchError(f"TritonOptions.fp8_k_groups must be 1, 2 or \"auto\", got {self.fp8_k_groups!r}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name not in _AUTO_FIELDS and f.name != "align_method" and (isinstance(v, bool) or v < 0):
+            if f.name not in (*_AUTO_FIELDS, "align_method", "fp8_k_groups") and (isinstance(v, bool) or v < 0):
                 raise MoebenchError(f"TritonOptions.{f.name} must be a number >= 0, got {v!r}")
 
 
 # ---------------------------------------------------------------------------------------------
 # GEMM code paths
+
+
+def resolve_k_groups(options: TritonOptions, config: Mapping[str, int], scheme: QuantScheme | None, use_tma: bool,
+                     wide: bool, hidden: int) -> int:
+    """options.fp8_k_groups for GEMM1 of a layer with fp8 scheme `scheme` and tile `config`: 1 unless
+    block scales, the paired walk with pointer weight tiles and H a multiple of 2 x BLOCK_SIZE_K;
+    there "auto" = 2 at BLOCK_SIZE_M 16. A 2 that cannot run raises MoebenchError."""
+    fits = (scheme is not None and scheme.block_shape is not None and not scheme.weight_only and not use_tma
+            and not wide and hidden % (2 * config["BLOCK_SIZE_K"]) == 0)
+    if options.fp8_k_groups == "auto":
+        return 2 if fits and config["BLOCK_SIZE_M"] == 16 else 1
+    if options.fp8_k_groups == 2 and not fits:
+        raise MoebenchError("fp8_k_groups=2 needs fp8 block scales, GEMM1's paired walk with pointer weight tiles "
+                            f"and H a multiple of 2 x BLOCK_SIZE_K (H {hidden}, BLOCK_SIZE_K {config['BLOCK_SIZE_K']})")
+    return int(options.fp8_k_groups)
 
 
 def resolve_use_tma(options: TritonOptions, config: Mapping[str, int], dtype: torch.dtype) -> bool:
