@@ -556,8 +556,8 @@ def test_fp8_direct_alignment_few_tokens(name, monkeypatch):
 def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
     # GEMM1's paired walk taking two scale groups per iteration (fp8_k_groups): the reference and the
     # one-group result, with an expert map; "auto" takes two at 16-row tiles where H is a multiple
-    # of 2 x BLOCK_SIZE_K (a spy on the resolved choice), one at 32-row tiles; a forced 2 that
-    # cannot run (H = 152) is refused
+    # of 2 x BLOCK_SIZE_K and at least fp8_k_groups_min_hidden (a spy on the resolved choice), one at
+    # 32-row tiles and below the H threshold; a forced 2 that cannot run (H = 152) is refused
     import moebench.kernels.triton.gemm as gemm
 
     scheme = SCHEMES[name]
@@ -574,10 +574,11 @@ def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
         ref = moebench.reference_moe(x, q13, q2, tw, ti, emap)
         seen.clear()
         with poisoned_outputs():
-            auto = fused_moe(x, q13, q2, tw, ti, emap, E, cfg)
+            auto = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups_min_hidden=h))
             two = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups=2))
             one = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups=1))
-        assert seen == [want, 2, 1], (m, bm)
+            fused_moe(x, q13, q2, tw, ti, emap, E, cfg)  # the default threshold (7168) is above this H
+        assert seen == [want, 2, 1, 1], (m, bm)
         assert rel_err(two, ref) < TIGHT and rel_err(auto, ref) < TIGHT, (m, bm)
         assert rel_err(two, one.double()) < TIGHT, (m, bm)
     q13, q2 = _qweights(scheme)  # H = 152
