@@ -13,7 +13,6 @@ import triton
 
 import moebench
 from moebench.bench.timing import time_cpu, time_cuda
-from moebench.kernels.triton.experts import select_config
 from moebench.report import markdown
 from moebench.results import atomic_write_text
 
@@ -47,11 +46,6 @@ def script_setup(what: str) -> tuple[Path, torch.device, str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if ON_GPU else "cpu (smoke: times mean nothing)"
     return out_dir, torch.device("cuda" if ON_GPU else "cpu"), f"{gpu}, torch {torch.__version__}, triton {triton.__version__}, {what}"
-
-
-def layer_config(shape: str, m: int, w13, w2, num_experts: int, topk: int, dtype: torch.dtype) -> dict:
-    """The tile config the layer runs with at m tokens (the tuned-file lookup, else the default heuristic)."""
-    return dict(select_config(m, topk, w13, w2, num_experts, dtype)[0])
 
 
 def shard_weights(shape: tuple, scheme, dev: torch.device):

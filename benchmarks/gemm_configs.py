@@ -30,13 +30,14 @@ import torch
 from moebench.kernels.triton.align import align_pairs
 from moebench.kernels.triton.configs import TILE_KEYS
 from moebench.kernels.triton.env import num_sms, tma_ok
+from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.gemm import launch_gemm1, launch_gemm2
 from moebench.kernels.triton.options import TritonOptions, gemm1_walk, layer_split_k, resolve_use_tma
 from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.report import markdown
 from moebench.results import atomic_write_text
 
-from benchmarks.bench_common import ON_GPU, SHAPES, layer_config, script_setup, seeded_inputs, timed_us
+from benchmarks.bench_common import ON_GPU, SHAPES, script_setup, seeded_inputs, timed_us
 
 # Largest layer/floor gaps of the 2026-11-29 kernel table first (PERF.md).
 POINTS = ("qwen3-30b-a3b:4096,qwen3-30b-a3b:1024,dsv3-ep8-local:1024,mixtral:1024,dsv3-ep8-local:4096,"
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=dev)
         x, logits = seeded_inputs(m, h, e, dt, dev)
         tw, ids = fused_topk_softmax(logits, k, renormalize=True)
-        base = layer_config(shape, m, w13, w2, e, k, dt)
+        base = dict(select_config(m, k, w13, w2, e, dt)[0])  # the layer's own lookup
         if args.bm:
             base["BLOCK_SIZE_M"] = args.bm
         align = align_pairs(ids, base["BLOCK_SIZE_M"], e_local, emap, e)
