@@ -21,7 +21,8 @@ stores each pair's row and `topk_sum` adds them / the fp32 atomic sum over top-k
 tile and for fp8 too (use_tma=True; `tma/current`); `swapab` / `noswap`: the fp8 GEMMs as w^T x^T
 into a transposed accumulator at every tile / at none (swap_ab True / False; `current/noswap`,
 `swapab/noswap`; the same as current for 16-bit weights); `kg1`: GEMM1's fp8 block K loop one scale
-group per iteration at every tile (fp8_k_groups=1; `current/kg1`); `heuristic`: the layer without tuned
+group per iteration at every tile (fp8_k_groups=1; `current/kg1`); `kg2`: two groups per iteration
+wherever the walk can take them, any tile size or H (fp8_k_groups=2; `kg2/current`; n/a elsewhere); `heuristic`: the layer without tuned
 files, both GEMMs with the default heuristic's config (`configs.heuristic_config`, given explicitly;
 column `heuristic_cfg`; `heuristic/current` = default / tuned where a file exists); `again`: the current defaults timed a
 second time, last (`again/current`: the point's noise). --fp8: per-tensor fp8_w8a8 weights (GEMM1
@@ -63,13 +64,14 @@ VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions
             "atomic": (None, TritonOptions(pair_store=False)),
             "tma": (None, TritonOptions(use_tma=True)), "swapab": (None, TritonOptions(swap_ab=True)),
             "noswap": (None, TritonOptions(swap_ab=False)), "kg1": (None, TritonOptions(fp8_k_groups=1)),
+            "kg2": (None, TritonOptions(fp8_k_groups=2)),
             "heuristic": (None, TritonOptions()),
             "again": (None, TritonOptions())}
 #: (a, b) pairs whose ratio a/b each row gets
 RATIOS = (("current", "nodirect"), ("direct", "current"), ("current", "twolaunch"), ("current", "sk1"), ("sk2", "current"), ("sk4", "current"),
           ("current", "nopdl"), ("pdl", "nopdl"), ("current", "nodown"), ("current", "nosorted"), ("sorted", "nosorted"),
           ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("tma", "current"), ("current", "noswap"),
-          ("swapab", "noswap"), ("current", "kg1"), ("heuristic", "current"), ("again", "current"))
+          ("swapab", "noswap"), ("current", "kg1"), ("kg2", "current"), ("heuristic", "current"), ("again", "current"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -556,7 +556,8 @@ def test_fp8_direct_alignment_few_tokens(name, monkeypatch):
 def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
     # GEMM1's paired walk taking two scale groups per iteration (fp8_k_groups): the reference and the
     # one-group result, with an expert map; "auto" takes two at 16-row tiles where H is a multiple
-    # of 2 x BLOCK_SIZE_K and at least fp8_k_groups_min_hidden (a spy on the resolved choice), one at
+    # of 2 x BLOCK_SIZE_K and at least fp8_k_groups_min_hidden with at most one pair per expert (a spy
+    # on the resolved choice: 4 and 20 pairs over 20 experts), one above that load (36 pairs), at
     # 32-row tiles and below the H threshold; a forced 2 that cannot run (H = 152) is refused
     import moebench.kernels.triton.gemm as gemm
 
@@ -567,7 +568,7 @@ def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
     seen = []
     real = gemm.resolve_k_groups
     monkeypatch.setattr(gemm, "resolve_k_groups", lambda *a: seen.append(real(*a)) or seen[-1])
-    for m, bm, want in ((1, 16, 2), (9, 16, 2), (21, 32, 1)):
+    for m, bm, want in ((1, 16, 2), (5, 16, 2), (9, 16, 1), (21, 32, 1)):
         x = _x(m, h=h)
         tw, ti = _routing(m, E, K)
         cfg = _cfg(scheme, BLOCK_SIZE_M=bm)
@@ -577,7 +578,7 @@ def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
             auto = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups_min_hidden=h))
             two = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups=2))
             one = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups=1))
-            fused_moe(x, q13, q2, tw, ti, emap, E, cfg)  # the default threshold (7168) is above this H
+            fused_moe(x, q13, q2, tw, ti, emap, E, cfg)  # the default threshold (4096) is above this H
         assert seen == [want, 2, 1, 1], (m, bm)
         assert rel_err(two, ref) < TIGHT and rel_err(auto, ref) < TIGHT, (m, bm)
         assert rel_err(two, one.double()) < TIGHT, (m, bm)

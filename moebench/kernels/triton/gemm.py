@@ -778,7 +778,7 @@ def fused_moe_gemms(
                          out_scale=w2.input_scale if fuse else None, pdl=pdl, sorted_a=sorted_a,
                          activation=activation, b13=None if bias is None else bias.b13,
                          swap_ab=resolve_swap_ab(options, config, scheme, tma1),
-                         k_groups=resolve_k_groups(options, config, scheme, tma1, wide, x.shape[1]))
+                         k_groups=resolve_k_groups(options, config, scheme, tma1, wide, x.shape[1], rows_per_expert))
     inter_scale = None
     if fuse:
         inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)

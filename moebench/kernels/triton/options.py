@@ -124,12 +124,16 @@ class TritonOptions:
     #: fp8 block scale groups each K step of GEMM1's paired walk takes (two: two BLOCK_SIZE_K-wide
     #: loads, dots and scalings per iteration, twice the bytes of each weight row per step). The
     #: experts' weight stream alone (`fp8_k_step`) moved 3923 -> 4103 GB/s (K 7168) and 3867 -> 3937
-    #: (K 2048) with two at 16 rows per expert, nothing or a loss at GEMM2's short K; in the layer
-    #: (`decode_launches --variants kg1`) DeepSeek-V3 TP8 (H 7168) 0.965-0.987 at 1-16 tokens, 0.995-1.003
-    #: at 64-256, Qwen3-30B (H 2048) 1.004-1.030. "auto" (`resolve_k_groups`): 2 at 16-row tiles with
-    #: pointer weight tiles where H >= fp8_k_groups_min_hidden and is a multiple of 2 x BLOCK_SIZE_K, else 1.
+    #: (K 2048) with two at 16 rows per expert, nothing or a loss at GEMM2's short K. In the layer
+    #: (`decode_launches --variants kg1` / `kg2`) two took DeepSeek-V3 TP8 (H 7168) to 0.965-0.987 at
+    #: 1-16 tokens (at most one pair per expert), 0.995-1.003 at 64-256; Qwen3-235B TP8 and Mixtral TP8
+    #: (H 4096) to 0.879-0.993 at 1-4 tokens, 1.07-1.14 at 64 (2-16 pairs per expert); Qwen3-30B
+    #: (H 2048) 1.004-1.030 everywhere. "auto" (`resolve_k_groups`): 2 at 16-row tiles with pointer
+    #: weight tiles where H >= fp8_k_groups_min_hidden and is a multiple of 2 x BLOCK_SIZE_K, with at
+    #: most fp8_k_groups_max_rows pairs per expert; else 1.
     fp8_k_groups: int | str = "auto"
-    fp8_k_groups_min_hidden: int = 7168
+    fp8_k_groups_min_hidden: int = 4096
+    fp8_k_groups_max_rows: float = 1.0
     #: batched-triton's default heuristic keeps 64-row tiles up to this many rows per expert where
     #: the sorted-token heuristic takes 128-row ones (128 x 256 tiles 10-30% faster at 192 and 768
     #: mean rows per expert, 4-9% slower at 48).
@@ -156,15 +160,17 @@ class TritonOptions:
 
 
 def resolve_k_groups(options: TritonOptions, config: Mapping[str, int], scheme: QuantScheme | None, use_tma: bool,
-                     wide: bool, hidden: int) -> int:
-    """options.fp8_k_groups for GEMM1 of a layer with fp8 scheme `scheme` and tile `config`: 1 unless
-    block scales, the paired walk with pointer weight tiles and H a multiple of 2 x BLOCK_SIZE_K;
-    there "auto" = 2 at BLOCK_SIZE_M 16 with H >= options.fp8_k_groups_min_hidden. A 2 that cannot
-    run raises MoebenchError."""
+                     wide: bool, hidden: int, rows_per_expert: float) -> int:
+    """options.fp8_k_groups for GEMM1 of a layer with fp8 scheme `scheme`, tile `config` and
+    `rows_per_expert` pairs per (global) expert: 1 unless block scales, the paired walk with pointer
+    weight tiles and H a multiple of 2 x BLOCK_SIZE_K; there "auto" = 2 at BLOCK_SIZE_M 16 with
+    H >= options.fp8_k_groups_min_hidden and rows_per_expert <= options.fp8_k_groups_max_rows. A 2
+    that cannot run raises MoebenchError."""
     fits = (scheme is not None and scheme.block_shape is not None and not scheme.weight_only and not use_tma
             and not wide and hidden % (2 * config["BLOCK_SIZE_K"]) == 0)
     if options.fp8_k_groups == "auto":
-        return 2 if fits and config["BLOCK_SIZE_M"] == 16 and hidden >= options.fp8_k_groups_min_hidden else 1
+        return 2 if (fits and config["BLOCK_SIZE_M"] == 16 and hidden >= options.fp8_k_groups_min_hidden
+                     and rows_per_expert <= options.fp8_k_groups_max_rows) else 1
     if options.fp8_k_groups == 2 and not fits:
         raise MoebenchError("fp8_k_groups=2 needs fp8 block scales, GEMM1's paired walk with pointer weight tiles "
                             f"and H a multiple of 2 x BLOCK_SIZE_K (H {hidden}, BLOCK_SIZE_K {config['BLOCK_SIZE_K']})")
