@@ -12,9 +12,7 @@ half of a bf16 step of the same shape.
 Each case is one GEMM of a decode layer with its own 16 rows per expert: y[e] = x[e] @ w[e]^T for
 every expert e (grid: N tiles x experts), the weights read once. Variants: dtype (fp8 with
 [128, 128] weight and 1 x 128 activation scales, or bf16), BLOCK_SIZE_K x groups per step,
-BLOCK_SIZE_N, stages, and a persistent form of the fp8 GEMM (a few programs per SM, each walking its
-tiles in one flattened (tile, K step) loop, so that a short-K tile's store overlaps the next tile's
-loads); every fp8 tile is swapped (w^T x^T into a (BN, 16) accumulator) as the layer
+BLOCK_SIZE_N, stages; every fp8 tile is swapped (w^T x^T into a (BN, 16) accumulator) as the layer
 does for 16-row tiles. Each variant is checked against torch on the same dequantised values, then
 CUDA-graph timed; GB/s = the weight bytes (and scales) over the time. Writes fp8_k_step.csv / .md
 under $OUT. --smoke: tiny shapes under the Triton interpreter (checks the script; times mean nothing).
@@ -37,15 +35,11 @@ from benchmarks.bench_common import ON_GPU, script_setup, timed_us, write_rows
 SHAPES = {"dsv3-tp8-gemm1": (256, 512, 7168), "dsv3-tp8-gemm2": (256, 7168, 256),
           "qwen3-30b-gemm1": (128, 1536, 2048), "qwen3-30b-gemm2": (128, 2048, 768)}
 SMOKE = {"tiny": (2, 256, 512)}
-#: (dtype, BLOCK_SIZE_K, groups per step, BLOCK_SIZE_N, stages, programs per SM: 0 = one per tile,
-#: else the persistent form with that many per SM)
-VARIANTS = [("fp8", 128, 1, 128, 3, 0), ("fp8", 128, 1, 128, 4, 0), ("fp8", 128, 1, 256, 3, 0),
-            ("fp8", 128, 2, 128, 2, 0), ("fp8", 128, 2, 128, 3, 0), ("fp8", 128, 2, 128, 4, 0),
-            ("fp8", 128, 2, 64, 3, 0), ("fp8", 128, 1, 128, 3, 2), ("fp8", 128, 1, 128, 3, 4),
-            ("fp8", 128, 1, 128, 4, 4), ("fp8", 128, 1, 64, 4, 8), ("fp8", 128, 1, 128, 2, 8),
-            ("bf16", 128, 1, 128, 3, 0), ("bf16", 64, 2, 128, 3, 0), ("bf16", 256, 1, 128, 2, 0)]
+#: (dtype, BLOCK_SIZE_K, groups per step, BLOCK_SIZE_N, stages)
+VARIANTS = [("fp8", 128, 1, 128, 3), ("fp8", 128, 1, 128, 4), ("fp8", 128, 1, 256, 3), ("fp8", 128, 2, 128, 2),
+            ("fp8", 128, 2, 128, 3), ("fp8", 128, 2, 128, 4), ("fp8", 128, 2, 64, 3), ("bf16", 128, 1, 128, 3),
+            ("bf16", 64, 2, 128, 3), ("bf16", 256, 1, 128, 2)]
 GROUP = 128  # the scale block along K and N
-SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 1
 
 
 @triton.jit
@@ -83,43 +77,6 @@ def _expert_gemm(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, K, stride_xe, stride_xm, s
     tl.store(y, acc)
 
 
-@triton.jit
-def _expert_gemm_persistent(x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, N, K, num_tiles, stride_xe, stride_xm, stride_we,
-                            stride_wn, stride_xse, stride_xsm, stride_wse, stride_wsn, stride_ye, stride_ym,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
-    # The same swapped fp8 block GEMM, persistent: program p takes tiles p, p + P, ... (tile = N tile
-    # + expert x N tiles) in one flattened loop over (tile, K step), so that the loads of a tile's
-    # first K steps can be in flight while the tile before it stores.
-    start = tl.program_id(0)
-    progs = tl.num_programs(0)
-    k_steps = tl.cdiv(K, BK)
-    n_per_e = N // BN
-    my_tiles = tl.cdiv(num_tiles - start, progs)
-    offs_m = tl.arange(0, BM)
-    offs_k = tl.arange(0, BK)
-    tile = start - progs
-    ki = k_steps - 1
-    e = tl.zeros((), tl.int64)
-    offs_n = tl.arange(0, BN)
-    acc = tl.zeros((BN, BM), tl.float32)
-    for _ in range(0, my_tiles * k_steps):
-        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
-        if ki == 0:
-            tile += progs
-            e = (tile // n_per_e).to(tl.int64)
-            offs_n = (tile % n_per_e) * BN + tl.arange(0, BN)
-        k = ki * BK
-        a = tl.load(x_ptr + e * stride_xe + offs_m[:, None] * stride_xm + (k + offs_k)[None, :])
-        b = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + (k + offs_k)[:, None])
-        a_s = tl.load(xs_ptr + e * stride_xse + offs_m * stride_xsm + ki)
-        b_s = tl.load(ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn + ki)
-        acc = block_scaled_mma(a, b, acc, a_s, b_s, UPCAST, False, True)
-        if ki == k_steps - 1:
-            y = y_ptr + e * stride_ye + offs_m[:, None] * stride_ym + offs_n[None, :]
-            tl.store(y, tl.trans(acc))
-            acc = tl.zeros((BN, BM), tl.float32)
-
-
 def _inputs(e: int, n: int, k: int, dev, fp8: bool):
     g = torch.Generator(device=dev).manual_seed(n + k)
     x = torch.randn(e, 16, k, generator=g, device=dev)
@@ -151,23 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, (e, n, k) in shapes.items():
         data = {d: _inputs(e, n, k, dev, d == "fp8") for d in ("fp8", "bf16")}
         refs = {d: _reference(*v) for d, v in data.items()}
-        for dtype, bk, groups, bn, stages, per_sm in VARIANTS:
+        for dtype, bk, groups, bn, stages in VARIANTS:
             x, w, xs, ws = data[dtype]
             quant = xs is not None
             y = torch.empty(e, 16, n, device=dev, dtype=torch.float32)
             sx = xs.stride() if quant else (0, 0, 0)
             sw = ws.stride() if quant else (0, 0, 0)
 
-            def run(x=x, w=w, xs=xs, ws=ws, y=y, bn=bn, bk=bk, groups=groups, stages=stages, quant=quant, sx=sx, sw=sw,
-                    per_sm=per_sm):
-                if per_sm:
-                    tiles = e * (n // bn)
-                    progs = min(tiles, per_sm * (SMS if ON_GPU else 1))
-                    _expert_gemm_persistent[(progs,)](x, w, xs, ws, y, n, k, tiles, x.stride(0), x.stride(1), w.stride(0),
-                                                      w.stride(1), sx[0], sx[1], sw[0], sw[1], y.stride(0), y.stride(1),
-                                                      BM=16, BN=bn, BK=bk, UPCAST=not ON_GPU, num_warps=4,
-                                                      num_stages=stages)
-                    return
+            def run(x=x, w=w, xs=xs, ws=ws, y=y, bn=bn, bk=bk, groups=groups, stages=stages, quant=quant, sx=sx, sw=sw):
                 _expert_gemm[(n // bn, e)](x, w, xs if quant else x, ws if quant else x, y, k, x.stride(0), x.stride(1),
                                            w.stride(0), w.stride(1), sx[0], sx[1], sw[0], sw[1], y.stride(0),
                                            y.stride(1), BM=16, BN=bn, BK=bk, GROUPS=groups, QUANT=quant,
@@ -178,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             us = timed_us(run, reps=30, graph_calls=5)
             nbytes = w.numel() * w.element_size() + (ws.numel() * 4 if quant else 0)
             rows.append(dict(shape=name, dtype=dtype, BLOCK_SIZE_K=bk, groups_per_step=groups, BLOCK_SIZE_N=bn,
-                             stages=stages, programs_per_sm=per_sm or "-", us=round(us, 1), GBps=round(nbytes / us / 1e3, 0), err=f"{err:.1e}"))
+                             stages=stages, us=round(us, 1), GBps=round(nbytes / us / 1e3, 0), err=f"{err:.1e}"))
             write_rows(rows, out_dir, "fp8_k_step", head)
             if err > 1e-2:
                 raise SystemExit(f"error: {name} {dtype} BK={bk} x{groups}: relative error {err:.1e} against torch")

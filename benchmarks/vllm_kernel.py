@@ -28,8 +28,10 @@ the script; its times mean nothing). --summary prints, per precision, how many p
 TP shapes (the default ones) are at or below the engine file and their median, then a row per shape: the ratio at 1, 16,
 64, 256, 1024 and 4096 tokens (bold: above), at or below, median, the engine file's layer over the
 weight-read floor at 16-256 tokens (`read_floor_us`, --read-gbs; the headline counts the points
-where 0.90 x the engine would be under it), and the 4096-token layer over its compute floor,
-2 x tokens x topk x 3 x H x I / the matmul ceiling (--ceilings, TFLOP/s).
+where 0.90 x the engine would be under it), the 4096-token layer over its compute floor,
+2 x tokens x topk x 3 x H x I / the matmul ceiling (--ceilings, TFLOP/s), and at 4096 tokens the
+read floor over the compute floor (above 1: a layer within 1.5x of the compute floor must read
+its weights at more than 1 / 1.5 of that ratio's share of the read ceiling).
 """
 
 from __future__ import annotations
@@ -138,8 +140,9 @@ def summary_tables(rows: list[dict], ceilings: dict[str, float], read_gbs: float
                        f"at or below, median {statistics.median(every):.3f}; at {len(bound)} of them 0.90 x the "
                        f"engine is under the weight-read floor ({read_gbs:.0f} GB/s)\n")
         out.append(f"| {prec} | " + " | ".join(map(str, SUMMARY_TOKENS))
-                   + " | at or below | median | engine / read floor, 16-256 | 4096: us / compute floor |")
-        out.append("|---" * (len(SUMMARY_TOKENS) + 5) + "|")
+                   + " | at or below | median | engine / read floor, 16-256 | 4096: us / compute floor"
+                   " | 4096: read / compute floor |")
+        out.append("|---" * (len(SUMMARY_TOKENS) + 6) + "|")
         for shape in shapes:
             vals = [v for (s, p, t), r in points.items() if s == shape and p == prec and (v := ratio(r)) is not None]
             cells = []
@@ -147,18 +150,19 @@ def summary_tables(rows: list[dict], ceilings: dict[str, float], read_gbs: float
                 v = ratio(points.get((shape, prec, t)))
                 cells.append("-" if v is None else f"**{v:.3f}**" if v > 1 else f"{v:.3f}")
             last = points.get((shape, prec, SUMMARY_TOKENS[-1]))
-            floor = "-"
+            floor = bound = "-"
             if last and last["triton_us"] not in ("-", "") and prec in ceilings:
                 e, k, h, n = SHAPES[shape]
                 floor_us = 2 * SUMMARY_TOKENS[-1] * k * 3 * h * n / (ceilings[prec] * 1e6)
                 us = float(last["triton_us"])
                 floor = f"{us:.0f} / {floor_us:.0f} = **{us / floor_us:.2f}**"
+                bound = f"{read_floor_us(shape, prec, SUMMARY_TOKENS[-1], read_gbs) / floor_us:.2f}"
             decode = [f for (s, p, t) in points if s == shape and p == prec and 16 <= t <= 256
                       and (f := engine_over_floor((s, p, t))) is not None]
             span = f"{min(decode):.2f}-{max(decode):.2f}" if decode else "-"
             med = f"{statistics.median(vals):.3f}" if vals else "-"
             out.append(f"| {shape} | " + " | ".join(cells) + f" | {sum(v <= 1 for v in vals)} of {len(vals)} | {med} | "
-                       f"{span} | {floor} |")
+                       f"{span} | {floor} | {bound} |")
         out.append("")
     return "\n".join(out)
 

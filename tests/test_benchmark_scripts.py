@@ -266,7 +266,7 @@ def test_engine_h200_data_files_hold_the_table_shapes():
 def test_vllm_kernel_summary_tables(tmp_path):
     """--summary: the headline over the default (TP) shapes' points with an engine file, a later
     file's point replacing an earlier one's, bold above 1, the engine over the weight-read floor at
-    16-256 tokens, and the compute floor at 4096 tokens."""
+    16-256 tokens, the compute floor at 4096 tokens and the read floor over it."""
     head = "shape,precision,tokens,triton_us,engine_us,engine_file,triton_over_engine,triton_cfg,triton_cfg_source,wrong\n"
     first, second = tmp_path / "a.csv", tmp_path / "b.csv"
     first.write_text(head + "qwen3-30b-a3b,fp8,1,30,29,vllm,1.034,c,s,-\nqwen3-30b-a3b,fp8,4096,862,757,vllm,1.139,c,s,-\n"
@@ -281,10 +281,12 @@ def test_vllm_kernel_summary_tables(tmp_path):
     assert lines[0].startswith("fp8 (mixtral-tp8, qwen3-30b-a3b,") and lines[0].endswith(
         "2 of 3 points at or below, median 0.990; at 1 of them 0.90 x the engine is under the weight-read floor "
         "(4000 GB/s)")
-    # Qwen3-30B at 4096 tokens: 2 x 4096 x 8 x 3 x 2048 x 768 flops / 1000 TFLOP/s = 309 us
-    assert ("| qwen3-30b-a3b | 0.966 | 0.990 | - | - | - | **1.139** | 2 of 3 | 0.990 | 1.04-1.04 | 862 / 309 = **2.79** |"
-            in lines)
-    assert any(ln.startswith("| mixtral | - |") and ln.endswith("| 0 of 0 | - | - | 6000 / 2886 = **2.08** |")
+    # Qwen3-30B at 4096 tokens: 2 x 4096 x 8 x 3 x 2048 x 768 flops / 1000 TFLOP/s = 309 us; all 128
+    # experts read, 604 MB with the block scales, and x in, out 34 MB: 159 us, 0.52 of the compute floor
+    assert ("| qwen3-30b-a3b | 0.966 | 0.990 | - | - | - | **1.139** | 2 of 3 | 0.990 | 1.04-1.04 | 862 / 309 = **2.79** "
+            "| 0.52 |" in lines)
+    # Mixtral (TP1): 8 experts of 3 x 4096 x 14336 fp8 bytes and 67 MB of x and out: 369 us of 2886
+    assert any(ln.startswith("| mixtral | - |") and ln.endswith("| 0 of 0 | - | - | 6000 / 2886 = **2.08** | 0.13 |")
                for ln in lines)
 
 

@@ -556,8 +556,8 @@ def test_fp8_direct_alignment_few_tokens(name, monkeypatch):
 def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
     # GEMM1's paired walk taking two scale groups per iteration (fp8_k_groups): the reference and the
     # one-group result, with an expert map; "auto" takes two at 16-row tiles where H is a multiple
-    # of 2 x BLOCK_SIZE_K and at least fp8_k_groups_min_hidden with at most one pair per expert (a spy
-    # on the resolved choice: 4 and 20 pairs over 20 experts), one above that load (36 pairs), at
+    # of 2 x BLOCK_SIZE_K and at least fp8_k_groups_min_hidden with at most half a pair per expert (a spy
+    # on the resolved choice: 4 and 8 pairs over 20 experts), one above that load (20 pairs), at
     # 32-row tiles and below the H threshold; a forced 2 that cannot run (H = 152) is refused
     import moebench.kernels.triton.gemm as gemm
 
@@ -568,7 +568,7 @@ def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
     seen = []
     real = gemm.resolve_k_groups
     monkeypatch.setattr(gemm, "resolve_k_groups", lambda *a: seen.append(real(*a)) or seen[-1])
-    for m, bm, want in ((1, 16, 2), (5, 16, 2), (9, 16, 1), (21, 32, 1)):
+    for m, bm, want in ((1, 16, 2), (2, 16, 2), (5, 16, 1), (21, 32, 1)):
         x = _x(m, h=h)
         tw, ti = _routing(m, E, K)
         cfg = _cfg(scheme, BLOCK_SIZE_M=bm)
