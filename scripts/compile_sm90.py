@@ -183,6 +183,16 @@ def main(argv: list[str]) -> int:
     # a direct alignment under EP: both GEMMs map their block's global expert id (MAPPED)
     print(build(T.silu_mul_gemm1_kernel, dict(c, MAPPED=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
     print(build(T.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True), std_ptrs, ("w2_desc",)))
+    # the token-rows layout (decode: each program finds its expert's tokens in topk_ids), under EP
+    # and PDL; and with fp8 block scales on the swapped 16 x 128 tile, two groups per step in GEMM1
+    print(build(T.silu_mul_gemm1_kernel, dict(c, PDL=True, MAPPED=True, TOKEN_ROWS=True), dict(std_ptrs, zero_ptr="*fp32"),
+                ("w13_desc", "x_desc")))
+    print(build(T.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True, TOKEN_ROWS=True), std_ptrs, ("w2_desc",)))
+    cq = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
+              IEEE_DOT=False, USE_TMA=False, SWAP_AB=True, QUANT=2, GROUP_N=128, GROUP_K=128, PDL=True, TOKEN_ROWS=True)
+    print(build(T.silu_mul_gemm1_kernel, dict(cq, ZERO_OUT=True, WIDE=False, K_GROUPS=2),
+                dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv", zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    print(build(T.gemm2_weighted_sum_kernel, cq, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"), ("w2_desc",)))
     # GEMM1 with gate and up as one tile and one dot: decode and prefill tiles (BLOCK_SIZE_N is
     # per half here, as launch_gemm1 passes it), and fp8 block scales
     for (bm, bn, bk), quant in (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),

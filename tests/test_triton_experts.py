@@ -15,7 +15,7 @@ import triton
 import moebench
 from helpers import random_expert_map, rel_err
 from moebench.errors import MoebenchError
-from moebench.kernels.modular import TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp, poisoned_outputs
+from moebench.kernels.modular import ExpertBias, TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp, poisoned_outputs
 from moebench.kernels.triton import align as A
 from moebench.kernels.triton import configs as C
 from moebench.kernels.triton.align import (
@@ -23,6 +23,7 @@ from moebench.kernels.triton.align import (
     max_padded_size,
     moe_align_block_size,
     moe_align_block_size_torch,
+    token_rows_align,
 )
 from moebench.kernels.triton.batched import batched_default_config
 from moebench.kernels.triton.experts import BatchedTritonExperts, TritonExperts, fused_moe
@@ -42,6 +43,7 @@ from moebench.kernels.triton.options import (
     use_pair_store,
     use_sorted_a,
     wants_direct_align,
+    wants_token_rows,
     wave_split,
 )
 from moebench.kernels.triton.common import pdl_launch_args
@@ -443,6 +445,74 @@ def test_triton_direct_align_auto_rule(dtype, monkeypatch):
         out = _run("triton", "no-dpep", x, w13, w2, tw, ti, emap, e_global, config=CFG)
         assert calls == want, (m, e_local)
         assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < TOL[dtype]
+
+
+def test_token_rows_layout():
+    # One block per local expert, the routing itself as the rows' source, no launch; more tokens
+    # than a block's rows are refused.
+    ids = torch.tensor([[5, 2], [2, 7]], dtype=torch.int32, device=DEV)
+    a = token_rows_align(ids, 16, 8)
+    assert a.token_rows and a.max_blocks == 8 and a.expert_ids.tolist() == list(range(8))
+    assert a.sorted_token_ids.tolist() == [5, 2, 2, 7] and a.num_tokens_post_padded.tolist() == [128]
+    emap = random_expert_map(8, 4, DEV)
+    mapped = token_rows_align(ids, 16, 4, emap)
+    assert mapped.max_blocks == 4 and torch.equal(mapped.expert_map, emap) and mapped.remote
+    with pytest.raises(MoebenchError, match="at most BLOCK_SIZE_M \\(4\\) tokens, got 5"):
+        token_rows_align(torch.zeros((5, 2), dtype=torch.int32, device=DEV), 4, 8)
+
+
+@pytest.mark.parametrize("m,use_map,split_k,dtype,with_bias", [(5, False, 1, torch.float32, False),
+                                                               (16, True, 2, torch.bfloat16, False),
+                                                               (9, False, 1, torch.bfloat16, True)])
+def test_triton_token_rows_matches_reference(m, use_map, split_k, dtype, with_bias):
+    # Forced token rows against the reference: a token whose top-k repeats an expert (one row, the
+    # router weights summed), with a map remote experts skipped and a token all remote, GEMM2 split
+    # over K, the biases of both GEMMs; 16 tokens fill a 16-row block.
+    e_global, e_local = (E, 8) if use_map else (6, 6)
+    emap = random_expert_map(e_global, e_local, DEV) if use_map else None
+    w13, w2 = _weights(e_local, dtype)
+    x = _x(m, dtype)
+    tw, ti = _routing(m, e_global, K)
+    ti[0, 1] = ti[0, 0]
+    if use_map:
+        ti[1] = torch.nonzero(emap.cpu() < 0).reshape(-1)[:K].to(DEV, torch.int32)  # token 1: all remote
+    bias = None
+    if with_bias:
+        g = torch.Generator().manual_seed(3)
+        bias = ExpertBias(torch.randn(e_local, 2 * I, generator=g).to(DEV, dtype),
+                          torch.randn(e_local, H, generator=g).to(DEV, dtype))
+    ref = moebench.reference_moe(x, w13, w2, tw, ti, emap, bias=bias)
+    with poisoned_outputs():
+        out = fused_moe(x, w13, w2, tw, ti, emap, e_global, CFG, split_k,
+                        options=TritonOptions(token_rows=True, direct_align=False), bias=bias)
+    assert rel_err(out, ref) < TOL[dtype]
+    if use_map:
+        assert (out[1] == 0).all()
+
+
+def test_triton_token_rows_auto_rule(monkeypatch):
+    # Token rows where the direct alignment is not taken and the tokens fit one block (32 global
+    # experts, top-4: 2 tokens direct, 3-16 token rows, 17 the alignment kernels; a 32-row tile takes
+    # 17), not with pair_store or sorted_a forced on; token_rows=True beside pair_store=True is refused.
+    calls = []
+    real = A.token_rows_align
+    monkeypatch.setattr(A, "token_rows_align", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    dtype = torch.bfloat16
+    w13, w2 = _weights(32, dtype)
+    for m, bm, opts, want in ((2, 16, TritonOptions(), []), (3, 16, TritonOptions(), [3]), (16, 16, TritonOptions(), [16]),
+                              (17, 16, TritonOptions(), []), (17, 32, TritonOptions(), [17]),
+                              (8, 16, TritonOptions(pair_store=True), [])):
+        calls.clear()
+        x = _x(m, dtype)
+        tw, ti = _routing(m, 32, K)
+        out = fused_moe(x, w13, w2, tw, ti, None, 32, dict(CFG, BLOCK_SIZE_M=bm), 1, options=opts)
+        assert calls == want, (m, bm, opts)
+        assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype], (m, bm)
+    assert wants_token_rows(TritonOptions(), 8, 16) and not wants_token_rows(TritonOptions(sorted_a=True), 8, 16)
+    x = _x(4, dtype)
+    tw, ti = _routing(4, 32, K)
+    with pytest.raises(MoebenchError, match="pair_store stores one row per pair"):
+        fused_moe(x, w13, w2, tw, ti, None, 32, CFG, 1, options=TritonOptions(token_rows=True, pair_store=True))
 
 
 def test_fp32_output_is_the_accumulator():

@@ -589,3 +589,23 @@ def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
         fused_moe(x, q13, q2, tw, ti, config=_cfg(scheme), options=TritonOptions(fp8_k_groups=2))
     with pytest.raises(MoebenchError, match="fp8_k_groups must be 1, 2"):
         TritonOptions(fp8_k_groups=3)
+
+
+@pytest.mark.parametrize("name", ["block128", "tensor", "token"])
+def test_fp8_token_rows(name):
+    # The token-rows layout with every fp8 scheme (H = 152: a K tail in each 128-column scale group;
+    # per tensor: GEMM1 quantises the intermediate of the E_local x 16 rows itself; block / token: a
+    # launch of its own), with an expert map and a token repeating an expert: the layer against the
+    # reference and against the alignment kernels' layout.
+    scheme = SCHEMES[name]
+    q13, q2 = _qweights(scheme, e=12)
+    emap = random_expert_map(E, 12, DEV)
+    x = _x(11)
+    tw, ti = _routing(11, E, K)
+    ti[2, 3] = ti[2, 0]
+    ref = moebench.reference_moe(x, q13, q2, tw, ti, emap)
+    with poisoned_outputs():
+        rows = fused_moe(x, q13, q2, tw, ti, emap, E, _cfg(scheme), options=TritonOptions(token_rows=True))
+        aligned = fused_moe(x, q13, q2, tw, ti, emap, E, _cfg(scheme), options=TritonOptions(token_rows=False))
+    assert rel_err(rows, ref) < TIGHT and rel_err(aligned, ref) < TIGHT
+    assert rel_err(rows, aligned.double()) < TIGHT

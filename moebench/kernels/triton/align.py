@@ -24,8 +24,11 @@ tail. "sort", over chunks only (for many experts x pairs): (1) each chunk's hist
 experts, and the sentinel fill; (2) from the count table every expert's start, then the chunk's
 pairs sorted by (expert, index) and scattered, and a share of the block ids.
 
-`direct_align` makes the same layout without a kernel, one block per pair (decode), and
-`align_pairs` is the layer's choice between the two (`options.wants_direct_align`).
+`direct_align` makes the same layout without a kernel, one block per pair (decode).
+`token_rows_align` needs no kernel either, for M <= BLOCK_SIZE_M tokens: one block per local
+expert whose rows are all M tokens, each in use where the token routes to that expert; the GEMMs
+read that from topk_ids themselves (`common.token_rows`). `align_pairs` is the layer's choice
+among the three (`options.wants_direct_align`, `options.wants_token_rows`).
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+from moebench.errors import MoebenchError
 from moebench.kernels.triton.common import pdl_launch_args, pdl_release, pdl_wait
 from moebench.kernels.triton.env import interpreter_compat
-from moebench.kernels.triton.options import TritonOptions, align_kernels, wants_direct_align
+from moebench.kernels.triton.options import TritonOptions, align_kernels, wants_direct_align, wants_token_rows
 
 
 @dataclass
@@ -56,6 +60,9 @@ class AlignResult:
     expert_map: torch.Tensor | None = None
     #: an expert map was applied: pairs of remote experts may be left out of every block
     remote: bool = False
+    #: made by `token_rows_align`: sorted_token_ids is topk_ids (M, K) flat, block e = local expert
+    #: e with rows e * block_size_m + t for the tokens t < M (expert_ids: 0 .. E_local - 1)
+    token_rows: bool = False
 
     @property
     def max_blocks(self) -> int:
@@ -428,6 +435,38 @@ def direct_align(
                        remote=expert_map is not None)
 
 
+_TOKEN_ROWS_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def token_rows_align(
+    topk_ids: torch.Tensor, block_size_m: int, num_local_experts: int, expert_map: torch.Tensor | None = None
+) -> AlignResult:
+    """The token-rows layout for M <= block_size_m tokens, no kernel: block e is local expert e and
+    its rows are the M tokens (row e * block_size_m + t = token t), in use where token t routes to
+    e (repeated ids in one token's row are one row, whose router weight is their sum: the same
+    sum over top-k). The GEMMs find each block's rows
+    in topk_ids (global ids mapped through expert_map when given) as they start, so blocks of
+    experts no token reaches do nothing; the intermediate has E_local x block_size_m rows. The
+    block ids and used length are cached per (E_local, block_size_m, device) (not while a CUDA
+    graph is being captured)."""
+    m, k = topk_ids.shape
+    if m > block_size_m:
+        raise MoebenchError(f"the token-rows layout takes at most BLOCK_SIZE_M ({block_size_m}) tokens, got {m}")
+    dev = topk_ids.device
+    key = (num_local_experts, block_size_m, dev)
+    layout = _TOKEN_ROWS_LAYOUTS.get(key)
+    if layout is None:
+        layout = (torch.arange(num_local_experts, dtype=torch.int32, device=dev),
+                  torch.full((1,), num_local_experts * block_size_m, dtype=torch.int32, device=dev))
+        if dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _TOKEN_ROWS_LAYOUTS[key] = layout
+    mapped = None
+    if expert_map is not None:
+        mapped = expert_map.to(device=dev, dtype=torch.int32).contiguous()
+    return AlignResult(topk_ids.reshape(-1).contiguous(), layout[0], layout[1], block_size_m, m * k,
+                       expert_map=mapped, remote=expert_map is not None, token_rows=True)
+
+
 def align_pairs(
     topk_ids: torch.Tensor,
     block_size_m: int,
@@ -440,12 +479,14 @@ def align_pairs(
 ) -> AlignResult:
     """The block alignment `fused_moe` uses for topk_ids (M, K) of a layer with `num_experts`
     global experts and fp8 scheme `scheme` (None: 16-bit): `direct_align` where
-    `wants_direct_align(options, ...)` says so, else `moe_align_block_size` (pdl: its one-launch
-    kernel with programmatic dependent launch)."""
+    `wants_direct_align(options, ...)` says so, else `token_rows_align` where `wants_token_rows`
+    does, else `moe_align_block_size` (pdl: its one-launch kernel with programmatic dependent launch)."""
     options = options or TritonOptions()
     m, k = topk_ids.shape
     if wants_direct_align(options, m, k, num_experts, scheme, expert_map is not None):
         return direct_align(topk_ids, block_size_m, expert_map)
+    if wants_token_rows(options, m, block_size_m, scheme):
+        return token_rows_align(topk_ids, block_size_m, num_local_experts, expert_map)
     return moe_align_block_size(topk_ids, block_size_m, num_local_experts, expert_map, options=options, pdl=pdl)
 
 

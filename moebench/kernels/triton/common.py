@@ -5,6 +5,7 @@
     scale_ptrs                                   where a weight row's fp8 scales are
     grouped_tile                                 program id -> (row tile, column tile), L2-friendly order
     block_expert, tile_rows                      a sorted block's expert and rows (sorted-token GEMMs)
+    token_rows                                   a token-rows block's rows: local expert e's pairs among all tokens
     pdl_wait, pdl_release, pdl_launch_args       programmatic dependent launch (Hopper+)
     cast_rne                                     fp32 -> bf16 rounded to nearest even, also in the interpreter
     gate_up_epilogue                             GEMM1's bias and activation (moebench.activation kinds)
@@ -97,6 +98,30 @@ def tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, ROWS: tl.cons
     offs_m = row0 + tl.arange(0, ROWS)
     pair = tl.load(sorted_ids_ptr + offs_m)
     return offs_m, pair, pair < num_pairs, (pair // TOPK).to(tl.int64)
+
+
+@triton.jit
+def token_rows(expert, ids_ptr, expert_map_ptr, weights_ptr, num_pairs, TOPK: tl.constexpr, ROWS: tl.constexpr,
+               MAPPED: tl.constexpr, WEIGHTED: tl.constexpr):
+    """Block `expert` of the token-rows layout (align.token_rows_align: M <= ROWS tokens, one block
+    per local expert, row t = token t): (offs_m, pair, row_ok, token, weight), each (ROWS,). Row t
+    is in use when token t routes to the expert (topk_ids at ids_ptr, (M, K) flat; global ids mapped
+    through expert_map when MAPPED); pair = its (t, k) pair (the sentinel M*K otherwise); weight
+    (WEIGHTED) = the sum of the router weights of the token's pairs to this expert, one pair but
+    for repeated ids, else zeros. Reads only the step's inputs, so also before `pdl_wait`."""
+    token = tl.arange(0, ROWS).to(tl.int64)
+    in_m = token * TOPK < num_pairs
+    pair = tl.full((ROWS,), num_pairs, tl.int64)
+    weight = tl.zeros((ROWS,), tl.float32)
+    for k in tl.static_range(TOPK):
+        e = tl.load(ids_ptr + token * TOPK + k, mask=in_m, other=-1).to(tl.int64)
+        if MAPPED:
+            e = tl.load(expert_map_ptr + e, mask=e >= 0, other=-1).to(tl.int64)
+        hit = e == expert
+        pair = tl.where(hit, token * TOPK + k, pair)
+        if WEIGHTED:
+            weight += tl.where(hit, tl.load(weights_ptr + token * TOPK + k, mask=hit, other=0.0).to(tl.float32), 0.0)
+    return expert * ROWS + tl.arange(0, ROWS), pair, pair < num_pairs, token, weight
 
 
 @triton.jit

@@ -65,6 +65,7 @@ from moebench.kernels.triton.common import (
     scale_ptrs,
     scaled_mma,
     tile_rows,
+    token_rows,
 )
 from moebench.kernels.triton.env import interpreter_compat, interpreting, tma_ok
 from moebench.kernels.triton.options import (
@@ -155,6 +156,7 @@ def silu_mul_gemm1_kernel(
     INTERLEAVED: tl.constexpr = False,  # w13's gate and up rows interleaved (2j, 2j + 1: swigluoai)
     SWAP_AB: tl.constexpr = False,  # accumulate (BN, BM) = w^T x^T (common.mma), transposed back after the K loop
     K_GROUPS: tl.constexpr = 1,  # paired walk: K steps per loop iteration (H a multiple of K_GROUPS x BLOCK_SIZE_K)
+    TOKEN_ROWS: tl.constexpr = False,  # the token-rows layout: sorted_ids_ptr is topk_ids, block = local expert
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -175,11 +177,20 @@ def silu_mul_gemm1_kernel(
     # Tile: the block's expert (none past the used length, the padding of the worst-case grid, nor
     # for a remote expert of a direct alignment: nothing to do), its rows (the pairs; token =
     # pair // K; sentinel rows load zeros) and the intermediate columns n0 ..
-    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, expert_map_ptr, BLOCK_SIZE_M, False, MAPPED)
-    if expert < 0:
-        return
+    # Token rows (decode, M <= BLOCK_SIZE_M): block = local expert pid_m, row t = token t, in use
+    # where the token routes to it; a block without such a token has nothing to do.
+    if TOKEN_ROWS:
+        expert = pid_m.to(tl.int64)
+        offs_m, pair, row_ok, token, _ = token_rows(expert, sorted_ids_ptr, expert_map_ptr, sorted_ids_ptr, num_pairs,
+                                                    TOPK, BLOCK_SIZE_M, MAPPED, False)
+        if tl.max(row_ok.to(tl.int32), axis=0) == 0:
+            return
+    else:
+        expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, expert_map_ptr, BLOCK_SIZE_M, False, MAPPED)
+        if expert < 0:
+            return
+        offs_m, pair, row_ok, token = tile_rows(pid_m * BLOCK_SIZE_M, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
     row0 = pid_m * BLOCK_SIZE_M
-    offs_m, pair, row_ok, token = tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
     n0 = pid_n * BLOCK_SIZE_N
     offs_n = n0 + tl.arange(0, BLOCK_SIZE_N)
     col_ok = offs_n < N_INTER
@@ -344,6 +355,7 @@ def gemm2_weighted_sum_kernel(
     HAS_BIAS: tl.constexpr = False,  # add b2 before the router weight
     PAIR_STORE: tl.constexpr = False,  # ws_ptr is (M*K, H): store each pair's row (no K split)
     SWAP_AB: tl.constexpr = False,  # as in GEMM1
+    TOKEN_ROWS: tl.constexpr = False,  # as in GEMM1 (never with PAIR_STORE)
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -354,14 +366,24 @@ def gemm2_weighted_sum_kernel(
     # Tile: the block's expert. With PDL this runs while GEMM1 finishes; the alignment (two kernels
     # back) is complete, since GEMM1 waited for it before letting this kernel launch: read the
     # block's expert from L2. Nothing GEMM1 writes is touched before pdl_wait.
-    expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, expert_map_ptr, BLOCK_SIZE_M, PDL, MAPPED)
-    if expert < 0:  # unused padding block, or a remote expert (direct_align)
-        return
-    pdl_wait(PDL)
-    pdl_release(PDL)
-    # ... its rows (pairs, tokens), hidden columns, and this program's slice of the K dimension:
-    # [k_lo, k_lo + k_per_split) within I.
-    offs_m, pair, row_ok, token = tile_rows(pid_m * BLOCK_SIZE_M, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
+    # Token rows: the block's rows and each row's router weight from the routing itself.
+    if TOKEN_ROWS:
+        expert = pid_m.to(tl.int64)
+        offs_m, pair, row_ok, token, w_rows = token_rows(expert, sorted_ids_ptr, expert_map_ptr, topk_weights_ptr,
+                                                         num_pairs, TOPK, BLOCK_SIZE_M, MAPPED, True)
+        if tl.max(row_ok.to(tl.int32), axis=0) == 0:
+            return
+        pdl_wait(PDL)
+        pdl_release(PDL)
+    else:
+        expert = block_expert(pid_m, ntpp_ptr, expert_ids_ptr, expert_map_ptr, BLOCK_SIZE_M, PDL, MAPPED)
+        if expert < 0:  # unused padding block, or a remote expert (direct_align)
+            return
+        pdl_wait(PDL)
+        pdl_release(PDL)
+        # ... its rows (pairs, tokens), hidden columns, and this program's slice of the K dimension:
+        # [k_lo, k_lo + k_per_split) within I.
+        offs_m, pair, row_ok, token = tile_rows(pid_m * BLOCK_SIZE_M, sorted_ids_ptr, num_pairs, TOPK, BLOCK_SIZE_M)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     col_ok = offs_n < H
     k_lo = pid_k * k_per_split
@@ -402,7 +424,10 @@ def gemm2_weighted_sum_kernel(
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b2_ptr + expert * stride_b2e + offs_n * stride_b2n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    w = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    if TOKEN_ROWS:
+        w = w_rows
+    else:
+        w = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * w[:, None]
 
     # Store (sentinel rows are masked off): the pair's own row, summed over top-k by the next
@@ -616,7 +641,7 @@ def launch_gemm1(
         EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=x.dtype == torch.float32 or upcast, USE_TMA=use_tma,
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
         MAPPED=align.expert_map is not None, A_TMA=sorted_a, ACTIVATION=activation.kind, HAS_BIAS=b13 is not None,
-        INTERLEAVED=il, SWAP_AB=swap_ab, K_GROUPS=k_groups,
+        INTERLEAVED=il, SWAP_AB=swap_ab, K_GROUPS=k_groups, TOKEN_ROWS=align.token_rows,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"], **quant, **wq_meta(w13), **pdl_launch_args(pdl),
     )
@@ -680,7 +705,7 @@ def launch_gemm2(
         TOPK=topk, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config["GROUP_SIZE_M"],
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, MAPPED=align.expert_map is not None,
-        HAS_BIAS=b2 is not None, PAIR_STORE=pair_store, SWAP_AB=swap_ab,
+        HAS_BIAS=b2 is not None, PAIR_STORE=pair_store, SWAP_AB=swap_ab, TOKEN_ROWS=align.token_rows,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **wq_meta(w2), **pdl_launch_args(pdl),
     )
     return ws
@@ -758,6 +783,11 @@ def fused_moe_gemms(
     use_tma = use_tma and tma_ok(stored(w13)) and tma_ok(stored(w2))
     rows_per_expert = m * topk / (num_experts or w13.shape[0])
     pair_store = resolve_pair_store(options, w2.shape[2], rows_per_expert, align.remote, split_k)
+    if align.token_rows and pair_store:
+        if options.pair_store is True:
+            raise MoebenchError("pair_store stores one row per pair, which the token-rows layout does not have: "
+                                "give token_rows=False or pair_store=False")
+        pair_store = False
     if pair_store:
         # Each pair's row, summed by `topk_sum` into out; rows of remote pairs are never written.
         acc = (torch.zeros if align.remote else torch.empty)((m * topk, h), dtype=out_dtype, device=x.device)
@@ -769,6 +799,11 @@ def fused_moe_gemms(
     fuse = fp8 and scheme.scales == "tensor"
     pdl = resolve_pdl(options, x.device, w2.shape[2])
     wide, sorted_a = gemm1_walk(options, config, x.dtype, scheme, use_tma, w2.shape[2], rows_per_expert)
+    if align.token_rows and sorted_a:
+        if options.sorted_a is True:
+            raise MoebenchError("sorted_a copies x into sorted pair order, which the token-rows layout does not have: "
+                                "give token_rows=False or sorted_a=False")
+        sorted_a = False
     tma1 = use_tma
     if activation.interleaved:
         if scheme is not None and not scheme.weight_only:

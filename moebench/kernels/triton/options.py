@@ -14,6 +14,7 @@ benchmark can move them.
                         from a copy in sorted order (sorted_a; `use_sorted_a`)
     resolve_pdl         GEMM1 and GEMM2 with programmatic dependent launch
     wants_direct_align  one block per pair and no alignment kernel
+    wants_token_rows    one block per local expert over all tokens, no alignment kernel
     align_kernels       the alignment's kernels: one launch, or two by "scan" or "sort"
     layer_split_k       GEMM2's K split (`choose_split_k`, `wave_split`: the split-K cost model)
     resolve_pair_store  GEMM2's sum over top-k: fp32 atomics into (M, H), or each pair's weighted
@@ -35,7 +36,7 @@ from moebench.errors import MoebenchError
 from moebench.kernels.triton.env import interpreting
 from moebench.quant import QuantScheme
 
-_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "pair_store", "swap_ab")
+_AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "token_rows", "pair_store", "swap_ab")
 _ALIGN_METHODS = ("auto", "scan", "sort")
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -91,6 +92,11 @@ class TritonOptions:
     #: (and 2-8 of DeepSeek-V3 TP8) 0.96-0.99; past the rule 1.03-1.27.
     direct_align: bool | str = "auto"
     direct_max_fill: float = 0.25
+    #: `token_rows_align`: up to BLOCK_SIZE_M tokens, no alignment kernel: one block per local
+    #: expert over all the tokens, each GEMM program finding its expert's tokens in topk_ids.
+    #: "auto" (`wants_token_rows`): where the direct alignment is not taken and M <= BLOCK_SIZE_M,
+    #: unless pair_store or sorted_a is forced on (both need sorted pair rows).
+    token_rows: bool | str = "auto"
     #: The alignment kernels: one launch up to this many pairs (0.96-1.005 of the layer from 2 to 64
     #: tokens against two launches), above it two launches by align_method: "scan", "sort", or "auto"
     #: = sort where local experts x pairs >= sort_min_work (Qwen3-30B 4096 tokens 20.1 -> 8.5 us;
@@ -263,6 +269,16 @@ def wants_direct_align(options: TritonOptions, num_tokens: int, topk: int, num_e
     if num_tokens == 1 and not (mapped and quant_launch):
         return True
     return not mapped and num_tokens * topk <= options.direct_max_fill * num_experts
+
+
+def wants_token_rows(options: TritonOptions, num_tokens: int, block_size_m: int, scheme=None) -> bool:
+    """options.token_rows for num_tokens tokens and tiles of block_size_m rows, fp8 scheme `scheme`
+    (None: 16-bit); asked after `wants_direct_align` said no. "auto": num_tokens <= block_size_m,
+    unless options.pair_store or options.sorted_a is True. A True that cannot hold
+    (num_tokens > block_size_m) is refused by `token_rows_align`."""
+    if options.token_rows != "auto":
+        return bool(options.token_rows)
+    return 0 < num_tokens <= block_size_m and options.pair_store is not True and options.sorted_a is not True
 
 
 def align_kernels(options: TritonOptions, num_local: int, num_pairs: int) -> str:
