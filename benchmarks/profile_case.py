@@ -10,22 +10,49 @@ calls for an outside profiler such as Nsight Compute.
 routing over the global experts through an expert map where fewer are local). --fp8-block:
 fp8_w8a8 weights with 128 x 128 block scales. --plain: no torch.profiler, just --calls calls after
 the warm-up (each call launches the same kernels, so `--launch-skip` counts whole calls).
---smoke: a tiny shape on CPU under the Triton interpreter (checks the script).
+--option NAME=VALUE (repeatable): a TritonOptions field for the triton experts (true, false, auto, or
+a number), e.g. --option token_rows=false to see the alignment kernels where the token-rows layout
+is the default. --smoke: a tiny shape on CPU under the Triton interpreter (checks the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
 
 import moebench
+from moebench.errors import MoebenchError
+from moebench.kernels.triton.options import TritonOptions
 from moebench.kernels.triton.routing import fused_topk_softmax
 
 from benchmarks.bench_common import SHAPES, script_setup, seeded_inputs, shard_weights
 
 SMOKE = {"tiny": (16, 2, 64, 32, 16)}
+
+
+def parse_options(pairs: list[str]) -> TritonOptions:
+    """TritonOptions from NAME=VALUE strings: true / false / auto, an int, a float, else the string."""
+    names = {f.name for f in dataclasses.fields(TritonOptions)}
+    kw: dict = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or name not in names:
+            raise MoebenchError(f"--option {pair!r}: give NAME=VALUE with NAME one of {', '.join(sorted(names))}")
+        low = raw.lower()
+        if low in ("true", "false"):
+            kw[name] = low == "true"
+            continue
+        try:
+            kw[name] = int(raw)
+        except ValueError:
+            try:
+                kw[name] = float(raw)
+            except ValueError:
+                kw[name] = raw
+    return TritonOptions(**kw)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,8 +64,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fp8-block", action="store_true", help="fp8_w8a8 weights with 128 x 128 block scales")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--plain", action="store_true", help="no torch.profiler: the calls alone, for an outside profiler")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a TritonOptions field of the triton experts (repeatable)")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
+    try:
+        options = parse_options(a.option)
+    except MoebenchError as ex:
+        print(f"error: {ex}", file=sys.stderr)
+        sys.exit(2)
     if a.smoke:
         SHAPES.update(SMOKE)
         a.shape = "tiny"
@@ -51,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     w13, w2, emap = shard_weights(SHAPES[a.shape], scheme, dev)
     x, logits = seeded_inputs(a.tokens, h, e, torch.bfloat16, dev)
     w, ids = fused_topk_softmax(logits, k, renormalize=True)
-    kern = moebench.make_kernel(a.experts, a.prepare_finalize)
+    kern = moebench.make_kernel(a.experts, a.prepare_finalize, experts_kwargs=dict(options=options) if a.option else None)
 
     def call():
         return kern.apply(x, w13, w2, w, ids, expert_map=emap, num_experts=e)
@@ -60,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         call()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sync()
-    what = f"{a.shape} M={a.tokens} {a.prepare_finalize}+{a.experts} {scheme.describe() if scheme else 'bf16'}"
+    what = (f"{a.shape} M={a.tokens} {a.prepare_finalize}+{a.experts} {scheme.describe() if scheme else 'bf16'}"
+            + "".join(f" {o}" for o in a.option))
     if a.plain:
         for _ in range(a.calls):
             call()

@@ -63,13 +63,23 @@ def test_device_scripts_parse(script):
 
 def test_profile_case_smoke():
     # torch.profiler's table of the layer's launches, fp8 block included; --plain: the calls alone
-    # (what `device_ncu.sh` runs under ncu), and a bad --shape is one line.
+    # (what `device_ncu.sh` runs under ncu) with TritonOptions fields forced; a bad --shape or
+    # --option is one line.
     r = _runner("profile_case", "--smoke", "--tokens", "3", "--fp8-block", "--calls", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tiny M=3 no-dpep+triton fp8_w8a8 block[128,128], 1 calls" in r.stdout and "Self CPU time total" in r.stdout
-    r = _runner("profile_case", "--smoke", "--tokens", "3", "--plain", "--calls", "2")
+    r = _runner("profile_case", "--smoke", "--tokens", "3", "--plain", "--calls", "2", "--option", "token_rows=false",
+                "--option", "direct_max_fill=0.5")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().endswith("tiny M=3 no-dpep+triton bf16: 2 calls") and "Self CPU" not in r.stdout
+    assert r.stdout.strip().endswith("tiny M=3 no-dpep+triton bf16 token_rows=false direct_max_fill=0.5: 2 calls")
+    assert "Self CPU" not in r.stdout
+    from benchmarks.profile_case import parse_options
+    from moebench.kernels.triton.options import TritonOptions
+
+    assert parse_options(["token_rows=false", "pdl=auto", "direct_max_fill=0.5", "one_launch_max_pairs=0"]) == \
+        TritonOptions(token_rows=False, pdl="auto", direct_max_fill=0.5, one_launch_max_pairs=0)
+    r = _runner("profile_case", "--smoke", "--option", "nope=1")
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: --option 'nope=1': give NAME=VALUE with NAME one of")
     r = _runner("profile_case", "--shape", "nope")
     assert r.returncode == 2 and r.stderr.strip().startswith("error: unknown --shape 'nope'; pick one of mixtral,")
     assert len(r.stderr.strip().splitlines()) == 1

@@ -94,9 +94,17 @@ class TritonOptions:
     direct_max_fill: float = 0.25
     #: `token_rows_align`: up to BLOCK_SIZE_M tokens, no alignment kernel: one block per local
     #: expert over all the tokens, each GEMM program finding its expert's tokens in topk_ids.
-    #: "auto" (`wants_token_rows`): where the direct alignment is not taken and M <= BLOCK_SIZE_M,
-    #: unless pair_store or sorted_a is forced on (both need sorted pair rows).
+    #: Blocks of experts no token reaches still launch and exit, after reading the routing, where
+    #: the alignment leaves only its padding: against the alignment kernels (`decode_launches
+    #: --variants notokenrows`) 0.966-0.997 at 4-16 tokens of Mixtral TP8 (E 8, bf16 and fp8 block,
+    #: at most 3 idle experts), 0.91-0.99 at 8-16 tokens of Qwen3-235B TP8 and DeepSeek-V3 TP8 bf16
+    #: (47-155 idle) but 1.05-1.37 in fp8 block there and up to 2.1 under EP8 (GEMM2's many
+    #: exiting programs). "auto" (`wants_token_rows`): where the direct alignment is not taken,
+    #: M <= BLOCK_SIZE_M and uniform routing leaves at most token_rows_max_idle local experts
+    #: without a token in expectation (E_local x exp(-M K / E)), unless pair_store or sorted_a is
+    #: forced on (both need sorted pair rows).
     token_rows: bool | str = "auto"
+    token_rows_max_idle: float = 3.0
     #: The alignment kernels: one launch up to this many pairs (0.96-1.005 of the layer from 2 to 64
     #: tokens against two launches), above it two launches by align_method: "scan", "sort", or "auto"
     #: = sort where local experts x pairs >= sort_min_work (Qwen3-30B 4096 tokens 20.1 -> 8.5 us;
@@ -271,14 +279,19 @@ def wants_direct_align(options: TritonOptions, num_tokens: int, topk: int, num_e
     return not mapped and num_tokens * topk <= options.direct_max_fill * num_experts
 
 
-def wants_token_rows(options: TritonOptions, num_tokens: int, block_size_m: int, scheme=None) -> bool:
-    """options.token_rows for num_tokens tokens and tiles of block_size_m rows, fp8 scheme `scheme`
-    (None: 16-bit); asked after `wants_direct_align` said no. "auto": num_tokens <= block_size_m,
-    unless options.pair_store or options.sorted_a is True. A True that cannot hold
-    (num_tokens > block_size_m) is refused by `token_rows_align`."""
+def wants_token_rows(options: TritonOptions, num_tokens: int, topk: int, num_experts: int, num_local: int,
+                     block_size_m: int) -> bool:
+    """options.token_rows for num_tokens x topk pairs over num_experts global experts (num_local
+    here) and tiles of block_size_m rows; asked after `wants_direct_align` said no. "auto":
+    num_tokens <= block_size_m with at most options.token_rows_max_idle local experts expected
+    idle, num_local x exp(-num_tokens x topk / num_experts), unless options.pair_store or
+    options.sorted_a is True. A True that cannot hold (num_tokens > block_size_m) is refused by
+    `token_rows_align`."""
     if options.token_rows != "auto":
         return bool(options.token_rows)
-    return 0 < num_tokens <= block_size_m and options.pair_store is not True and options.sorted_a is not True
+    if not 0 < num_tokens <= block_size_m or options.pair_store is True or options.sorted_a is True:
+        return False
+    return num_local * math.exp(-num_tokens * topk / max(num_experts, 1)) <= options.token_rows_max_idle
 
 
 def align_kernels(options: TritonOptions, num_local: int, num_pairs: int) -> str:
