@@ -109,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         base = dict(select_config(m, k, w13, w2, e, dt)[0])  # the layer's own lookup
         if args.bm:
             base["BLOCK_SIZE_M"] = args.bm
-        align = align_pairs(ids, base["BLOCK_SIZE_M"], e_local, emap, e)
         opts = TritonOptions()
+        # the sorted layout (its used rows are read below), also where the layer takes token rows
+        align = align_pairs(ids, base["BLOCK_SIZE_M"], e_local, emap, e, options=TritonOptions(token_rows=False))
         tma = resolve_use_tma(opts, base, dt) and tma_ok(w13) and tma_ok(w2)
         wide = gemm1_walk(opts, base, dt, None, False, inter, 0)[0]  # the wide walk from 64-row tiles (no sorted copy)
         split0 = layer_split_k(opts, m, k, e, e_local, h, inter, base, align.max_blocks, num_sms(dev))

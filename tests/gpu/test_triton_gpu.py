@@ -149,11 +149,12 @@ def test_launch_trimming_in_a_cuda_graph(shape):
         assert _rel(layer(), ref) < 2e-2
 
 
-def _routed_layer(w13, w2, emap, e, logits, k):
-    """layer(x, pdl=True): the routing of `logits` (top-k, renormalised), then the Triton experts."""
+def _routed_layer(w13, w2, emap, e, logits, k, **options):
+    """layer(x, pdl=True): the routing of `logits` (top-k, renormalised), then the Triton experts
+    (`options`: further TritonOptions fields)."""
     def layer(inp, pdl=True):
         w, ids = fused_topk_softmax(logits, k, renormalize=True)
-        return X.fused_moe(inp, w13, w2, w, ids, emap, e, options=TritonOptions(pdl=pdl))
+        return X.fused_moe(inp, w13, w2, w, ids, emap, e, options=TritonOptions(pdl=pdl, **options))
     return layer
 
 
@@ -202,6 +203,34 @@ def test_pdl_chain_in_a_cuda_graph(shape, m):
         assert _rel(outs[-1], y) < 3e-2
         eager_pdl, eager = _chain(layer, x)[-1], _chain(lambda inp: layer(inp, False), x)[-1]
         assert _rel(eager_pdl, eager.double()) < 2e-2  # eager, with and without PDL
+
+
+@pytest.mark.parametrize("shape,m,fp8", [("dsv3-ep8", 8, False), ("qwen3-30b-a3b", 16, True), ("mixtral", 4, True)])
+def test_token_rows_in_a_cuda_graph(shape, m, fp8):
+    # The token-rows layout forced on, PDL on, three layers chained in one graph and replayed on new
+    # routings: each GEMM program reads its expert's tokens from topk_ids at every replay (under EP
+    # through the expert map; fp8 block: GEMM2 on the swapped 16-row tile after the quantisation
+    # launch). Each layer against the reference on its graph input, and eagerly against the
+    # alignment kernels' layout.
+    from moebench.quant import QuantScheme, quantize_weights
+
+    x, w13, w2, tw, ti, emap, e = _setup(shape, m)
+    if fp8:
+        w13, w2 = quantize_weights(w13, w2, QuantScheme("fp8_w8a8", "block", (128, 128)))
+    k = ti.shape[1]
+    logits = torch.randn(m, e, device="cuda")
+    layer = _routed_layer(w13, w2, emap, e, logits, k, token_rows=True, direct_align=False)
+    aligned = _routed_layer(w13, w2, emap, e, logits, k, token_rows=False, direct_align=False)
+    graph, outs = _chain_in_graph(layer, x)
+    tol = 1e-2 if fp8 else 2e-2
+    for seed in (5, 6, 7):
+        replay_on_new_inputs(graph, x, seed, logits)
+        torch.cuda.synchronize()
+        w, ids = fused_topk_softmax(logits, k, renormalize=True)
+        for n in range(3):
+            ref = (moebench.reference_moe(outs[n], w13, w2, w, ids, emap) * 8.0).to(x.dtype)
+            assert _rel(outs[n + 1], ref) < tol, (seed, n)
+            assert _rel(outs[n + 1], (aligned(outs[n]) * 8.0).double()) < tol, (seed, n)
 
 
 @pytest.mark.parametrize("m", [1, 16, 512])
