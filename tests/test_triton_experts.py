@@ -492,19 +492,20 @@ def test_triton_token_rows_matches_reference(m, use_map, split_k, dtype, with_bi
 
 def test_triton_token_rows_auto_rule(monkeypatch):
     # Token rows where the direct alignment is not taken, the tokens fit one block and uniform
-    # routing leaves at most token_rows_max_idle (3) local experts idle in expectation (8 experts,
-    # top-4: one token direct, 2 tokens 8 x exp(-1) = 2.9 idle, 16 tokens; 17 tokens the alignment
-    # kernels at 16-row tiles, token rows at 32-row ones; 32 experts at 3 tokens: 22 idle), not
-    # with pair_store forced on or a lower idle bound; token_rows=True beside pair_store=True is refused.
+    # routing leaves at most token_rows_max_idle (1) local experts idle in expectation (8 experts,
+    # top-4: one token direct, 4 tokens 8 x exp(-2) = 1.08 idle, 8 tokens 0.15, 16 tokens; 17 tokens
+    # the alignment kernels at 16-row tiles, token rows at 32-row ones; 32 experts at 3 tokens: 22
+    # idle), not with pair_store forced on or a lower idle bound; token_rows=True beside
+    # pair_store=True is refused.
     calls = []
     real = A.token_rows_align
     monkeypatch.setattr(A, "token_rows_align", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     dtype = torch.bfloat16
-    for e, m, bm, opts, want in ((8, 1, 16, TritonOptions(), []), (8, 2, 16, TritonOptions(), [2]),
-                                 (8, 16, 16, TritonOptions(), [16]), (8, 17, 16, TritonOptions(), []),
-                                 (8, 17, 32, TritonOptions(), [17]), (32, 3, 16, TritonOptions(), []),
-                                 (8, 8, 16, TritonOptions(pair_store=True), []),
-                                 (8, 2, 16, TritonOptions(token_rows_max_idle=1.0), [])):
+    for e, m, bm, opts, want in ((8, 1, 16, TritonOptions(), []), (8, 4, 16, TritonOptions(), []),
+                                 (8, 8, 16, TritonOptions(), [8]), (8, 16, 16, TritonOptions(), [16]),
+                                 (8, 17, 16, TritonOptions(), []), (8, 17, 32, TritonOptions(), [17]),
+                                 (32, 3, 16, TritonOptions(), []), (8, 8, 16, TritonOptions(pair_store=True), []),
+                                 (8, 8, 16, TritonOptions(token_rows_max_idle=0.1), [])):
         calls.clear()
         w13, w2 = _weights(e, dtype)
         x = _x(m, dtype)
@@ -514,8 +515,9 @@ def test_triton_token_rows_auto_rule(monkeypatch):
         assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype], (e, m, bm)
     assert wants_token_rows(TritonOptions(), 8, K, 8, 8, 16)
     assert not wants_token_rows(TritonOptions(sorted_a=True), 8, K, 8, 8, 16)
-    # under EP the idle count is of the local experts: 16 of 64 global, 8 tokens of top-4: 16 x exp(-0.5) = 9.7
-    assert not wants_token_rows(TritonOptions(), 8, K, 64, 16, 16) and wants_token_rows(TritonOptions(), 8, K, 64, 4, 16)
+    # under EP the idle count is of the local experts, 16 tokens of top-4 over 64: 16 local x exp(-1)
+    # = 5.9, 2 local 0.74
+    assert not wants_token_rows(TritonOptions(), 16, K, 64, 16, 16) and wants_token_rows(TritonOptions(), 16, K, 64, 2, 16)
     w13, w2 = _weights(8, dtype)
     x = _x(4, dtype)
     tw, ti = _routing(4, 8, K)

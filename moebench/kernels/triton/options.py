@@ -95,16 +95,17 @@ class TritonOptions:
     #: `token_rows_align`: up to BLOCK_SIZE_M tokens, no alignment kernel: one block per local
     #: expert over all the tokens, each GEMM program finding its expert's tokens in topk_ids.
     #: Blocks of experts no token reaches still launch and exit, after reading the routing, where
-    #: the alignment leaves only its padding: against the alignment kernels (`decode_launches
-    #: --variants notokenrows`) 0.966-0.997 at 4-16 tokens of Mixtral TP8 (E 8, bf16 and fp8 block,
-    #: at most 3 idle experts), 0.91-0.99 at 8-16 tokens of Qwen3-235B TP8 and DeepSeek-V3 TP8 bf16
-    #: (47-155 idle) but 1.05-1.37 in fp8 block there and up to 2.1 under EP8 (GEMM2's many
-    #: exiting programs). "auto" (`wants_token_rows`): where the direct alignment is not taken,
-    #: M <= BLOCK_SIZE_M and uniform routing leaves at most token_rows_max_idle local experts
-    #: without a token in expectation (E_local x exp(-M K / E)), unless pair_store or sorted_a is
-    #: forced on (both need sorted pair rows).
+    #: the alignment leaves only its padding. Against the alignment kernels (`decode_launches
+    #: --variants notokenrows`): Mixtral TP8 (E 8) at 16 tokens 0.975 in both runs (bf16), fp8 block
+    #: 0.971-0.978 at 4-16 tokens, bf16 at 4-8 tokens 0.997 in one run and 1.02 in the next (1-3
+    #: idle experts); Qwen3-235B TP8 and DeepSeek-V3 TP8 bf16 0.91-0.99 at 8-16 tokens (47-155 idle)
+    #: but 1.05-1.37 in fp8 block there and up to 2.1 under EP8 (GEMM2's many exiting programs).
+    #: "auto" (`wants_token_rows`): where the direct alignment is not taken, M <= BLOCK_SIZE_M and
+    #: uniform routing leaves at most token_rows_max_idle local experts without a token in
+    #: expectation (E_local x exp(-M K / E)), unless pair_store or sorted_a is forced on (both need
+    #: sorted pair rows).
     token_rows: bool | str = "auto"
-    token_rows_max_idle: float = 3.0
+    token_rows_max_idle: float = 1.0
     #: The alignment kernels: one launch up to this many pairs (0.96-1.005 of the layer from 2 to 64
     #: tokens against two launches), above it two launches by align_method: "scan", "sort", or "auto"
     #: = sort where local experts x pairs >= sort_min_work (Qwen3-30B 4096 tokens 20.1 -> 8.5 us;
