@@ -444,11 +444,10 @@ def token_rows_align(
     """The token-rows layout for M <= block_size_m tokens, no kernel: block e is local expert e and
     its rows are the M tokens (row e * block_size_m + t = token t), in use where token t routes to
     e (repeated ids in one token's row are one row, whose router weight is their sum: the same
-    sum over top-k). The GEMMs find each block's rows
-    in topk_ids (global ids mapped through expert_map when given) as they start, so blocks of
-    experts no token reaches do nothing; the intermediate has E_local x block_size_m rows. The
-    block ids and used length are cached per (E_local, block_size_m, device) (not while a CUDA
-    graph is being captured)."""
+    sum over top-k). The GEMMs find each block's rows in topk_ids (global ids mapped through
+    expert_map when given) as they start, so blocks of experts no token reaches do nothing; the
+    intermediate has E_local x block_size_m rows. The block ids and used length are cached per
+    (E_local, block_size_m, device) (not while a CUDA graph is being captured)."""
     m, k = topk_ids.shape
     if m > block_size_m:
         raise MoebenchError(f"the token-rows layout takes at most BLOCK_SIZE_M ({block_size_m}) tokens, got {m}")
