@@ -140,12 +140,13 @@ class TritonOptions:
     #: loads, dots and scalings per iteration, twice the bytes of each weight row per step). The
     #: experts' weight stream alone (`fp8_k_step`) moved 3923 -> 4103 GB/s (K 7168) and 3867 -> 3937
     #: (K 2048) with two at 16 rows per expert, nothing or a loss at GEMM2's short K. In the layer
-    #: (`decode_launches --variants kg1` / `kg2`) two took DeepSeek-V3 TP8 (H 7168) to 0.965-0.987 at
+    #: (`decode_launches --variants kg1` / `kg2`) two took DeepSeek-V3 TP8 (H 7168) to 0.942-0.987 at
     #: 1-16 tokens (at most half a pair per expert), 0.995-1.003 at 64-256; Qwen3-235B TP8 and Mixtral
     #: TP8 (H 4096) to 0.878-0.996 at 1-4 tokens, 1.001-1.011 at Qwen3-235B's 16 (one pair per expert),
-    #: 1.07-1.14 at 64 (4-16 pairs per expert); Qwen3-30B (H 2048) 1.004-1.030 everywhere. "auto" (`resolve_k_groups`): 2 at 16-row tiles with pointer
-    #: weight tiles where H >= fp8_k_groups_min_hidden and is a multiple of 2 x BLOCK_SIZE_K, with at
-    #: most fp8_k_groups_max_rows pairs per expert; else 1.
+    #: 1.07-1.14 at 64 (4-16 pairs per expert); Qwen3-30B (H 2048) 1.004-1.030 everywhere. "auto"
+    #: (`resolve_k_groups`): 2 at 16-row tiles with pointer weight tiles where H >=
+    #: fp8_k_groups_min_hidden and is a multiple of 2 x BLOCK_SIZE_K, with at most
+    #: fp8_k_groups_max_rows pairs per expert; else 1.
     fp8_k_groups: int | str = "auto"
     fp8_k_groups_min_hidden: int = 4096
     fp8_k_groups_max_rows: float = 0.5
