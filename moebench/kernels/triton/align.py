@@ -402,6 +402,12 @@ def _align_sorted_chunks(ids, emap, has_map, sorted_ids, expert_ids, ntpp, block
 _DIRECT_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def _may_cache(dev: torch.device) -> bool:
+    """Whether a layout made now on `dev` may be kept for later calls: not while a CUDA graph is
+    being captured (its tensors would hold data only after a replay)."""
+    return dev.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
 def direct_align(
     topk_ids: torch.Tensor, block_size_m: int, expert_map: torch.Tensor | None = None
 ) -> AlignResult:
@@ -429,7 +435,7 @@ def direct_align(
         ntpp = torch.full((1,), num_pairs * block_size_m, dtype=torch.int32, device=dev)
         layout = (sorted_ids.reshape(-1), ntpp)
         small = num_pairs * block_size_m <= 1 << 16  # what `wants_direct_align` picks; forced big ones are not kept
-        if small and (dev.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
+        if small and _may_cache(dev):
             _DIRECT_LAYOUTS[key] = layout
     return AlignResult(layout[0], ids, layout[1], block_size_m, num_pairs, direct=True, expert_map=mapped,
                        remote=expert_map is not None)
@@ -457,7 +463,7 @@ def token_rows_align(
     if layout is None:
         layout = (torch.arange(num_local_experts, dtype=torch.int32, device=dev),
                   torch.full((1,), num_local_experts * block_size_m, dtype=torch.int32, device=dev))
-        if dev.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if _may_cache(dev):
             _TOKEN_ROWS_LAYOUTS[key] = layout
     mapped = None
     if expert_map is not None:
