@@ -9,7 +9,9 @@ Variants (each a TritonOptions, a split or a config; column `current/<name>` or 
 `nodirect`: the alignment kernels also where the direct alignment is the default (`direct_rule`;
 direct_align=False); `direct`: one block per pair at every point (direct_align=True; `direct/current`); `twolaunch`: the two-launch alignment also up to 1024 pairs
 (one_launch_max_pairs=0); `notokenrows`: the alignment kernels also where the token-rows layout is the
-default (token_rows=False; `current/notokenrows`); `sk1` / `sk2` / `sk4`: GEMM2 split 1 / 2 / 4 ways over K instead of the
+default (token_rows=False; `current/notokenrows`); `tokenrows`: the token-rows layout at every point up to
+BLOCK_SIZE_M tokens where the direct alignment is not taken, however many experts stay idle
+(token_rows_max_idle=inf; `tokenrows/current`); `sk1` / `sk2` / `sk4`: GEMM2 split 1 / 2 / 4 ways over K instead of the
 split rule's choice (`sk1` = no wave split; PERF.md measured `sk2` / `sk4` a loss at
 decode); `nopdl`: without programmatic dependent launch (pdl=False), `pdl`: PDL forced on, also where
 "auto" leaves it off (`pdl/nopdl`); `nodown`: GEMM2 with GEMM1's config even where a `_down.json`
@@ -58,6 +60,8 @@ SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
 VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions(direct_align=False)),
             "direct": (None, TritonOptions(direct_align=True)),
             "notokenrows": (None, TritonOptions(token_rows=False)),
+            "tokenrows": (None, TritonOptions(token_rows_max_idle=float("inf"), token_rows_max_idle_share=1.0,
+                                              token_rows_quant_max_idle=float("inf"))),
             "twolaunch": (None, TritonOptions(one_launch_max_pairs=0)), "sk1": (1, TritonOptions()),
             "sk2": (2, TritonOptions()), "sk4": (4, TritonOptions()), "nopdl": (None, TritonOptions(pdl=False)),
             "pdl": (None, TritonOptions(pdl=True)), "nodown": (None, TritonOptions()),
@@ -70,7 +74,7 @@ VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions
             "heuristic": (None, TritonOptions()),
             "again": (None, TritonOptions())}
 #: (a, b) pairs whose ratio a/b each row gets
-RATIOS = (("current", "nodirect"), ("direct", "current"), ("current", "notokenrows"), ("current", "twolaunch"), ("current", "sk1"), ("sk2", "current"), ("sk4", "current"),
+RATIOS = (("current", "nodirect"), ("direct", "current"), ("current", "notokenrows"), ("tokenrows", "current"), ("current", "twolaunch"), ("current", "sk1"), ("sk2", "current"), ("sk4", "current"),
           ("current", "nopdl"), ("pdl", "nopdl"), ("current", "nodown"), ("current", "nosorted"), ("sorted", "nosorted"),
           ("wide", "current"), ("pairstore", "atomic"), ("current", "atomic"), ("tma", "current"), ("current", "noswap"),
           ("swapab", "noswap"), ("current", "kg1"), ("kg2", "current"), ("heuristic", "current"), ("again", "current"))

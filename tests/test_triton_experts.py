@@ -461,21 +461,23 @@ def test_token_rows_layout():
         token_rows_align(torch.zeros((5, 2), dtype=torch.int32, device=DEV), 4, 8)
 
 
-@pytest.mark.parametrize("m,use_map,split_k,dtype,with_bias", [(5, False, 1, torch.float32, False),
-                                                               (16, True, 2, torch.bfloat16, False),
-                                                               (9, False, 1, torch.bfloat16, True)])
-def test_triton_token_rows_matches_reference(m, use_map, split_k, dtype, with_bias):
+@pytest.mark.parametrize("m,use_map,split_k,dtype,with_bias,topk", [(5, False, 1, torch.float32, False, K),
+                                                                    (16, True, 2, torch.bfloat16, False, K),
+                                                                    (9, False, 1, torch.bfloat16, True, K),
+                                                                    (7, True, 1, torch.float32, False, 3)])
+def test_triton_token_rows_matches_reference(m, use_map, split_k, dtype, with_bias, topk):
     # Forced token rows against the reference: a token whose top-k repeats an expert (one row, the
     # router weights summed), with a map remote experts skipped and a token all remote, GEMM2 split
-    # over K, the biases of both GEMMs; 16 tokens fill a 16-row block.
+    # over K, the biases of both GEMMs; 16 tokens fill a 16-row block; a top-k that is not a power
+    # of two (the routing tile's padded columns).
     e_global, e_local = (E, 8) if use_map else (6, 6)
     emap = random_expert_map(e_global, e_local, DEV) if use_map else None
     w13, w2 = _weights(e_local, dtype)
     x = _x(m, dtype)
-    tw, ti = _routing(m, e_global, K)
+    tw, ti = _routing(m, e_global, topk)
     ti[0, 1] = ti[0, 0]
     if use_map:
-        ti[1] = torch.nonzero(emap.cpu() < 0).reshape(-1)[:K].to(DEV, torch.int32)  # token 1: all remote
+        ti[1] = torch.nonzero(emap.cpu() < 0).reshape(-1)[:topk].to(DEV, torch.int32)  # token 1: all remote
     bias = None
     if with_bias:
         g = torch.Generator().manual_seed(3)
@@ -492,11 +494,12 @@ def test_triton_token_rows_matches_reference(m, use_map, split_k, dtype, with_bi
 
 def test_triton_token_rows_auto_rule(monkeypatch):
     # Token rows where the direct alignment is not taken, the tokens fit one block and uniform
-    # routing leaves at most token_rows_max_idle (1) local experts idle in expectation (8 experts,
-    # top-4: one token direct, 4 tokens 8 x exp(-2) = 1.08 idle, 8 tokens 0.15, 16 tokens; 17 tokens
-    # the alignment kernels at 16-row tiles, token rows at 32-row ones; 32 experts at 3 tokens: 22
-    # idle), not with pair_store forced on or a lower idle bound; token_rows=True beside
-    # pair_store=True is refused.
+    # routing leaves few local experts idle in expectation. 16-bit, 8 experts (fewer than
+    # token_rows_min_local), top-4: at most token_rows_max_idle (1); one token direct, 4 tokens
+    # 8 x exp(-2) = 1.08 idle, 8 tokens 0.15, 16 tokens; 17 tokens the alignment kernels at 16-row
+    # tiles, token rows at 32-row ones. 32 experts at 6 tokens: 15 idle, within
+    # token_rows_max_idle_share (0.7 x 32), at 3 tokens 22 (0.69), past a share of 0.5. Not with
+    # pair_store forced on or a lower idle bound; token_rows=True beside pair_store=True is refused.
     calls = []
     real = A.token_rows_align
     monkeypatch.setattr(A, "token_rows_align", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
@@ -504,7 +507,10 @@ def test_triton_token_rows_auto_rule(monkeypatch):
     for e, m, bm, opts, want in ((8, 1, 16, TritonOptions(), []), (8, 4, 16, TritonOptions(), []),
                                  (8, 8, 16, TritonOptions(), [8]), (8, 16, 16, TritonOptions(), [16]),
                                  (8, 17, 16, TritonOptions(), []), (8, 17, 32, TritonOptions(), [17]),
-                                 (32, 3, 16, TritonOptions(), []), (8, 8, 16, TritonOptions(pair_store=True), []),
+                                 (32, 6, 16, TritonOptions(), [6]), (32, 3, 16, TritonOptions(), [3]),
+                                 (32, 3, 16, TritonOptions(token_rows_max_idle_share=0.5), []),
+                                 (32, 6, 16, TritonOptions(token_rows_min_local=64), []),
+                                 (8, 8, 16, TritonOptions(pair_store=True), []),
                                  (8, 8, 16, TritonOptions(token_rows_max_idle=0.1), [])):
         calls.clear()
         w13, w2 = _weights(e, dtype)
@@ -515,9 +521,18 @@ def test_triton_token_rows_auto_rule(monkeypatch):
         assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype], (e, m, bm)
     assert wants_token_rows(TritonOptions(), 8, K, 8, 8, 16)
     assert not wants_token_rows(TritonOptions(sorted_a=True), 8, K, 8, 8, 16)
-    # under EP the idle count is of the local experts, 16 tokens of top-4 over 64: 16 local x exp(-1)
-    # = 5.9, 2 local 0.74
-    assert not wants_token_rows(TritonOptions(), 16, K, 64, 16, 16) and wants_token_rows(TritonOptions(), 16, K, 64, 2, 16)
+    # under EP the idle count is of the local experts, 16 tokens of top-4 over 64: 8 local x exp(-1)
+    # = 2.9, 2 local 0.74, 16 local 5.9 (at least token_rows_min_local)
+    assert not wants_token_rows(TritonOptions(), 16, K, 64, 8, 16) and wants_token_rows(TritonOptions(), 16, K, 64, 2, 16)
+    assert wants_token_rows(TritonOptions(), 16, K, 64, 16, 16)
+    # E 512 at 16 tokens of top-10: 374 idle, 73%; E 256 with 32 local (EP8) at 2 tokens of top-8: 94%
+    assert not wants_token_rows(TritonOptions(), 16, 10, 512, 512, 16)
+    assert not wants_token_rows(TritonOptions(), 2, 8, 256, 32, 16) and wants_token_rows(TritonOptions(), 16, 8, 256, 32, 16)
+    # quantised weights: up to token_rows_quant_max_idle (4), whatever the expert count: 8 x exp(-1)
+    # = 2.9 on, 16 local 5.9 off
+    block = QuantScheme("fp8_w8a8", "block", (128, 128))
+    assert wants_token_rows(TritonOptions(), 16, K, 64, 8, 16, block)
+    assert not wants_token_rows(TritonOptions(), 16, K, 64, 16, 16, block)
     w13, w2 = _weights(8, dtype)
     x = _x(4, dtype)
     tw, ti = _routing(4, 8, K)

@@ -490,7 +490,7 @@ def align_pairs(
     m, k = topk_ids.shape
     if wants_direct_align(options, m, k, num_experts, scheme, expert_map is not None):
         return direct_align(topk_ids, block_size_m, expert_map)
-    if wants_token_rows(options, m, k, num_experts, num_local_experts, block_size_m):
+    if wants_token_rows(options, m, k, num_experts, num_local_experts, block_size_m, scheme):
         return token_rows_align(topk_ids, block_size_m, num_local_experts, expert_map)
     return moe_align_block_size(topk_ids, block_size_m, num_local_experts, expert_map, options=options, pdl=pdl)
 

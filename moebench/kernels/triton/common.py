@@ -101,26 +101,29 @@ def tile_rows(row0, sorted_ids_ptr, num_pairs, TOPK: tl.constexpr, ROWS: tl.cons
 
 
 @triton.jit
-def token_rows(expert, ids_ptr, expert_map_ptr, weights_ptr, num_pairs, TOPK: tl.constexpr, ROWS: tl.constexpr,
-               MAPPED: tl.constexpr, WEIGHTED: tl.constexpr):
+def token_rows(expert, ids_ptr, expert_map_ptr, weights_ptr, num_pairs, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+               ROWS: tl.constexpr, MAPPED: tl.constexpr, WEIGHTED: tl.constexpr):
     """Block `expert` of the token-rows layout (align.token_rows_align: M <= ROWS tokens, one block
     per local expert, row t = token t): (offs_m, pair, row_ok, token, weight), each (ROWS,). Row t
     is in use when token t routes to the expert (topk_ids at ids_ptr, (M, K) flat; global ids mapped
-    through expert_map when MAPPED); pair = its (t, k) pair (the sentinel M*K otherwise); weight
-    (WEIGHTED) = the sum of the router weights of the token's pairs to this expert, one pair but
-    for repeated ids, else zeros. Reads only the step's inputs, so also before `pdl_wait`."""
+    through expert_map when MAPPED); pair = its (t, k) pair (the last such k; the sentinel M*K
+    otherwise); weight (WEIGHTED) = the sum of the router weights of the token's pairs to this
+    expert, one pair but for repeated ids, else zeros. TOPK_PAD: TOPK's next power of two. The
+    routing is read as one (ROWS, TOPK_PAD) tile, so that a block without a token (most of them
+    at a few tokens) exits after one load. Reads only the step's inputs, so also before `pdl_wait`."""
     token = tl.arange(0, ROWS).to(tl.int64)
-    in_m = token * TOPK < num_pairs
-    pair = tl.full((ROWS,), num_pairs, tl.int64)
+    k = tl.arange(0, TOPK_PAD)
+    flat = token[:, None] * TOPK + k[None, :]
+    in_m = (k[None, :] < TOPK) & (flat < num_pairs)
+    e = tl.load(ids_ptr + flat, mask=in_m, other=-1).to(tl.int64)
+    if MAPPED:
+        e = tl.load(expert_map_ptr + e, mask=e >= 0, other=-1).to(tl.int64)
+    hit = e == expert
+    pair = tl.max(tl.where(hit, flat, -1), axis=1)
+    pair = tl.where(pair < 0, num_pairs, pair)
     weight = tl.zeros((ROWS,), tl.float32)
-    for k in tl.static_range(TOPK):
-        e = tl.load(ids_ptr + token * TOPK + k, mask=in_m, other=-1).to(tl.int64)
-        if MAPPED:
-            e = tl.load(expert_map_ptr + e, mask=e >= 0, other=-1).to(tl.int64)
-        hit = e == expert
-        pair = tl.where(hit, token * TOPK + k, pair)
-        if WEIGHTED:
-            weight += tl.where(hit, tl.load(weights_ptr + token * TOPK + k, mask=hit, other=0.0).to(tl.float32), 0.0)
+    if WEIGHTED:
+        weight = tl.sum(tl.load(weights_ptr + flat, mask=hit, other=0.0).to(tl.float32), axis=1)
     return expert * ROWS + tl.arange(0, ROWS), pair, pair < num_pairs, token, weight
 
 

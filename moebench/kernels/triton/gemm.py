@@ -157,6 +157,7 @@ def silu_mul_gemm1_kernel(
     SWAP_AB: tl.constexpr = False,  # accumulate (BN, BM) = w^T x^T (common.mma), transposed back after the K loop
     K_GROUPS: tl.constexpr = 1,  # paired walk: K steps per loop iteration (H a multiple of K_GROUPS x BLOCK_SIZE_K)
     TOKEN_ROWS: tl.constexpr = False,  # the token-rows layout: sorted_ids_ptr is topk_ids, block = local expert
+    TOPK_PAD: tl.constexpr = 1,  # TOKEN_ROWS: TOPK's next power of two
 ):
     # Program id -> (block of sorted pairs, intermediate tile), grouped for L2 reuse of weights.
     pid = tl.program_id(0)
@@ -182,7 +183,7 @@ def silu_mul_gemm1_kernel(
     if TOKEN_ROWS:
         expert = pid_m.to(tl.int64)
         offs_m, pair, row_ok, token, _ = token_rows(expert, sorted_ids_ptr, expert_map_ptr, sorted_ids_ptr, num_pairs,
-                                                    TOPK, BLOCK_SIZE_M, MAPPED, False)
+                                                    TOPK, TOPK_PAD, BLOCK_SIZE_M, MAPPED, False)
         if tl.max(row_ok.to(tl.int32), axis=0) == 0:
             return
     else:
@@ -356,6 +357,7 @@ def gemm2_weighted_sum_kernel(
     PAIR_STORE: tl.constexpr = False,  # ws_ptr is (M*K, H): store each pair's row (no K split)
     SWAP_AB: tl.constexpr = False,  # as in GEMM1
     TOKEN_ROWS: tl.constexpr = False,  # as in GEMM1 (never with PAIR_STORE)
+    TOPK_PAD: tl.constexpr = 1,  # as in GEMM1
 ):
     # Program id -> (block, hidden tile) grouped as in GEMM1; axis 1 = K split.
     pid = tl.program_id(0)
@@ -370,7 +372,7 @@ def gemm2_weighted_sum_kernel(
     if TOKEN_ROWS:
         expert = pid_m.to(tl.int64)
         offs_m, pair, row_ok, token, w_rows = token_rows(expert, sorted_ids_ptr, expert_map_ptr, topk_weights_ptr,
-                                                         num_pairs, TOPK, BLOCK_SIZE_M, MAPPED, True)
+                                                         num_pairs, TOPK, TOPK_PAD, BLOCK_SIZE_M, MAPPED, True)
         if tl.max(row_ok.to(tl.int32), axis=0) == 0:
             return
         pdl_wait(PDL)
@@ -642,7 +644,7 @@ def launch_gemm1(
         ZERO_OUT=zero is not None, WIDE=wide, QUANT_OUT=out_scale is not None, ACT_DTYPE=_TL_DTYPES[act_dtype],
         MAPPED=align.expert_map is not None, A_TMA=sorted_a, ACTIVATION=activation.kind, HAS_BIAS=b13 is not None,
         INTERLEAVED=il, SWAP_AB=swap_ab, K_GROUPS=k_groups, TOKEN_ROWS=align.token_rows,
-        num_warps=config["num_warps"],
+        TOPK_PAD=triton.next_power_of_2(topk), num_warps=config["num_warps"],
         num_stages=config["num_stages"], **quant, **wq_meta(w13), **pdl_launch_args(pdl),
     )
     return inter
@@ -706,7 +708,8 @@ def launch_gemm2(
         EVEN_K=(n_inter % k_per_split == 0) and (k_per_split % bk == 0), UPCAST=upcast,
         IEEE_DOT=inter.dtype == torch.float32 or upcast, USE_TMA=use_tma, MAPPED=align.expert_map is not None,
         HAS_BIAS=b2 is not None, PAIR_STORE=pair_store, SWAP_AB=swap_ab, TOKEN_ROWS=align.token_rows,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **quant, **wq_meta(w2), **pdl_launch_args(pdl),
+        TOPK_PAD=triton.next_power_of_2(topk), num_warps=config["num_warps"], num_stages=config["num_stages"],
+        **quant, **wq_meta(w2), **pdl_launch_args(pdl),
     )
     return ws
 

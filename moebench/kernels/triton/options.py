@@ -93,19 +93,26 @@ class TritonOptions:
     direct_align: bool | str = "auto"
     direct_max_fill: float = 0.25
     #: `token_rows_align`: up to BLOCK_SIZE_M tokens, no alignment kernel: one block per local
-    #: expert over all the tokens, each GEMM program finding its expert's tokens in topk_ids.
-    #: Blocks of experts no token reaches still launch and exit, after reading the routing, where
-    #: the alignment leaves only its padding. Against the alignment kernels (`decode_launches
-    #: --variants notokenrows`): Mixtral TP8 (E 8) at 16 tokens 0.975 in both runs (bf16), fp8 block
-    #: 0.971-0.978 at 4-16 tokens, bf16 at 4-8 tokens 0.997 in one run and 1.02 in the next (1-3
-    #: idle experts); Qwen3-235B TP8 and DeepSeek-V3 TP8 bf16 0.91-0.99 at 8-16 tokens (47-155 idle)
-    #: but 1.05-1.37 in fp8 block there and up to 2.1 under EP8 (GEMM2's many exiting programs).
-    #: "auto" (`wants_token_rows`): where the direct alignment is not taken, M <= BLOCK_SIZE_M and
-    #: uniform routing leaves at most token_rows_max_idle local experts without a token in
-    #: expectation (E_local x exp(-M K / E)), unless pair_store or sorted_a is forced on (both need
+    #: expert over all the tokens, each GEMM program finding its expert's tokens in topk_ids (one
+    #: load of the routing tile). Blocks of experts no token reaches still launch, read the routing
+    #: and exit; at one block per SM (the large decode tiles' shared memory) each such program
+    #: holds an SM for about half a microsecond. Against the alignment kernels (`decode_launches
+    #: --variants tokenrows,notokenrows`; PERF.md section 6), 16-bit weights: 0.925-0.99 with
+    #: 32-256 local experts and 61-78% of them idle (4-16 tokens); 1.003-1.007 at 73% (E 512),
+    #: 1.99 at 94% (DeepSeek-V3's EP8 shard at 2 tokens: 20 against 7 us in GEMM2 alone); Mixtral
+    #: TP8 (8 experts) 0.975 at 16 tokens, but 1.04-1.055 at 2-8. fp8 block: 0.967-0.992 on
+    #: Mixtral at 4-16 tokens (up to 3.7 idle), 0.994-1.069 with 20-155 idle experts.
+    #: "auto" (`wants_token_rows`): where the direct alignment is not taken and M <= BLOCK_SIZE_M,
+    #: by idle = E_local x exp(-M K / E), the local experts uniform routing leaves without a token
+    #: in expectation: 16-bit weights up to token_rows_max_idle, or with at least
+    #: token_rows_min_local local experts up to token_rows_max_idle_share of them; quantised weights
+    #: up to token_rows_quant_max_idle. Never where pair_store or sorted_a is forced on (both need
     #: sorted pair rows).
     token_rows: bool | str = "auto"
     token_rows_max_idle: float = 1.0
+    token_rows_min_local: int = 16
+    token_rows_max_idle_share: float = 0.7
+    token_rows_quant_max_idle: float = 4.0
     #: The alignment kernels: one launch up to this many pairs (0.96-1.005 of the layer from 2 to 64
     #: tokens against two launches), above it two launches by align_method: "scan", "sort", or "auto"
     #: = sort where local experts x pairs >= sort_min_work (Qwen3-30B 4096 tokens 20.1 -> 8.5 us;
@@ -282,18 +289,22 @@ def wants_direct_align(options: TritonOptions, num_tokens: int, topk: int, num_e
 
 
 def wants_token_rows(options: TritonOptions, num_tokens: int, topk: int, num_experts: int, num_local: int,
-                     block_size_m: int) -> bool:
+                     block_size_m: int, scheme=None) -> bool:
     """options.token_rows for num_tokens x topk pairs over num_experts global experts (num_local
-    here) and tiles of block_size_m rows; asked after `wants_direct_align` said no. "auto":
-    num_tokens <= block_size_m with at most options.token_rows_max_idle local experts expected
-    idle, num_local x exp(-num_tokens x topk / num_experts), unless options.pair_store or
-    options.sorted_a is True. A True that cannot hold (num_tokens > block_size_m) is refused by
-    `token_rows_align`."""
+    here), tiles of block_size_m rows and weights of `scheme` (None: 16-bit); asked after
+    `wants_direct_align` said no. "auto": num_tokens <= block_size_m with few enough local experts
+    expected idle, num_local x exp(-num_tokens x topk / num_experts) (the bounds of
+    TritonOptions.token_rows), unless options.pair_store or options.sorted_a is True. A True that
+    cannot hold (num_tokens > block_size_m) is refused by `token_rows_align`."""
     if options.token_rows != "auto":
         return bool(options.token_rows)
     if not 0 < num_tokens <= block_size_m or options.pair_store is True or options.sorted_a is True:
         return False
-    return num_local * math.exp(-num_tokens * topk / max(num_experts, 1)) <= options.token_rows_max_idle
+    idle = num_local * math.exp(-num_tokens * topk / max(num_experts, 1))
+    if scheme is not None:
+        return idle <= options.token_rows_quant_max_idle
+    many = num_local >= options.token_rows_min_local and idle <= options.token_rows_max_idle_share * num_local
+    return idle <= options.token_rows_max_idle or many
 
 
 def align_kernels(options: TritonOptions, num_local: int, num_pairs: int) -> str:
