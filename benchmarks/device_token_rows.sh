@@ -18,6 +18,6 @@ for p in "" --fp8-block; do
     --tokens "$T" --rounds 3 --reps 20 --shapes "$S" 2>&1 | tail -n 60 | tee -a "$log"
 done
 step "(b) vllm_kernel bf16"
-OUT="$OUT/vk" timeout "${VK_S:-150}" python3 -m benchmarks vllm_kernel --shapes qwen3-30b-a3b,qwen3-235b-tp8 --precisions bf16 \
-  --tokens "${VK_TOKENS:-8,16,24,32}" --routings 2 2>&1 | tail -n 14 | tee -a "$log"
+OUT="$OUT/vk" timeout "${VK_S:-150}" python3 -m benchmarks vllm_kernel --precisions bf16 --routings 2 \
+  --shapes "${VK_SHAPES:-qwen3-30b-a3b,qwen3-235b-tp8,mixtral-tp8,mixtral}" --tokens "${VK_TOKENS:-8,16}" 2>&1 | tail -n 20 | tee -a "$log"
 step done
