@@ -71,8 +71,12 @@ def round_e4m3(v):
 @triton.jit
 def quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
     """Store clamp(x / scale[:, None], +-448) as e4m3 at q_ptrs (x (BM, BK) fp32; also the fused
-    epilogue of the Triton experts' GEMM1, moebench.kernels.triton.gemm)."""
-    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    epilogue of the Triton experts' GEMM1, moebench.kernels.triton.gemm). A zero is stored as itself
+    (its sign kept) and divided as scale / scale: a zero dividend sends div_rn down its slow path,
+    which made the quantisation of the alignment's zero sentinel rows twice as slow as random rows."""
+    s = tl.broadcast_to(scale[:, None], x.shape)
+    zero = x == 0.0
+    v = tl.where(zero, x, tl.math.div_rn(tl.where(zero, s, x), s))
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if EXACT_ROUND:
         v = round_e4m3(v)
