@@ -335,3 +335,12 @@ def test_vendor_gemms_smoke(tmp_path):
     assert len(rows) == 1 and int(rows[0]["pairs"]) == 16 and float(rows[0]["floor_us"]) >= 0
     assert float(rows[0]["triton_err"]) < 2e-2
     assert rows[0].get("deepgemm_note") or float(rows[0]["deepgemm_err"]) < 2e-2
+
+
+def test_quant_rows_smoke(tmp_path):
+    # the layer's intermediate quantisation (its used rows) and synthetic rows, each checked bit for
+    # bit against quantize_activation inside the case
+    rows = _smoke("quant_rows", tmp_path)
+    whats = [r["what"] for r in rows]
+    assert "layer intermediate" in whats and whats[-3:] == ["randn", "zeros", "one row"]
+    assert all(float(r["us"]) > 0 for r in rows)
