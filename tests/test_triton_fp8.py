@@ -156,12 +156,20 @@ def test_quantize_rows_rounding_edges():
 @pytest.mark.parametrize("name", ["token", "block32"])
 def test_quantize_rows_limits(name):
     # row_limit: rows past it are not written (the Standard intermediate past
-    # num_tokens_post_padded); batch_counts: rows past each batch's count are not written.
+    # num_tokens_post_padded); pair_rows: nor are sentinel rows; batch_counts: rows past each
+    # batch's count are not written.
     scheme = SCHEMES[name]
     x = _x(12, h=100)
     q, s = quantize_rows(x, scheme, row_limit=torch.tensor([5], dtype=torch.int32, device=DEV))
     q_ref, s_ref = quantize_activation(x, scheme)
     assert torch.equal(q[:5].view(torch.uint8), q_ref[:5].view(torch.uint8)) and torch.equal(s[:5], s_ref[:5])
+    # pair_rows: of the rows below the limit only those whose sorted id is a pair (< 9)
+    ids = torch.tensor([0, 9, 3, 9, 9, 1, 9, 9, 2, 9, 9, 9], dtype=torch.int32, device=DEV)
+    q, s = quantize_rows(x, scheme, row_limit=torch.tensor([8], dtype=torch.int32, device=DEV), pair_rows=(ids, 9))
+    pairs = [0, 2, 5]
+    assert torch.equal(q[pairs].view(torch.uint8), q_ref[pairs].view(torch.uint8)) and torch.equal(s[pairs], s_ref[pairs])
+    with pytest.raises(MoebenchError, match="pair_rows gives 4 sorted ids for 12 rows"):
+        quantize_rows(x, scheme, pair_rows=(ids[:4], 9))
     xb = x.view(3, 4, 100)
     counts = torch.tensor([0, 4, 2], dtype=torch.int32, device=DEV)
     q, s = quantize_rows(xb, scheme, batch_counts=counts)
@@ -609,3 +617,30 @@ def test_fp8_token_rows(name):
         aligned = fused_moe(x, q13, q2, tw, ti, emap, E, _cfg(scheme), options=TritonOptions(token_rows=False))
     assert rel_err(rows, ref) < TIGHT and rel_err(aligned, ref) < TIGHT
     assert rel_err(rows, aligned.double()) < TIGHT
+
+
+@pytest.mark.parametrize("name,m", [("block128", 1), ("block128", 3), ("token", 13), ("block32", 13)])
+def test_intermediate_sentinel_rows_are_never_read(name, m, monkeypatch):
+    # The intermediate's quantisation skips the alignment's sentinel rows (pair_rows): GEMM2 must
+    # not let whatever they hold reach the output. Here they hold NaN (q and scale) after it ran.
+    import moebench.kernels.triton.gemm as gemm_mod
+
+    real = gemm_mod.quantize_rows
+
+    def poisoning(x, scheme, static=None, **kw):
+        q, s = real(x, scheme, static, **kw)
+        ids, num_pairs = kw["pair_rows"]
+        sentinel = ids[: q.shape[0]] >= num_pairs
+        q.view(torch.uint8)[sentinel] = 0x7F  # e4m3 NaN
+        if s.stride(0):
+            s[sentinel] = float("nan")
+        return q, s
+
+    monkeypatch.setattr(gemm_mod, "quantize_rows", poisoning)
+    scheme = SCHEMES[name]
+    q13, q2 = _qweights(scheme)
+    x = _x(m)
+    tw, ti = _routing(m, E, K)
+    out = fused_moe(x, q13, q2, tw, ti, None, E, _cfg(scheme), options=TritonOptions(token_rows=False))
+    assert not out.isnan().any()
+    assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT

@@ -821,8 +821,12 @@ def fused_moe_gemms(
     if fuse:
         inter_scale = w2.input_scale.to(device=x.device, dtype=torch.float32).reshape(1, 1).expand(inter.shape[0], 1)
     elif fp8:
-        # Only rows < num_tokens_post_padded are in use (read on the device).
-        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded)
+        # Only rows < num_tokens_post_padded are in use (read on the device), and of those only the
+        # pairs' rows: GEMM2 masks the output rows of sentinels, whatever they hold. (The token-rows
+        # layout has no sorted ids: there every row of a used block is quantised.)
+        pair_rows = None if align.token_rows else (align.sorted_token_ids, align.num_pairs)
+        inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, row_limit=align.num_tokens_post_padded,
+                                           pair_rows=pair_rows)
     cfg2, tma2 = config, use_tma
     if down_config is not None:
         if down_config["BLOCK_SIZE_M"] != config["BLOCK_SIZE_M"]:

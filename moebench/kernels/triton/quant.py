@@ -90,6 +90,8 @@ def quant_rows_kernel(
     s_ptr,  # (B, T, G) fp32 out (dynamic schemes only)
     static_ptr,  # (1,) fp32 static scale (STATIC only)
     limit_ptr,  # LIMIT == 1: (1,) rows in use; LIMIT == 2: (B,) rows in use per batch
+    ids_ptr,  # PAIR_ROWS: (T,) sorted pair ids of the rows; a row is quantised where its id < num_pairs
+    num_pairs,
     T,
     K,
     group_k,  # columns per scale group (K for one group per row)
@@ -108,6 +110,7 @@ def quant_rows_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EXACT_ROUND: tl.constexpr,  # interpreter: round in fp32 before the cast
+    PAIR_ROWS: tl.constexpr = False,  # only the rows of pairs (not the alignment's sentinel rows)
 ):
     pid_m = tl.program_id(0)
     grp = tl.program_id(1)
@@ -121,6 +124,8 @@ def quant_rows_kernel(
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < rows_used
+    if PAIR_ROWS:
+        row_ok &= tl.load(ids_ptr + offs_m, mask=row_ok, other=num_pairs) < num_pairs
     rows = offs_m.to(tl.int64)
     k_lo = grp * group_k
     k_hi = tl.minimum(k_lo + group_k, K)
@@ -168,6 +173,7 @@ def _launch(
     static: torch.Tensor | None,
     row_limit: torch.Tensor | None,
     batch_counts: torch.Tensor | None,
+    pair_rows: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """x3, q3 (B, T, K); s3 (B, T, G) for the dynamic schemes; static (1,) fp32 for tensor."""
     nb, t, k = x3.shape
@@ -189,11 +195,12 @@ def _launch(
     s_strides = s3.stride() if s3 is not None else (0, 0, 0)
     static_arg = static if static is not None else x3
     grid = (triton.cdiv(t, block_m), groups, nb)
+    ids, num_pairs = pair_rows if pair_rows is not None else (limit, 0)
     quant_rows_kernel[grid](
-        x3, q3, s_arg, static_arg, limit, t, k, group_k,
+        x3, q3, s_arg, static_arg, limit, ids, num_pairs, t, k, group_k,
         x3.stride(0), x3.stride(1), x3.stride(2), q3.stride(0), q3.stride(1), q3.stride(2), *s_strides,
         STATIC=is_static, LIMIT=mode, ONE_CHUNK=group_k <= block_k, BLOCK_M=block_m, BLOCK_K=block_k,
-        EXACT_ROUND=interpreting(), num_warps=4,
+        EXACT_ROUND=interpreting(), PAIR_ROWS=pair_rows is not None, num_warps=4,
     )
 
 
@@ -204,6 +211,7 @@ def quantize_rows(
     *,
     row_limit: torch.Tensor | None = None,
     batch_counts: torch.Tensor | None = None,
+    pair_rows: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) float -> (q (..., K) float8_e4m3fn, scale (..., G) float32), equal bit for bit to
     moebench.quant.quantize_activation(x, scheme, static_scale), computed by one Triton launch.
@@ -212,8 +220,11 @@ def quantize_rows(
     rows (stride 0); token: one scale per row; block: one per row and bk columns.
 
     row_limit (1,) int32 on the device: only rows < row_limit[0] of a 2-D x are quantised;
-    batch_counts (B,): x is (B, T, K) and only rows [0, count[b]) of batch b are. Skipped rows of q
-    and of a dynamic scale stay unwritten. Neither synchronises with the host."""
+    batch_counts (B,): x is (B, T, K) and only rows [0, count[b]) of batch b are. pair_rows
+    (sorted_ids (rows,), num_pairs), with a 2-D x: only rows whose sorted id is a pair (< num_pairs)
+    are, not the alignment's sentinel rows (most of a decode call's intermediate; GEMM2 masks their
+    output rows). Skipped rows of q and of a dynamic scale stay unwritten. None of these
+    synchronises with the host."""
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise MoebenchError(f"quantize_rows takes fp32/fp16/bf16 activations, got {x.dtype}")
     k = x.shape[-1]
@@ -223,8 +234,10 @@ def quantize_rows(
             raise MoebenchError("quantize_rows: batch_counts needs x (B, T, K) and B counts")
         x3 = x
     else:
-        if row_limit is not None and x.dim() != 2:
-            raise MoebenchError("quantize_rows: row_limit needs a 2-D x (rows, K)")
+        if (row_limit is not None or pair_rows is not None) and x.dim() != 2:
+            raise MoebenchError("quantize_rows: row_limit and pair_rows need a 2-D x (rows, K)")
+        if pair_rows is not None and pair_rows[0].numel() < x.shape[0]:
+            raise MoebenchError(f"quantize_rows: pair_rows gives {pair_rows[0].numel()} sorted ids for {x.shape[0]} rows")
         x3 = x.reshape(1, -1, k)
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     q3 = q.view(x3.shape)
@@ -234,13 +247,13 @@ def quantize_rows(
             static = scale_of(amax).reshape(1)
         else:
             static = static_scale.to(device=x.device, dtype=torch.float32).reshape(1)
-        _launch(x3, q3, None, scheme, static, row_limit, batch_counts)
+        _launch(x3, q3, None, scheme, static, row_limit, batch_counts, pair_rows)
         return q, static.reshape([1] * (len(lead) + 1)).expand(*lead, 1)
     groups = scheme.num_groups(k)
     if x.numel() == 0:
         return q, torch.ones((*lead, groups), dtype=torch.float32, device=x.device)
     s = torch.empty((*lead, groups), dtype=torch.float32, device=x.device)
-    _launch(x3, q3, s.view(*x3.shape[:-1], groups), scheme, None, row_limit, batch_counts)
+    _launch(x3, q3, s.view(*x3.shape[:-1], groups), scheme, None, row_limit, batch_counts, pair_rows)
     return q, s
 
 
