@@ -7,7 +7,8 @@ against moebench.quant.quantize_activation.
     PYTHONPATH=. python -m benchmarks quant_rows [--shape qwen3-30b-a3b] [--tokens 1,4,512] [--smoke]
 
 Columns: what (layer x / layer intermediate / randn / zeros / one row), rows, cols, row_limit (the
-intermediate's used rows, read on the device), us (CUDA-graph replay), layer_us (the whole layer
+intermediate's used rows, read on the device), pair_rows (of those, the pairs' rows: the only
+ones quantised), us (CUDA-graph replay), layer_us (the whole layer
 call, for scale). Writes quant_rows.csv / .md under $OUT (default ./bench-out). --smoke: a tiny
 shape on CPU under the Triton interpreter (checks the script; its times mean nothing).
 """
@@ -54,11 +55,17 @@ def _layer_calls(kern, args: tuple, kwargs: dict) -> list[tuple]:
 
 
 def _checked_us(x: torch.Tensor, scheme, static, kw: dict) -> float:
-    """us of quantize_rows(x, ...) alone, after checking its used rows bit for bit."""
+    """us of quantize_rows(x, ...) alone, after checking the rows it quantises bit for bit (those
+    below row_limit and, with pair_rows, of pairs)."""
     q, s = quant_mod.quantize_rows(x, scheme, static, **kw)
-    used = int(kw["row_limit"].item()) if kw.get("row_limit") is not None else x.shape[0]
-    q_ref, s_ref = quantize_activation(x[:used], scheme, static)
-    if not (torch.equal(q[:used].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s[:used], s_ref)):
+    rows = torch.arange(x.shape[0], device=x.device)
+    if kw.get("row_limit") is not None:
+        rows = rows[rows < kw["row_limit"].item()]
+    if kw.get("pair_rows") is not None:
+        ids, num_pairs = kw["pair_rows"]
+        rows = rows[ids[rows] < num_pairs]
+    q_ref, s_ref = quantize_activation(x[rows], scheme, static)
+    if not (torch.equal(q[rows].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s[rows], s_ref)):
         raise SystemExit(f"error: quantize_rows of {tuple(x.shape)} differs from quantize_activation")
     return timed_us(lambda: quant_mod.quantize_rows(x, scheme, static, **kw), 20, 10)
 
@@ -88,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         args, kwargs = (x, w13, w2, w, ids), dict(expert_map=emap, num_experts=e)
         layer_us = timed_us(lambda: kern.apply(*args, **kwargs), 20, 10)
         for xq, sch, static, kw in _layer_calls(kern, args, kwargs):
-            lim = kw.get("row_limit")
+            lim, pairs = kw.get("row_limit"), kw.get("pair_rows")
             rows.append(dict(shape=a.shape, tokens=tokens, what="layer x" if lim is None else "layer intermediate",
                              rows=xq.shape[0], cols=xq.shape[1], row_limit="" if lim is None else int(lim.item()),
+                             pair_rows="" if pairs is None else pairs[1],
                              us=round(_checked_us(xq, sch, static, kw), 2), layer_us=round(layer_us, 1)))
             write_rows(rows, out_dir, "quant_rows", head)
     g = torch.Generator().manual_seed(0)
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         one = torch.zeros_like(r)
         one[0] = r[0]
         for what, xs in (("randn", r), ("zeros", torch.zeros_like(r)), ("one row", one)):
-            rows.append(dict(shape="", tokens="", what=what, rows=t, cols=c, row_limit="",
+            rows.append(dict(shape="", tokens="", what=what, rows=t, cols=c, row_limit="", pair_rows="",
                              us=round(_checked_us(xs, scheme, None, {}), 2), layer_us=""))
             write_rows(rows, out_dir, "quant_rows", head)
     print((out_dir / "quant_rows.md").read_text())
