@@ -508,8 +508,6 @@ def test_triton_token_rows_auto_rule(monkeypatch):
                                  (8, 8, 16, TritonOptions(), [8]), (8, 16, 16, TritonOptions(), [16]),
                                  (8, 17, 16, TritonOptions(), []), (8, 17, 32, TritonOptions(), [17]),
                                  (32, 6, 16, TritonOptions(), [6]), (32, 3, 16, TritonOptions(), [3]),
-                                 (32, 3, 16, TritonOptions(token_rows_max_idle_share=0.5), []),
-                                 (32, 6, 16, TritonOptions(token_rows_min_local=64), []),
                                  (8, 8, 16, TritonOptions(pair_store=True), []),
                                  (8, 8, 16, TritonOptions(token_rows_max_idle=0.1), [])):
         calls.clear()
@@ -521,6 +519,8 @@ def test_triton_token_rows_auto_rule(monkeypatch):
         assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype], (e, m, bm)
     assert wants_token_rows(TritonOptions(), 8, K, 8, 8, 16)
     assert not wants_token_rows(TritonOptions(sorted_a=True), 8, K, 8, 8, 16)
+    assert not wants_token_rows(TritonOptions(token_rows_max_idle_share=0.5), 3, K, 32, 32, 16)
+    assert not wants_token_rows(TritonOptions(token_rows_min_local=64), 6, K, 32, 32, 16)
     # under EP the idle count is of the local experts, 16 tokens of top-4 over 64: 8 local x exp(-1)
     # = 2.9, 2 local 0.74, 16 local 5.9 (at least token_rows_min_local)
     assert not wants_token_rows(TritonOptions(), 16, K, 64, 8, 16) and wants_token_rows(TritonOptions(), 16, K, 64, 2, 16)
