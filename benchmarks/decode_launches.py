@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = "decode_launches_fp8block" if args.fp8_block else "decode_launches_fp8" if args.fp8 else "decode_launches"
     if args.smoke:
         SHAPES.update(SMOKE)
-        args.shapes = ",".join(SMOKE)
+        if args.shapes == DEFAULT_SHAPES:  # both smoke shapes unless some are named
+            args.shapes = ",".join(SMOKE)
     out_dir, dev, head = script_setup((scheme.describe() if scheme else "bf16")
                                       + "; layer = routing + triton experts (us)")
     print("# " + head, flush=True)
