@@ -97,9 +97,10 @@ class TritonOptions:
     #: load of the routing tile). Blocks of experts no token reaches still launch, read the routing
     #: and exit; at one block per SM (the large decode tiles' shared memory) each such program
     #: holds an SM for about half a microsecond. Against the alignment kernels (`decode_launches
-    #: --variants tokenrows,notokenrows`; PERF.md section 6), 16-bit weights: 0.925-0.99 with
-    #: 32-256 local experts and 61-78% of them idle (4-16 tokens); 1.003-1.007 at 73% (E 512),
-    #: 1.99 at 94% (DeepSeek-V3's EP8 shard at 2 tokens: 20 against 7 us in GEMM2 alone); Mixtral
+    #: --variants tokenrows,notokenrows`; PERF.md section 6), 16-bit weights: 0.915-0.99 with
+    #: 32-256 local experts and about 61% of them idle (8-16 tokens); 0.97-1.0 at 78-88% (the EP8
+    #: shard at 4-8 tokens), 1.003-1.012 at 73% (E 512), 1.99 at 94% (DeepSeek-V3's EP8 shard at 2
+    #: tokens: 20 against 7 us in GEMM2 alone); Mixtral
     #: TP8 (8 experts) 0.975 at 16 tokens, but 1.04-1.055 at 2-8. fp8 block: 0.967-0.992 on
     #: Mixtral at 4-16 tokens (up to 3.7 idle), 0.994-1.069 with 20-155 idle experts.
     #: "auto" (`wants_token_rows`): where the direct alignment is not taken and M <= BLOCK_SIZE_M,
