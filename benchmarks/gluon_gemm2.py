@@ -1,0 +1,251 @@
+"""GEMM2 at prefill as a persistent Gluon kernel (Hopper: TMA, asynchronous warpgroup MMA, TMA
+stores), against the `triton` layer's GEMM2 with per-pair rows, both followed by the top-k sum.
+
+    PYTHONPATH=. python -m benchmarks gluon_gemm2 [--shapes qwen3-235b-tp8,dsv3-tp8] [--tokens 1024,4096]
+
+Why: at prefill with a short K (I = 192-768) each GEMM2 tile does a few K steps and then its
+epilogue (router weight, cast, store), which one-tile-per-program kernels do not overlap with the
+next tile's loads: the layer sits 1.8-2.8x over the compute floor there (PERF.md section 1). Here
+one program per SM walks its tiles (rows of one expert's block x BLOCK_N hidden columns) in one
+flattened loop over (tile, K step): the TMA loads run NUM_BUFFERS - 1 steps ahead, across tile
+boundaries, and each tile's rows leave through an asynchronous TMA store in sorted order, which the
+top-k sum then gathers (its row index = each pair's sorted position).
+
+Both paths take the same aligned pairs (moebench's alignment at the layer's BLOCK_SIZE_M), the same
+bf16 intermediate and router weights; each result is checked against a float64 torch reference of
+the weighted sum, then CUDA-graph timed: `current` = `launch_gemm2(pair_store=True)` with the layer's
+configs + `topk_sum`; `gluon` = the sorted-row weights and the pairs' sorted positions (torch ops)
++ the kernel + the gathering `topk_sum`, and "(rows prepared)" the same with those two made before
+the timed region (where the alignment would write them). GPU only (Gluon has no interpreter). Writes gluon_gemm2.csv
+/ .md under $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+
+from moebench.kernels.triton.align import moe_align_block_size
+from moebench.kernels.triton.configs import layer_config, lookup_down_config
+from moebench.kernels.triton.gemm import launch_gemm2, topk_sum
+from moebench.kernels.triton.options import TritonOptions, resolve_use_tma
+from moebench.kernels.triton.routing import fused_topk_softmax
+
+from benchmarks.bench_common import ON_GPU, SHAPES, script_setup, seeded_inputs, timed_us, write_rows
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # TMA copies: async_load / async_store in newer Gluon, async_copy_* before
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+except ImportError as ex:  # an older Triton
+    gluon = None
+    GLUON_MISSING = str(ex)
+
+#: (BLOCK_SIZE_N, BLOCK_SIZE_K, buffers, warps); BLOCK_SIZE_M is the layer's (the alignment's block)
+VARIANTS = [(128, 64, 4, 4), (256, 64, 3, 8), (128, 64, 6, 4)]
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _issue_load(step, pid, k_steps, num_n, a_desc, b_desc, expert_ids_ptr, H, bars, a_bufs, b_bufs, pred,
+                    NUM_PROGRAMS: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+        # Step -> (this program's tile, K step) -> the block's rows and its expert's weight rows.
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        tile = pid + (step // k_steps) * NUM_PROGRAMS
+        kk = step % k_steps
+        pid_m = tile // num_n
+        pid_n = tile % num_n
+        expert = gl.load(expert_ids_ptr + pid_m, mask=pred, other=0)
+        buf = step % NUM_BUFFERS
+        bar = bars.index(buf)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+        _tma_load(a_desc, [pid_m * BM, kk * BK], bar, a_bufs.index(buf), pred)
+        _tma_load(b_desc, [expert * H + pid_n * BN, kk * BK], bar, b_bufs.index(buf), pred)
+
+    @gluon.jit
+    def gemm2_rows_kernel(a_desc, b_desc, c_desc, w_ptr, expert_ids_ptr, ntpp_ptr, H, K,
+                          MMA_LAYOUT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+        """c[r, :] = w[r] * (a[r, :] @ w2[e(r)]^T) for the sorted rows r < ntpp, e(r) = its block's
+        expert; a (R, K), w2 as (E * H, K), c (R, H), w (R,) fp32 (0 for sentinel rows)."""
+        BM: gl.constexpr = c_desc.block_type.shape[0]
+        BN: gl.constexpr = c_desc.block_type.shape[1]
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
+        c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUFFERS):
+            mbarrier.init(bars.index(i), count=1)
+
+        # This program's tiles: pid, pid + NUM_PROGRAMS, ... of the used blocks x hidden tiles (row-major,
+        # so the programs running together share a few blocks' rows and experts' weights in L2).
+        pid = gl.program_id(0)
+        num_m = gl.cdiv(gl.load(ntpp_ptr), BM)
+        num_n = gl.cdiv(H, BN)
+        my_tiles = gl.maximum(gl.cdiv(num_m * num_n - pid, NUM_PROGRAMS), 0)
+        k_steps = gl.cdiv(K, a_desc.block_type.shape[1])
+        total = my_tiles * k_steps
+
+        for s in gl.static_range(NUM_BUFFERS - 1):
+            _issue_load(s, pid, k_steps, num_n, a_desc, b_desc, expert_ids_ptr, H, bars, a_bufs, b_bufs, s < total,
+                        NUM_PROGRAMS, NUM_BUFFERS)
+        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=MMA_LAYOUT)
+        for step in range(total):
+            # The buffer of step - 1 is free (its MMA was waited for): load step + NUM_BUFFERS - 1 into it.
+            nxt = step + NUM_BUFFERS - 1
+            _issue_load(nxt, pid, k_steps, num_n, a_desc, b_desc, expert_ids_ptr, H, bars, a_bufs, b_bufs, nxt < total,
+                        NUM_PROGRAMS, NUM_BUFFERS)
+            buf = step % NUM_BUFFERS
+            mbarrier.wait(bars.index(buf), (step // NUM_BUFFERS) & 1)
+            kk = step % k_steps
+            acc = warpgroup_mma(a_bufs.index(buf), b_bufs.index(buf).permute((1, 0)), acc, use_acc=kk > 0,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if kk == k_steps - 1:
+                # Epilogue: router weight, cast, then an asynchronous store of the tile's sorted rows
+                # (the previous tile's store has long finished reading c_smem).
+                tile = pid + (step // k_steps) * NUM_PROGRAMS
+                pid_m = tile // num_n
+                pid_n = tile % num_n
+                rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA_LAYOUT))
+                w = gl.load(w_ptr + rows)
+                tma.store_wait(pendings=0)
+                c_smem.store((acc * gl.expand_dims(w, 1)).to(dtype))
+                fence_async_shared()
+                _tma_store(c_desc, [pid_m * BM, pid_n * BN], c_smem)
+        tma.store_wait(pendings=0)
+        for i in gl.static_range(NUM_BUFFERS):
+            mbarrier.invalidate(bars.index(i))
+
+
+def _mma_layout(bm: int, bn: int, warps: int):
+    """wgmma's accumulator layout: warps stacked along M in 16-row slices (then along N), the widest
+    instruction N that divides each warp group's share of the columns."""
+    wm = min(warps, max(4, bm // 16))
+    wn = warps // wm
+    n = 256
+    while n > max(bn // wn, 8) or bn % n:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, wn], instr_shape=[16, n, 16])
+
+
+def gluon_gemm2(inter, w2, w_sorted, align, bn: int, bk: int, buffers: int, warps: int, out=None):
+    """out (R, H) = the weighted rows in sorted order (rows past the used length unwritten)."""
+    e, h, k = w2.shape
+    bm = align.block_size_m
+    rows = inter.shape[0]
+    out = out if out is not None else torch.empty(rows, h, dtype=inter.dtype, device=inter.device)
+    lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)  # noqa: E731
+    a_desc = TensorDescriptor.from_tensor(inter, [bm, bk], lay([bm, bk]))
+    b_desc = TensorDescriptor.from_tensor(w2.view(e * h, k), [bn, bk], lay([bn, bk]))
+    c_desc = TensorDescriptor.from_tensor(out, [bm, bn], lay([bm, bn]))
+    progs = torch.cuda.get_device_properties(inter.device).multi_processor_count
+    gemm2_rows_kernel[(progs, )](a_desc, b_desc, c_desc, w_sorted, align.expert_ids, align.num_tokens_post_padded, h, k,
+                                 _mma_layout(bm, bn, warps), progs, buffers, num_warps=warps)
+    return out
+
+
+def sorted_positions(align, topk_weights):
+    """(w_sorted (R,) fp32: each sorted row's router weight, 0 past the used length and for
+    sentinels; pos (M*K,) int32: each pair's sorted row)."""
+    sid = align.sorted_token_ids.long()
+    n = align.num_pairs
+    at = torch.arange(sid.numel(), device=sid.device)
+    valid = (at < align.num_tokens_post_padded.long()) & (sid < n)
+    sid = torch.where(valid, sid, n)
+    wflat = torch.cat([topk_weights.reshape(-1).float(), topk_weights.new_zeros(1, dtype=torch.float32)])
+    pos = torch.zeros(n + 1, dtype=torch.int32, device=sid.device)
+    pos.scatter_(0, sid, at.to(torch.int32))
+    return wflat[sid], pos[:n]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen3-235b-tp8,dsv3-tp8,qwen3-30b-a3b")
+    ap.add_argument("--tokens", default="1024,4096")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args(argv)
+    if not ON_GPU or gluon is None:
+        print("error: gluon_gemm2 needs a Hopper GPU and Triton's Gluon"
+              + ("" if gluon is not None else f" ({GLUON_MISSING})"), file=sys.stderr)
+        sys.exit(2)
+    out_dir, dev, head = script_setup("gluon_gemm2")
+    print(f"# {head}", flush=True)
+    rows_out: list[dict] = []
+    for shape in a.shapes.split(","):
+        e, topk, h, inter_n, e_local = SHAPES[shape]
+        assert e == e_local, "no expert map here"
+        g = torch.Generator(device=dev).manual_seed(0)
+        w2 = (torch.randn(e, h, inter_n, device=dev, generator=g) * inter_n**-0.5).to(torch.bfloat16)
+        for m in (int(t) for t in a.tokens.split(",")):
+            x, logits = seeded_inputs(m, h, e, torch.bfloat16, dev)
+            tw, ids = fused_topk_softmax(logits, topk, renormalize=True)
+            cfg, _ = layer_config(m, local_experts=e, inter=inter_n, hidden=h, topk=topk, num_experts=e,
+                                  dtype=torch.bfloat16)
+            down, _ = lookup_down_config(e, inter_n, m, cfg, torch.bfloat16, topk=topk, num_experts_global=e)
+            cfg2 = down or cfg
+            tma2 = bool(cfg2["USE_TMA"]) if "USE_TMA" in cfg2 else resolve_use_tma(TritonOptions(), cfg, torch.bfloat16)
+            align = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], e)
+            act = (torch.randn(align.sorted_token_ids.numel(), inter_n, device=dev, generator=g)).to(torch.bfloat16)
+            # float64 reference of the weighted top-k sum from the sorted rows
+            sid = align.sorted_token_ids[: int(align.num_tokens_post_padded.item())].long()
+            keep = sid < m * topk
+            ref = torch.zeros(m, h, dtype=torch.float64, device=dev)
+            pair = sid[keep]
+            blocks = torch.nonzero(keep).squeeze(1) // cfg["BLOCK_SIZE_M"]
+            ex = align.expert_ids.long()[blocks]
+            for ee in ex.unique().tolist():
+                sel = ex == ee
+                rows = act[torch.nonzero(keep).squeeze(1)[sel]].double() @ w2[ee].double().t()
+                ref.index_add_(0, pair[sel] // topk, rows * tw.reshape(-1)[pair[sel]].double()[:, None])
+            out = torch.empty(m, h, dtype=torch.bfloat16, device=dev)
+            ws = torch.empty(m * topk, h, dtype=torch.bfloat16, device=dev)
+
+            def current():
+                launch_gemm2(act, w2, tw, align, topk, cfg2, use_tma=tma2, ws=ws,
+                             pair_store=True)
+                return topk_sum(ws, out, topk)
+
+            def err(y):
+                return ((y.double() - ref).norm() / ref.norm()).item()
+
+            base = dict(shape=shape, tokens=m, block_m=cfg["BLOCK_SIZE_M"], cfg2="/".join(
+                str(cfg2[k]) for k in ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")))
+            cur_err = err(current())
+            cur_us = timed_us(current, a.reps, 5)
+            rows_out.append(dict(base, variant="current", us=round(cur_us, 1), ratio=1.0, rel_err=f"{cur_err:.1e}"))
+            write_rows(rows_out, out_dir, "gluon_gemm2", f"# {head}")
+            srt = torch.empty(act.shape[0], h, dtype=torch.bfloat16, device=dev)
+            w_pre, pos_pre = sorted_positions(align, tw)
+            for bn, bk, nb, warps in VARIANTS:
+                name = f"gluon n{bn} k{bk} b{nb} w{warps}"
+
+                def glu(bn=bn, bk=bk, nb=nb, warps=warps, prepared=False):
+                    w_sorted, pos = (w_pre, pos_pre) if prepared else sorted_positions(align, tw)
+                    gluon_gemm2(act, w2, w_sorted, align, bn, bk, nb, warps, out=srt)
+                    return topk_sum(srt, out, topk, row_index=pos)
+                try:
+                    e_g = err(glu())
+                    for prepared in (False, True):
+                        us = timed_us(lambda: glu(prepared=prepared), a.reps, 5)
+                        rows_out.append(dict(base, variant=name + (" (rows prepared)" if prepared else ""),
+                                             us=round(us, 1), ratio=round(us / cur_us, 3), rel_err=f"{e_g:.1e}"))
+                except Exception as ex:  # a variant that does not build here: say why, keep going
+                    rows_out.append(dict(base, variant=name, us=None, ratio=None,
+                                         rel_err=f"failed: {type(ex).__name__}: {str(ex)[:200]}"))
+                write_rows(rows_out, out_dir, "gluon_gemm2", f"# {head}")
+
+
+if __name__ == "__main__":
+    main()
