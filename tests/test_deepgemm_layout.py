@@ -20,10 +20,9 @@ from moebench.kernels.deepgemm import (
     masked_rows_per_group,
     mn_major_scales,
     mn_major_strides,
-    pair_rows,
     tma_aligned,
 )
-from moebench.kernels.triton.align import moe_align_block_size
+from moebench.kernels.triton.align import moe_align_block_size, pair_rows
 from moebench.kernels.modular import FusedMoEKernel
 from moebench.kernels.reference import reference_moe
 from moebench.backends import check_combination, make_prepare_finalize

@@ -60,7 +60,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.reference import silu_and_mul
 from moebench.kernels.token_layout import local_topk_ids
-from moebench.kernels.triton.align import AlignResult, moe_align_block_size
+from moebench.kernels.triton.align import AlignResult, moe_align_block_size, pair_rows
 from moebench.kernels.triton.gemm import sorted_rows, topk_sum
 from moebench.kernels.triton.quant import silu_mul_rows
 from moebench.quant import FP8_DTYPE, ActQuant, QuantScheme, QuantWeight, scheme_of
@@ -132,16 +132,6 @@ def grouped_layout(align: AlignResult, local_ids: torch.Tensor, num_groups: int,
     b = align.block_size_m
     padded = (counts + b - 1) // b * b
     return (torch.cumsum(padded, 0) - padded + counts).to(torch.int32)
-
-
-def pair_rows(align: AlignResult, sink: int) -> torch.Tensor:
-    """(M*K,) int32: the row of each flat pair in the aligned layout, `sink` for the pairs the
-    alignment left out (remote experts). Plain torch (one scatter), no host synchronisation."""
-    rows = align.sorted_token_ids.numel()
-    inv = torch.full((align.num_pairs + 1,), sink, dtype=torch.int32, device=align.sorted_token_ids.device)
-    # Padding slots hold the sentinel num_pairs: they all land in the spare last entry, dropped.
-    inv.scatter_(0, align.sorted_token_ids.long(), torch.arange(rows, dtype=torch.int32, device=inv.device))
-    return inv[: align.num_pairs]
 
 
 def masked_rows(counts: torch.Tensor, rows_per_group: int, bound: int) -> torch.Tensor:

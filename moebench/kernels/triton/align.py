@@ -69,6 +69,16 @@ class AlignResult:
         return self.expert_ids.numel()
 
 
+def pair_rows(align: AlignResult, sink: int) -> torch.Tensor:
+    """(M*K,) int32: the row of each flat pair in the aligned layout, `sink` for the pairs the
+    alignment left out (remote experts). Plain torch (one scatter), no host synchronisation."""
+    rows = align.sorted_token_ids.numel()
+    inv = torch.full((align.num_pairs + 1,), sink, dtype=torch.int32, device=align.sorted_token_ids.device)
+    # Padding slots hold the sentinel num_pairs: they all land in the spare last entry, dropped.
+    inv.scatter_(0, align.sorted_token_ids.long(), torch.arange(rows, dtype=torch.int32, device=inv.device))
+    return inv[: align.num_pairs]
+
+
 def max_padded_size(num_pairs: int, num_local_experts: int, block_size_m: int) -> int:
     """Worst-case length of sorted_token_ids (a multiple of block_size_m)."""
     worst = num_pairs + min(num_local_experts, num_pairs) * (block_size_m - 1)
