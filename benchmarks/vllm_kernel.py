@@ -31,7 +31,10 @@ weight-read floor at 16-256 tokens (`read_floor_us`, --read-gbs; the headline co
 where 0.90 x the engine would be under it), the 4096-token layer over its compute floor,
 2 x tokens x topk x 3 x H x I / the matmul ceiling (--ceilings, TFLOP/s), and at 4096 tokens the
 read floor over the compute floor (above 1: a layer within 1.5x of the compute floor must read
-its weights at more than 1 / 1.5 of that ratio's share of the read ceiling).
+its weights at more than 1 / 1.5 of that ratio's share of the read ceiling), and the same with the
+bytes of the per-pair structure added (`pair_rows_floor_us`: the intermediate and GEMM2's per-pair
+rows, each written and read back; above 1.5: no kernel of that structure meets 1.5x of the compute
+floor).
 """
 
 from __future__ import annotations
@@ -114,6 +117,17 @@ def read_floor_us(shape: str, prec: str, tokens: int, read_gbs: float) -> float:
     return (touched * per_expert + tokens * h * 2 * 2) / (read_gbs * 1e3)
 
 
+def pair_rows_floor_us(shape: str, prec: str, tokens: int, read_gbs: float) -> float:
+    """The read floor plus what the per-pair structure moves (vLLM's kernel, the `triton` layer at
+    prefill): GEMM1's intermediate written and read back (pairs x I, 2 bytes in bf16, 1 in fp8 plus a
+    4-byte scale per 128 values) and GEMM2's pair rows written and read back by the top-k sum
+    (pairs x H x 2 bytes), over the read ceiling."""
+    e, k, h, n = SHAPES[shape]
+    pairs = tokens * k
+    inter = 2 * pairs * n * (2 if prec == "bf16" else 1 + 4 / 128)
+    return read_floor_us(shape, prec, tokens, read_gbs) + (inter + 2 * pairs * h * 2) / (read_gbs * 1e3)
+
+
 def summary_tables(rows: list[dict], ceilings: dict[str, float], read_gbs: float = 4374.0) -> str:
     """PERF.md's kernel tables from vllm_kernel_triton rows (a later row of the same point replaces
     an earlier one): per precision a headline over the default shapes' points with an engine file,
@@ -141,8 +155,8 @@ def summary_tables(rows: list[dict], ceilings: dict[str, float], read_gbs: float
                        f"engine is under the weight-read floor ({read_gbs:.0f} GB/s)\n")
         out.append(f"| {prec} | " + " | ".join(map(str, SUMMARY_TOKENS))
                    + " | at or below | median | engine / read floor, 16-256 | 4096: us / compute floor"
-                   " | 4096: read / compute floor |")
-        out.append("|---" * (len(SUMMARY_TOKENS) + 6) + "|")
+                   " | 4096: read / compute floor | 4096: read + pair rows / compute floor |")
+        out.append("|---" * (len(SUMMARY_TOKENS) + 7) + "|")
         for shape in shapes:
             vals = [v for (s, p, t), r in points.items() if s == shape and p == prec and (v := ratio(r)) is not None]
             cells = []
@@ -150,19 +164,20 @@ def summary_tables(rows: list[dict], ceilings: dict[str, float], read_gbs: float
                 v = ratio(points.get((shape, prec, t)))
                 cells.append("-" if v is None else f"**{v:.3f}**" if v > 1 else f"{v:.3f}")
             last = points.get((shape, prec, SUMMARY_TOKENS[-1]))
-            floor = bound = "-"
+            floor = bound = pair_bound = "-"
             if last and last["triton_us"] not in ("-", "") and prec in ceilings:
                 e, k, h, n = SHAPES[shape]
                 floor_us = 2 * SUMMARY_TOKENS[-1] * k * 3 * h * n / (ceilings[prec] * 1e6)
                 us = float(last["triton_us"])
                 floor = f"{us:.0f} / {floor_us:.0f} = **{us / floor_us:.2f}**"
                 bound = f"{read_floor_us(shape, prec, SUMMARY_TOKENS[-1], read_gbs) / floor_us:.2f}"
+                pair_bound = f"{pair_rows_floor_us(shape, prec, SUMMARY_TOKENS[-1], read_gbs) / floor_us:.2f}"
             decode = [f for (s, p, t) in points if s == shape and p == prec and 16 <= t <= 256
                       and (f := engine_over_floor((s, p, t))) is not None]
             span = f"{min(decode):.2f}-{max(decode):.2f}" if decode else "-"
             med = f"{statistics.median(vals):.3f}" if vals else "-"
             out.append(f"| {shape} | " + " | ".join(cells) + f" | {sum(v <= 1 for v in vals)} of {len(vals)} | {med} | "
-                       f"{span} | {floor} | {bound} |")
+                       f"{span} | {floor} | {bound} | {pair_bound} |")
         out.append("")
     return "\n".join(out)
 

@@ -292,11 +292,14 @@ def test_vllm_kernel_summary_tables(tmp_path):
         "2 of 3 points at or below, median 0.990; at 1 of them 0.90 x the engine is under the weight-read floor "
         "(4000 GB/s)")
     # Qwen3-30B at 4096 tokens: 2 x 4096 x 8 x 3 x 2048 x 768 flops / 1000 TFLOP/s = 309 us; all 128
-    # experts read, 604 MB with the block scales, and x in, out 34 MB: 159 us, 0.52 of the compute floor
+    # experts read, 604 MB with the block scales, and x in, out 34 MB: 159 us, 0.52 of the compute floor;
+    # with the 32768 pairs' fp8 intermediate (768 x 1.03125 bytes) and bf16 rows (2048 x 2 bytes), each
+    # written and read: + 320 MB, 80 us: 239 us, 0.77
     assert ("| qwen3-30b-a3b | 0.966 | 0.990 | - | - | - | **1.139** | 2 of 3 | 0.990 | 1.04-1.04 | 862 / 309 = **2.79** "
-            "| 0.52 |" in lines)
-    # Mixtral (TP1): 8 experts of 3 x 4096 x 14336 fp8 bytes and 67 MB of x and out: 369 us of 2886
-    assert any(ln.startswith("| mixtral | - |") and ln.endswith("| 0 of 0 | - | - | 6000 / 2886 = **2.08** | 0.13 |")
+            "| 0.52 | 0.77 |" in lines)
+    # Mixtral (TP1): 8 experts of 3 x 4096 x 14336 fp8 bytes and 67 MB of x and out: 369 us of 2886;
+    # 8192 pairs' intermediate (14336 x 1.03125) and rows (4096 x 2), each twice: + 376 MB, 94 us
+    assert any(ln.startswith("| mixtral | - |") and ln.endswith("| 0 of 0 | - | - | 6000 / 2886 = **2.08** | 0.13 | 0.16 |")
                for ln in lines)
 
 
