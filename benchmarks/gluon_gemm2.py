@@ -57,11 +57,11 @@ except ImportError as ex:  # an older Triton
     gluon = None
     GLUON_MISSING = str(ex)
 
+#: registers per thread of the ping-pong form's second MMA group (a 128 x 128 fp32 accumulator is 128
+#: of them); its load warp gets 24
+MMA_REGS = 232
 #: (form, BLOCK_SIZE_N, BLOCK_SIZE_K, buffers, warps of one MMA group); BLOCK_SIZE_M is the layer's (the
 #: alignment's block). "persistent": one loop, loads issued ahead; "pingpong": warp-specialised.
-#: registers per thread of each MMA group (a 128 x 128 fp32 accumulator is 128 of them)
-MMA_REGS = 232
-
 VARIANTS = [("persistent", 128, 64, 4, 4), ("persistent", 256, 64, 3, 8), ("persistent", 128, 64, 6, 4),
             ("pingpong", 128, 64, 4, 4), ("pingpong", 128, 64, 5, 4)]
 #: Hopper's shared memory per block (every variant fits with 64- and 128-row blocks)
@@ -89,6 +89,18 @@ if gluon is not None:
         _tma_load(b_desc, [expert * H + pid_n * BN, kk * BK], bar, b_bufs.index(buf), pred)
 
     @gluon.jit
+    def _schedule(a_desc, c_desc, ntpp_ptr, H, K, NUM_PROGRAMS: gl.constexpr):
+        # This program's tiles: pid, pid + NUM_PROGRAMS, ... of the used blocks x hidden tiles (row-major,
+        # so the programs running together share a few blocks' rows and experts' weights in L2), each
+        # k_steps K steps: (pid, hidden tiles, k_steps, this program's steps).
+        pid = gl.program_id(0)
+        num_m = gl.cdiv(gl.load(ntpp_ptr), c_desc.block_type.shape[0])
+        num_n = gl.cdiv(H, c_desc.block_type.shape[1])
+        my_tiles = gl.maximum(gl.cdiv(num_m * num_n - pid, NUM_PROGRAMS), 0)
+        k_steps = gl.cdiv(K, a_desc.block_type.shape[1])
+        return pid, num_n, k_steps, my_tiles * k_steps
+
+    @gluon.jit
     def gemm2_rows_kernel(a_desc, b_desc, c_desc, expert_ids_ptr, ntpp_ptr, H, K,
                           MMA_LAYOUT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_BUFFERS: gl.constexpr):
         """c[r, :] = a[r, :] @ w2[e(r)]^T for the sorted rows r < ntpp, e(r) = its block's expert;
@@ -103,14 +115,7 @@ if gluon is not None:
         for i in gl.static_range(NUM_BUFFERS):
             mbarrier.init(bars.index(i), count=1)
 
-        # This program's tiles: pid, pid + NUM_PROGRAMS, ... of the used blocks x hidden tiles (row-major,
-        # so the programs running together share a few blocks' rows and experts' weights in L2).
-        pid = gl.program_id(0)
-        num_m = gl.cdiv(gl.load(ntpp_ptr), BM)
-        num_n = gl.cdiv(H, BN)
-        my_tiles = gl.maximum(gl.cdiv(num_m * num_n - pid, NUM_PROGRAMS), 0)
-        k_steps = gl.cdiv(K, a_desc.block_type.shape[1])
-        total = my_tiles * k_steps
+        pid, num_n, k_steps, total = _schedule(a_desc, c_desc, ntpp_ptr, H, K, NUM_PROGRAMS)
 
         for s in gl.static_range(NUM_BUFFERS - 1):
             _issue_load(s, pid, k_steps, num_n, a_desc, b_desc, expert_ids_ptr, H, bars, a_bufs, b_bufs, s < total,
@@ -141,11 +146,10 @@ if gluon is not None:
         for i in gl.static_range(NUM_BUFFERS):
             mbarrier.invalidate(bars.index(i))
 
-
     # Warp-specialised, ping-pong form: one load warp streams every (tile, K step) of the program into
-    # the ring; two MMA warp groups take alternate tiles, so one group's epilogue (router weight, cast,
-    # store) runs while the other's MMAs do. Slot s % NUM_BUFFERS is "ready" once its loads land and
-    # "empty" once the group that used it has waited for its MMA.
+    # the ring; two MMA warp groups take alternate tiles, so one group's epilogue (cast, store) runs
+    # while the other's MMAs do. Slot s % NUM_BUFFERS is "ready" once its loads land and "empty" once
+    # the group that used it has waited for its MMA.
 
     @gluon.jit
     def _ws_load(a_desc, b_desc, c_desc, expert_ids_ptr, a_bufs, b_bufs, c_bufs, ready, empty, pid, num_n, k_steps,
@@ -201,11 +205,9 @@ if gluon is not None:
 
     @gluon.jit
     def gemm2_pingpong_kernel(a_desc, b_desc, c_desc, expert_ids_ptr, ntpp_ptr, H, K,
-                              MMA_LAYOUT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                              MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, WS_PAIRS: gl.constexpr):
+                              NUM_PROGRAMS: gl.constexpr, NUM_BUFFERS: gl.constexpr, MMA_WARPS: gl.constexpr,
+                              MMA_REGS: gl.constexpr, WS_PAIRS: gl.constexpr):
         """gemm2_rows_kernel's result, warp-specialised (the kernel's num_warps = one MMA group)."""
-        BM: gl.constexpr = c_desc.block_type.shape[0]
-        BN: gl.constexpr = c_desc.block_type.shape[1]
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
@@ -216,12 +218,7 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
 
-        pid = gl.program_id(0)
-        num_m = gl.cdiv(gl.load(ntpp_ptr), BM)
-        num_n = gl.cdiv(H, BN)
-        my_tiles = gl.maximum(gl.cdiv(num_m * num_n - pid, NUM_PROGRAMS), 0)
-        k_steps = gl.cdiv(K, a_desc.block_type.shape[1])
-        total = my_tiles * k_steps
+        pid, num_n, k_steps, total = _schedule(a_desc, c_desc, ntpp_ptr, H, K, NUM_PROGRAMS)
         args = (a_desc, b_desc, c_desc, expert_ids_ptr, a_bufs, b_bufs, c_bufs, ready, empty, pid, num_n, k_steps,
                 total, H)
         if WS_PAIRS:
@@ -256,12 +253,11 @@ def gluon_gemm2(inter, w2, align, form: str, bn: int, bk: int, buffers: int, war
     b_desc = TensorDescriptor.from_tensor(w2.view(e * h, k), [bn, bk], lay([bn, bk]))
     c_desc = TensorDescriptor.from_tensor(out, [bm, bn], lay([bm, bn]))
     progs = torch.cuda.get_device_properties(inter.device).multi_processor_count
-    args = (a_desc, b_desc, c_desc, align.expert_ids, align.num_tokens_post_padded, h, k,
-            _mma_layout(bm, bn, warps), progs, buffers)
+    args = (a_desc, b_desc, c_desc, align.expert_ids, align.num_tokens_post_padded, h, k)
     if form == "persistent":
-        gemm2_rows_kernel[(progs, )](*args, num_warps=warps)
+        gemm2_rows_kernel[(progs, )](*args, _mma_layout(bm, bn, warps), progs, buffers, num_warps=warps)
     else:
-        gemm2_pingpong_kernel[(progs, )](*args, warps, MMA_REGS, WS_PAIRS, num_warps=warps)
+        gemm2_pingpong_kernel[(progs, )](*args, progs, buffers, warps, MMA_REGS, WS_PAIRS, num_warps=warps)
     return out
 
 
@@ -275,11 +271,12 @@ def compile_variant(form: str, bm: int, bn: int, bk: int, buffers: int, warps: i
     desc = lambda shape: f"tensordesc<bf16[{shape[0]}, {shape[1]}],{lay(shape)!r}>"  # noqa: E731
     sig = {"a_desc": desc([bm, bk]), "b_desc": desc([bn, bk]), "c_desc": desc([bm, bn]),
            "expert_ids_ptr": "*i32", "ntpp_ptr": "*i32", "H": "i32", "K": "i32"}
-    consts = {"MMA_LAYOUT": _mma_layout(bm, bn, warps), "NUM_PROGRAMS": 132, "NUM_BUFFERS": buffers}
     kernel = gemm2_rows_kernel
+    consts = {"MMA_LAYOUT": _mma_layout(bm, bn, warps), "NUM_PROGRAMS": 132, "NUM_BUFFERS": buffers}
     if form == "pingpong":
         kernel = gemm2_pingpong_kernel
-        consts.update(MMA_WARPS=warps, MMA_REGS=MMA_REGS, WS_PAIRS=WS_PAIRS)
+        consts = {"NUM_PROGRAMS": 132, "NUM_BUFFERS": buffers, "MMA_WARPS": warps, "MMA_REGS": MMA_REGS,
+                  "WS_PAIRS": WS_PAIRS}
     first = len(sig)
     sig.update((name, "constexpr") for name in consts)
     src = GluonASTSource(kernel, sig, {(first + i, ): v for i, v in enumerate(consts.values())})
