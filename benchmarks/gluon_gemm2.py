@@ -50,8 +50,8 @@ try:
     # TMA copies: async_load / async_store in newer Gluon, async_copy_* before
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    # Triton 3.6 takes (default args, default function, workers' args, worker functions, ...), later
-    # versions a list of (function, args)
+    # Gluon before Triton 3.6 took (default args, default function, workers' args, worker functions,
+    # ...); from 3.6 on a list of (function, args)
     WS_PAIRS = "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
 except ImportError as ex:  # an older Triton
     gluon = None
@@ -224,7 +224,7 @@ if gluon is not None:
         if WS_PAIRS:
             gl.warp_specialize([(_ws_mma_even, args), (_ws_mma_odd, args), (_ws_load, args)],
                                [MMA_WARPS, 1], [MMA_REGS, 24])
-        else:  # the form of Triton 3.6: default (args, function), then the workers' shared args and functions
+        else:  # the older form: default (args, function), then the workers' shared args and functions
             gl.warp_specialize(args, _ws_mma_even, args, [_ws_mma_odd, _ws_load], [MMA_WARPS, 1], [MMA_REGS, 24])
         for i in gl.static_range(NUM_BUFFERS):
             mbarrier.invalidate(ready.index(i))
