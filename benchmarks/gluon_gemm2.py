@@ -27,7 +27,6 @@ tests compile every variant for sm_90). Writes gluon_gemm2.csv / .md under $OUT.
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 
 import torch
@@ -50,9 +49,6 @@ try:
     # TMA copies: async_load / async_store in newer Gluon, async_copy_* before
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    # Gluon before Triton 3.6 took (default args, default function, workers' args, worker functions,
-    # ...); from 3.6 on a list of (function, args)
-    WS_PAIRS = "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
 except ImportError as ex:  # an older Triton
     gluon = None
     GLUON_MISSING = str(ex)
@@ -206,7 +202,7 @@ if gluon is not None:
     @gluon.jit
     def gemm2_pingpong_kernel(a_desc, b_desc, c_desc, expert_ids_ptr, ntpp_ptr, H, K,
                               NUM_PROGRAMS: gl.constexpr, NUM_BUFFERS: gl.constexpr, MMA_WARPS: gl.constexpr,
-                              MMA_REGS: gl.constexpr, WS_PAIRS: gl.constexpr):
+                              MMA_REGS: gl.constexpr):
         """gemm2_rows_kernel's result, warp-specialised (the kernel's num_warps = one MMA group)."""
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
@@ -221,11 +217,8 @@ if gluon is not None:
         pid, num_n, k_steps, total = _schedule(a_desc, c_desc, ntpp_ptr, H, K, NUM_PROGRAMS)
         args = (a_desc, b_desc, c_desc, expert_ids_ptr, a_bufs, b_bufs, c_bufs, ready, empty, pid, num_n, k_steps,
                 total, H)
-        if WS_PAIRS:
-            gl.warp_specialize([(_ws_mma_even, args), (_ws_mma_odd, args), (_ws_load, args)],
-                               [MMA_WARPS, 1], [MMA_REGS, 24])
-        else:  # the older form: default (args, function), then the workers' shared args and functions
-            gl.warp_specialize(args, _ws_mma_even, args, [_ws_mma_odd, _ws_load], [MMA_WARPS, 1], [MMA_REGS, 24])
+        gl.warp_specialize([(_ws_mma_even, args), (_ws_mma_odd, args), (_ws_load, args)], [MMA_WARPS, 1],
+                           [MMA_REGS, 24])
         for i in gl.static_range(NUM_BUFFERS):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
@@ -257,7 +250,7 @@ def gluon_gemm2(inter, w2, align, form: str, bn: int, bk: int, buffers: int, war
     if form == "persistent":
         gemm2_rows_kernel[(progs, )](*args, _mma_layout(bm, bn, warps), progs, buffers, num_warps=warps)
     else:
-        gemm2_pingpong_kernel[(progs, )](*args, progs, buffers, warps, MMA_REGS, WS_PAIRS, num_warps=warps)
+        gemm2_pingpong_kernel[(progs, )](*args, progs, buffers, warps, MMA_REGS, num_warps=warps)
     return out
 
 
@@ -275,8 +268,7 @@ def compile_variant(form: str, bm: int, bn: int, bk: int, buffers: int, warps: i
     consts = {"MMA_LAYOUT": _mma_layout(bm, bn, warps), "NUM_PROGRAMS": 132, "NUM_BUFFERS": buffers}
     if form == "pingpong":
         kernel = gemm2_pingpong_kernel
-        consts = {"NUM_PROGRAMS": 132, "NUM_BUFFERS": buffers, "MMA_WARPS": warps, "MMA_REGS": MMA_REGS,
-                  "WS_PAIRS": WS_PAIRS}
+        consts = {"NUM_PROGRAMS": 132, "NUM_BUFFERS": buffers, "MMA_WARPS": warps, "MMA_REGS": MMA_REGS}
     first = len(sig)
     sig.update((name, "constexpr") for name in consts)
     src = GluonASTSource(kernel, sig, {(first + i, ): v for i, v in enumerate(consts.values())})
