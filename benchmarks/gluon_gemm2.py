@@ -2,7 +2,7 @@
 specialisation), against the `triton` layer's GEMM2 with per-pair rows, each followed by the top-k sum.
 
     PYTHONPATH=. python -m benchmarks gluon_gemm2 [--shapes qwen3-235b-tp8,dsv3-tp8] [--tokens 1024,4096]
-        [--forms persistent,pingpong]      (or all of it: bash benchmarks/device_gluon.sh)
+        [--forms persistent,pingpong] [--smoke]      (or all of it: bash benchmarks/device_gluon.sh)
 
 Why: at prefill with a short K (I = 192-768) each GEMM2 tile does a few K steps and then its
 epilogue (cast, store), which one-tile-per-program kernels do not overlap with the next tile's
@@ -20,8 +20,9 @@ bf16 intermediate and router weights; each result is checked against a float64 t
 the weighted sum, then CUDA-graph timed: `current` = `launch_gemm2(pair_store=True)` with the layer's
 configs + `topk_sum`; `gluon ...` = the pairs' sorted rows (one torch scatter) + the kernel + the
 gathering, weighting `topk_sum`, and "(rows prepared)" the same with the scatter made before the
-timed region (where the alignment could write it). GPU only (Gluon has no interpreter; the CPU
-tests compile every variant for sm_90). Writes gluon_gemm2.csv / .md under $OUT.
+timed region (where the alignment could write it). The Gluon kernels run on a GPU only (Gluon has
+no interpreter; the CPU tests compile every variant for sm_90); --smoke runs the rest on a tiny
+shape under the interpreter (times mean nothing). Writes gluon_gemm2.csv / .md under $OUT.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ MMA_REGS = 232
 #: alignment's block). "persistent": one loop, loads issued ahead; "pingpong": warp-specialised.
 VARIANTS = [("persistent", 128, 64, 4, 4), ("persistent", 256, 64, 3, 8), ("persistent", 128, 64, 6, 4),
             ("pingpong", 128, 64, 4, 4), ("pingpong", 128, 64, 5, 4)]
+#: --smoke: (E, topk, H, I, E local) small enough for the interpreter
+SMOKE = {"tiny": (8, 2, 128, 64, 8)}
 #: Hopper's shared memory per block (every variant fits with 64- and 128-row blocks)
 SMEM_LIMIT = 232448
 
@@ -305,20 +308,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", default="1024,4096")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--forms", default="persistent,pingpong", help="which kernel forms of VARIANTS to run")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny shape under the interpreter: the layer's path and the reference only (checks the "
+                         "script; the Gluon rows say they need a GPU)")
     a = ap.parse_args(argv)
-    if not ON_GPU or gluon is None:
+    run_gluon = ON_GPU and gluon is not None
+    if not run_gluon and not a.smoke:
         print("error: gluon_gemm2 needs a Hopper GPU and Triton's Gluon"
-              + ("" if gluon is not None else f" ({GLUON_MISSING})"), file=sys.stderr)
+              + ("" if gluon is not None else f" ({GLUON_MISSING})") + "; --smoke checks the script on a CPU",
+              file=sys.stderr)
         sys.exit(2)
     out_dir, dev, head = script_setup("gluon_gemm2")
     print(f"# {head}", flush=True)
+    shapes = SMOKE if a.smoke else {s: SHAPES[s] for s in a.shapes.split(",")}
     rows_out: list[dict] = []
-    for shape in a.shapes.split(","):
-        e, topk, h, inter_n, e_local = SHAPES[shape]
+    for shape, (e, topk, h, inter_n, e_local) in shapes.items():
         assert e == e_local, "no expert map here"
         g = torch.Generator(device=dev).manual_seed(0)
         w2 = (torch.randn(e, h, inter_n, device=dev, generator=g) * inter_n**-0.5).to(torch.bfloat16)
-        for m in (int(t) for t in a.tokens.split(",")):
+        for m in ([16] if a.smoke else [int(t) for t in a.tokens.split(",")]):
             x, logits = seeded_inputs(m, h, e, torch.bfloat16, dev)
             tw, ids = fused_topk_softmax(logits, topk, renormalize=True)
             cfg, _ = layer_config(m, local_experts=e, inter=inter_n, hidden=h, topk=topk, num_experts=e,
@@ -356,12 +364,14 @@ def main(argv: list[str] | None = None) -> None:
                     gluon_gemm2(act, w2, align, form, bn, bk, nb, warps, out=srt)
                     return topk_sum(srt, out, topk, row_index=pos, weights=tw)
                 try:
+                    if not run_gluon:
+                        raise RuntimeError("not run: needs a Hopper GPU")
                     e_g = err(glu())
                     for prepared in (False, True):
                         us = timed_us(lambda: glu(prepared=prepared), a.reps, 5)
                         rows_out.append(dict(base, variant=name + (" (rows prepared)" if prepared else ""),
                                              us=round(us, 1), ratio=round(us / cur_us, 3), rel_err=f"{e_g:.1e}"))
-                except Exception as ex:  # a variant that does not build here: say why, keep going
+                except Exception as ex:  # a variant that does not build or run here: say why, keep going
                     rows_out.append(dict(base, variant=name, us=None, ratio=None,
                                          rel_err=f"failed: {type(ex).__name__}: {str(ex)[:200]}"))
                 write_rows(rows_out, out_dir, "gluon_gemm2", f"# {head}")

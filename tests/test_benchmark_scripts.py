@@ -369,6 +369,17 @@ def test_gluon_gemm2_refuses_a_cpu():
     r = subprocess.run([sys.executable, "-m", "benchmarks", "gluon_gemm2"], capture_output=True, text=True,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, cwd=ROOT)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: gluon_gemm2 needs"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_gluon_gemm2_smoke(tmp_path):
+    # the script's own path on a CPU: the layer's GEMM2 + top-k sum against the float64 reference,
+    # and one row per Gluon variant saying it did not run
+    from benchmarks.gluon_gemm2 import VARIANTS
+    rows = _smoke("gluon_gemm2", tmp_path)
+    assert rows[0]["variant"] == "current" and float(rows[0]["rel_err"]) < 1e-2
+    assert [r["variant"] for r in rows[1:]] == [f"gluon {f} n{n} k{k} b{b} w{w}" for f, n, k, b, w in VARIANTS]
+    assert all(r["rel_err"] == "failed: RuntimeError: not run: needs a Hopper GPU" for r in rows[1:])
 
 
 def test_gluon_gemm2_reference_and_gathering_path():
