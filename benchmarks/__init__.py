@@ -27,7 +27,6 @@ CASES: dict[str, str] = {
     "gemm1_granularity": "GEMM1's weight-streaming rate at decode against the number of experts hit",
     "read_pattern": "HBM read rate of GEMM1's paired gate/up walk against the contiguous one (no MMA)",
     "fp8_k_step": "fp8 block weight stream at decode: one 128-column scale group per K step against two, beside bf16",
-    "gluon_gemm2": "GEMM2 at prefill as a persistent Gluon kernel (TMA, async wgmma, TMA stores) vs the triton layer's",
     "quant_rows": "the fp8 activation quantisation launches alone: a layer call's, and random / zero rows",
     "topk_ties": "where fused_topk_softmax and torch's topk pick different experts, and by how much",
     "profile_case": "torch.profiler table of one (prepare/finalize, experts) case, or its calls for ncu",
