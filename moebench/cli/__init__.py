@@ -32,7 +32,7 @@ for command in (run_commands.env, run_commands.models, run_commands.sweep, compa
 def main() -> None:
     """Entry point: bad input -> one line on stderr, exit status 2, no traceback."""
     try:
-        cli.main(standalone_mode=False)
+        cli.main(prog_name="moebench", standalone_mode=False)
     except MoebenchError as e:
         err_console.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
