@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import shlex
 import subprocess
 import tempfile
@@ -177,7 +178,11 @@ def check_output_file(path: Path, option_name: str) -> Path:
 
 
 def new_run_id(command: str, label: str) -> str:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    """`<date>-<time to the microsecond>-<6 random hex>-<command>-<label>`: sorts by start time, and
+    runs started at the same moment (job arrays, parallel scripts, other hosts on a shared folder)
+    still get folders of their own."""
+    now = _dt.datetime.now()
+    stamp = now.strftime("%Y%m%d-%H%M%S-") + f"{now.microsecond:06d}-{secrets.token_hex(3)}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
     return f"{stamp}-{command}-{safe}"
 

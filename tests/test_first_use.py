@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from test_cli import ROOT, assert_bad_input, moebench, moebench_inproc
@@ -36,3 +37,49 @@ def test_python_dash_m_moebench_runs_the_cli():
     ver = subprocess.run([sys.executable, "-m", "moebench", "--version"], capture_output=True, text=True, env=_env(),
                          timeout=120)
     assert ver.returncode == 0 and ver.stdout.startswith("moebench, version"), ver.stdout + ver.stderr
+
+
+# -- run ids: unique and sortable by time --------------------------------------------------------
+
+# A sweep that imports everything first, then waits for the file `go` to appear: started together,
+# the two processes reach their run folders within milliseconds of each other.
+_HELD_SWEEP = """
+import os, sys, time
+import moebench.cli, moebench.sweep, moebench.report, moebench.backends
+go = sys.argv[1]
+while not os.path.exists(go):
+    time.sleep(0.001)
+sys.argv = ["moebench", *sys.argv[2:]]
+moebench.cli.main()
+"""
+
+
+def test_two_sweeps_started_together_into_one_out_get_their_own_folders(tmp_path):
+    out, go = tmp_path / "out", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", _HELD_SWEEP, str(go), "sweep", *TINY_SWEEP, "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+             for _ in range(2)]
+    try:
+        time.sleep(4)  # both imported and waiting
+        go.write_text("")
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err
+    runs = sorted(p for p in out.iterdir() if p.is_dir())
+    assert len(runs) == 2, runs
+    for run in runs:
+        rows = [json.loads(line) for line in (run / "rows.jsonl").read_text().splitlines()]
+        assert [(r["tokens"], r["experts"], r["status"]) for r in rows] == [(1, "torch", "ok")]
+
+
+def test_run_ids_sort_by_start_time():
+    from moebench.results import new_run_id
+
+    ids = [new_run_id("sweep", "custom") for _ in range(50)]
+    assert len(set(ids)) == 50
+    assert ids == sorted(ids)
