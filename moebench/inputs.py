@@ -102,10 +102,11 @@ def available_memory(device: str) -> int:
 
 
 def check_fits(
-    e_local: int, hidden: int, inter_local: int, max_tokens: int, topk: int, dtype: torch.dtype, device: str
+    e_local: int, hidden: int, inter_local: int, max_tokens: int, topk: int, dtype: torch.dtype, device: str,
+    advice: str = "shard it with --tp/--ep, use --simulate, or use fewer --tokens",
 ) -> int:
     """Estimate the bytes a case needs before allocating; raise a MoebenchError that says how much
-    is needed and what to do when it would not fit. Returns the estimate."""
+    is needed and what to do (`advice`) when it would not fit. Returns the estimate."""
     el = torch.tensor([], dtype=dtype).element_size()
     weights = e_local * 3 * hidden * inter_local * el
     staging = 3 * hidden * inter_local * (4 + 8)  # one expert in fp32 (generation) and fp64 (reference)
@@ -118,6 +119,6 @@ def check_fits(
         gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
         raise MoebenchError(
             f"this shape needs about {gib(need)} on {device} (weights {gib(weights)}) but {gib(have)} is free; "
-            f"shard it with --tp/--ep, use --simulate, or use fewer --tokens"
+            f"{advice}"
         )
     return need

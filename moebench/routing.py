@@ -281,6 +281,8 @@ def _hot_ids(frac: float, m: int, e: int, topk: int, gen: torch.Generator) -> to
 def _read_ids_file(path: str) -> np.ndarray | torch.Tensor | list:
     """Read a .json/.npy/.pt file of topk ids without executing anything in it."""
     ext = os.path.splitext(path)[1].lower()
+    if os.path.isdir(path):
+        raise MoebenchError(f"routing file {path!r} is a folder: give the .json, .npy or .pt file of topk ids after file:")
     if not os.path.isfile(path):
         raise MoebenchError(f"routing file {path!r} does not exist: check the path after file:")
     if ext == ".json":

@@ -83,3 +83,51 @@ def test_run_ids_sort_by_start_time():
     ids = [new_run_id("sweep", "custom") for _ in range(50)]
     assert len(set(ids)) == 50
     assert ids == sorted(ids)
+
+
+# -- refused input writes nothing ----------------------------------------------------------------
+
+def _refusals(tmp_path: Path) -> list[tuple[list[str], str]]:
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    pickled = tmp_path / "ids.pt"
+    import pickle
+    pickled.write_bytes(pickle.dumps(Path("not ids")))
+    return [
+        (["--tokens", "100000000"], "needs about"),
+        (["--num-experts", "1000000000000"], "needs about"),
+        (["--routing", "file:" + str(tmp_path / "missing.pt")], "does not exist"),
+        (["--routing", "file:" + str(folder)], "is a folder"),
+        (["--routing", "file:" + str(pickled)], "weights_only"),
+    ]
+
+
+def _override(args: list[str], extra: list[str]) -> list[str]:
+    """`args` with the flags of `extra` replaced by extra's values."""
+    out, given = [], {extra[i] for i in range(0, len(extra), 2)}
+    i = 0
+    while i < len(args):
+        if args[i] in given:
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out + extra
+
+
+def test_refused_sweep_and_tune_leave_the_out_folder_unchanged(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "earlier.txt").write_text("an earlier run's file")
+    before = _tree(out)
+    tune = [*TINY, "--tokens", "1", "--device", "cpu", "--budget", "2", "--reps", "1", "--final-reps", "1"]
+    for extra, needle in _refusals(tmp_path):
+        assert_bad_input(moebench_inproc("sweep", *_override(TINY_SWEEP, extra), "--out", out), needle)
+        assert _tree(out) == before, extra
+        assert_bad_input(moebench_inproc("tune", *_override(tune, extra), "--out", out / "cfg",
+                                         "--results-dir", out / "res"), needle)
+        assert _tree(out) == before, extra
+    fresh = tmp_path / "fresh"
+    assert_bad_input(moebench_inproc("sweep", *_override(TINY_SWEEP, ["--tokens", "100000000"]), "--out", fresh),
+                     "needs about")
+    assert not fresh.exists()

@@ -69,6 +69,34 @@ def resolve_shape(model, num_experts, topk, hidden, intermediate):
     return custom_shape(num_experts, topk, hidden, intermediate)
 
 
+def check_routing(routing: str, shape) -> None:
+    """--routing parsed, and a file: routing's ids read and checked against the shape, before any
+    run folder exists (a refused command writes nothing)."""
+    from moebench.routing import load_topk_ids, parse_routing
+
+    rs = parse_routing(routing)
+    if rs.kind == "file":
+        load_topk_ids(rs.path, shape.num_experts, shape.topk, 1)
+
+
+def check_sweep_fits(spec, mode: str) -> None:
+    """The memory estimate of the busiest rank of a sweep run as `mode` decided (what its case
+    runner checks before it allocates), made before the run folder exists."""
+    from moebench.inputs import check_fits
+
+    s, lay = spec.shape, spec.layout
+    top = max(spec.tokens, default=0)
+    if mode == "single":
+        check_fits(s.num_experts, s.hidden, s.intermediate, top, s.topk, spec.dtype, spec.device)
+    elif lay.enable_ep:
+        check_fits(len(lay.local_experts(0, s.num_experts)), s.hidden, s.intermediate, spec.batch_tokens(top, True),
+                   s.topk, spec.dtype, spec.device)
+    else:
+        tokens = top if mode == "simulate" else spec.batch_tokens(top, True)
+        check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), tokens, s.topk, spec.dtype,
+                   spec.device)
+
+
 #: --dtype's choices: the float dtypes and the quantised schemes (moebench.quant.QUANT_DTYPES).
 DTYPE_CHOICES = ["bf16", "fp16", "fp32", "fp8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4"]
 

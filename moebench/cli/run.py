@@ -19,6 +19,8 @@ from moebench.cli.options import (
     _progress,
     _resume_defaults,
     _run_options,
+    check_routing,
+    check_sweep_fits,
     cluster_options,
     comm_model,
     console,
@@ -149,7 +151,6 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     from moebench.layout import ParallelLayout
     from moebench.report import EXPORT_FORMATS, print_rows, write_exports
     from moebench.results import RunStore
-    from moebench.routing import parse_routing
     from moebench.sweep import SweepSpec, default_experts, resolve_names
 
     if resume is not None:
@@ -159,7 +160,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     tok = parse_tokens(tokens) if tokens is not None else ([1, 16, 64] if device == "cpu" else [1, 16, 64, 256, 1024, 4096])
     layout = ParallelLayout.from_args(tp, dp, ep, world_size)
     layout.validate_shape(shape.num_experts, shape.intermediate)
-    parse_routing(routing)
+    check_routing(routing, shape)
     fmts = [f.strip() for f in formats.split(",") if f.strip()]
     bad = [f for f in fmts if f not in EXPORT_FORMATS]
     if bad:
@@ -211,6 +212,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         link = comm_model(link, rdma_name, gpus_per_node, dev_name)
     elif link_gbps is not None or link_name:
         raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
+    check_sweep_fits(spec, mode)  # before the run folder exists: a refused sweep writes nothing
     meta = {"command": "sweep", "argv": sys.argv[1:],
             "options": _run_options(click.get_current_context(), device=device, tokens=",".join(map(str, tok))),
             "mode": mode, "shape": shape.to_dict(),

@@ -25,6 +25,7 @@ from rich.table import Table
 from moebench.cli.options import (
     MODEL_FLAGS,
     PRECISION_FLAGS,
+    check_routing,
     console,
     err_console,
     oom_text,
@@ -103,7 +104,6 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
     from moebench.kernels.engine_configs import check_kernel
     from moebench.layout import ParallelLayout
     from moebench.results import new_run_id
-    from moebench.routing import parse_routing
     from moebench.tuning import tuner as T
 
     for name, v in (("--budget", budget), ("--reps", reps), ("--final-reps", final_reps)):
@@ -163,9 +163,14 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             reps=reps, final_reps=final_reps, quant=quant, down=down, kernel=kernel, against=rivals,
         )
         run_dir = Path(results_dir) / new_run_id("tune", spec.shape.name)
-    parse_routing(spec.routing)
+    check_routing(spec.routing, spec.shape)
     spec.tokens = sorted(set(spec.tokens))
     T._validate(spec)
+    if not dry_run:  # before any folder or file exists: a refused tune writes nothing
+        from moebench.inputs import check_fits
+
+        check_fits(spec.local_experts, spec.shape.hidden, spec.inter_per_rank, max(spec.tokens), spec.shape.topk,
+                   spec.dtype, spec.device, advice="shard it with --tp/--ep, or tune fewer --tokens")
     s = spec.shape
     console.print(f"[bold]moebench tune[/] {s.name} (E={s.num_experts}, topk={s.topk}, H={s.hidden}, I={s.intermediate}) "
                   f"{spec.layout.describe()}, {spec.precision}, kernel {spec.kernel} -> {T.config_path_for(spec, out)} "
