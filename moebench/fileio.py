@@ -3,13 +3,15 @@
 Every file moebench writes in place (run exports, metadata, tuned configs, plots, caches) goes
 through `atomic_write_text`, `atomic_write_bytes` or `atomic_write_with`. The temporary file is
 created as a plain `open()` would create it (mode 0o666 less the umask, not tempfile's 0600), so a
-tuned config put in a shared folder is readable by whoever serves the model.
+tuned config put in a shared folder is readable by whoever serves the model; a file that is
+rewritten keeps the permissions it had.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +34,10 @@ def atomic_write_with(path: str | os.PathLike, writer: Callable[[str], object]) 
     fd, tmp = _create_temp(path)
     os.close(fd)
     try:
+        try:  # a file rewritten keeps its permissions (a shared folder's 664 stays 664)
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+        except FileNotFoundError:
+            pass
         writer(str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())

@@ -358,14 +358,21 @@ class RunStore:
             data, repaired = _repair_tail(jl)
             if repaired:
                 self.notices.append(repaired)
-            for line in data.decode(errors="replace").splitlines():
+            garbled = []
+            for number, line in enumerate(data.decode(errors="replace").splitlines(), 1):
                 if line.strip():
                     try:
                         row = ResultRow.from_dict(json.loads(line))
-                    except (json.JSONDecodeError, TypeError):
-                        continue  # a line garbled otherwise
+                    except (ValueError, TypeError, AttributeError):
+                        garbled.append(number)  # a line garbled otherwise: its row is measured again
+                        continue
                     self.rows.append(row)
                     self._keys.add(row.key())
+            if garbled:
+                where = ", ".join(map(str, garbled[:5])) + (", ..." if len(garbled) > 5 else "")
+                self.notices.append(f"skipped {len(garbled)} garbled line{'s' if len(garbled) > 1 else ''} of {jl} "
+                                    f"(line {where}): not a result row; {'their rows are' if len(garbled) > 1 else 'its row is'} "
+                                    f"measured again")
         if metadata is not None:
             meta = dict(metadata)
             meta.setdefault("git_revision", git_revision())

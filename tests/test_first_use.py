@@ -131,3 +131,36 @@ def test_refused_sweep_and_tune_leave_the_out_folder_unchanged(tmp_path):
     assert_bad_input(moebench_inproc("sweep", *_override(TINY_SWEEP, ["--tokens", "100000000"]), "--out", fresh),
                      "needs about")
     assert not fresh.exists()
+
+
+# -- a rewritten tuned file keeps its permissions; a garbled row is reported -----------------------
+
+def test_retuning_keeps_the_tuned_files_permissions(tmp_path):
+    import stat
+
+    args = ["tune", *TINY, "--device", "cpu", "--budget", "2", "--reps", "1", "--final-reps", "1",
+            "--out", tmp_path / "cfg", "--results-dir", tmp_path / "res"]
+    first = moebench_inproc(*args, "--tokens", "1")
+    assert first.returncode == 0, first.stderr
+    (path,) = (tmp_path / "cfg").glob("E=*.json")
+    path.chmod(0o664)  # a folder shared by a group
+    again = moebench_inproc(*args, "--tokens", "2")
+    assert again.returncode == 0, again.stderr
+    assert sorted(json.loads(path.read_text())) == ["1", "2", "triton_version"]  # rewritten with both counts
+    assert stat.S_IMODE(path.stat().st_mode) == 0o664
+
+
+def test_a_garbled_middle_row_is_reported_on_resume(tmp_path):
+    res = moebench_inproc("sweep", *_override(TINY_SWEEP, ["--tokens", "1,2,3"]), "--out", tmp_path)
+    assert res.returncode == 0, res.stderr
+    (run,) = tmp_path.iterdir()
+    lines = (run / "rows.jsonl").read_text().splitlines(keepends=True)
+    assert len(lines) == 3
+    lines[1] = '{"model": "custom", "tok' + "\x00" * 8 + '\n'  # a disk error in the middle of the file
+    (run / "rows.jsonl").write_text("".join(lines))
+    again = moebench_inproc("sweep", "--resume", run)
+    assert again.returncode == 0, again.stderr
+    said = " ".join(again.stderr.split())
+    assert "garbled line of" in said and "rows.jsonl (line 2)" in said and "measured again" in said, again.stderr
+    rows = [json.loads(line) for line in (run / "rows.jsonl").read_text().splitlines() if line.startswith('{"model": "custom", "num')]
+    assert sorted(r["tokens"] for r in rows) == [1, 2, 3]  # the lost row measured again
