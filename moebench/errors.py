@@ -11,3 +11,13 @@ class FormatMismatchError(MoebenchError):
 
 class UnsupportedError(MoebenchError):
     """A backend cannot run here (package missing, wrong device, too few GPUs...)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what slurm, `timeout` and `kill` send) received: a run stops as on Ctrl-C (finished
+    rows kept, the --resume line printed), with exit status 143."""
+
+
+def interrupt_status(e: BaseException) -> int:
+    """The exit status of a run stopped by `e`: 143 for SIGTERM, 130 for Ctrl-C."""
+    return 143 if isinstance(e, Terminated) or isinstance(e.__cause__, Terminated) else 130

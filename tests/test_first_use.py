@@ -164,3 +164,41 @@ def test_a_garbled_middle_row_is_reported_on_resume(tmp_path):
     assert "garbled line of" in said and "rows.jsonl (line 2)" in said and "measured again" in said, again.stderr
     rows = [json.loads(line) for line in (run / "rows.jsonl").read_text().splitlines() if line.startswith('{"model": "custom", "num')]
     assert sorted(r["tokens"] for r in rows) == [1, 2, 3]  # the lost row measured again
+
+
+# -- SIGTERM stops a run as Ctrl-C does ------------------------------------------------------------
+
+def test_sigterm_to_a_two_rank_sweep_keeps_rows_and_says_how_to_resume(tmp_path):
+    import signal
+
+    from test_run_safety import _children, _n_lines, _only_run, _running, _wait_for
+
+    out = tmp_path / "out"
+    # 2 real ranks; every row takes seconds, so the run is still going when the signal comes
+    parent = subprocess.Popen([sys.executable, "-m", "moebench", "sweep", *TINY, "--tokens", "1,2,3,4,5,6,7,8",
+                               "--experts", "torch", "--prepare-finalize", "no-dpep", "--world-size", "2", "--tp", "2",
+                               "--reps", "400", "--device", "cpu", "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    ranks: list[int] = []
+    try:
+        _wait_for(lambda: len(_children(parent.pid)) == 2, 120, "two rank processes", parent)
+        ranks = _children(parent.pid)
+        _wait_for(lambda: out.exists() and any(_n_lines(r) >= 1 for r in out.iterdir()), 120, "a first row", parent)
+        run = _only_run(out)
+        parent.send_signal(signal.SIGTERM)  # what slurm and `timeout` send
+        _, err = parent.communicate(timeout=60)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for r in ranks:
+            if _running(r):
+                os.kill(r, signal.SIGKILL)
+    assert parent.returncode == 143, err
+    said = " ".join(err.split())
+    assert "interrupted:" in said and f"--resume {run}" in said, err
+    assert "leaked" not in err and "Traceback" not in err, err
+    kept = _n_lines(run)
+    assert 1 <= kept < 8
+    assert not [r for r in ranks if _running(r)], "rank processes outlived the run"
+    assert (run / "results.csv").exists()  # the finished rows are exported, as after Ctrl-C

@@ -32,7 +32,7 @@ from moebench.cli.options import (
     resolve_shape,
     shape_options,
 )
-from moebench.errors import MoebenchError
+from moebench.errors import MoebenchError, interrupt_status
 
 
 @click.command()
@@ -251,7 +251,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         store = run_in_folder(specs, mode, out, resume=resume, metadata=meta, argv=sys.argv[1:],
                               command=_command_line(), ctx=ctx, link=link, on_start=start,
                               on_progress=tick if prog is not None else None)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if prog is not None:
             prog.stop()
         if not opened:
@@ -260,7 +260,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         write_exports(store, fmts)
         err_console.print(f"interrupted: {len(store.rows)} finished rows kept in {store.folder} "
                           f"(continue with --resume {store.folder})")
-        sys.exit(130)
+        sys.exit(interrupt_status(stop))
     finally:
         if prog is not None:
             prog.stop()

@@ -35,7 +35,7 @@ from moebench.cli.options import (
     resolve_precision,
     resolve_shape,
 )
-from moebench.errors import MoebenchError
+from moebench.errors import MoebenchError, interrupt_status
 from moebench.fileio import atomic_write_bytes
 from moebench.kernels.triton import configs as C
 
@@ -210,10 +210,10 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                 on_tokens=on_tokens, quant=spec.quant, compile_workers=compile_workers, down=spec.down,
                 kernel=spec.kernel, against=spec.against,
             )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         err_console.print(f"interrupted: finished measurements are kept in {run_dir} "
                           f"(continue with: moebench tune --resume {run_dir})")
-        sys.exit(130)
+        sys.exit(interrupt_status(stop))
     except torch.OutOfMemoryError as e:
         raise MoebenchError(f"out of GPU memory ({oom_text(e)}) with {compile_workers} "
                             f"compile workers beside the timing process: give fewer --compile-workers; finished "
