@@ -207,9 +207,38 @@ def print_table(console: Console, table: TextTable) -> list[str]:
     return [c.label for c in left]
 
 
-def say(console: Console, text: str, style: str | None = None) -> None:
-    """A note, wrapped at the console width (no markup: reasons may hold brackets)."""
-    console.print(Text(text, style=style or ""))
+def word_lines(text: Text, width: int) -> list[Text]:
+    """`text` wrapped at spaces into lines of at most `width` cells, a word never split: a word
+    longer than the width (a path) gets a line of its own, whole."""
+    out: list[Text] = []
+    for para in text.split("\n", allow_blank=True):
+        plain, cuts, col = para.plain, [], 0
+        for m in re.finditer(r"\S+\s*", plain):
+            if col and col + len(m.group().rstrip()) > width:
+                cuts.append(m.start())
+                col = 0
+            col += len(m.group())
+        for line in para.divide(cuts):
+            line.rstrip()
+            out.append(line)
+    return out
+
+
+def say(console: Console, text: str | Text, style: str | None = None, markup: bool = False) -> None:
+    """Prose, wrapped at the console width between words, never inside one (a path stays whole, to
+    be copied). No markup unless asked for: reasons and paths may hold brackets."""
+    t = text if isinstance(text, Text) else Text.from_markup(text) if markup else Text(text)
+    if style:
+        t.stylize(style)
+    for line in word_lines(t, max(console.width, 20)):
+        console.print(line, soft_wrap=True, highlight=False)
+
+
+def print_fitted(console: Console, table: TextTable, where: str = "--json has every column") -> None:
+    """`print_table`, then a note naming the columns left out to fit the console."""
+    left = print_table(console, table)
+    if left:
+        say(console, f"not shown at {console.width} columns: {', '.join(left)} ({where}).", "dim")
 
 
 # -- numbers -----------------------------------------------------------------------------------
@@ -594,6 +623,13 @@ def print_rows(rows: Iterable[ResultRow], console: Console | None = None, title:
 
 # -- compare tp-vs-ep ----------------------------------------------------------------------------
 
+def _allreduce_suffix(df: pd.DataFrame) -> pd.Series:
+    """' (custom)' / ' (nccl)' after a TP pair: which all-reduce the row's time assumes."""
+    if "allreduce" not in df:
+        return pd.Series("", index=df.index)
+    return df["allreduce"].fillna("").astype(str).map(lambda a: f" ({a} AR)" if a else "")
+
+
 def compare_table(summary: pd.DataFrame, title: str) -> TextTable:
     """compare tp-vs-ep's summary: per token count and layout the best pair, its breakdown with
     the remainder as 'other', the total (* = the faster layout), rank imbalance, checked."""
@@ -604,7 +640,8 @@ def compare_table(summary: pd.DataFrame, title: str) -> TextTable:
     unit, k, td = _time_unit(lat)
     cols = [Column("tokens", "batch\ntokens", [str(int(t)) for t in df["tokens"]]),
             Column("layout", "layout", list(df["layout"].astype(str)), right=False),
-            Column("pair", "best pair", list(df["prepare_finalize"].astype(str) + "+" + df["experts"].astype(str)),
+            Column("pair", "best pair", list(df["prepare_finalize"].astype(str) + "+" + df["experts"].astype(str)
+                                             + _allreduce_suffix(df)),
                    right=False)]
     comm = [n for n in present if n != "experts"]
     split = len(comm) >= 2

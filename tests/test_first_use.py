@@ -202,3 +202,82 @@ def test_sigterm_to_a_two_rank_sweep_keeps_rows_and_says_how_to_resume(tmp_path)
     assert 1 <= kept < 8
     assert not [r for r in ranks if _running(r)], "rank processes outlived the run"
     assert (run / "results.csv").exists()  # the finished rows are exported, as after Ctrl-C
+
+
+# -- tables fit their width; prose never breaks a path --------------------------------------------
+
+def _at_80(*args, cwd=None, **env):
+    """moebench *args in a subprocess writing to a log 80 columns wide (what a terminal of 80 and a
+    CI log get)."""
+    res = subprocess.run([sys.executable, "-m", "moebench", *map(str, args)], capture_output=True, text=True,
+                         cwd=cwd, env={**_env(), "COLUMNS": "80", **env}, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def _table_at(lines: list[str]) -> list[str]:
+    """The header, rule and rows of the first plain-text table in `lines` (up to a blank line or
+    the note on left-out columns)."""
+    rule = next(i for i, line in enumerate(lines) if line.startswith("---"))
+    start = rule - 1 if lines[rule - 2].strip() == "" or lines[rule - 2].startswith(("tuned", "backends")) else rule - 2
+    end = next((i for i in range(rule + 1, len(lines)) if not lines[i].strip() or lines[i].startswith("not shown")),
+               len(lines))
+    return lines[start:end]
+
+
+def test_configs_show_and_list_fit_80_columns_with_short_headers(tmp_path):
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    entry = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
+    (cfg / "E=8,N=1792,device_name=NVIDIA_H200.json").write_text(json.dumps({"1": entry, "4096": {**entry, "BLOCK_SIZE_M": 128}}))
+    show = _at_80("configs", "show", cfg / "E=8,N=1792,device_name=NVIDIA_H200.json")
+    assert "…" not in show
+    header = next(line for line in show.splitlines() if line.split()[:1] == ["tokens"])
+    assert header.split() == ["tokens", "BM", "BN", "BK", "GM", "warps", "stages"]
+    assert ["4096", "128", "64", "128", "8", "4", "3"] in [line.split() for line in show.splitlines()]
+    assert "BM = BLOCK_SIZE_M" in show
+    listed = _at_80("configs", "list", MOEBENCH_CONFIG_DIR=str(cfg))
+    assert "…" not in listed
+    lines = listed.splitlines()
+    table = _table_at(lines)
+    assert len(table) > 3 and all(len(line) <= 80 for line in table), table
+    assert any(line.startswith("[1]") and "2: 1-4096" in line for line in lines), listed  # token counts, whole
+    said = " ".join(listed.split())
+    assert "not shown at 80 columns:" in said and "kernel" in said.split("not shown at 80 columns:")[1]
+
+
+def test_env_backends_table_fits_and_keeps_the_interpreter_hint():
+    env = {k: v for k, v in {**_env(), "COLUMNS": "80"}.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "moebench", "env", "--device", "cpu"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "…" not in out
+    table = _table_at(out.splitlines())
+    assert len(table) > 10 and all(len(line) <= 80 for line in table), table
+    said = " ".join(out.split())
+    assert "set TRITON_INTERPRET=1 to run them" in said  # the hint, whole
+    assert "not shown at 80 columns: dtypes" in said
+
+
+def test_tune_report_fits_80_columns_and_names_what_it_left_out(tmp_path):
+    out = _at_80("tune", *TINY, "--device", "cpu", "--tokens", "1", "--budget", "2", "--reps", "1",
+                 "--final-reps", "1", "--out", tmp_path / "cfg", "--results-dir", tmp_path / "res")
+    assert "…" not in out
+    (run,) = (tmp_path / "res").iterdir()
+    import csv
+    (row,) = list(csv.DictReader((run / "report.csv").open()))
+    line = next(line for line in out.splitlines() if line.split()[:2] == ["1", row["winner"]])
+    assert row["winner_us"] in line.split() and len(line) <= 80
+    said = " ".join(out.split())
+    assert "not shown at 80 columns: runner-up" in said and f"{run / 'report.md'} has every column" in said
+
+
+def test_prose_never_breaks_a_path(tmp_path):
+    deep = tmp_path / ("a-folder-with-a-long-name-" * 3) / "results"
+    out = _at_80("sweep", *TINY_SWEEP, "--out", deep, "--format", "csv", cwd=tmp_path)
+    (run,) = deep.iterdir()
+    assert len(str(run)) > 80
+    lines = out.splitlines()
+    assert str(run) in lines  # on a line of its own, whole, where it is longer than the width
+    assert str(run / "results.csv") in lines

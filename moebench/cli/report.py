@@ -54,4 +54,4 @@ def report(results, fmt, out_file, plot_path):
                          "the fastest is shown.", "dim")
         if left:
             say(console, f"not shown at {console.width} columns: {', '.join(left)} (the report file has them).", "dim")
-    console.print(f"wrote {out_file}" + (f" and {plot_path}" if plot_path else ""))
+    say(console, f"wrote {out_file}" + (f" and {plot_path}" if plot_path else ""))

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 import torch
 from rich.table import Table
+from rich.text import Text
 
 from moebench.cli.options import (
     _check_resumed,
@@ -33,6 +34,7 @@ from moebench.cli.options import (
     shape_options,
 )
 from moebench.errors import MoebenchError, interrupt_status
+from moebench.report import print_fitted, say
 
 
 @click.command()
@@ -62,24 +64,42 @@ def env(as_json: bool, calibrate: bool, calibrate_link: bool, world_size: int | 
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
-    t = Table(title="device", show_header=False)
+    say(console, "device", "bold")
     for k, v in info["device"].items():
-        t.add_row(k, str(v))
+        say(console, f"  {k}: {v}")
     if ceilings is not None:
         for k, v in ceilings.describe_lines():
-            t.add_row(k, v)
+            say(console, f"  {k}: {v}")
     else:
-        t.add_row("ceilings", "none known; run `moebench env --calibrate`")
-    console.print(t)
-    bt = Table(title="backends")
-    for c in ("kind", "name", "format", "dtypes", "devices", "usable", "reason"):
-        bt.add_column(c)
-    for b in info["backends"]:
-        bt.add_row(b["kind"], b["name"], b["activation_format"], b["dtypes"], b["devices"],
-                   "[green]yes[/]" if b["usable"] else "[red]no[/]", b["reason"])
-    console.print(bt)
+        say(console, "  ceilings: none known; run `moebench env --calibrate`")
+    console.print()
+    print_fitted(console, backends_table(info["backends"]))
+    for b in info["backends"]:  # the reasons in full, as prose: a table would cut them
+        if b["reason"]:
+            say(console, Text.assemble((b["name"], "bold"), (" (not usable)" if not b["usable"] else ""),
+                                       f": {b['reason']}"))
     if link_line is not None:
-        console.print(link_line)
+        say(console, link_line)
+
+
+def backends_table(backends: list[dict]):
+    """`env`'s backends (TextTable): kind, name, format, devices, usable, dtypes; the reasons
+    follow the table as prose."""
+    from moebench.report import Column, TextTable
+
+    def cells(key):
+        return [str(b[key]) for b in backends]
+
+    usable = ["yes" if b["usable"] else "no" for b in backends]
+    return TextTable("backends", [
+        Column("kind", "kind", ["p/f" if b["kind"] == "prepare_finalize" else b["kind"] for b in backends], right=False),
+        Column("name", "name", cells("name"), right=False),
+        Column("format", "format", cells("activation_format"), right=False, drop=40),
+        Column("devices", "devices", cells("devices"), right=False, drop=50),
+        Column("usable", "usable", usable, right=False, styles=["green" if u == "yes" else "red" for u in usable]),
+        Column("note", "note", ["see below" if b["reason"] else "" for b in backends], right=False, drop=30),
+        Column("dtypes", "dtypes", cells("dtypes"), right=False, drop=60),
+    ])
 
 
 def _calibrate_link(device: str, world_size: int | None) -> str:
@@ -197,7 +217,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         raise MoebenchError("real ranks (--world-size / torchrun) time the plain silu layer without shared experts: "
                             "add --simulate, or --activation silu --shared-experts none")
     if notice:
-        console.print(f"[yellow]notice:[/] {notice}")
+        say(console, Text.assemble(("notice:", "yellow"), f" {notice}"))
     link = link_why = None
     if mode == "simulate":
         from moebench.runtime.simulate import link_for
@@ -226,16 +246,16 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     def start(store, n_total):
         opened.append(store)
         for n in store.notices:
-            err_console.print(f"notice: {n}", markup=False, highlight=False, soft_wrap=True)
-        console.print(f"[bold]moebench sweep[/] {shape.name} (E={shape.num_experts}, topk={shape.topk}, "
-                      f"H={shape.hidden}, I={shape.intermediate}) {layout.describe()}, {mode} run, on {device}, "
-                      f"{spec.precision}, routing {routing} -> {store.folder}")
+            say(err_console, f"notice: {n}")
+        say(console, Text.assemble(("moebench sweep", "bold"), f" {shape.name} (E={shape.num_experts}, "
+                                   f"topk={shape.topk}, H={shape.hidden}, I={shape.intermediate}) {layout.describe()}, "
+                                   f"{mode} run, on {device}, {spec.precision}, routing {routing} -> {store.folder}"))
         if link is not None:
-            console.print(f"communication: {link.describe()}; link: {link_why}", markup=False, highlight=False)
+            say(console, f"communication: {link.describe()}; link: {link_why}")
         if quant_line:
-            console.print(quant_line, markup=False, highlight=False)
-        console.print(f"layer: activation {act.describe()}{' with expert biases' if bias else ''}; shared experts "
-                      f"{', '.join(shared_modes)}", markup=False, highlight=False)
+            say(console, quant_line)
+        say(console, f"layer: activation {act.describe()}{' with expert biases' if bias else ''}; shared experts "
+                     f"{', '.join(shared_modes)}")
         if prog is not None:
             prog.update(task, total=n_total)
             prog.start()
@@ -258,8 +278,8 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
             raise
         store = RunStore(opened[0].folder)
         write_exports(store, fmts)
-        err_console.print(f"interrupted: {len(store.rows)} finished rows kept in {store.folder} "
-                          f"(continue with --resume {store.folder})")
+        say(err_console, f"interrupted: {len(store.rows)} finished rows kept in {store.folder} "
+                         f"(continue with --resume {store.folder})")
         sys.exit(interrupt_status(stop))
     finally:
         if prog is not None:
@@ -272,6 +292,6 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     if store.rows and not any(r.status == "ok" for r in store.rows):
         hint = (" On a CPU, `TRITON_INTERPRET=1 moebench sweep ...` runs the Triton experts under the interpreter"
                 " (slowly; for correctness)." if device == "cpu" and "TRITON_INTERPRET" not in os.environ else "")
-        console.print(f"[yellow]notice:[/] no pair could run here; the reasons are listed above.{hint}")
-    console.print(f"wrote {', '.join(str(p) for p in written)}")
+        say(console, Text.assemble(("notice:", "yellow"), f" no pair could run here; the reasons are listed above.{hint}"))
+    say(console, f"wrote {', '.join(str(p) for p in written)}")
     leave_torchrun(ctx)

@@ -21,6 +21,7 @@ from pathlib import Path
 import click
 import torch
 from rich.table import Table
+from rich.text import Text
 
 from moebench.cli.options import (
     MODEL_FLAGS,
@@ -37,6 +38,7 @@ from moebench.cli.options import (
 )
 from moebench.errors import MoebenchError, interrupt_status
 from moebench.fileio import atomic_write_bytes
+from moebench.report import Column, TextTable, print_fitted, say
 from moebench.kernels.triton import configs as C
 
 TUNE_TOKENS_CPU = [1, 4]
@@ -172,10 +174,10 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         check_fits(spec.local_experts, spec.shape.hidden, spec.inter_per_rank, max(spec.tokens), spec.shape.topk,
                    spec.dtype, spec.device, advice="shard it with --tp/--ep, or tune fewer --tokens")
     s = spec.shape
-    console.print(f"[bold]moebench tune[/] {s.name} (E={s.num_experts}, topk={s.topk}, H={s.hidden}, I={s.intermediate}) "
-                  f"{spec.layout.describe()}, {spec.precision}, kernel {spec.kernel} -> {T.config_path_for(spec, out)} "
-                  f"on {spec.device}, "
-                  f"search {spec.strategy}" + (" (GEMM2 against GEMM1's config)" if spec.down else ""))
+    say(console, Text.assemble(("moebench tune", "bold"), f" {s.name} (E={s.num_experts}, topk={s.topk}, H={s.hidden}, "
+                               f"I={s.intermediate}) {spec.layout.describe()}, {spec.precision}, kernel {spec.kernel} -> "
+                               f"{T.config_path_for(spec, out)} on {spec.device}, search {spec.strategy}"
+                               + (" (GEMM2 against GEMM1's config)" if spec.down else "")))
     counts = T.prune_counts(spec)
     pt = Table(title="search space after pruning")
     pt.add_column("tokens", justify="right")
@@ -211,8 +213,8 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                 kernel=spec.kernel, against=spec.against,
             )
     except KeyboardInterrupt as stop:
-        err_console.print(f"interrupted: finished measurements are kept in {run_dir} "
-                          f"(continue with: moebench tune --resume {run_dir})")
+        say(err_console, f"interrupted: finished measurements are kept in {run_dir} "
+                         f"(continue with: moebench tune --resume {run_dir})")
         sys.exit(interrupt_status(stop))
     except torch.OutOfMemoryError as e:
         raise MoebenchError(f"out of GPU memory ({oom_text(e)}) with {compile_workers} "
@@ -220,14 +222,14 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                             f"measurements are kept (continue with: moebench tune --resume {run_dir})") from None
     if not outcome.is_main:
         return  # a torchrun rank other than 0: rank 0 prints and writes
-    console.print(T.rich_table(outcome.results))
+    print_fitted(console, T.report_table(outcome.results), f"{outcome.run_dir / 'report.md'} has every column")
     if spec.against:
-        console.print(T.against_summary(outcome.results))
+        say(console, T.against_summary(outcome.results))
     if torch_device_is_cpu(spec.device):
-        console.print("[dim]CPU / Triton-interpreter times test the plumbing, not kernel speed.[/]")
-    console.print(f"run folder: {outcome.run_dir}")
+        say(console, "CPU / Triton-interpreter times test the plumbing, not kernel speed.", "dim")
+    say(console, f"run folder: {outcome.run_dir}")
     if outcome.config_path is not None:
-        console.print(f"wrote {outcome.config_path}")
+        say(console, f"wrote {outcome.config_path}")
     else:
         raise MoebenchError(f"no token count found a working config; see {outcome.run_dir / 'report.md'}")
 
@@ -300,10 +302,12 @@ def configs_list(dirs, as_json):
 
     rows = []
     seen: set[Path] = set()
+    roots: list[Path] = []  # the folders listed, in lookup order
     for order, d in enumerate([*C.config_search_dirs(), *map(Path, dirs)]):
         if not d.is_dir() or d.resolve() in seen:
             continue
         seen.add(d.resolve())
+        roots.append(d)
         # moebench's files in the root, the engines' in vllm/ and sglang/triton_X_Y_Z/
         found = [("moebench", d, f) for f in d.glob("*.json")]
         found += [("vllm", d / "vllm", f) for f in (d / "vllm").glob("*.json")]
@@ -321,7 +325,7 @@ def configs_list(dirs, as_json):
                 routing = C.tuned_routing(f) if kernel == "moebench" else None
             except MoebenchError as e:
                 routing, status = None, f"invalid: {e}"
-            rows.append({"dir": str(folder), "file": f.name, "kernel": kernel, **parts, "tokens": toks,
+            rows.append({"dir": str(folder), "root": len(roots), "file": f.name, "kernel": kernel, **parts, "tokens": toks,
                          "routing": None if routing is None else {"experts": routing[0], "topk": routing[1]},
                          "status": status, "_order": order})
     # by E, then N, as numbers; the same file's folders next to each other, in lookup order
@@ -330,23 +334,21 @@ def configs_list(dirs, as_json):
     for r in rows:
         del r["_order"]
     if as_json:
+        for r in rows:
+            del r["root"]
         click.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        console.print("no tuned-config files in " + ", ".join(str(d) for d in C.config_search_dirs()))
+        say(console, "no tuned-config files in " + ", ".join(str(d) for d in C.config_search_dirs()))
         return
-    t = Table(title="tuned configs (first folder wins at lookup)")
-    for c in ("folder", "kernel", "E", "N", "device", "dtype", "block_shape", "GEMM", "token counts", "tuned routing",
-              "status"):
-        t.add_column(c)
+    print_fitted(console, configs_list_table(rows, roots))
+    say(console, "folders, the first holding a file wins at lookup: " + "; ".join(
+        f"[{i}] {d}" for i, d in enumerate(roots, 1)))
+    say(console, "GEMM 1,2: the file serves GEMM2 too where no _down file is found; 2: a _down file (GEMM2 alone). "
+                 "token counts: how many, smallest-largest (configs show FILE lists them).", "dim")
     for r in rows:
-        rt = r["routing"]
-        t.add_row(r["dir"], r["kernel"], str(r["E"]), str(r["N"]), str(r["device"]),
-                  (r["dtype"] or "-") + (" per-channel" if r["per_channel_quant"] else ""),
-                  f"[{r['block_shape']}]" if r["block_shape"] else "-", "2 (down)" if r["down"] else "1 (2 too without _down)",
-                  ",".join(map(str, r["tokens"])), "-" if rt is None else f"top-{rt['topk']} of {rt['experts']}",
-                  r["status"])
-    console.print(t)
+        if r["status"] != "ok":
+            say(console, f"{Path(r['dir']) / r['file']}: {r['status']}")
 
 
 @configs.command("show")
@@ -363,14 +365,48 @@ def configs_show(target, device, dtype, block_shape, down, as_json):
     if as_json:
         click.echo(json.dumps({str(k): dict(v) for k, v in table.items()}, indent=2))
         return
-    t = Table(title=str(path))
-    t.add_column("tokens", justify="right")
     keys = C.TILE_KEYS + tuple(k for k in C.DOWN_KEYS if any(k in cfg for cfg in table.values()))
-    for k in keys:
-        t.add_column(k, justify="right")
-    for m, cfg in table.items():
-        t.add_row(str(m), *(str(cfg.get(k, "-")) for k in keys))
-    console.print(t)
+    cols = [Column("tokens", "tokens", [str(m) for m in table])]
+    cols += [Column(k, SHORT_KEYS.get(k, k), [str(cfg.get(k, "-")) for cfg in table.values()]) for k in keys]
+    say(console, str(path))
+    print_fitted(console, TextTable("", cols))
+    say(console, "; ".join(f"{SHORT_KEYS[k]} = {k}" for k in keys if k in SHORT_KEYS), "dim")
+
+
+#: Short column headers of a config's keys (configs show, configs list).
+SHORT_KEYS = {"BLOCK_SIZE_M": "BM", "BLOCK_SIZE_N": "BN", "BLOCK_SIZE_K": "BK", "GROUP_SIZE_M": "GM",
+              "num_warps": "warps", "num_stages": "stages", "USE_TMA": "TMA"}
+
+
+def configs_list_table(rows: list[dict], roots: list[Path]) -> TextTable:
+    """`configs list` as a TextTable: the folder as [its place in the lookup order] plus the engine's
+    subfolder, then the file's name parts, its token counts (how many, smallest-largest), status."""
+    def where(r):
+        sub = Path(r["dir"]).relative_to(roots[r["root"] - 1]) if r["dir"] != str(roots[r["root"] - 1]) else None
+        return f"[{r['root']}]" + (f" {sub}" if sub else "")
+
+    def counts(toks):
+        return f"{len(toks)}: {min(toks)}-{max(toks)}" if toks else "-"
+
+    def cells(f):
+        return [f(r) for r in rows]
+
+    return TextTable("tuned configs", [
+        Column("folder", "folder", cells(where), right=False),
+        Column("kernel", "kernel", cells(lambda r: r["kernel"]), right=False, drop=70),
+        Column("E", "E", cells(lambda r: str(r["E"]))),
+        Column("N", "N", cells(lambda r: str(r["N"]))),
+        Column("device", "device", cells(lambda r: str(r["device"])), right=False, drop=30),
+        Column("dtype", "dtype", cells(lambda r: (r["dtype"] or "-") + (" per-channel" if r["per_channel_quant"] else "")),
+               right=False),
+        Column("block", "block", cells(lambda r: r["block_shape"] or "-"), right=False, drop=20),
+        Column("GEMM", "GEMM", cells(lambda r: "2" if r["down"] else "1,2"), right=False, drop=60),
+        Column("tokens", "token\ncounts", cells(lambda r: counts(r["tokens"])), name="token counts"),
+        Column("routing", "tuned\nrouting", cells(lambda r: "-" if r["routing"] is None else
+                                                  f"top-{r['routing']['topk']}/{r['routing']['experts']}"),
+               drop=50, name="tuned routing"),
+        Column("status", "status", cells(lambda r: "ok" if r["status"] == "ok" else "invalid"), right=False),
+    ])
 
 
 def diff_tables(a: dict, b: dict) -> list[tuple[int, str]]:
@@ -399,7 +435,7 @@ def configs_diff(a, b, device, dtype, block_shape):
     """Per token count, which fields differ between two files (paths or E,N)."""
     pa, pb = _resolve_file(a, device, dtype, block_shape), _resolve_file(b, device, dtype, block_shape)
     diffs = diff_tables(C.load_config_file(pa), C.load_config_file(pb))
-    console.print(f"A = {pa}\nB = {pb}")
+    say(console, f"A = {pa}\nB = {pb}")
     if not diffs:
         console.print("identical entries")
         return
@@ -523,4 +559,4 @@ def configs_commit(files, kernel):
             atomic_write_bytes(dest, f.read_bytes())
         if kernel == "moebench":  # the routing its keys mean goes with it (unknown: none recorded)
             C.write_tuned_routing(dest, C.tuned_routing(f))
-        console.print(f"{verb} {dest}")
+        say(console, f"{verb} {dest}")

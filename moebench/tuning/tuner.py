@@ -859,22 +859,23 @@ def write_metadata(run_dir: Path, spec: TuneSpec, config_path: Path | None) -> P
     return p
 
 
-def rich_table(results: Sequence[TokenResult], title: str = "tuning report"):
-    """A rich Table of the report (winner, runner-up, default, speed-up per token count)."""
-    from rich.table import Table
+def report_table(results: Sequence[TokenResult], title: str = "tuning report"):
+    """The report as a moebench.report.TextTable (winner, runner-up, default, speed-up per token
+    count): printed whole, the columns of least use left out first where the console is narrow."""
+    from moebench.report import Column, TextTable
 
-    t = Table(title=title)
-    for c, j in (("tokens", "right"), ("winner", "left"), ("us", "right"), ("runner-up", "left"), ("us", "right"),
-                 ("default us", "right"), ("speed-up", "right"), ("tried", "right"), ("failed", "right"),
-                 ("search s", "right")):
-        t.add_column(c, justify=j)
-    vs = any(r.against for r in results)
-    if vs:
-        t.add_column("winner / file", justify="right")
-    for res, r in zip(results, report_rows(results)):
-        cells = [r["tokens"], r["winner"], r["winner_us"], r["runner_up"], r["runner_up_us"], r["default_us"],
-                 r["speedup"], r["candidates"], r["failed"], r["search_s"]]
-        if vs:
-            cells.append(" ".join(_fmt(a["ratio"], 3) for a in res.against.values()) or "-")
-        t.add_row(*cells)
-    return t
+    rows = report_rows(results)
+
+    def col(key, header, right=True, **kw):
+        return Column(key, header, [r[key] for r in rows], right=right, **kw)
+
+    cols = [col("tokens", "tokens"), col("winner", "winner", right=False), col("winner_us", "winner\nus"),
+            col("runner_up", "runner-up", right=False, group="runner-up", drop=40),
+            col("runner_up_us", "runner-up\nus", group="runner-up", drop=40, name="runner-up us"),
+            col("default_us", "default\nus"), col("speedup", "speed-up\nx"),
+            col("candidates", "tried", drop=60), col("failed", "failed", drop=50),
+            col("search_s", "search\ns", drop=70)]
+    if any(r.against for r in results):
+        cols.append(Column("against", "winner\n/ file", [" ".join(_fmt(a["ratio"], 3) for a in r.against.values()) or "-"
+                                                         for r in results]))
+    return TextTable(title, cols)
