@@ -435,10 +435,24 @@ _PARTS = (("dispatch", "dispatch"), ("experts", "experts"), ("combine", "combine
 
 
 def _other(total: pd.Series, parts: list[pd.Series]) -> pd.Series:
-    """total minus the parts where a row has any part (NaN elsewhere); rounding noise reads 0."""
+    """total minus the parts where a row has any part (NaN elsewhere); rounding noise reads 0.
+    Never negative: where the parts add up to more than the total (real ranks time each part alone
+    between barriers, on its slowest rank, while the parts overlap in the whole layer), the
+    remainder is unknown (NaN; `overlapping_parts` counts those rows for a note)."""
     known = pd.concat(parts, axis=1)
     other = (total - known.sum(axis=1, min_count=1)).where(known.notna().any(axis=1))
-    return other.where(other.isna() | (other.abs() > 1e-9 * total.abs()), 0.0)
+    other = other.where(other.isna() | (other.abs() > 1e-9 * total.abs()), 0.0)
+    return other.where(~(other < 0))
+
+
+def overlapping_parts(rows: Iterable[ResultRow]) -> int:
+    """Rows whose timed parts add up to more than their latency (their 'other' is left blank)."""
+    n = 0
+    for r in rows:
+        parts = [v for v in (r.dispatch_us, r.experts_us, r.combine_us, r.allreduce_us) if v is not None]
+        if r.latency_us is not None and parts and sum(parts) - r.latency_us > 1e-9 * abs(r.latency_us):
+            n += 1
+    return n
 
 
 def _check_cell(status: str, correct) -> str:
@@ -590,6 +604,11 @@ def row_notes(rows: list[ResultRow]) -> list[str]:
         notes += sorted({r.reason.split("; ", 1)[-1] for r in rows if r.modeled and r.status == "ok"})
     if any(r.experts_us is not None for r in rows):
         notes.append("other = latency minus the parts shown (routing, alignment, work outside the timed parts).")
+        over = overlapping_parts(rows)
+        if over:
+            notes.append(f"other is blank at {over} row{'s' if over > 1 else ''}: there the parts, each timed alone "
+                         "between barriers on its slowest rank, add up to more than the whole layer, where they "
+                         "overlap (the latency is the whole layer's).")
     if any(r.latency_us is not None for r in rows):
         notes.append("* = fastest correct entry for its token count.")
     return notes

@@ -281,3 +281,27 @@ def test_prose_never_breaks_a_path(tmp_path):
     lines = out.splitlines()
     assert str(run) in lines  # on a line of its own, whole, where it is longer than the width
     assert str(run / "results.csv") in lines
+
+
+# -- the breakdown's remainder is never negative ---------------------------------------------------
+
+def test_other_is_never_negative_where_the_parts_add_up_to_more_than_the_layer(tmp_path):
+    res = moebench_inproc("sweep", *_override(TINY_SWEEP, ["--tokens", "1,2"]), "--out", tmp_path)
+    assert res.returncode == 0, res.stderr
+    (run,) = tmp_path.iterdir()
+    rows = [json.loads(line) for line in (run / "rows.jsonl").read_text().splitlines()]
+    # as real EP ranks report them: each part timed alone between barriers on its slowest rank
+    rows[0].update(latency_us=1000.0, dispatch_us=400.0, experts_us=500.0, combine_us=300.0)
+    rows[1].update(latency_us=1000.0, dispatch_us=200.0, experts_us=500.0, combine_us=200.0)
+    (run / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shown = subprocess.run([sys.executable, "-m", "moebench", "sweep", "--resume", str(run)], capture_output=True,
+                           text=True, env=_env(), timeout=300)  # nothing left to run: the table of the rows
+    assert shown.returncode == 0, shown.stderr
+    from test_output import parse_table
+
+    heads, cells = parse_table(shown.stdout)
+    col = next(i for i, h in enumerate(heads) if h.split()[0] == "other")
+    unit = {"us": 1.0, "ms": 1000.0}[heads[col].split()[1]]
+    other = {r[heads.index("tokens")]: r[col] for r in cells}
+    assert other["1"] == "-" and float(other["2"]) * unit == 100.0, (heads, cells)
+    assert "other is blank at 1 row:" in " ".join(shown.stdout.split())
