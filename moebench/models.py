@@ -187,6 +187,15 @@ class MoEShape:
         return d
 
 
+def config_name(path: str, model_type: str = "") -> str:
+    """The name of a shape read from `path` without a `_name_or_path`: the file's name without
+    .json (cfg/a.json -> "a"); for a file called config.json, its model_type, else its folder."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if stem and stem.lower() != "config":
+        return stem
+    return model_type or os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -194,6 +203,8 @@ def _is_int(v: Any) -> bool:
 def _validate(s: MoEShape) -> None:
     """Raise MoebenchError naming the bad field of a shape."""
     what = f"model shape {s.name!r}" if s.name else "model shape"
+    if s.source:
+        what += f" (read from {s.source})"
     for fld, flag in (("num_experts", "--num-experts"), ("hidden", "--hidden"), ("intermediate", "--intermediate")):
         v = getattr(s, fld)
         if not _is_int(v) or v < 1:
@@ -559,7 +570,7 @@ def read_hf_config(path: str) -> MoEShape:
     act, bias = activation_from_config(cfg, f"config file {path!r}")
     quant = quant_from_config(cfg.get("quantization_config", outer_quant), f"config file {path!r}")
 
-    name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
+    name = cfg.get("_name_or_path") or config_name(path, model_type)
     return MoEShape(
         name=str(name), num_experts=num_experts, topk=topk, hidden=hidden, intermediate=intermediate,
         scoring=scoring, renormalize=renormalize, n_group=n_group, topk_group=topk_group,

@@ -305,3 +305,31 @@ def test_other_is_never_negative_where_the_parts_add_up_to_more_than_the_layer(t
     other = {r[heads.index("tokens")]: r[col] for r in cells}
     assert other["1"] == "-" and float(other["2"]) * unit == 100.0, (heads, cells)
     assert "other is blank at 1 row:" in " ".join(shown.stdout.split())
+
+
+# -- a --model config.json run is named after its file or model_type -------------------------------
+
+def _mixtral_like(path: Path, **over) -> Path:
+    cfg = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "hidden_size": 64,
+           "intermediate_size": 64, **over}
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_config_json_runs_are_named_after_the_file_or_its_model_type(tmp_path):
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    files = [_mixtral_like(cfg / "a.json"), _mixtral_like(cfg / "b.json", intermediate_size=32),
+             _mixtral_like(cfg / "config.json", hidden_size=32)]
+    out = tmp_path / "out"
+    sweep = ["--tokens", "1", "--experts", "torch", "--prepare-finalize", "no-dpep", "--device", "cpu"]
+    for f in files:
+        res = moebench_inproc("sweep", "--model", f, *sweep, "--out", out)
+        assert res.returncode == 0, res.stderr
+    names = sorted(p.name.split("-sweep-", 1)[1] for p in out.iterdir())
+    assert names == ["a", "b", "mixtral"]
+    models = {json.loads((p / "rows.jsonl").read_text().splitlines()[0])["model"] for p in out.iterdir()}
+    assert models == {"a", "b", "mixtral"}
+    bad = _mixtral_like(cfg / "bad.json", num_experts_per_tok=9)
+    assert_bad_input(moebench_inproc("sweep", "--model", bad, *sweep, "--out", out),
+                     f"model shape 'bad' (read from {bad})", "topk")
