@@ -333,3 +333,27 @@ def test_config_json_runs_are_named_after_the_file_or_its_model_type(tmp_path):
     bad = _mixtral_like(cfg / "bad.json", num_experts_per_tok=9)
     assert_bad_input(moebench_inproc("sweep", "--model", bad, *sweep, "--out", out),
                      f"model shape 'bad' (read from {bad})", "topk")
+
+
+# -- tune --dry-run plans a tune on any machine ---------------------------------------------------
+
+def test_tune_dry_run_plans_on_a_cpu_for_the_cpu_and_for_a_gpu(tmp_path):
+    env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}  # a CPU user's shell
+
+    def tune(*args):
+        return subprocess.run([sys.executable, "-m", "moebench", "tune", "--model", "mixtral-8x7b", "--tp", "8",
+                               "--tokens", "1,64", "--dry-run", *args], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300)
+
+    for args in ([], ["--device", "cuda"]):
+        res = tune(*args)
+        assert res.returncode == 0, res.stderr
+        assert "search space after pruning" in res.stdout and "/ 1920" in res.stdout
+    said = " ".join(tune().stdout.split())
+    assert "notice: cannot tune the triton experts" in said and "a dry run only plans the search" in said
+    gpu = " ".join(tune("--device", "cuda").stdout.split())
+    assert "device_name=GPU_NAME.json on cuda" in gpu and "KiB of shared memory per block" in gpu
+    assert list(tmp_path.iterdir()) == []  # a plan writes nothing
+    if not __import__("torch").cuda.is_available():  # without --dry-run a GPU tune still needs the GPU
+        assert_bad_input(moebench_inproc("tune", "--model", "mixtral-8x7b", "--tp", "8", "--device", "cuda",
+                                         "--tokens", "1", cwd=tmp_path), "no CUDA GPU")

@@ -124,9 +124,9 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         if any(v is not None for v in (tp, dp, ep)):
             spec.layout = ParallelLayout.from_args(tp, dp, ep)
         if device is not None:
-            spec.device = resolve_device(device)
+            spec.device = plan_device(device, dry_run)
         else:
-            resolve_device(spec.device)
+            plan_device(spec.device, dry_run)
         if any(v is not None for v in (dtype, block_shape, scales, group_size)) or zero_points:
             saved = spec.quant.name if spec.quant is not None else dtype_name(spec.dtype)
             if not (spec.quant is not None and dtype in (None, spec.quant.name) and block_shape is None
@@ -150,7 +150,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         if out is None:
             out = T.load_run_out_dir(resume)  # the folder the run was started with
     else:
-        dev = resolve_device(device)
+        dev = plan_device(device, dry_run)
         kernel = kernel or "moebench"
         # the engines' kernel takes 16-bit activations only: bf16 on a CPU too
         act_dtype, quant = resolve_precision(dtype, block_shape, scales, dev,
@@ -167,16 +167,17 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         run_dir = Path(results_dir) / new_run_id("tune", spec.shape.name)
     check_routing(spec.routing, spec.shape)
     spec.tokens = sorted(set(spec.tokens))
-    T._validate(spec)
+    cannot_run = T._validate(spec, plan_only=dry_run)
     if not dry_run:  # before any folder or file exists: a refused tune writes nothing
         from moebench.inputs import check_fits
 
         check_fits(spec.local_experts, spec.shape.hidden, spec.inter_per_rank, max(spec.tokens), spec.shape.topk,
                    spec.dtype, spec.device, advice="shard it with --tp/--ep, or tune fewer --tokens")
     s = spec.shape
+    gpu_unknown = spec.device == "cuda" and not torch.cuda.is_available()  # a dry run on a machine without one
     say(console, Text.assemble(("moebench tune", "bold"), f" {s.name} (E={s.num_experts}, topk={s.topk}, H={s.hidden}, "
                                f"I={s.intermediate}) {spec.layout.describe()}, {spec.precision}, kernel {spec.kernel} -> "
-                               f"{T.config_path_for(spec, out)} on {spec.device}, search {spec.strategy}"
+                               f"{T.config_path_for(spec, out, 'GPU_NAME' if gpu_unknown else None)} on {spec.device}, search {spec.strategy}"
                                + (" (GEMM2 against GEMM1's config)" if spec.down else "")))
     counts = T.prune_counts(spec)
     pt = Table(title="search space after pruning")
@@ -188,6 +189,11 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
                    ", ".join(f"{n} {r}" for r, n in sorted(rep.pruned.items(), key=lambda kv: -kv[1])))
     console.print(pt)
     if dry_run:
+        if gpu_unknown:
+            say(console, f"dry run without a GPU: pruned for {T.smem_limit('cuda') // 1024} KiB of shared memory per "
+                         "block (an H100 / H200); GPU_NAME is the name of the GPU the tune runs on.")
+        if cannot_run:
+            say(console, f"notice: {cannot_run} (a dry run only plans the search)")
         return
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -232,6 +238,14 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         say(console, f"wrote {outcome.config_path}")
     else:
         raise MoebenchError(f"no token count found a working config; see {outcome.run_dir / 'report.md'}")
+
+
+def plan_device(device: str | None, dry_run: bool) -> str:
+    """--device for tune: as resolve_device, except that a dry run (which measures nothing) plans a
+    GPU tune on any machine."""
+    if dry_run and device == "cuda":
+        return "cuda"
+    return resolve_device(device)
 
 
 def against_tables(paths) -> dict[str, dict[int, dict[str, int]]] | None:

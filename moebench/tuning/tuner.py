@@ -488,7 +488,10 @@ class TuneOutcome:
     is_main: bool = True  # False on torchrun ranks other than 0 (they write nothing)
 
 
-def _validate(spec: TuneSpec) -> None:
+def _validate(spec: TuneSpec, plan_only: bool = False) -> str | None:
+    """Refuse a spec that cannot be tuned (a one-line MoebenchError). plan_only (a dry run, which
+    measures nothing): experts that cannot run on this machine are not an error; the reason is
+    returned instead (None: they can run here)."""
     if spec.strategy not in STRATEGIES:
         raise MoebenchError(f"--search {spec.strategy!r}: use one of {', '.join(STRATEGIES)}")
     if spec.budget is not None and spec.budget < 1:
@@ -510,7 +513,11 @@ def _validate(spec: TuneSpec) -> None:
     reason = check_combination("no-dpep", spec.experts, dev_type, spec.dtype, quant=spec.quant)
     if reason is not None:  # the reason `sweep` gives for these experts (e.g. no GPU, no interpreter, a dtype)
         what = spec.quant.describe() if spec.quant is not None else f"the {spec.experts} experts ({spec.precision})"
-        raise MoebenchError(f"cannot tune {what} for --kernel {spec.kernel} on {dev_type}: {reason}")
+        why = f"cannot tune {what} for --kernel {spec.kernel} on {dev_type}: {reason}"
+        if plan_only:
+            return why
+        raise MoebenchError(why)
+    return None
 
 
 def tune(
@@ -704,20 +711,21 @@ def deploy_layout(name: str) -> tuple[ParallelLayout, str]:
     return ParallelLayout.from_args(n, None, None), "" if n == 1 else f"--tp {n}"
 
 
-def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None) -> Path:
+def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None, device_name: str | None = None) -> Path:
     """Where the vLLM file goes: out_dir (default results/configs) / E=..,N=..,device_name=..
     [,dtype=fp8_w8a8[,block_shape=[bn,bk]]][,per_channel_quant=True][_down].json (`_down`: a --down
     run; per_channel_quant: per-token scales; both SGLang's names). An engine's kernel: its own
-    name, by default in results/configs/<engine>[/triton_X_Y_Z] (moebench.kernels.engine_configs)."""
+    name, by default in results/configs/<engine>[/triton_X_Y_Z] (moebench.kernels.engine_configs).
+    device_name: the name's device part (default: the device's own name)."""
+    device_name = device_name or C.device_name(spec.device)
     if spec.kernel != "moebench":
         from moebench.kernels import engine_configs as EC
 
         folder = Path(out_dir) if out_dir is not None else EC.default_out_dir(spec.kernel)
-        return folder / EC.engine_file_name(spec.kernel, spec.local_experts, spec.inter_per_rank,
-                                            C.device_name(spec.device), spec.quant)
+        return folder / EC.engine_file_name(spec.kernel, spec.local_experts, spec.inter_per_rank, device_name,
+                                            spec.quant)
     folder = Path(out_dir) if out_dir is not None else Path("results") / "configs"
-    name = C.config_file_name(spec.local_experts, spec.inter_per_rank, C.device_name(spec.device),
-                              *C.name_parts(spec.dtype, spec.quant), down=spec.down,
+    name = C.config_file_name(spec.local_experts, spec.inter_per_rank, device_name, *C.name_parts(spec.dtype, spec.quant), down=spec.down,
                               per_channel_quant=C.per_channel_quant(spec.quant))
     return folder / name
 
