@@ -210,14 +210,16 @@ def _pf_reason(cls: type[PrepareAndFinalize], device: str, world_size: int, enab
     return cls.unavailable_reason(device, world_size)
 
 
-def _quant_reason(pf_cls: type[PrepareAndFinalize], ex_cls: type[Experts], device: str, quant) -> str | None:
+def _quant_reason(pf_cls: type[PrepareAndFinalize], ex_cls: type[Experts], device: str, quant,
+                  declared_only: bool = False) -> str | None:
+    """Why the pair cannot run `quant`; declared_only: from what both declare, whatever runs here."""
     if quant is None:
         return None
     if quant.kind not in ex_cls.supported_quant:
         return f"experts '{ex_cls.name}' do not support {quant.describe()}"
     if not quant.weight_only and not ex_cls.quantizes_input and quant.scales not in pf_cls.supported_quant:
         return f"prepare/finalize '{pf_cls.name}' cannot quantise activations as {quant.describe()}"
-    return ex_cls.quant_unavailable_reason(device, quant)
+    return None if declared_only else ex_cls.quant_unavailable_reason(device, quant)
 
 
 def check_combination(
@@ -230,10 +232,17 @@ def check_combination(
     quant=None,
     activation=None,
     bias: bool = False,
+    comm_modeled: bool = False,
+    experts_modeled: bool = False,
 ) -> str | None:
     """None when the pair can run here; else the reason, naming both halves where it matters.
     quant: a moebench.quant.QuantScheme for fp8 runs (dtype is then the activation dtype);
-    activation (moebench.activation.Activation; None = silu) and bias: what the experts compute."""
+    activation (moebench.activation.Activation; None = silu) and bias: what the experts compute.
+
+    A simulated run prices the prepare/finalize's communication from its declaration
+    (comm_modeled: it need not run here, only pair with the experts and carry the precision), and
+    may take the experts time from the target GPU's floor (experts_modeled: the experts need not
+    run here, only run on a GPU in this precision)."""
     try:
         pf_cls = get_prepare_finalize_class(prepare_finalize)
         ex_cls = get_experts_class(experts)
@@ -246,9 +255,20 @@ def check_combination(
         )
     from moebench.activation import SILU
 
-    return (_pf_reason(pf_cls, device, world_size, enable_ep) or _experts_reason(ex_cls, device, dtype)
-            or _quant_reason(pf_cls, ex_cls, device, quant)
-            or ex_cls.activation_unavailable_reason(activation or SILU, bias, quant))
+    if comm_modeled:
+        pf_reason = (f"prepare/finalize '{pf_cls.name}' needs expert parallelism (--ep)"
+                     if pf_cls.needs_expert_parallel and enable_ep is False else None)
+    else:
+        pf_reason = _pf_reason(pf_cls, device, world_size, enable_ep)
+    if experts_modeled:
+        ex_reason = (None if "cuda" in ex_cls.supported_devices else f"experts '{ex_cls.name}' do not run on a GPU")
+        if ex_reason is None and dtype is not None and dtype not in ex_cls.supported_dtypes:
+            ex_reason = f"experts '{ex_cls.name}' does not support {_dtype_name(dtype)}"
+        q_reason = _quant_reason(pf_cls, ex_cls, "cuda", quant, declared_only=True)
+    else:
+        ex_reason = _experts_reason(ex_cls, device, dtype)
+        q_reason = _quant_reason(pf_cls, ex_cls, device, quant)
+    return pf_reason or ex_reason or q_reason or ex_cls.activation_unavailable_reason(activation or SILU, bias, quant)
 
 
 def check_named_experts_quant(names: list[str], quant) -> None:

@@ -57,6 +57,11 @@ class SweepSpec:
     bias: bool = False
     #: the shared experts' form in the timed layer: "none", "fused" or "separate" (moebench.kernels.layer)
     shared: str = "none"
+    #: simulated runs: the communication comes from the model (every declared transport is a
+    #: candidate, whether or not it runs here); model_experts: the experts time is the target
+    #: GPU's floor too (the experts need not run here)
+    model_comm: bool = False
+    model_experts: bool = False
 
     @property
     def dtype_label(self) -> str:
@@ -113,13 +118,27 @@ def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
         for ex in spec.experts:
             reason = check_combination(
                 pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep, quant=spec.quant,
-                activation=spec.activation, bias=spec.bias,
+                activation=spec.activation, bias=spec.bias, comm_modeled=spec.model_comm,
+                experts_modeled=spec.model_experts,
             )
             if reason is None and spec.layout.dp > 1 and not get_prepare_finalize_class(pf).communicates:
                 reason = (f"prepare/finalize '{pf}' keeps tokens where they are, so dp {spec.layout.dp} > 1 "
                           f"needs a token exchange: use allgather-rs or all2all-ll")
             out.append((pf, ex, reason))
     return out
+
+
+def allreduce_choices(spec: SweepSpec, pf: str) -> list[str]:
+    """The all-reduce implementations a case of `pf` runs with (the `allreduce` column): in a
+    simulated run every transport its declared all-reduce can take (nccl, custom), each a row of
+    its own; on real ranks the process group's; "" where there is none."""
+    world = spec.layout.world_size
+    ops = [op for op in get_prepare_finalize_class(pf).communication if op.op == "all-reduce"]
+    if not ops or world <= 1:
+        return [""]
+    if spec.model_comm:
+        return [t.removesuffix("-all-reduce") for t in ops[0].transports]
+    return ["nccl" if spec.device == "cuda" else "gloo"]
 
 
 def cases_to_run(spec: SweepSpec, store: RunStore | None = None, modeled: bool = False) -> int:
@@ -129,13 +148,14 @@ def cases_to_run(spec: SweepSpec, store: RunStore | None = None, modeled: bool =
     n = 0
     for m in spec.tokens:
         for pf, ex in runnable:
-            row = base_row(spec, m, pf, ex)
-            row.modeled = modeled
-            n += store is None or not store.has(row.key())
+            for ar in allreduce_choices(spec, pf):
+                row = base_row(spec, m, pf, ex, ar)
+                row.modeled = modeled
+                n += store is None or not store.has(row.key())
     return n
 
 
-def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
+def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str, allreduce: str = "") -> ResultRow:
     s, lay = spec.shape, spec.layout
     try:
         fmt = str(get_experts_class(ex).activation_format)
@@ -146,7 +166,7 @@ def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str) -> ResultRow:
         tokens=tokens, tp=lay.tp, dp=lay.dp, ep=lay.ep_size, world_size=lay.world_size,
         prepare_finalize=pf, experts=ex, activation_format=fmt, dtype=spec.dtype_label,
         device=spec.device, routing=spec.routing, quant=spec.quant_label, activation=spec.activation.name,
-        expert_bias=spec.bias, shared_experts=spec.shared,
+        expert_bias=spec.bias, shared_experts=spec.shared, allreduce=allreduce,
     )
 
 
@@ -206,27 +226,28 @@ def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,
     try:
         for m in spec.tokens:
             for pf, ex, reason in pairs:
-                row = base_row(spec, m, pf, ex)
-                row.modeled = runner.modeled
-                if row.key() in done:
-                    continue
-                if reason is not None:
-                    row.status, row.reason = "skipped", reason
-                else:
-                    inputs = runner.inputs(m, pf)
-                    try:
-                        runner.run_case(row, m, pf, ex, inputs)
-                    except MoebenchError as e:
-                        row.status, row.reason = "failed", str(e)
-                    except Exception as e:  # any backend failure (compile error, out of resources, OOM)
-                        if spec.device == "cuda":
-                            torch.cuda.synchronize()
-                        row.status, row.reason = "failed", one_line(e)
-                if runner.writes:
-                    store.add(row)
-                rows.append(row)
-                if on_progress is not None and reason is None:
-                    on_progress(row)
+                for ar in allreduce_choices(spec, pf):
+                    row = base_row(spec, m, pf, ex, ar)
+                    row.modeled = runner.modeled
+                    if row.key() in done:
+                        continue
+                    if reason is not None:
+                        row.status, row.reason = "skipped", reason
+                    else:
+                        inputs = runner.inputs(m, pf)
+                        try:
+                            runner.run_case(row, m, pf, ex, inputs)
+                        except MoebenchError as e:
+                            row.status, row.reason = "failed", str(e)
+                        except Exception as e:  # any backend failure (compile error, out of resources, OOM)
+                            if spec.device == "cuda":
+                                torch.cuda.synchronize()
+                            row.status, row.reason = "failed", one_line(e)
+                    if runner.writes:
+                        store.add(row)
+                    rows.append(row)
+                    if on_progress is not None and reason is None:
+                        on_progress(row)
     finally:
         runner.finish()
     return rows

@@ -42,6 +42,27 @@ def layout_prepare_finalize(moves_tokens: bool) -> list[str]:
     return out
 
 
+def modeled_experts(dtype, quant, activation, bias: bool) -> list[str]:
+    """The experts a comparison considers when their time is the target GPU's floor: every backend
+    would show the same floor, so one per activation format: the first (registry order) that runs
+    this precision and layer on a GPU."""
+    from moebench.backends import check_combination, experts_names, get_experts_class
+
+    chosen: dict[str, str] = {}
+    for name in experts_names():
+        cls = get_experts_class(name)
+        fmt = str(cls.activation_format)
+        if not cls.timed or fmt in chosen:
+            continue
+        stand_in = next(pf for pf in prepare_finalize_names()
+                        if str(get_prepare_finalize_class(pf).activation_format) == fmt
+                        and not get_prepare_finalize_class(pf).communicates)
+        if check_combination(stand_in, name, "cuda", dtype, 1, None, quant=quant, activation=activation, bias=bias,
+                             comm_modeled=True, experts_modeled=True) is None:
+            chosen[fmt] = name
+    return list(chosen.values())
+
+
 @dataclass
 class CompareResult:
     """summary: one row per (tokens, layout) with the best correct pair and its breakdown;
@@ -98,8 +119,18 @@ def run_compare(base: SweepSpec, world_size: int, store: RunStore, link, experts
     for spec in specs.values():
         run_simulated(spec, store, link, on_progress=on_progress, experts_model=experts_model)
     if check_ranks and n == 1:
+        from moebench.runtime.sim_sweep import check_spec_for
+
         for spec in specs.values():
-            run_multirank(replace(spec, reps=1, warmup=0), store.folder, world_size=world_size)
+            # with the experts time modeled, the ranks check what this machine runs (check_spec_for)
+            checked = spec
+            if experts_model is not None:
+                from moebench.runtime.sim_sweep import experts_here
+
+                checked = check_spec_for(spec)
+                names = [experts_here(ex, checked)[0] for ex in spec.experts]
+                checked = replace(checked, experts=list(dict.fromkeys(n for n in names if n)))
+            run_multirank(replace(checked, reps=1, warmup=0), store.folder, world_size=world_size)
         store = RunStore(store.folder)
     return summarize(store.rows, world_size, gpus_per_node=gpn, tokens=list(base.tokens))
 
@@ -122,7 +153,7 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
     checked: dict[tuple, bool] = {}
     for r in rows:
         if not r.modeled and r.status == "ok" and r.correct is not None:
-            key = (r.tokens, _layout_name(r, world_size), r.prepare_finalize, r.experts)
+            key = (r.tokens, _layout_name(r, world_size), r.prepare_finalize)  # any experts that ran here
             checked[key] = checked.get(key, True) and bool(r.correct)
     best: dict[tuple[int, str], ResultRow] = {}
     for r in rows:
@@ -145,10 +176,12 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
         other = r.latency_us - comm - (r.experts_us or 0.0)  # what the parts leave out
         recs.append({
             "tokens": tokens, "layout": lname, "prepare_finalize": r.prepare_finalize, "experts": r.experts,
+            "allreduce": r.allreduce or "", "transports": r.extra.get("comm_transports", ""),
+            "not_run_here": r.extra.get("comm_not_run", ""),
             "latency_us": r.latency_us, "dispatch_us": r.dispatch_us, "experts_us": r.experts_us,
             "combine_us": r.combine_us, "allreduce_us": r.allreduce_us, "comm_us": comm, "other_us": other,
             "floor_us": r.floor_us, "imbalance": r.imbalance, "rank_imbalance": r.rank_imbalance,
-            "checked_on_ranks": checked.get((tokens, lname, r.prepare_finalize, r.experts)),
+            "checked_on_ranks": checked.get((tokens, lname, r.prepare_finalize)),
             "timing": r.timing_method,
         })
     df = pd.DataFrame(recs)

@@ -103,10 +103,12 @@ def available_memory(device: str) -> int:
 
 def check_fits(
     e_local: int, hidden: int, inter_local: int, max_tokens: int, topk: int, dtype: torch.dtype, device: str,
-    advice: str = "shard it with --tp/--ep, use --simulate, or use fewer --tokens",
+    advice: str = "shard it with --tp/--ep, use --simulate, or use fewer --tokens", ranks: int = 1,
 ) -> int:
     """Estimate the bytes a case needs before allocating; raise a MoebenchError that says how much
-    is needed and what to do (`advice`) when it would not fit. Returns the estimate."""
+    is needed and what to do (`advice`) when it would not fit. `ranks` processes that each hold
+    such a share on this device (CPU ranks share the host's memory) must fit together. Returns the
+    estimate of one."""
     el = torch.tensor([], dtype=dtype).element_size()
     weights = e_local * 3 * hidden * inter_local * el
     staging = 3 * hidden * inter_local * (4 + 8)  # one expert in fp32 (generation) and fp64 (reference)
@@ -115,8 +117,11 @@ def check_fits(
     act = max_tokens * topk * (2 * inter_local + hidden) * (el + 4) + max_tokens * hidden * (2 * el + 3 * 8)
     need = weights + staging + act
     have = available_memory(device)
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    if ranks > 1 and ranks * need > 0.9 * have:
+        raise MoebenchError(f"{ranks} ranks need about {gib(ranks * need)} together on {device} ({gib(need)} each) "
+                            f"but {gib(have)} is free; {advice}")
     if need > 0.9 * have:
-        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
         raise MoebenchError(
             f"this shape needs about {gib(need)} on {device} (weights {gib(weights)}) but {gib(have)} is free; "
             f"{advice}"

@@ -90,13 +90,16 @@ class ResultRow:
     #: how the layer's shared experts ran: "none" (not part of the timed layer), "fused" (extra
     #: experts every token is routed to), "separate" (a dense MLP added to the routed output)
     shared_experts: str = "none"
+    #: TP's all-reduce: "nccl" or "custom" (modeled runs price both), "gloo" on CPU ranks; "" none
+    allreduce: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def key(self) -> tuple:
         """Identity of a measurement, used to skip work on resume."""
         return (self.model, self.num_experts, self.topk, self.hidden, self.intermediate, self.tokens,
                 self.tp, self.dp, self.ep, self.prepare_finalize, self.experts, self.dtype, self.device,
-                self.routing, self.modeled, self.quant, self.activation, self.expert_bias, self.shared_experts)
+                self.routing, self.modeled, self.quant, self.activation, self.expert_bias, self.shared_experts,
+                self.allreduce or "")
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

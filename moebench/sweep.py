@@ -148,6 +148,20 @@ def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings, variants: li
     fill_metrics(row, flops, nbytes, ceilings)
 
 
+def check_ranks_fit(spec: SweepSpec, world_size: int,
+                    advice: str = "use --no-check, a smaller shape or fewer --tokens") -> None:
+    """Refuse (MoebenchError) before any rank starts when `world_size` ranks of `spec` would not fit
+    together: CPU ranks share the host's memory, GPU ranks have one GPU each."""
+    s, lay = spec.shape, spec.layout
+    if lay.enable_ep:
+        e_local = -(-s.num_experts // lay.ep_size)
+        inter, tokens = s.intermediate, spec.batch_tokens(max(spec.tokens, default=1), True)
+    else:
+        e_local, inter, tokens = s.num_experts, lay.intermediate_per_rank(s.intermediate), max(spec.tokens, default=1)
+    check_fits(e_local, s.hidden, inter, tokens, s.topk, spec.dtype, spec.device, advice,
+               ranks=world_size if spec.device == "cpu" else 1)
+
+
 def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=None) -> int:
     """Real ranks: join the torchrun group `ctx`, or spawn `world_size` processes (gloo on CPU,
     NCCL with one GPU each). Rank 0 appends rows to `folder`; returns the rows it wrote."""
@@ -156,14 +170,18 @@ def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=No
 
     if ctx is not None:
         return sweep_on_rank(ctx, spec, str(folder))
+    check_ranks_fit(spec, world_size or spec.layout.world_size)
     return spawn(sweep_on_rank, world_size or spec.layout.world_size, spec.device, spec, str(folder))[0]
 
 
 def run_simulated(spec: SweepSpec, store: RunStore, link, on_progress=None, experts_model=None) -> list[ResultRow]:
     """One device computes one rank's share; communication comes from the cost model (`link`);
     with `experts_model` (Ceilings), the experts time is that GPU's roofline floor instead."""
+    from dataclasses import replace
+
     from moebench.runtime.sim_sweep import SimulatedRunner
 
+    spec = replace(spec, model_comm=True, model_experts=experts_model is not None)
     return run_cases(spec, store, SimulatedRunner(link, experts_model), on_progress)
 
 

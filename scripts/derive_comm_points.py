@@ -11,10 +11,15 @@ computed from the other, and `bytes_rule` how the bytes per rank were counted:
     rank-dedup      tokens x E[ranks a token reaches] x row bytes (DeepEP test_intranode.py counts recv_x rows); (world-1)/world on NVLink
     gbps-x-time     GB/s x time (both published); (world-1)/world on NVLink
     node-dedup      tokens x E[nodes a token reaches] x row bytes: DeepEP test_internode.py's RDMA count (own node included);
-                    the model puts (nodes-1)/nodes of it on RDMA and 7/8 of tokens x E[ranks] x row bytes on NVLink
+                    the model puts all of it on RDMA (DeepEP's RDMA stage moves the own node's rows too) and 7/8 of
+                    tokens x E[ranks] x row bytes on NVLink
     ring-allreduce  the nccl-tests message size S; 2 (T-1)/T x S per rank on NVLink (busbw = that / time)
+    ring-allreduce-nodes  the same bus bytes past one node: 1/g of them over each GPU's NIC, (g-1)/g over NVLink
+                    (g GPUs per node: one ring per channel, each crossing the node boundary at another GPU)
+    a2a-buffer      the nccl-tests send buffer S: (min(T, g) - 1)/T x S over NVLink, (T - g)/T x S over RDMA
 
-Row bytes: fp8 = hidden + 4 x hidden / 128 (fp32 scale per 128 values), bf16 = 2 x hidden.
+Row bytes: fp8 = hidden + 4 x hidden / 128 (fp32 scale per 128 values), bf16 = 2 x hidden; fp8+meta and
+bf16+weights add what DeepEP V2's test counts per token (int64 ids + fp32 weights, or the weights).
 E[ranks] and E[nodes] for routing "uniform" (top-k of the experts uniformly at random) in closed form; for
 "group-topG" (top-G node groups by their best expert, then top-k of their experts, as test_internode.py
 routes) by Monte Carlo over the same procedure.
@@ -30,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def row_bytes(dtype: str, hidden: int) -> int:
-    return hidden + 4 * (hidden // 128) if dtype == "fp8" else 2 * hidden
+def row_bytes(dtype: str, hidden: int, topk: int = 0) -> int:
+    return {"fp8": hidden + 4 * (hidden // 128), "fp8+meta": hidden + 4 * (hidden // 128) + 12 * topk,
+            "bf16+weights": 2 * hidden + 4 * topk}.get(dtype, 2 * hidden)
 
 
 def expected_reached(experts: int, groups: int, topk: int) -> float:
@@ -75,14 +81,14 @@ def derive(p, mc_tokens: int = 1 << 16, mc_reps: int = 16) -> dict[str, float]:
     w, gpn = p.world_size, p.gpus_per_node
     out: dict[str, float] = {}
     if p.bytes_rule == "pairs":
-        b = p.tokens * p.topk * row_bytes(p.dtype, p.hidden)
+        b = p.tokens * p.topk * row_bytes(p.dtype, p.hidden, p.topk or 0)
         out.update(bytes_per_rank=b, nvlink_bytes=b * (min(w, gpn) - 1) / w, rdma_bytes=b * max(w - gpn, 0) / w)
     elif p.bytes_rule == "a2a-tensor":
-        b = p.experts * p.tokens * row_bytes(p.dtype, p.hidden)
+        b = p.experts * p.tokens * row_bytes(p.dtype, p.hidden, p.topk or 0)
         out.update(bytes_per_rank=b, nvlink_bytes=b * (w - 1) / w, rdma_bytes=0)
     elif p.bytes_rule == "rank-dedup":
         ranks, _ = reach(p, mc_tokens, mc_reps)
-        b = p.tokens * ranks * row_bytes(p.dtype, p.hidden)
+        b = p.tokens * ranks * row_bytes(p.dtype, p.hidden, p.topk or 0)
         out.update(bytes_per_rank=b, nvlink_bytes=b * (w - 1) / w, rdma_bytes=0)
     elif p.bytes_rule == "gbps-x-time":
         b = p.gbps * p.time_us * 1e3
@@ -90,16 +96,22 @@ def derive(p, mc_tokens: int = 1 << 16, mc_reps: int = 16) -> dict[str, float]:
     elif p.bytes_rule == "node-dedup":
         ranks, nodes_hit = reach(p, mc_tokens, mc_reps)
         nodes = w // gpn
-        row = row_bytes(p.dtype, p.hidden)
+        row = row_bytes(p.dtype, p.hidden, p.topk or 0)
         b = p.tokens * nodes_hit * row
-        out.update(bytes_per_rank=b, rdma_bytes=b * (nodes - 1) / nodes,
+        out.update(bytes_per_rank=b, rdma_bytes=b,
                    nvlink_bytes=p.tokens * ranks * row * (gpn - 1) / gpn)
     elif p.bytes_rule == "ring-allreduce":
         b = p.bytes_per_rank
         out.update(bytes_per_rank=b, nvlink_bytes=2 * (w - 1) / w * b, rdma_bytes=0)
+    elif p.bytes_rule == "ring-allreduce-nodes":
+        bus = 2 * (w - 1) / w * p.bytes_per_rank
+        out.update(nvlink_bytes=bus * (gpn - 1) / gpn, rdma_bytes=bus / gpn)
+    elif p.bytes_rule == "a2a-buffer":
+        b = p.bytes_per_rank
+        out.update(nvlink_bytes=b * (min(w, gpn) - 1) / w, rdma_bytes=b * max(w - gpn, 0) / w)
     else:
         raise ValueError(f"line {p.line}: unknown bytes_rule {p.bytes_rule!r}")
-    counted = out["nvlink_bytes"] if p.bytes_rule == "ring-allreduce" else out["bytes_per_rank"]
+    counted = out["nvlink_bytes"] if p.bytes_rule == "ring-allreduce" else out.get("bytes_per_rank", p.bytes_per_rank)
     if p.derived == "time":
         out["time_us"] = counted / p.gbps / 1e3
     elif p.derived == "gbps":

@@ -74,9 +74,12 @@ def test_compare_uses_a_measured_fit_and_says_so(tmp_path):
             os.environ["MOEBENCH_LINK_FILE"] = env_file
     assert res.returncode == 0, res.stderr
     assert "measured on H200 over 8 ranks" in res.stdout
-    summary, _, _ = _summary(tmp_path / "res")
+    summary, rows, _ = _summary(tmp_path / "res")
+    nccl = rows[(rows.tp == 4) & (rows.allreduce == "nccl") & (rows.status == "ok")].iloc[0]
+    assert nccl.allreduce_us > 250.0 and "measured" in nccl.x_comm_model
+    # the custom all-reduce has no measurement: its published fit, and the faster one is the answer
     tp = summary[summary.layout == "TP4"].iloc[0]
-    assert tp.allreduce_us > 250.0 and "measured" in tp.comm_model
+    assert tp.allreduce == "custom" and tp.allreduce_us < 250.0
     assert_bad_input(bad, "link measurement")
 
 
@@ -101,3 +104,53 @@ def test_bad_cluster_input(tmp_path):
     sweep = ["sweep", *SHAPE, "--tokens", "4", "--simulate", "--out", str(tmp_path)]
     assert_bad_input(moebench_inproc(*sweep, "--tp", "16"), "TP stays inside a node")
     assert_bad_input(moebench_inproc(*sweep, "--ep", "12"), "not a multiple of --gpus-per-node")
+
+
+def test_comm_answers_a_users_question():
+    res = moebench("comm", "--transport", "nccl-all-reduce", "--op", "all-reduce", "--gpu", "H200", "--world-size", "8",
+                   "--bytes", "4e6", "--json")
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert 40 < d["time_us"] < 70 and d["nearest"] and d["nearest"][0]["ratio"] > 0
+    text = moebench("comm", "--transport", "deepep-ll", "--op", "dispatch", "--gpu", "H200", "--world-size", "32",
+                    "--tokens", "128", "--hidden", "7168", "--topk", "8", "--num-experts", "256", "--dtype", "fp8")
+    assert text.returncode == 0, text.stderr
+    assert "us (modeled)" in text.stdout and "RDMA" in text.stdout and "nearest published points" in text.stdout
+
+
+def test_comm_bad_input(tmp_path):
+    base = ["comm", "--gpu", "H100", "--world-size", "8"]
+    assert_bad_input(moebench_inproc(*base, "--transport", "warp", "--op", "all-reduce", "--bytes", "1e6"), "warp")
+    assert_bad_input(moebench_inproc(*base, "--transport", "deepep-ll", "--op", "all-reduce", "--bytes", "1e6"),
+                     "has no 'all-reduce'")
+    assert_bad_input(moebench_inproc(*base, "--transport", "nccl-all-reduce", "--op", "all-reduce", "--bytes", "0"),
+                     "--bytes must be a positive")
+    assert_bad_input(moebench_inproc("comm", "--transport", "nccl-all-reduce", "--op", "all-reduce", "--world-size",
+                                     "12", "--bytes", "1e6"), "not a multiple of --gpus-per-node")
+    base = ["compare", "tp-vs-ep", *SHAPE, "--tokens", "4", "--no-check", "--world-size", "8"]
+    for bad in ("nan", "inf", "-1"):
+        out = tmp_path / bad
+        assert_bad_input(moebench_inproc(*base, "--link-gbps", bad, "--out", str(out)), "--link-gbps")
+        assert not out.exists()
+
+
+def test_presets_answer_on_a_cpu_in_their_shipped_precision(tmp_path):
+    """DeepSeek-V3 (fp8 block) and gpt-oss-120b (mxfp4) answer on a CPU with --no-check, with DeepEP
+    low-latency / normal and the custom all-reduce among the modeled candidates."""
+    import time
+
+    for model, world in (("deepseek-v3", "8"), ("gpt-oss-120b", "32")):
+        out = tmp_path / model
+        t0 = time.monotonic()
+        res = moebench("compare", "tp-vs-ep", "--model", model, "--world-size", world, "--device", "cpu",
+                       "--tokens", "1,256,4096", "--no-check", "--out", str(out), timeout=300)
+        assert res.returncode == 0, res.stderr
+        assert time.monotonic() - t0 < 60
+        summary, rows, run = _summary(out)
+        assert set(summary.tokens) == {1, 256, 4096} and summary.latency_us.notna().all()
+        ok = rows[(rows.status == "ok") & rows.modeled]
+        assert {"deepep-ll", "deepep-ht"} <= set(ok.prepare_finalize)
+        assert {"nccl", "custom"} <= set(ok.allreduce.dropna())
+        assert (ok[ok.prepare_finalize.str.startswith("deepep")].x_comm_not_run != "").all()  # said so
+        precision = "fp8_w8a8" if model == "deepseek-v3" else "mxfp4"
+        assert precision in set(ok.dtype) and "wins" in (run / "compare.md").read_text()

@@ -20,13 +20,14 @@ def test_fit_alpha_beta_recovers_a_line():
 @pytest.mark.parametrize("world", [2, 4])
 def test_calibration_on_gloo(world, tmp_path, monkeypatch):
     link, raw = measure_link(world, "cpu", reps=1, sizes=[1024, 16384], tokens=[1, 4])
-    keys = {"nccl-all-reduce", "nccl-all-to-all", "all2all-ll:dispatch", "all2all-ll:combine"}
+    keys = {"nccl-all-reduce:all-reduce", "nccl-all-to-all:all-to-all", "nccl-all-to-all:dispatch",
+            "nccl-all-to-all:combine"}  # all2all-ll's dispatch / combine, keyed by the transport it declares
     assert set(raw["transports"]) == keys
-    assert "deepep-ll" in raw["skipped"]  # needs CUDA and deep_ep
+    assert {"deepep-ll", "deepep-ht"} <= set(raw["skipped"])  # need CUDA and deep_ep
     for v in raw["transports"].values():
         assert v["alpha_us"] >= 0 and v["gbps"] > 0 and v["worst_ratio"] > 0 and len(v["points"]) == 2
         assert all(b > 0 and t > 0 for b, t in v["points"])
-    assert link.source == "measured" and link.bandwidth_gbps == raw["transports"]["nccl-all-to-all"]["gbps"]
+    assert link.source == "measured" and link.bandwidth_gbps == raw["transports"]["nccl-all-to-all:all-to-all"]["gbps"]
     # what the CLI writes reads back as measured fits of the CPU (never of a GPU)
     from moebench.runtime.simulate import write_measured_link
 

@@ -158,6 +158,8 @@ _DATASHEETS: tuple[tuple[str, str, float, dict[str, float]], ...] = (
     (r"a100.*40gb", "NVIDIA A100 40GB", 1555.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
     (r"a100.*pcie", "NVIDIA A100 80GB PCIe", 1935.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
     (r"a100", "NVIDIA A100 80GB SXM", 2039.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    # GB200 NVL72 datasheet per GPU (rack / 72; dense = half the sparse figures it lists)
+    (r"gb200", "NVIDIA GB200 (per GPU)", 8000.0, {"bf16": 2500.0, "fp16": 2500.0, "fp32": 80.0, "fp8": 5000.0}),
     (r"b200", "NVIDIA B200", 8000.0, {"bf16": 2250.0, "fp16": 2250.0, "fp32": 75.0, "fp8": 4500.0}),
     (r"l40s", "NVIDIA L40S", 864.0, {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6, "fp8": 733.0}),
     (r"mi300x", "AMD Instinct MI300X", 5300.0, {"bf16": 1307.4, "fp16": 1307.4, "fp32": 163.4, "fp8": 2614.9}),

@@ -12,6 +12,7 @@ import threading
 import click
 import torch
 
+from moebench.cli import comm as comm_commands
 from moebench.cli import compare as compare_commands
 from moebench.cli import report as report_commands
 from moebench.cli import run as run_commands
@@ -27,7 +28,7 @@ def cli():
 
 
 for command in (run_commands.env, run_commands.models, run_commands.sweep, compare_commands.compare,
-                report_commands.report, tune_commands.tune, tune_commands.configs):
+                report_commands.report, tune_commands.tune, tune_commands.configs, comm_commands.comm):
     cli.add_command(command)
 
 

@@ -61,6 +61,11 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     if world_size is None or world_size < 2:
         raise MoebenchError("compare tp-vs-ep needs --world-size N with N >= 2")
     device = resolve_device(device)
+    if gpus_per_node is None:
+        from moebench.bench.hardware import device_summary as _summary
+        from moebench.runtime.simulate import DEFAULT_TARGET_GPU as _default, nvlink_domain
+
+        gpus_per_node = nvlink_domain(target_gpu or (_default if device == "cpu" else _summary(device).get("name")))
     shape = resolve_shape(model, num_experts, topk, hidden, intermediate)
     from moebench.runtime.comm_model import check_world
 
@@ -81,7 +86,11 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     if gpu is not None:
         experts_model = datasheet_ceilings(gpu)
         if experts_model is None:
-            raise MoebenchError(f"no datasheet profile for GPU '{gpu}'; try H200, H100, A100, B200, MI300X")
+            raise MoebenchError(f"no datasheet profile for GPU '{gpu}'; try H200, H100, A100, B200, GB200, MI300X")
+        if experts in (None, "", "all"):  # every backend shows the same floor: one per activation format
+            from moebench.compare import modeled_experts
+
+            ex_names = modeled_experts(dt, quant, act, bias)
     dev_name = gpu or device_summary(device).get("name")
     link, link_why = link_for(device, device_summary(device).get("name"), link_name, link_gbps, requested_gpu=target_gpu)
     # a measurement of this machine's links stands in only when its GPUs are the target
@@ -96,6 +105,17 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         check_named_experts_quant(spec.experts, quant)
     if plot_path is not None:
         check_output_file(plot_path, "--plot")
+    plain_layer = act.name == "silu" and not bias and modes[0] == "none"
+    check_ranks = device == "cpu" and not no_check and world_size <= gpus_per_node and plain_layer
+    if check_ranks:  # all ranks of each layout at once on this host: refuse before anything is written
+        from moebench.compare import layout_specs as _specs
+        from moebench.sweep import check_ranks_fit
+
+        from moebench.runtime.sim_sweep import check_spec_for
+
+        for sp in _specs(spec, world_size, gpus_per_node).values():
+            check_ranks_fit(check_spec_for(sp) if experts_model is not None else sp, world_size, "the real-rank check of compare tp-vs-ep does not fit this machine: use "
+                                            "--no-check (the simulated check still runs), a smaller shape or fewer --tokens")
     folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)
     meta = {"command": "compare tp-vs-ep", "argv": sys.argv[1:], "shape": shape.to_dict(), "world_size": world_size,
             "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label, "device": device, "routing": routing,
@@ -106,8 +126,6 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     store = RunStore(folder, metadata=meta, lock=True, command=_command_line())
     how = (f"experts time = {experts_model.device_name} roofline floor (datasheet), not measured"
            if experts_model is not None else f"experts time measured on {dev_name}")
-    plain_layer = act.name == "silu" and not bias and modes[0] == "none"
-    check_ranks = device == "cpu" and not no_check and world_size <= gpus_per_node and plain_layer
     console.print(f"[bold]moebench compare tp-vs-ep[/] {shape.name} over {world_size} ranks, {spec.precision}, "
                   f"routing {routing}: simulated ({how}; communication: {link.describe()})")
     console.print(f"link: {link_why}", markup=False, highlight=False)

@@ -39,6 +39,8 @@ def parse_tokens(value: str) -> list[int]:
             raise MoebenchError(f"--tokens: '{part}' is not an integer; give a comma list like 1,16,64") from None
         if n < 0:
             raise MoebenchError(f"--tokens: {n} is negative; token counts are >= 0")
+        if n in out:
+            raise MoebenchError(f"--tokens: {n} is given more than once; give each token count once")
         out.append(n)
     if not out:
         raise MoebenchError("--tokens is empty; give a comma list like 1,16,64")
@@ -161,8 +163,9 @@ def cluster_options(f):
     """Node size and inter-node link of a simulated cluster (sweep --simulate, compare)."""
     f = click.option("--rdma", "rdma_name", default="rdma-400g", show_default=True,
                      help="RDMA link between nodes, per GPU: rdma-400g (50 GB/s) | rdma-800g (100 GB/s).")(f)
-    f = click.option("--gpus-per-node", "gpus_per_node", type=int, default=8, show_default=True,
-                     help="GPUs per node: past one node EP traffic to other nodes goes over RDMA; TP stays inside a node.")(f)
+    f = click.option("--gpus-per-node", "gpus_per_node", type=int, default=None,
+                     help="GPUs per NVLink domain [8; 72 for a GB200 NVL72 target]: past it EP traffic goes over "
+                          "RDMA; TP stays inside it.")(f)
     return f
 
 

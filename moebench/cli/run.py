@@ -34,6 +34,7 @@ from moebench.cli.options import (
     shape_options,
 )
 from moebench.errors import MoebenchError, interrupt_status
+from moebench.kernels.triton.configs import config_search_dirs
 from moebench.report import print_fitted, say
 
 
@@ -100,6 +101,23 @@ def backends_table(backends: list[dict]):
         Column("note", "note", ["see below" if b["reason"] else "" for b in backends], right=False, drop=30),
         Column("dtypes", "dtypes", cells("dtypes"), right=False, drop=60),
     ])
+
+
+def check_some_pair_runs(specs) -> None:
+    """Refuse a sweep none of whose pairs can run here (every one would be skipped), before any
+    folder exists; the error counts the pairs by reason."""
+    from moebench.report import skip_kind
+    from moebench.sweep import plan
+
+    reasons = [reason for sp in specs for _, _, reason in plan(sp)]
+    if reasons and all(reasons):
+        kinds: dict[str, int] = {}
+        for r in reasons:
+            kinds[skip_kind(r)] = kinds.get(skip_kind(r), 0) + 1
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        example = reasons[0] if len(set(reasons)) == 1 else next(r for r in reasons if skip_kind(r) == max(kinds, key=kinds.get))
+        raise MoebenchError(f"no pair of --experts and --prepare-finalize can run here ({counts}; e.g. {example}); "
+                            f"`moebench env` says what runs here")
 
 
 def _calibrate_link(device: str, world_size: int | None) -> str:
@@ -189,6 +207,9 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         raise MoebenchError("--format parquet needs pyarrow (pip install pyarrow), or drop parquet from --format")
     dt, quant, quant_line = resolve_model_precision(shape, dtype, block_shape, scales, device,
                                                     "bf16" if device == "cuda" else "fp32", group_size, zero_points)
+    for flag, value in (("--experts", experts), ("--prepare-finalize", prepare_finalize)):
+        if not value.replace(",", "").strip():
+            raise MoebenchError(f"{flag} is empty; give a comma list of names, or all (`moebench env` lists them)")
     ex_names = resolve_names(experts, default_experts() + ["reference"], "experts", default_experts())
     act, bias, shared_modes = resolve_layer(shape, activation, shared, ex_names, experts != "all")
     if reps is not None and reps < 1:
@@ -226,6 +247,10 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
 
         dev_name = device_summary(device).get("name") if device == "cuda" else None
         link, link_why = link_for(device, dev_name, link_name, link_gbps)
+        if gpus_per_node is None:
+            from moebench.runtime.simulate import DEFAULT_TARGET_GPU, nvlink_domain
+
+            gpus_per_node = nvlink_domain(dev_name or DEFAULT_TARGET_GPU)
         check_world(layout.world_size, gpus_per_node)
         if not layout.enable_ep:
             check_tp(layout.moe_tp_size, gpus_per_node)
@@ -233,6 +258,9 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     elif link_gbps is not None or link_name:
         raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
     check_sweep_fits(spec, mode)  # before the run folder exists: a refused sweep writes nothing
+    if mode in ("single", "spawn", "torchrun"):  # nothing modeled: what cannot run here is known now
+        check_some_pair_runs(specs)
+    config_search_dirs()  # a MOEBENCH_CONFIG_DIR that is no folder is refused now, not at each lookup
     meta = {"command": "sweep", "argv": sys.argv[1:],
             "options": _run_options(click.get_current_context(), device=device, tokens=",".join(map(str, tok))),
             "mode": mode, "shape": shape.to_dict(),
@@ -295,3 +323,5 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
         say(console, Text.assemble(("notice:", "yellow"), f" no pair could run here; the reasons are listed above.{hint}"))
     say(console, f"wrote {', '.join(str(p) for p in written)}")
     leave_torchrun(ctx)
+    if store.rows and not any(r.status == "ok" for r in store.rows):
+        sys.exit(1)  # nothing was measured: a script must not take this run for a result

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moebench.errors import MoebenchError, UnsupportedError
+from moebench.comm import CommOp
 from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.modular import (
     ActivationFormat,
@@ -66,7 +67,12 @@ class AllToAllLLPrepareAndFinalize(PrepareAndFinalize):
     needs_expert_parallel = True
     #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
     communicates = True
-    comm_pattern = "all-to-all"
+    #: dispatch: counts, then the pairs' rows, then their local expert ids (int64): three
+    #: all_to_all_single calls; combine: the rows back in one
+    communication = (
+        CommOp("dispatch", ("nccl-all-to-all",), "pair", "activations", calls=3, row_extra=8),
+        CommOp("combine", ("nccl-all-to-all",), "pair", "outputs"),
+    )
 
     def __init__(self, group: Any = None, max_tokens_per_rank: int = 256, layout: ParallelLayout | None = None):
         """group: ProcessGroup over the EP ranks (None = default group).

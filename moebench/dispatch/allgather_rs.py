@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from moebench.comm import CommOp
 from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.modular import (
     ActivationFormat,
@@ -49,7 +50,12 @@ class AllGatherReduceScatterPrepareAndFinalize(PrepareAndFinalize):
     needs_expert_parallel = True
     #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
     communicates = True
-    comm_pattern = "all-gather"
+    #: all-gather of the tokens with their routing (int64 id + fp32 weight per slot), then
+    #: reduce-scatter of the partial outputs
+    communication = (
+        CommOp("all-gather", ("nccl-all-gather",), "tensor", "activations", topk_extra=12),
+        CommOp("reduce-scatter", ("nccl-reduce-scatter",), "tensor", "outputs"),
+    )
 
     def __init__(self, group: Any = None):
         """group: a torch.distributed ProcessGroup over the DP ranks, None = the default group."""

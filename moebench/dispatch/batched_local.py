@@ -21,6 +21,7 @@ class BatchedLocalPrepareAndFinalize(PrepareAndFinalize):
     name = "batched-local"
     activation_format = ActivationFormat.BATCHED
     max_world_size = 1
+    communication = ()
 
     def default_weight_and_reduce(self) -> TopKWeightAndReduce:
         return TopKWeightAndReduceBatched()

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from moebench.comm import CommOp
 from moebench.errors import MoebenchError, UnsupportedError
 from moebench.kernels.modular import (
     ActivationFormat,
@@ -51,6 +52,19 @@ def _deep_ep_import_error() -> str | None:
             except Exception as e:  # noqa: BLE001 - a broken install (missing CUDA libs, ...) is a reason
                 _IMPORT_ERROR.append(f"deep_ep does not import: {type(e).__name__}: {e}")
     return _IMPORT_ERROR[0]
+
+
+def deep_ep_unavailable_reason(device: str) -> str | None:
+    """Why DeepEP's kernels cannot run here (not installed, no CUDA, fewer than 2 GPUs), or None."""
+    reason = _deep_ep_import_error()
+    if reason is not None:
+        return reason
+    if device != "cuda" or not torch.cuda.is_available():
+        return "deep_ep needs CUDA"
+    n = torch.cuda.device_count()
+    if n < 2:
+        return f"deep_ep needs >= 2 GPUs (have {n})"
+    return None
 
 
 class _OneRankComm:
@@ -90,22 +104,19 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     needs_expert_parallel = True
     #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
     communicates = True
-    comm_pattern = "all-to-all"
+    #: one row per (token, expert) pair each way: fp8 with 1x128 scales out where the layer is fp8
+    #: (use_fp8), the activation dtype back
+    communication = (
+        CommOp("dispatch", ("deepep-ll",), "pair", "activations"),
+        CommOp("combine", ("deepep-ll",), "pair", "outputs"),
+    )
     #: DeepEP-LL quantises inside its dispatch (use_fp8): per-token 1x128 groups, i.e. the
     #: activation side of block scales with bk = 128.
     supported_quant = ("block",)
 
     @classmethod
     def unavailable_reason(cls, device: str, world_size: int) -> str | None:
-        reason = _deep_ep_import_error()
-        if reason is not None:
-            return reason
-        if device != "cuda" or not torch.cuda.is_available():
-            return "deep_ep needs CUDA"
-        n = torch.cuda.device_count()
-        if n < 2:
-            return f"deep_ep needs >= 2 GPUs (have {n})"
-        return None
+        return deep_ep_unavailable_reason(device)
 
     def __init__(self, group: Any = None, max_tokens_per_rank: int = 128):
         """group: ProcessGroup over the EP ranks (None = the default group).

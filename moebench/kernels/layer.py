@@ -138,6 +138,34 @@ def make_rank_layer(shape, e_list, dtype, device, seed, tp_rank, tp_size, activa
     return RankLayer(q13, q2, b, qs13, qs2, s, mode, unquantized=plain if keep_unquantized else None)
 
 
+def outline_rank_layer(shape, e_list, tp_rank: int, tp_size: int, bias: bool, mode: str,
+                       shared_shard: tuple[int, int] | None = None) -> RankLayer:
+    """make_rank_layer's shapes without its numbers: every tensor on the meta device (no memory,
+    no time). What a run that models the experts time needs: the work (pairs, experts hit,
+    weight bytes) follows from the shapes alone."""
+    e, h = len(list(e_list)), shape.hidden
+    i = shape.intermediate // tp_size
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    b = ExpertBias(torch.empty((e, 2 * i), **meta), torch.empty((e, h), **meta)) if bias else None
+    sw13 = sw2 = None
+    s = 0
+    if mode != "none":
+        if not shape.shared_intermediate:
+            raise MoebenchError(f"shared experts {mode}: model {shape.name!r} has none (use --shared-experts none)")
+        _, ss = shared_shard or (tp_rank, tp_size)
+        if shape.shared_intermediate % ss:
+            raise MoebenchError(f"shared experts: intermediate {shape.shared_intermediate} does not split over {ss} ranks")
+        si = shape.shared_intermediate // ss
+        sw13, sw2 = torch.empty((1, 2 * si, h), **meta), torch.empty((1, h, si), **meta)
+    if mode == "fused":
+        s = fused_count(sw2.shape[-1], i)
+        e += s
+        sw13 = sw2 = None
+        if b is not None:
+            b = ExpertBias(torch.empty((e, 2 * i), **meta), torch.empty((e, h), **meta))
+    return RankLayer(torch.empty((e, 2 * i, h), **meta), torch.empty((e, h, i), **meta), b, sw13, sw2, s, mode)
+
+
 def make_biases(experts, hidden: int, intermediate: int, dtype: torch.dtype, device: str, seed: int,
                 tp_rank: int = 0, tp_size: int = 1) -> ExpertBias:
     """Biases of the given global experts, each from its own seed: b13 (E_l, 2I') sharded like

@@ -24,6 +24,7 @@ import torch
 
 from moebench.activation import SILU, Activation
 from moebench.errors import FormatMismatchError, UnsupportedError
+from moebench.comm import CommOp, tp_allreduce
 from moebench.quant import SCALES, ActQuant, QuantScheme, scheme_of
 
 
@@ -199,11 +200,10 @@ class PrepareAndFinalize(ABC):
     #: True when it moves tokens between ranks (each rank brings its own tokens: the DP path);
     #: False when tokens stay put (the TP path: same tokens on every rank, all-reduce after).
     communicates: ClassVar[bool] = False
-    #: The collective a layer with it pays (what the communication model times): "all-reduce"
-    #: (tokens stay; the TP shards' partial outputs are summed), "all-gather" (every rank gathers
-    #: all tokens, outputs are reduce-scattered back) or "all-to-all" (each (token, expert) pair
-    #: travels to its expert's rank and back: dispatch and combine).
-    comm_pattern: ClassVar[str] = "all-reduce"
+    #: What one layer with it sends between ranks (moebench.comm.CommOp, in order): the
+    #: communication model prices these, whether or not the backend can run on this machine.
+    #: Tokens that stay put (TP) pay the all-reduce of the output when tp > 1.
+    communication: ClassVar[tuple[CommOp, ...]] = tp_allreduce()
     #: fp8 scale kinds (moebench.quant.SCALES) prepare can quantise activations with, before
     #: any dispatch (so fp8 travels); () = it cannot quantise.
     supported_quant: ClassVar[tuple[str, ...]] = SCALES

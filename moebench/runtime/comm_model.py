@@ -37,7 +37,7 @@ import csv
 import functools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,12 +53,8 @@ RDMA_GBPS: dict[str, float] = {"rdma-400g": 50.0, "rdma-800g": 100.0}
 DEFAULT_RDMA = "rdma-400g"
 DEFAULT_GPUS_PER_NODE = 8
 
-#: alpha per ring step of NCCL all-reduce / all-gather / reduce-scatter: a profile figure (the
-#: order NCCL shows for small messages), not fitted: no sourced small-message point was found.
-NCCL_STEP_US = 1.5
-
 #: Parameters a (transport, op) has no points for come from this fit (a bulk transfer over CX7).
-RDMA_DONOR = ("deepep-normal", "dispatch")
+RDMA_DONOR = ("deepep-ht", "dispatch")
 
 #: A fixed cost that makes up at least this share of some point's time is pinned by the data;
 #: a transport whose fixed cost is not pinned is not trusted below half its smallest message.
@@ -216,11 +212,19 @@ def load_points(path: str | Path | None = None) -> list[Point]:
 
 @dataclass
 class Fit:
-    """alpha-beta model of one (transport, op); eta_* is None where nothing is known.
+    """Model of one (transport, op); eta_* is None where nothing is known.
 
-    provenance: how each parameter was obtained ("fit of N points", "profile figure", "borrowed
-    from ..."); ratios: published / modeled time of each point; min_bytes: below this message
-    (bytes per rank on the links) the fit is not used for the band (fixed cost not pinned)."""
+    One call costs, on its best line (NCCL picks its protocol by message size; each protocol is a
+    line of its own fixed cost and bandwidth):
+
+        t = min over lines (alpha_i, eta_i) of
+            calls * (alpha_i + alpha_rdma [if it crosses nodes]) + max(nvl / (eta_i * NVLink peak),
+                                                                     rdma / (eta_rdma * RDMA peak))
+
+    alpha_us / eta_nvl: the first line; lines: every line, the first included; alpha_rdma_us: the
+    fixed cost a call adds when it goes over RDMA. provenance: how each parameter was obtained;
+    ratios: published / modeled time of each point; min_bytes: below this message (bytes per rank
+    on the links) the fit is not used for the band (fixed cost not pinned)."""
 
     transport: str
     op: str
@@ -233,18 +237,29 @@ class Fit:
     alpha_pinned: bool = False
     min_bytes: float = 0.0
     measured: bool = False
+    alpha_rdma_us: float = 0.0
+    lines: list[tuple[float, float | None]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.lines:
+            self.lines = [(self.alpha_us, self.eta_nvl)]
 
     def time_us(self, nvl_bytes: float, rdma_bytes: float, nvl_peak: float, rdma_peak: float, calls: int = 1) -> float:
-        t_n = t_r = 0.0
-        if nvl_bytes > 0:
-            if not self.eta_nvl:
-                raise MoebenchError(f"{self.transport} {self.op} has no NVLink figure")
-            t_n = nvl_bytes / (self.eta_nvl * nvl_peak * 1e3)
+        t_r = 0.0
         if rdma_bytes > 0:
             if not self.eta_rdma or not rdma_peak:
                 raise MoebenchError(f"{self.transport} {self.op} has no RDMA figure")
             t_r = rdma_bytes / (self.eta_rdma * rdma_peak * 1e3)
-        return calls * self.alpha_us + max(t_n, t_r)
+        fixed_rdma = self.alpha_rdma_us if rdma_bytes > 0 else 0.0
+        best = math.inf
+        for alpha, eta in self.lines:
+            t_n = 0.0
+            if nvl_bytes > 0:
+                if not eta:
+                    raise MoebenchError(f"{self.transport} {self.op} has no NVLink figure")
+                t_n = nvl_bytes / (eta * nvl_peak * 1e3)
+            best = min(best, calls * (alpha + fixed_rdma) + max(t_n, t_r))
+        return best
 
     def predict(self, pt: Point) -> float:
         return self.time_us(pt.nvlink_bytes, pt.rdma_bytes, pt.nvlink_peak, pt.rdma_peak, pt.calls)
@@ -255,12 +270,17 @@ class Fit:
         return max(self.ratios, key=lambda r: max(r, 1 / r)) if self.ratios else 1.0
 
     def describe(self) -> str:
-        parts = [f"alpha {self.alpha_us:.1f} us"]
-        if self.eta_nvl:
-            parts.append(f"NVLink {self.eta_nvl:.2f} x peak")
+        parts = []
+        for alpha, eta in self.lines:
+            parts.append(f"alpha {alpha:.1f} us" + (f", NVLink {eta:.2f} x peak" if eta else ""))
+        text = " | ".join(parts) if len(parts) > 1 else parts[0]
+        if len(parts) > 1:
+            text = f"best of {len(parts)} lines ({text})"
         if self.eta_rdma:
-            parts.append(f"RDMA {self.eta_rdma:.2f} x peak")
-        return f"{self.transport} {self.op}: " + ", ".join(parts)
+            text += f", RDMA {self.eta_rdma:.2f} x peak"
+        if self.alpha_rdma_us:
+            text += f" + {self.alpha_rdma_us:.1f} us per call over RDMA"
+        return f"{self.transport} {self.op}: {text}"
 
 
 def _nelder_mead(f, x0: np.ndarray, iters: int = 600, step: float = 0.4) -> np.ndarray:
@@ -293,66 +313,148 @@ def _nelder_mead(f, x0: np.ndarray, iters: int = 600, step: float = 0.4) -> np.n
     return simplex[int(np.argmin(vals))]
 
 
-def fit_group(points: list[Point], fixed_alpha: float | None = None) -> Fit:
-    """Least squares on relative error of one (transport, op): alpha (unless fixed), eta_nvl where
-    a point puts bytes on NVLink, eta_rdma where one puts bytes on RDMA."""
-    t, op = points[0].key
-    free = [] if fixed_alpha is not None else ["alpha"]
-    if any(p.nvlink_bytes > 0 for p in points):
-        free.append("eta_nvl")
-    if any(p.rdma_bytes > 0 for p in points):
-        free.append("eta_rdma")
+#: A fit with more lines is kept only while its worst point misses by more than this (and each
+#: line has at least POINTS_PER_LINE distinct message sizes behind it).
+LINE_TOLERANCE = 0.12
+POINTS_PER_LINE = 3
+MAX_LINES = 3
 
+
+def _fit_lines(points: list[Point], n_lines: int, fixed_alpha: float | None = None):
+    """Least squares on the relative error with `n_lines` NVLink lines: (loss, parameters);
+    fixed_alpha: the one line's fixed cost, not fitted."""
+    nvl_used = any(p.nvlink_bytes > 0 for p in points)
+    rdma_used = any(p.rdma_bytes > 0 for p in points)
+    # the fixed cost over RDMA is told apart from the line's only where points without RDMA exist
+    alpha_rdma_free = rdma_used and any(p.rdma_bytes == 0 for p in points)
     nb = np.array([p.nvlink_bytes for p in points], float)
     rb = np.array([p.rdma_bytes for p in points], float)
     pn = np.array([p.nvlink_peak for p in points], float) * 1e3
     pr = np.array([p.rdma_peak or 1.0 for p in points], float) * 1e3
     calls = np.array([p.calls for p in points], float)
+    over = (rb > 0).astype(float)
     t_pub = np.array([p.time_us for p in points], float)
 
-    def params(lx):
-        d = dict(zip(free, np.exp(lx)))
-        return d.get("alpha", fixed_alpha or 0.0), d.get("eta_nvl"), d.get("eta_rdma")
+    def unpack(lx):
+        x = np.exp(lx)
+        lines, i = [], 0
+        if fixed_alpha is not None:
+            x = np.concatenate([[fixed_alpha], x])
+        for _ in range(n_lines):
+            lines.append((x[i], x[i + 1] if nvl_used else None))
+            i += 2 if nvl_used else 1
+        er = x[i] if rdma_used else None
+        i += rdma_used
+        ar = x[i] if alpha_rdma_free else 0.0
+        return lines, er, ar
 
-    def loss(lx):  # the same model as Fit.time_us, over all points at once
-        a, en, er = params(lx)
-        t_n = nb / (en * pn) if en else 0.0
+    def model(lx):
+        lines, er, ar = unpack(lx)
         t_r = rb / (er * pr) if er else 0.0
-        return float((((calls * a + np.maximum(t_n, t_r)) / t_pub - 1.0) ** 2).sum())
+        return np.min([calls * (a + ar * over) + np.maximum(nb / (en * pn) if en else 0.0, t_r) for a, en in lines], axis=0)
 
+    def loss(lx):
+        return float(((model(lx) / t_pub - 1.0) ** 2).sum())
+
+    if n_lines == 1:
+        starts = [([a0], [e0]) for a0 in (1.0, 30.0) for e0 in (0.3, 0.8)]
+    else:  # lines from a small fixed cost and low rate up to a large one at a high rate
+        starts = [(list(np.geomspace(1.0, 60.0, n_lines) * s), list(np.geomspace(0.1, 0.8, n_lines))) for s in (1.0, 3.0)]
     best, best_loss = None, math.inf
-    for a0 in (1.0, 30.0):
-        for e0 in (0.3, 0.8):
-            x0 = np.log([{"alpha": a0}.get(k, e0) for k in free])
-            x = _nelder_mead(loss, x0)
-            val = loss(x)
-            if val < best_loss:
-                best, best_loss = x, val
-    a, en, er = params(best)
-    fit = Fit(t, op, float(a), None if en is None else float(en), None if er is None else float(er))
+    for alphas, etas in starts:
+        x0 = []
+        for a, e in zip(alphas, etas):
+            x0 += [a] + ([e] if nvl_used else [])
+        x0 += [0.4] if rdma_used else []
+        x0 += [5.0] if alpha_rdma_free else []
+        if fixed_alpha is not None:
+            x0 = x0[1:]
+        x = _nelder_mead(loss, np.log(np.array(x0, float)), iters=600 * (2 * n_lines - 1))
+        val = loss(x)
+        if val < best_loss:
+            best, best_loss = x, val
+    return best_loss, unpack(best), alpha_rdma_free
+
+
+def fit_group(points: list[Point], fixed_alpha: float | None = None) -> Fit:
+    """Least squares on relative error of one (transport, op): one line (alpha, eta_nvl), more
+    lines where the points ask for them (message sizes in several protocol regimes), eta_rdma
+    where a point puts bytes on RDMA, and the fixed cost of a call over RDMA where points with and
+    without RDMA tell it apart."""
+    t, op = points[0].key
+    sizes = len({p.nvlink_bytes for p in points if p.rdma_bytes == 0})
+    max_lines = 1 if fixed_alpha is not None else max(1, min(MAX_LINES, sizes // POINTS_PER_LINE))
+    chosen = None
+    for n in range(1, max_lines + 1):
+        loss, (lines, er, ar), ar_free = _fit_lines(points, n, fixed_alpha)
+        fit = Fit(t, op, float(lines[0][0]), None if lines[0][1] is None else float(lines[0][1]),
+                  None if er is None else float(er), alpha_rdma_us=float(ar),
+                  lines=[(float(a), None if e is None else float(e)) for a, e in sorted(lines)])
+        fit.alpha_us, fit.eta_nvl = fit.lines[0]
+        fit.points = list(points)
+        fit.ratios = [p.time_us / fit.predict(p) for p in points]
+        chosen = fit
+        if max(abs(r - 1) for r in fit.ratios) <= LINE_TOLERANCE:
+            break
+    fit = chosen
     n = len(points)
-    fit.provenance = {k: f"fit of {n} published point{'s' if n > 1 else ''}" for k in free}
-    if fixed_alpha is not None:
-        fit.provenance["alpha"] = (f"profile figure {fixed_alpha:g} us per ring step (no sourced small-message "
-                                   f"point; not fitted)")
-    fit.points = list(points)
-    fit.ratios = [p.time_us / fit.predict(p) for p in points]
-    fit.alpha_pinned = fixed_alpha is None and any(p.calls * fit.alpha_us >= PINNED_SHARE * p.time_us for p in points)
+    src = f"fit of {n} published point{'s' if n > 1 else ''}"
+    fit.provenance = {"alpha": src if fixed_alpha is None else f"fixed at {fixed_alpha:.1f} us"}
+    if fit.eta_nvl is not None:
+        fit.provenance["eta_nvl"] = src + (f" ({len(fit.lines)} lines: NCCL-style protocols by message size)"
+                                           if len(fit.lines) > 1 else "")
+    if fit.eta_rdma is not None:
+        fit.provenance["eta_rdma"] = src
+    if fit.alpha_rdma_us:
+        fit.provenance["alpha_rdma"] = src + " (points with and without RDMA)"
+    small = min(a for a, _ in fit.lines)
+    fit.alpha_pinned = any(p.calls * small >= PINNED_SHARE * p.time_us for p in points)
     fit.min_bytes = 0.0 if fit.alpha_pinned else min(p.nvlink_bytes + p.rdma_bytes for p in points) / 2
     return fit
 
 
+#: Fixed costs no point can pin come from a kin transport's fit: every published point of DeepEP's
+#: normal kernels moves 60 MB or more per rank, where a fixed cost of 15 us and one of 700 us fit
+#: alike; they launch like its low-latency kernels (the same library, one kernel per op).
+ALPHA_DONOR = {"deepep-ht": "deepep-ll"}
+
+
+#: Transports without points of their own, priced by another's fit: (transport, op) -> donor.
+#: NCCL's all-gather and reduce-scatter are the two halves of its ring all-reduce: per bus byte
+#: (nccl-tests' busbw convention, which the points use) they run at its rate.
+BORROW = {
+    ("nccl-all-gather", "all-gather"): ("nccl-all-reduce", "all-reduce"),
+    ("nccl-reduce-scatter", "reduce-scatter"): ("nccl-all-reduce", "all-reduce"),
+}
+
+
 def fit_transports(points: list[Point]) -> dict[tuple[str, str], Fit]:
-    """One Fit per (transport, op) of `points`; parameters without points are borrowed."""
+    """One Fit per (transport, op) of `points`; parameters and transports without points are
+    borrowed, and say from where."""
     groups: dict[tuple[str, str], list[Point]] = {}
     for p in points:
         groups.setdefault(p.key, []).append(p)
-    fits = {k: fit_group(g, NCCL_STEP_US if k[0] == "nccl-all-reduce" else None) for k, g in groups.items()}
+    fits = {k: fit_group(g) for k, g in groups.items()}
+    for key, fit in list(fits.items()):
+        donor = fits.get((ALPHA_DONOR.get(key[0], ""), key[1]))
+        if donor is not None:
+            refit = fit_group(groups[key], fixed_alpha=donor.alpha_us)
+            refit.provenance["alpha"] = (f"borrowed from {donor.transport} {donor.op} ({donor.alpha_us:.1f} us): "
+                                         f"no published point small enough to pin it")
+            fits[key] = refit
+    for key, donor_key in BORROW.items():
+        donor = fits.get(donor_key)
+        if key not in fits and donor is not None:
+            fits[key] = replace(donor, transport=key[0], op=key[1], points=[], ratios=[],
+                                provenance={k: f"borrowed from {donor.transport} {donor.op} (no published point; "
+                                               f"per bus byte as nccl-tests counts it)" for k in donor.provenance})
     donor = fits.get(RDMA_DONOR)
     for fit in fits.values():
         if fit.eta_rdma is None and donor is not None and donor.eta_rdma:
             fit.eta_rdma = donor.eta_rdma
-            fit.provenance["eta_rdma"] = (f"borrowed from {donor.transport} {donor.op} ({donor.eta_rdma:.2f}): "
+            fit.alpha_rdma_us = fit.alpha_rdma_us or donor.alpha_rdma_us
+            fit.provenance["eta_rdma"] = (f"borrowed from {donor.transport} {donor.op} ({donor.eta_rdma:.2f}"
+                                          f"{f', {donor.alpha_rdma_us:.1f} us per call' if donor.alpha_rdma_us else ''}): "
                                           f"no published RDMA point")
     return fits
 
@@ -381,15 +483,27 @@ def points_off(fits: dict[tuple[str, str], Fit], tolerance: float = 0.2) -> list
 # ---------------------------------------------------------------------------------------------
 # Measured fits (moebench env --calibrate-link)
 
-#: keys of a calibration file's "transports" and what each replaces
-MEASURED_KEYS = {
-    "nccl-all-reduce": ("nccl-all-reduce", "all-reduce"),
-    "nccl-all-to-all": ("nccl-all-to-all", "all-to-all"),
-    "all2all-ll:dispatch": ("all2all-ll", "dispatch"),
-    "all2all-ll:combine": ("all2all-ll", "combine"),
-    "deepep-ll:dispatch": ("deepep-ll", "dispatch"),
-    "deepep-ll:combine": ("deepep-ll", "combine"),
+#: A calibration file's "transports" are keyed "<transport>:<op>" (the op as a prepare/finalize
+#: declares it: its calls included; or the transport's own collective, one call). Files of earlier
+#: calibrations used these keys:
+LEGACY_KEYS = {
+    "nccl-all-reduce": "nccl-all-reduce:all-reduce",
+    "nccl-all-to-all": "nccl-all-to-all:all-to-all",
+    "all2all-ll:dispatch": "nccl-all-to-all:dispatch",
+    "all2all-ll:combine": "nccl-all-to-all:combine",
 }
+
+
+def measured_key(key: str) -> str:
+    """A calibration key, checked: '<transport>:<op>' with an op moebench.comm knows."""
+    from moebench.comm import OPS
+
+    key = LEGACY_KEYS.get(key, key)
+    transport, _, op = key.partition(":")
+    if not transport or op not in OPS:
+        raise MoebenchError(f"unknown transport '{key}'; calibration keys are '<transport>:<op>' with op one of "
+                            f"{', '.join(OPS)}")
+    return key
 
 
 @dataclass
@@ -430,8 +544,10 @@ def measured_fits(path: str | Path | None = None, device_name: str | None = None
     if not isinstance(transports, dict):
         raise MoebenchError(f"link measurement {p}: 'transports' must be an object")
     for key, v in transports.items():
-        if key not in MEASURED_KEYS:
-            raise MoebenchError(f"link measurement {p}: unknown transport '{key}'; known: {', '.join(MEASURED_KEYS)}")
+        try:
+            key = measured_key(key)
+        except MoebenchError as e:
+            raise MoebenchError(f"link measurement {p}: {e}") from None
         vals = {}
         for name in ("alpha_us", "gbps", "worst_ratio"):
             x = v.get(name) if isinstance(v, dict) else None
@@ -483,8 +599,8 @@ def ep_link_rows(topk_ids_full: torch.Tensor, layout: ParallelLayout, num_expert
 
     style "pair": one row per remote (token, expert) pair, straight to its rank (DeepEP LL, pplx,
     all2all-ll); "rank": one row per (token, remote rank) (DeepEP normal inside a node); "node":
-    DeepEP normal past one node: one row per (token, remote node) over RDMA to the GPU of the same
-    index there, then one per (token, rank) over NVLink from that GPU."""
+    DeepEP normal past one node: one row per (token, node it reaches, its own included) over RDMA
+    to the GPU of the same index there, then one per (token, rank) over NVLink from that GPU."""
     world = layout.ep_size
     ids, src = _split_sources(topk_ids_full, world)
     owner = layout.expert_owner(num_experts)
@@ -523,9 +639,11 @@ def ep_link_rows(topk_ids_full: torch.Tensor, layout: ParallelLayout, num_expert
             nhit.scatter_(1, node(dest.clamp(min=0)), valid)
             t2, n2 = torch.nonzero(nhit, as_tuple=True)
             s2_ = src[t2]
-            far = n2 != node(s2_)
-            sent_r.index_add_(0, s2_[far], torch.ones_like(s2_[far]))
-            tgt = n2[far] * gpus_per_node + s2_[far] % gpus_per_node
+            # DeepEP's internode kernels pass every (token, node) row through their RDMA stage,
+            # its own node's included: test_internode.py counts them so and the published times
+            # follow that count (the RDMA-bound rate is the same with one node or three remote)
+            sent_r.index_add_(0, s2_, torch.ones_like(s2_))
+            tgt = n2 * gpus_per_node + s2_ % gpus_per_node
             recv_r.index_add_(0, tgt, torch.ones_like(tgt))
     else:
         raise MoebenchError(f"unknown traffic style '{style}'")
@@ -540,9 +658,66 @@ def ep_link_rows(topk_ids_full: torch.Tensor, layout: ParallelLayout, num_expert
 BAND_EP = (
     ("deepep-ll", "pair"),
     ("pplx", "pair"),
-    ("deepep-normal", "rank"),
+    ("deepep-ht", "rank"),
     ("nccl-all-to-all", "pair"),
 )
+
+#: Largest tensor (bytes per rank) a transport takes; larger ones go to the next candidate.
+#: custom-all-reduce: vLLM's CustomAllreduce default max_size, 8 MiB
+#: (vllm/distributed/device_communicators/custom_all_reduce.py).
+MAX_BYTES = {"custom-all-reduce": 8 * 1024 * 1024}
+
+#: Where a collective over a whole tensor moves its bytes: nccl-tests' bus bytes per rank, as a
+#: share of the tensor (all-gather: the gathered tensor; reduce-scatter: its input).
+BUS_FACTOR = {"all-reduce": lambda t: 2 * (t - 1) / t, "all-gather": lambda t: (t - 1) / t,
+              "reduce-scatter": lambda t: (t - 1) / t, "all-to-all": lambda t: (t - 1) / t}
+
+#: Result columns of each op.
+OP_COLUMN = {"dispatch": "dispatch", "all-gather": "dispatch", "combine": "combine", "reduce-scatter": "combine",
+             "all-reduce": "allreduce", "all-to-all": "dispatch"}
+
+
+def collective_bytes(op: str, world: int, gpus_per_node: int, size: float) -> tuple[float, float]:
+    """(NVLink, RDMA) bytes per rank of a collective over a tensor of `size` bytes (nccl-tests'
+    size): its bus bytes inside one node; past one node an all-to-all sends (T - g)/T of its
+    buffer over RDMA and the rest over NVLink, a ring sends 1/g of its bus bytes over each GPU's
+    NIC and the rest over NVLink (one ring per channel, each crossing the node boundary at another
+    GPU)."""
+    bus = BUS_FACTOR[op](world) * size
+    if world <= gpus_per_node:
+        return bus, 0.0
+    if op == "all-to-all":
+        return size * (gpus_per_node - 1) / world, size * (world - gpus_per_node) / world
+    return bus * (gpus_per_node - 1) / gpus_per_node, bus / gpus_per_node
+
+
+def transport_label(transport: str) -> str:
+    """The `allreduce` column's word for a transport: nccl-all-reduce -> nccl, custom-all-reduce -> custom."""
+    return transport.removesuffix("-all-reduce")
+
+
+@dataclass
+class Traffic:
+    """What one layer's communication works on: the whole batch's routing (M, K) over `layout`,
+    `rows` rows in a collective's tensor, and the bytes of one row of each payload."""
+
+    topk_ids: torch.Tensor | None
+    layout: ParallelLayout
+    num_experts: int
+    rows: int
+    row_bytes: dict[str, float]
+    topk: int
+
+
+@dataclass
+class OpCost:
+    """One priced operation: its time, the busiest rank's bytes and how the time was obtained."""
+
+    op: str
+    transport: str
+    us: float
+    bytes: float
+    how: str
 
 
 @dataclass
@@ -550,8 +725,9 @@ class CommResult:
     """Modeled time of one row's communication and what stands behind it.
 
     dispatch_us / combine_us (EP) or allreduce_us (TP); bytes: the slowest rank's bytes over the
-    links (both ops; for the ring collectives the bytes each rank moves); band_lo_us / band_hi_us: the fastest / slowest published transport for the
-    same traffic (own model included); band: 'name us' of each member; how: one line."""
+    links (every op; for the collectives the bus bytes each rank moves); band_lo_us / band_hi_us:
+    the fastest / slowest published transport for the same traffic (own model included); band:
+    'name us' of each member; how: one line; costs: each op's OpCost."""
 
     dispatch_us: float | None = None
     combine_us: float | None = None
@@ -561,6 +737,7 @@ class CommResult:
     band_hi_us: float = 0.0
     band: str = ""
     how: str = ""
+    costs: list[OpCost] = field(default_factory=list)
 
     @property
     def total_us(self) -> float:
@@ -572,9 +749,10 @@ class CommModel:
     """Links of the simulated cluster and the fits that turn traffic into time.
 
     nvlink / nvlink_gbps: intra-node link profile and its per-direction peak; rdma / rdma_gbps: the
-    NIC per GPU between nodes; gpus_per_node: node size; source: "profile", "override" (peak
-    replaced by --link-gbps) or "measured" (fits of a calibration are in use); fits: published
-    fits; measured: fits measured on these GPUs (they replace the NVLink part of their transport)."""
+    NIC per GPU between nodes; gpus_per_node: the NVLink domain (8 for an HGX box, 72 for an NVL72
+    rack); source: "profile", "override" (peak replaced by --link-gbps) or "measured" (fits of a
+    calibration are in use); fits: published fits; measured: fits measured on these GPUs (they
+    replace the NVLink part of their transport)."""
 
     nvlink: str
     nvlink_gbps: float
@@ -601,6 +779,8 @@ class CommModel:
         peak, source = link.bandwidth_gbps, link.source
         if link.source == "measured":
             peak = default_link(device_name).bandwidth_gbps
+        if not (math.isfinite(peak) and peak > 0):
+            raise MoebenchError(f"link bandwidth must be a positive finite number of GB/s, got {peak}")
         use = use_measurement and link.source != "override"
         measured, line = measured_fits(device_name=device_name) if use else ({}, "")
         if measured:
@@ -617,10 +797,20 @@ class CommModel:
 
     # -- helpers -----------------------------------------------------------------------------
     def fit(self, transport: str, op: str) -> Fit:
-        if (transport, op) not in self.fits:
-            raise MoebenchError(f"unknown transport '{transport} {op}'; known: "
-                                f"{', '.join(sorted({t for t, _ in self.fits}))}")
-        return self.fits[(transport, op)]
+        """The fit pricing `op` over `transport`: its own (transport, op), else the transport's one
+        operation (an all-to-all transport prices a dispatch as one of its calls)."""
+        if (transport, op) in self.fits:
+            return self.fits[(transport, op)]
+        own = [f for (t, _), f in self.fits.items() if t == transport]
+        if len(own) == 1:
+            return own[0]
+        known = sorted({t for t, _ in self.fits})
+        if own:
+            raise MoebenchError(f"transport '{transport}' has no '{op}'; it has: {', '.join(f.op for f in own)}")
+        raise MoebenchError(f"unknown transport '{transport}'; known: {', '.join(known)}")
+
+    def transports(self) -> list[str]:
+        return sorted({t for t, _ in self.fits})
 
     def describe(self) -> str:
         s = f"{self.nvlink} {self.nvlink_gbps:g} GB/s"
@@ -634,108 +824,116 @@ class CommModel:
                measured: MeasuredFit | None = None) -> float:
         """The slowest rank's time for one op moving `rows` of `row_bytes` each: calls x the fixed
         cost (every rank takes part, with or without rows) plus the slower of its NVLink and RDMA
-        transfers. A measured fit replaces the fixed cost and the NVLink bandwidth; RDMA (which a
-        calibration inside one node cannot see) stays the published fit's."""
-        alpha = measured.alpha_us if measured is not None else fit.alpha_us
-        worst = calls * alpha
+        transfers. A measured fit (of the whole op) replaces the fixed cost and the NVLink
+        bandwidth; RDMA (which a calibration inside one node cannot see) stays the published fit's."""
+        if measured is not None:
+            worst = measured.alpha_us
+            for n, r in zip(rows.nvl.tolist(), rows.rdma.tolist()):
+                if n or r:
+                    t_n = n * row_bytes / (measured.gbps * 1e3)
+                    t_r = fit.time_us(0, r * row_bytes, self.nvlink_gbps, self.rdma_gbps, 0) if r else 0.0
+                    worst = max(worst, measured.alpha_us + max(t_n, t_r))
+            return worst
+        worst = fit.time_us(0, 0, self.nvlink_gbps, self.rdma_gbps, calls)
         for n, r in zip(rows.nvl.tolist(), rows.rdma.tolist()):
-            if not (n or r):
-                continue
-            if measured is not None:
-                t_n = n * row_bytes / (measured.gbps * 1e3)
-                t = calls * alpha + max(t_n, fit.time_us(0, r * row_bytes, self.nvlink_gbps, self.rdma_gbps, 0))
-            else:
-                t = fit.time_us(n * row_bytes, r * row_bytes, self.nvlink_gbps, self.rdma_gbps, calls)
-            worst = max(worst, t)
+            if n or r:
+                worst = max(worst, fit.time_us(n * row_bytes, r * row_bytes, self.nvlink_gbps, self.rdma_gbps, calls))
         return worst
 
-    # -- TP ------------------------------------------------------------------------------------
-    def allreduce(self, nbytes: float, world: int) -> CommResult:
-        """Ring all-reduce of an nbytes tensor over `world` ranks of one node."""
-        check_tp(world, self.gpus_per_node)
-        if world <= 1:
-            return CommResult(allreduce_us=0.0, how="one rank: no all-reduce")
-        fit = self.fit("nccl-all-reduce", "all-reduce")
-        bus = 2 * (world - 1) / world * nbytes
-        if "nccl-all-reduce" in self.measured:
-            mf = self.measured["nccl-all-reduce"]
-            us = mf.time_us(bus)
-            how = f"nccl-all-reduce measured fit ({mf.alpha_us:.1f} us + bytes / {mf.gbps:.0f} GB/s)"
-        else:
-            us = fit.time_us(bus, 0, self.nvlink_gbps, self.rdma_gbps, 2 * (world - 1))
-            how = f"{fit.describe()} ({self.nvlink})"
-        lo, hi = min(fit.ratios), max(fit.ratios)
-        return CommResult(allreduce_us=us, bytes=bus, band_lo_us=us * min(lo, 1.0), band_hi_us=us * max(hi, 1.0),
-                          band=f"nccl-all-reduce published spread x{lo:.2f}..x{hi:.2f}", how=how)
+    def _measured(self, transport: str, op: str, fit: Fit) -> tuple[MeasuredFit | None, bool]:
+        """(measured fit, whole op?) of `transport` `op` on these GPUs: the op's own measurement
+        (its calls included), else its transport's per-call one."""
+        if f"{transport}:{op}" in self.measured:
+            return self.measured[f"{transport}:{op}"], True
+        return self.measured.get(f"{transport}:{fit.op}"), False
 
-    # -- all-gather / reduce-scatter (allgather-rs) ---------------------------------------------
-    def _ring_us(self, nbytes: float, world: int) -> float:
-        """(T-1)/T * nbytes over the ring's slowest link + (T-1) steps: all-gather / reduce-scatter."""
-        if world <= 1:
-            return 0.0
-        fit = self.fit("nccl-all-reduce", "all-reduce")
-        moved = (world - 1) / world * nbytes
-        if world > self.gpus_per_node:
-            return fit.time_us(0, moved, self.nvlink_gbps, self.rdma_gbps, world - 1)
-        return fit.time_us(moved, 0, self.nvlink_gbps, self.rdma_gbps, world - 1)
+    # -- pricing -------------------------------------------------------------------------------
+    def price(self, op, transport: str, traffic: Traffic) -> OpCost:
+        """The modeled time of one declared operation (moebench.comm.CommOp) over `transport`."""
+        from moebench.comm import CommOp
 
-    def allgather_rs(self, gather_bytes: float, scatter_bytes: float, world: int) -> CommResult:
-        """All-gather of the tokens (gather_bytes: the gathered tensor) and reduce-scatter of the
-        output (scatter_bytes: its input) over `world` EP ranks (ring, past one node over RDMA)."""
+        assert isinstance(op, CommOp)
+        world = traffic.layout.world_size if op.traffic == "tensor" else traffic.layout.ep_size
         check_world(world, self.gpus_per_node)
-        d, c = self._ring_us(gather_bytes, world), self._ring_us(scatter_bytes, world)
-        fit = self.fit("nccl-all-reduce", "all-reduce")
-        lo, hi = min(min(fit.ratios), 1.0), max(max(fit.ratios), 1.0)
-        total = d + c
-        return CommResult(dispatch_us=d, combine_us=c, bytes=(world - 1) / world * (gather_bytes + scatter_bytes),
-                          band_lo_us=total * lo, band_hi_us=total * hi,
-                          band=f"NCCL collectives: nccl-all-reduce published spread x{lo:.2f}..x{hi:.2f}",
-                          how=f"NCCL ring all-gather + reduce-scatter: nccl-all-reduce's per-step cost and "
-                              f"{'RDMA' if world > self.gpus_per_node else 'NVLink'} efficiency")
+        fit = self.fit(transport, op.op)
+        row = traffic.row_bytes[op.payload] + op.row_extra + traffic.topk * op.topk_extra
+        mfit, whole = self._measured(transport, op.op, fit)
+        if op.traffic == "tensor":
+            size = traffic.rows * row
+            if world <= 1:
+                return OpCost(op.op, transport, 0.0, 0.0, "one rank: no communication")
+            limit = MAX_BYTES.get(transport)
+            if limit is not None and size > limit:
+                raise MoebenchError(f"{transport} takes tensors up to {limit / 2**20:g} MiB, this one is {size / 2**20:.1f} MiB")
+            bus = BUS_FACTOR[op.op](world) * size
+            if mfit is not None and world <= self.gpus_per_node:
+                us = (mfit.alpha_us + bus / (mfit.gbps * 1e3)) * (1 if whole else op.calls)
+                return OpCost(op.op, transport, us, bus, f"{transport} measured fit ({mfit.alpha_us:.1f} us + bytes / {mfit.gbps:.0f} GB/s)")
+            nvl, rdma = collective_bytes(op.op, world, self.gpus_per_node, size)
+            us = fit.time_us(nvl, rdma, self.nvlink_gbps, self.rdma_gbps, op.calls)
+            where = "NVLink" if not rdma else "NVLink and RDMA"
+            return OpCost(op.op, transport, us, bus, f"{fit.describe()} over {where}")
+        style = "node" if (op.traffic == "rank" and world > self.gpus_per_node) else op.traffic
+        rows = ep_link_rows(traffic.topk_ids, traffic.layout, traffic.num_experts, self.gpus_per_node, style)
+        us = self._op_us(fit, rows, row, op.calls if mfit is None or not whole else 1, mfit)
+        how = (f"{transport} {op.op} measured fit" if mfit is not None else fit.describe())
+        if op.calls > 1:
+            how = f"{op.calls} calls: {how}"
+        return OpCost(op.op, transport, us, rows.busiest(row), how)
 
-    # -- dispatch / combine --------------------------------------------------------------------
-    def dispatch_combine(self, pf: str, topk_ids_full: torch.Tensor, layout: ParallelLayout, num_experts: int,
-                         dispatch_row: float, combine_row: float) -> CommResult:
-        """Dispatch + combine of moebench's prepare/finalize `pf` (all2all-ll or deepep-ll) of the
-        whole batch topk_ids_full (M, K); rows of dispatch_row / combine_row bytes."""
-        world = layout.ep_size
-        check_world(world, self.gpus_per_node)
-        rows = ep_link_rows(topk_ids_full, layout, num_experts, self.gpus_per_node, "pair")
-        m = self.measured
-        if pf == "all2all-ll":
-            # dispatch: counts, then rows and their local expert ids (int64) in two all_to_all_single
-            # calls; combine: the rows back in one.
-            fit = self.fit("nccl-all-to-all", "all-to-all")
-            drow = dispatch_row + 8
-            if "all2all-ll:dispatch" in m:
-                d = self._op_us(fit, rows, drow, 1, m["all2all-ll:dispatch"])
-            else:
-                d = self._op_us(fit, rows, drow, 3, m.get("nccl-all-to-all"))
-            c = self._op_us(fit, rows, combine_row, 1, m.get("all2all-ll:combine", m.get("nccl-all-to-all")))
-            used = [k for k in ("all2all-ll:dispatch", "all2all-ll:combine", "nccl-all-to-all") if k in m]
-            how = ("all2all-ll = 3 NCCL all_to_all_single calls (dispatch) + 1 (combine), "
-                   + (f"measured fit ({', '.join(used)})" if used else fit.describe()))
-        elif pf == "deepep-ll":
-            fd, fc = self.fit("deepep-ll", "dispatch"), self.fit("deepep-ll", "combine")
-            drow = dispatch_row
-            d = self._op_us(fd, rows, drow, 1, m.get("deepep-ll:dispatch"))
-            c = self._op_us(fc, rows, combine_row, 1, m.get("deepep-ll:combine"))
-            used = [k for k in ("deepep-ll:dispatch", "deepep-ll:combine") if k in m]
-            how = f"measured fit ({', '.join(used)})" if used else f"{fd.describe()}; {fc.describe()}"
-        else:
-            raise MoebenchError(f"no dispatch/combine model for prepare/finalize '{pf}'")
-        res = CommResult(dispatch_us=d, combine_us=c, bytes=rows.busiest(drow) + rows.busiest(combine_row), how=how)
-        self.ep_band(res, topk_ids_full, layout, num_experts, dispatch_row, combine_row, rows)
+    def price_ops(self, ops, traffic: Traffic, choice: dict[str, str] | None = None) -> CommResult:
+        """Price a prepare/finalize's declared operations; `choice`: op -> transport where the op
+        has several (default: its first)."""
+        res = CommResult()
+        parts = {}
+        for op in ops:
+            transport = (choice or {}).get(op.op, op.transports[0])
+            cost = self.price(op, transport, traffic)
+            res.costs.append(cost)
+            col = OP_COLUMN[op.op]
+            parts[col] = parts.get(col, 0.0) + cost.us
+            res.bytes += cost.bytes
+        res.dispatch_us, res.combine_us, res.allreduce_us = (parts.get(c) for c in ("dispatch", "combine", "allreduce"))
+        res.how = "; ".join(f"{c.op}: {c.how}" for c in res.costs)
+        self.band(res, ops, traffic)
         return res
 
-    def band_members(self, topk_ids_full: torch.Tensor, layout: ParallelLayout, num_experts: int,
-                     dispatch_row: float, combine_row: float, pair_rows: LinkRows | None = None) -> dict[str, float]:
+    def candidates(self, op, traffic: Traffic) -> list[str]:
+        """The transports of `op` that can carry this traffic (a size limit, a missing fit)."""
+        out = []
+        for t in op.transports:
+            try:
+                self.price(op, t, traffic)
+            except MoebenchError:
+                continue
+            out.append(t)
+        return out
+
+    def band(self, res: CommResult, ops, traffic: Traffic) -> CommResult:
+        """Fill res.band_*: for dispatch/combine the fastest and the slowest published EP transport
+        for this traffic; for collectives the spread of their fits' published points."""
+        if any(op.traffic != "tensor" for op in ops):
+            members = self.band_members(traffic)
+            vals = list(members.values()) + [res.total_us]
+            res.band_lo_us, res.band_hi_us = min(vals), max(vals)
+            res.band = ", ".join(f"{k} {v:.0f} us" for k, v in sorted(members.items(), key=lambda kv: kv[1]))
+            return res
+        ratios = [r for c in res.costs if c.us for r in self.fit(c.transport, c.op).ratios] or [1.0]
+        lo, hi = min(min(ratios), 1.0), max(max(ratios), 1.0)
+        res.band_lo_us, res.band_hi_us = res.total_us * lo, res.total_us * hi
+        names = sorted({c.transport for c in res.costs})
+        res.band = f"{', '.join(names)} published spread x{lo:.2f}..x{hi:.2f}"
+        return res
+
+    def band_members(self, traffic: Traffic) -> dict[str, float]:
         """dispatch + combine (us) of every published EP transport that applies to this traffic
         (their published fits, with this model's links): past one node only those with published
         RDMA points; below half its smallest published message not one whose fixed cost (of either
         op) no point pins."""
+        layout = traffic.layout
+        dispatch_row, combine_row = traffic.row_bytes["activations"], traffic.row_bytes["outputs"]
         multi = layout.ep_size > self.gpus_per_node
-        cache: dict[str, LinkRows | None] = {"pair": pair_rows}
+        cache: dict[str, LinkRows] = {}
         out = {}
         for transport, style in BAND_EP:
             ops = ("all-to-all", "all-to-all") if transport == "nccl-all-to-all" else ("dispatch", "combine")
@@ -745,8 +943,8 @@ class CommModel:
             if multi and not all(any(p.rdma_bytes > 0 for p in f.points) for f in (fd, fc)):
                 continue
             st = "node" if (style == "rank" and multi) else style
-            if cache.get(st) is None:
-                cache[st] = ep_link_rows(topk_ids_full, layout, num_experts, self.gpus_per_node, st)
+            if st not in cache:
+                cache[st] = ep_link_rows(traffic.topk_ids, layout, traffic.num_experts, self.gpus_per_node, st)
             rows = cache[st]
             # a transport whose fixed cost no point pins is not trusted below its published sizes
             if not (fd.alpha_pinned or fc.alpha_pinned) and (
@@ -755,15 +953,116 @@ class CommModel:
             out[transport] = self._op_us(fd, rows, dispatch_row) + self._op_us(fc, rows, combine_row)
         return out
 
-    def ep_band(self, res: CommResult, topk_ids_full: torch.Tensor, layout: ParallelLayout, num_experts: int,
-                dispatch_row: float, combine_row: float, pair_rows: LinkRows | None = None) -> CommResult:
-        """Fill res.band_*: the fastest and the slowest of the published EP transports for this
-        traffic and res's own modeled time."""
-        members = self.band_members(topk_ids_full, layout, num_experts, dispatch_row, combine_row, pair_rows)
-        vals = list(members.values()) + [res.total_us]
-        res.band_lo_us, res.band_hi_us = min(vals), max(vals)
-        res.band = ", ".join(f"{k} {v:.0f} us" for k, v in sorted(members.items(), key=lambda kv: kv[1]))
-        return res
+
+# ---------------------------------------------------------------------------------------------
+# One question: what does this collective or dispatch/combine cost (`moebench comm`)
+
+#: how rows of a dispatch / combine travel per transport, where no prepare/finalize declares it
+#: (pplx is published, not run by moebench)
+UNDECLARED_TRAFFIC = {"pplx": "pair", "pplx-kernels": "pair"}
+
+
+def declared_traffic(transport: str) -> str:
+    """'pair' or 'rank': how the prepare/finalize that uses `transport` for its dispatch moves rows."""
+    from moebench.backends import get_prepare_finalize_class, prepare_finalize_names
+
+    for name in prepare_finalize_names():
+        for op in get_prepare_finalize_class(name).communication:
+            if transport in op.transports and op.traffic != "tensor":
+                return op.traffic
+    return UNDECLARED_TRAFFIC.get(transport, "pair")
+
+
+def row_payload(dtype: str, hidden: int) -> int:
+    """Bytes of one token row: fp8 with one fp32 scale per 128 values, or bf16."""
+    return hidden + 4 * math.ceil(hidden / 128) if dtype == "fp8" else 2 * hidden
+
+
+def ask(model: "CommModel", transport: str, op: str, world: int, size: float | None = None, *,
+        tokens: int | None = None, hidden: int | None = None, topk: int | None = None,
+        experts: int | None = None, dtype: str = "bf16", gpu: str = "") -> dict:
+    """The modeled time of one `op` over `transport` on `world` ranks, for `size` bytes per rank
+    (as nccl-tests counts them; a dispatch / combine: its rows as the source counts them, local
+    pairs included) or for `tokens` per rank routed uniformly (top-`topk` of `experts`, rows of
+    `hidden` in `dtype`; a combine carries bf16). Returns time_us, the bytes on each link, the fit
+    and its provenance, the published points nearest to the question with published / modeled,
+    and what is extrapolated."""
+    if (transport, op) not in model.fits:
+        own = sorted(o for t, o in model.fits if t == transport)
+        if own:
+            raise MoebenchError(f"transport '{transport}' has no '{op}'; it has: {', '.join(own)}")
+        raise MoebenchError(f"unknown transport '{transport}'; known: {', '.join(model.transports())}")
+    if world < 2:
+        raise MoebenchError(f"--world-size must be at least 2, got {world}")
+    check_world(world, model.gpus_per_node)
+    fit = model.fits[(transport, op)]
+    gpn = model.gpus_per_node
+    tensor = op in BUS_FACTOR
+    how = ""
+    if size is None:
+        if tokens is None or hidden is None or tokens < 1 or hidden < 1:
+            raise MoebenchError("give --bytes N, or --tokens M with --hidden H (and --topk K --num-experts E for a "
+                                "dispatch or combine)")
+        row = row_payload("bf16" if op == "combine" else dtype, hidden)
+        if tensor:
+            size = float(tokens * row)
+            how = f"{tokens} tokens x {row} B"
+    if tensor or tokens is None:
+        if not (math.isfinite(size) and size > 0):
+            raise MoebenchError(f"--bytes must be a positive number, got {size:g}")
+        if tensor:
+            nvl, rdma = collective_bytes(op, world, gpn, size)
+            how = how or f"{size:.0f} B per rank"
+            how += f"; bus bytes {BUS_FACTOR[op](world) * size:.0f} (nccl-tests' busbw convention)"
+        else:  # rows as DeepEP / pplx count them (local pairs included): the share to each link
+            nvl, rdma = size * (min(world, gpn) - 1) / world, size * max(world - gpn, 0) / world
+            how = f"{size:.0f} B per rank, local rows included: {min(world, gpn) - 1}/{world} over NVLink, "                   f"{max(world - gpn, 0)}/{world} over RDMA"
+        us = fit.time_us(nvl, rdma, model.nvlink_gbps, model.rdma_gbps)
+        total = nvl + rdma
+    else:
+        from moebench.routing import make_routing
+
+        if not topk or not experts or topk > experts or experts % world:
+            raise MoebenchError("a dispatch or combine needs --topk K and --num-experts E with K <= E and E a "
+                                f"multiple of --world-size {world}")
+        _, ids = make_routing("uniform", tokens * world, experts, topk, seed=0)
+        style = declared_traffic(transport)
+        style = "node" if (style == "rank" and world > gpn) else style
+        rows = ep_link_rows(ids, ParallelLayout(dp=world, enable_ep=True), experts, gpn, style)
+        row = row_payload("bf16" if op == "combine" else dtype, hidden)
+        us = model._op_us(fit, rows, row)
+        i = int(np.argmax((rows.nvl + rows.rdma)))
+        nvl, rdma = float(rows.nvl[i] * row), float(rows.rdma[i] * row)
+        total = nvl + rdma
+        how = (f"{tokens} tokens per rank, top-{topk} of {experts} experts uniformly, {row} B rows, "
+               f"one row per {'(token, expert) pair' if style == 'pair' else '(token, rank)'}: busiest rank")
+
+    def distance(p: Point) -> tuple:
+        pb = p.nvlink_bytes + p.rdma_bytes
+        return (p.world_size != world, p.nvlink_peak != model.nvlink_gbps, abs(math.log(max(pb, 1) / max(total, 1))))
+
+    near = sorted(fit.points, key=distance)[:3]
+    extrapolated = []
+    if fit.points:
+        sizes = [p.nvlink_bytes + p.rdma_bytes for p in fit.points]
+        if not any(p.nvlink_peak == model.nvlink_gbps for p in fit.points):
+            extrapolated.append(f"no published {transport} {op} point on a {model.nvlink_gbps:g} GB/s NVLink")
+        if not any(p.world_size == world for p in fit.points):
+            extrapolated.append(f"no published point at {world} ranks")
+        if total < min(sizes) / 2 or total > max(sizes) * 2:
+            extrapolated.append(f"{total / 1e6:.3g} MB on the links is outside the published "
+                                f"{min(sizes) / 1e6:.3g}..{max(sizes) / 1e6:.3g} MB")
+    else:
+        extrapolated.append(f"no published point of its own: {'; '.join(sorted(set(fit.provenance.values())))}")
+    return {
+        "transport": transport, "op": op, "gpu": gpu, "world_size": world, "gpus_per_node": gpn,
+        "nvlink": model.nvlink, "nvlink_gbps": model.nvlink_gbps, "rdma": model.rdma if world > gpn else "",
+        "time_us": us, "nvlink_bytes": nvl, "rdma_bytes": rdma, "bytes_how": how, "fit": fit.describe(),
+        "provenance": dict(fit.provenance),
+        "nearest": [{"point": p.label(), "gpu": p.gpu, "source": p.source, "line": p.line, "published_us": p.time_us,
+                     "modeled_us": fit.predict(p), "ratio": p.time_us / fit.predict(p)} for p in near],
+        "extrapolated": extrapolated,
+    }
 
 
 def fits_table(fits: dict[tuple[str, str], Fit] | None = None) -> list[dict]:

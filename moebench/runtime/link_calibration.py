@@ -3,11 +3,11 @@
 `moebench env --calibrate-link` sweeps message sizes for every transport moebench can run here and
 fits the model's alpha + bytes / bandwidth to each (least squares on relative error):
 
-    nccl-all-reduce      dist.all_reduce of S bytes; bytes = 2 (T-1)/T x S per rank (ring bus bytes)
-    nccl-all-to-all      dist.all_to_all_single of S bytes per rank; bytes = (T-1)/T x S sent to peers
-    all2all-ll:dispatch  moebench's all2all-ll prepare (counts + rows + ids) of M tokens per rank
-    all2all-ll:combine   its finalize
-    deepep-ll:dispatch / :combine   the same through DeepEP's low-latency kernels, when deep_ep runs here
+    nccl-all-reduce:all-reduce   dist.all_reduce of S bytes; bytes = 2 (T-1)/T x S per rank (ring bus bytes)
+    nccl-all-to-all:all-to-all   dist.all_to_all_single of S bytes per rank; bytes = (T-1)/T x S sent to peers
+    <transport>:dispatch / :combine   every prepare/finalize with a dispatch and a combine that runs
+        here (all2all-ll over nccl-all-to-all, DeepEP's where deep_ep runs): its prepare / finalize of
+        M tokens per rank, keyed by the transport it declares, the declared calls included
 
 For the dispatch / combine pairs, bytes are the slowest rank's remote rows x row bytes under the
 sweep's uniform routing, counted by the same function the model uses (comm_model.ep_link_rows),
@@ -86,7 +86,7 @@ def _collectives(ctx: RankContext, sizes: list[int], reps: int) -> dict[str, lis
         ar.append((2 * (w - 1) / w * nbytes, _timed(ctx, lambda: dist.all_reduce(x, group=ctx.group), reps)))
         out = torch.empty_like(x)
         a2a.append(((w - 1) / w * nbytes, _timed(ctx, lambda: dist.all_to_all_single(out, x, group=ctx.group), reps)))
-    return {"nccl-all-reduce": ar, "nccl-all-to-all": a2a}
+    return {"nccl-all-reduce:all-reduce": ar, "nccl-all-to-all:all-to-all": a2a}
 
 
 def _dispatch_combine(ctx: RankContext, name: str, tokens: list[int], shape: dict, reps: int) -> dict:
@@ -121,28 +121,31 @@ def _dispatch_combine(ctx: RankContext, name: str, tokens: list[int], shape: dic
         prep = state["prep"]
         out = prep.a if prep.a.dtype == dt else prep.a.to(dt)
         t_c = _timed(ctx, lambda: pf.finalize(out, prep, my_w, wr), reps)
-        extra = 8 if name == "all2all-ll" else 0  # all2all-ll sends each row's local expert id too
-        disp.append((rows.busiest(h * el + extra), t_d))
-        comb.append((rows.busiest(h * el), t_c))
-    return {f"{name}:dispatch": disp, f"{name}:combine": comb}
+        ops = {op.op: op for op in pf.communication}
+        disp.append((rows.busiest(h * el + ops["dispatch"].row_extra + k * ops["dispatch"].topk_extra), t_d))
+        comb.append((rows.busiest(h * el + ops["combine"].row_extra), t_c))
+    return {f"{ops['dispatch'].transports[0]}:dispatch": disp, f"{ops['combine'].transports[0]}:combine": comb}
 
 
 def _measure_on_rank(ctx: RankContext, reps: int, sizes: list[int] | None, tokens: list[int] | None) -> dict:
-    from moebench.backends import get_prepare_finalize_class
+    from moebench.backends import get_prepare_finalize_class, prepare_finalize_names
 
     kind = "cuda" if ctx.device.type == "cuda" else "cpu"
     pts = _collectives(ctx, sizes or SIZES[kind], reps)
-    pts.update(_dispatch_combine(ctx, "all2all-ll", tokens or TOKENS[kind], SHAPE[kind], reps))
     skipped = {}
-    try:
-        reason = get_prepare_finalize_class("deepep-ll").unavailable_reason(ctx.device.type, ctx.world_size)
-    except Exception as e:  # noqa: BLE001 - an unusable backend is a reason, not a failure
-        reason = str(e)
-    if reason is None:
-        pts.update(_dispatch_combine(ctx, "deepep-ll", [t for t in (tokens or TOKENS[kind]) if t <= 128],
-                                     SHAPE[kind], reps))
-    else:
-        skipped["deepep-ll"] = reason
+    for name in prepare_finalize_names():  # every dispatch / combine that runs here, as it declares them
+        cls = get_prepare_finalize_class(name)
+        if not cls.communicates or {op.op for op in cls.communication} != {"dispatch", "combine"}:
+            continue
+        try:
+            reason = cls.unavailable_reason(ctx.device.type, ctx.world_size)
+        except Exception as e:  # noqa: BLE001 - an unusable backend is a reason, not a failure
+            reason = str(e)
+        if reason is None:
+            pts.update(_dispatch_combine(ctx, name, [t for t in (tokens or TOKENS[kind]) if t <= 128],
+                                         SHAPE[kind], reps))
+        else:
+            skipped[name] = reason
     return {"points": pts, "skipped": skipped}
 
 
@@ -163,6 +166,6 @@ def measure_link(world_size: int, device: str, reps: int = 10, sizes: list[int] 
         transports[key] = {"alpha_us": _sig(alpha), "gbps": _sig(gbps), "worst_ratio": _sig(worst),
                            "points": [[round(b, 1), _sig(t)] for b, t in pts]}
     backend = "nccl" if device == "cuda" else "gloo"
-    a2a = transports["nccl-all-to-all"]
+    a2a = transports["nccl-all-to-all:all-to-all"]
     link = LinkProfile(f"measured-{backend}-{world_size}ranks", a2a["gbps"], a2a["alpha_us"], source="measured")
     return link, {"transports": transports, "skipped": res["skipped"]}

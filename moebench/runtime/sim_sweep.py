@@ -1,23 +1,29 @@
 """A simulated multi-rank sweep: one device computes one rank's share for real, the communication
-time comes from the cost model (moebench.runtime.simulate). Rows carry modeled = true.
+time comes from the cost model (moebench.runtime.comm_model). Rows carry modeled = true.
 
-What one device computes, per prepare/finalize:
-- no-dpep (TP path, dp == 1): rank 0's weight shard (1/T of I for TP; for EP over tp ranks, the
-  busiest rank's experts) on all M tokens; the all-reduce of the (M, H) output is modeled.
-- allgather-rs: the busiest EP rank's experts on all M * world gathered tokens (Standard, through
-  its expert_map); all-gather of the tokens and reduce-scatter of the output are modeled.
-- all2all-ll / deepep-ll: the busiest EP rank's experts on exactly the (token, expert) pairs it
-  receives, in the DeepEP-LL layout (E_local, M * world, H); dispatch and combine are modeled.
-The experts time is measured on the device (CUDA graph); the layer latency is
-dispatch + experts + combine (or experts + all-reduce). The communication time comes from
-moebench.runtime.comm_model (per-transport fits to published or measured points, NVLink inside a
-node and RDMA between nodes); each row also carries the band of published transports for the same
-kind of communication (x_comm_lo_us / x_comm_hi_us: dispatch/combine transports for all2all-ll and
-deepep-ll, NCCL's published spread for the all-reduce and allgather-rs) and the bytes behind the
-time (x_comm_bytes).
+Every prepare/finalize is a candidate whether or not it runs on this machine: its communication is
+priced from what it declares (`communication`: moebench.comm), and its experts half runs here
+through the communication-free prepare/finalize of the same activation format, on the share the
+busiest rank gets:
+- tokens that stay (TP): rank 0's weight shard (1/T of I) on all M tokens; the all-reduce of the
+  (M, H) output is priced for each implementation it may take (nccl, custom: one row each);
+- Standard formats that move tokens (allgather-rs, deepep-ht): the busiest EP rank's experts on
+  the whole batch through its expert_map;
+- BatchedExperts (all2all-ll, deepep-ll): the busiest EP rank's experts on exactly the (token,
+  expert) pairs it receives, in the (E_local, M * world, H) layout.
+The layer latency is dispatch + experts + combine (or experts + all-reduce). The experts time is
+measured on the device (CUDA graph), or - with an experts model (a datasheet's ceilings: how a
+machine without the target GPU answers) - the floor of the rank's work on that GPU, computed from
+the shapes alone; the correctness check then runs what this machine can run (a smaller shape, the
+activation dtype for a quantised scheme: the row says so). Each row also carries the band of
+published transports for the same kind of communication (x_comm_lo_us / x_comm_hi_us) and the bytes
+behind the time (x_comm_bytes); x_comm_transports names the transports priced and x_comm_not_run
+why the prepare/finalize could not have run here ("" where it could).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -29,13 +35,20 @@ from moebench.cases import CaseRunner, batch_inputs, rank_layer, shared_gate
 from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits
-from moebench.kernels.layer import MoELayer, layer_args, layer_bytes_extra, layer_reference, shared_mlp
+from moebench.kernels.layer import (
+    MoELayer,
+    layer_args,
+    layer_bytes_extra,
+    layer_reference,
+    outline_rank_layer,
+    shared_mlp,
+)
 from moebench.kernels.modular import poisoned_outputs
-from moebench.backends import get_prepare_finalize_class, make_kernel, prepare_finalize_names
+from moebench.backends import check_combination, get_prepare_finalize_class, make_kernel, prepare_finalize_names
 from moebench.kernels.token_layout import local_topk_ids
 from moebench.routing import load_imbalance
 from moebench.runtime import simulate as sim
-from moebench.runtime.comm_model import CommModel, CommResult
+from moebench.runtime.comm_model import CommModel, CommResult, Traffic
 from moebench.runtime.rank_case import token_split
 from moebench.runtime.rank_sweep import set_comm_gbps
 
@@ -63,8 +76,8 @@ class SimulatedRunner(CaseRunner):
 
     experts_model: None = time the rank's experts on this device; a Ceilings (e.g. an H200
     datasheet profile) = model the experts time as the roofline floor of the rank's work on that
-    GPU (how a CPU machine answers a GPU question; the rows say so). The share is still computed
-    and checked against the reference here."""
+    GPU (how a CPU machine answers a GPU question; the rows say so); the check then runs on
+    `check_spec` (what this machine can run)."""
 
     modeled = True
 
@@ -72,39 +85,74 @@ class SimulatedRunner(CaseRunner):
         self.link = as_comm_model(link)
         self.experts_model = experts_model
         self.weights_cache: dict[tuple, tuple] = {}
+        self.check_cache: dict[tuple, tuple] = {}
+        self.check_weights: dict[tuple, tuple] = {}
 
     def start(self, spec, runnable: list[tuple[str, str]]) -> None:
         self.spec = spec
         self.ceilings = get_ceilings(spec.device)
+        self.check_spec = check_spec_for(spec) if self.experts_model is not None and spec.check else None
 
     def inputs(self, m: int, pf: str):
         return batch_inputs(self.spec, m, pf)
 
     def run_case(self, row, m: int, pf: str, ex: str, inputs) -> None:
-        _simulate_case(self.spec, row, pf, ex, m, inputs, self.link, self.ceilings, self.spec.act_bytes,
-                       self.weights_cache, self.experts_model)
+        _simulate_case(self, row, pf, ex, m, inputs)
 
 
-def _weights(spec, rank: int, cache: dict, moves_tokens: bool):
-    """Rank `rank`'s RankLayer (moebench.sweep.rank_layer), one shard at a time on the device.
+#: The shape a machine without the target GPU checks a modeled share on: the model's experts,
+#: top-k, routing and layout, with small hidden and intermediate sizes.
+CHECK_HIDDEN = 128
+CHECK_INTERMEDIATE_PER_RANK = 32
+
+
+def check_spec_for(spec):
+    """The spec whose share this machine checks when the experts time is modeled: the model's
+    routing and layout on a small hidden / intermediate (CHECK_*), in the activation dtype where
+    the precision is an fp8 or weight-only scheme (the modeled time keeps the real precision)."""
+    s, lay = spec.shape, spec.layout
+    i = CHECK_INTERMEDIATE_PER_RANK * lay.moe_tp_size
+    si = i * max(1, s.shared_intermediate // s.intermediate) if s.shared_intermediate else 0
+    small = replace(s, hidden=min(s.hidden, CHECK_HIDDEN), intermediate=min(s.intermediate, i),
+                    shared_intermediate=min(s.shared_intermediate, si) if si else 0)
+    return replace(spec, shape=small, quant=None, model_experts=False, reps=1, warmup=0)
+
+
+def check_note(spec, check_spec) -> str:
+    """What the check of a modeled row ran, in words ('' when it is the row's own shape)."""
+    parts = []
+    c, s = check_spec.shape, spec.shape
+    if (c.hidden, c.intermediate) != (s.hidden, s.intermediate):
+        parts.append(f"hidden {c.hidden}, intermediate {c.intermediate}")
+    if spec.quant is not None:
+        parts.append(f"{check_spec.precision} instead of {spec.precision}")
+    return f"checked at {', '.join(parts)}" if parts else ""
+
+
+def _weights(spec, rank: int, cache: dict, moves_tokens: bool, outline: bool = False):
+    """Rank `rank`'s RankLayer (moebench.sweep.rank_layer), one shard at a time on the device;
+    outline: its shapes only (meta tensors), for a modeled experts time.
     Shared experts: replicated where tokens move (each EP rank serves its own tokens), sharded
     over I across the ranks where they stay (TP, or EP without DP: the all-reduce sums them)."""
     s, lay = spec.shape, spec.layout
-    key = (rank, lay.enable_ep, moves_tokens)
+    key = (rank, lay.enable_ep, moves_tokens, outline)
     if key not in cache:
         cache.clear()
+        shared_shard = (0, 1) if moves_tokens else (rank, lay.world_size)
         if lay.enable_ep:
-            check_fits(len(lay.local_experts(rank, s.num_experts)), s.hidden, s.intermediate,
-                       spec.batch_tokens(max(spec.tokens), True), s.topk, spec.dtype, spec.device)
+            experts, tp_rank, tp_size = lay.local_experts(rank, s.num_experts), 0, 1
+        else:
+            experts, tp_rank, tp_size = range(s.num_experts), rank, lay.moe_tp_size
+        if outline:
+            cache[key] = outline_rank_layer(s, experts, tp_rank, tp_size, spec.bias, spec.shared, shared_shard)
+            return cache[key]
+        if lay.enable_ep:
+            check_fits(len(experts), s.hidden, s.intermediate, spec.batch_tokens(max(spec.tokens), True), s.topk,
+                       spec.dtype, spec.device)
         else:
             check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), max(spec.tokens),
                        s.topk, spec.dtype, spec.device)
-        shared_shard = (0, 1) if moves_tokens else (rank, lay.world_size)
-        if lay.enable_ep:
-            cache[key] = rank_layer(spec, lay.local_experts(rank, s.num_experts), shared_shard=shared_shard)
-        else:
-            cache[key] = rank_layer(spec, range(s.num_experts), tp_rank=rank, tp_size=lay.moe_tp_size,
-                                    shared_shard=shared_shard)
+        cache[key] = rank_layer(spec, experts, tp_rank=tp_rank, tp_size=tp_size, shared_shard=shared_shard)
     return cache[key]
 
 
@@ -118,67 +166,161 @@ def _link_label(link, world: int) -> str:
     return label
 
 
-def _simulate_case(spec, row, pf, ex, m, inputs, link, ceilings, el, weights_cache, experts_model) -> None:
-    s, lay = spec.shape, spec.layout
-    world = lay.world_size
-    row.extra["link"] = _link_label(link, world)  # the x_link column reports group by
-    moves_tokens = get_prepare_finalize_class(pf).communicates
-    m_full, x, wts, ids = inputs
-    row.imbalance = load_imbalance(ids, s.num_experts)
-    if lay.enable_ep:
-        share = sim.busiest_rank_share(ids.cpu(), lay, s.num_experts)
-        rank, emap = share.rank, share.expert_map.to(spec.device)
-        row.rank_imbalance = share.imbalance
-        row.extra["pairs_per_rank"] = ",".join(map(str, share.pairs_per_rank.tolist()))
-    else:
-        rank, emap = 0, None
-        row.rank_imbalance = 1.0
-    lw = _weights(spec, rank, weights_cache, moves_tokens)
-    row.extra["simulated_rank"] = rank
-    split = token_split(m_full, world) if moves_tokens else [(0, m)] * world
-    row.rank_tokens = ",".join(str(b - a) for a, b in split)
+class _Share:
+    """The busiest rank's share of one case: its rank, expert map, token split, and the kernel's
+    arguments (args) for rank layer `lw`."""
 
-    # The rank's compute, on this device: the stand-in P/F lays tokens out as the real one would.
-    # Shared experts: the rank's own tokens (where tokens move) or all of them (a shard over I).
-    gate = shared_gate(spec, x, m)
-    own = slice(*split[rank]) if moves_tokens else slice(None)
-    owner = None
-    if moves_tokens:
-        owner = torch.cat([torch.full((b - a,), r, dtype=torch.int64) for r, (a, b) in enumerate(split)]).to(x.device)
-    args = layer_args(lw, x, wts, ids, s.num_experts, gate, emap, group=rank if moves_tokens else 0,
-                      groups=world if moves_tokens else 1, token_group=owner)
-    kernel = MoELayer(make_kernel(ex, _stand_in(pf)), spec.activation, lw.bias, lw.shared_w13, lw.shared_w2, gate,
-                      shared_rows=own)
-    if spec.check:
+    def __init__(self, spec, pf: str, m: int, inputs, cache: dict, outline: bool):
+        s, lay = spec.shape, spec.layout
+        self.moves = get_prepare_finalize_class(pf).communicates
+        self.m_full, x, wts, ids = inputs
+        world = lay.world_size
+        if lay.enable_ep:
+            self.share = sim.busiest_rank_share(ids.cpu(), lay, s.num_experts)
+            self.rank, emap = self.share.rank, self.share.expert_map.to(spec.device)
+        else:
+            self.share, self.rank, emap = None, 0, None
+        self.lw = _weights(spec, self.rank, cache, self.moves, outline)
+        self.split = token_split(self.m_full, world) if self.moves else [(0, m)] * world
+        self.own = slice(*self.split[self.rank]) if self.moves else slice(None)
+        self.gate = shared_gate(spec, x, m)
+        owner = None
+        if self.moves:
+            owner = torch.cat([torch.full((b - a,), r, dtype=torch.int64)
+                               for r, (a, b) in enumerate(self.split)]).to(x.device)
+        self.x, self.ids = x, ids
+        self.args = layer_args(self.lw, x, wts, ids, s.num_experts, self.gate, emap,
+                               group=self.rank if self.moves else 0, groups=world if self.moves else 1,
+                               token_group=owner)
+
+    def work(self, spec) -> tuple[float, float]:
+        """(flops, bytes) of the rank's experts work (the experts it hits, its shared MLP)."""
+        s, el = spec.shape, spec.act_bytes
+        local = local_topk_ids(self.args[4], self.args[5])
+        pairs = int((local >= 0).sum())
+        i_r = self.lw.w2.shape[-1]
+        flops = metrics.layer_flops(pairs, 1, s.hidden, i_r)
+        hit = int(torch.unique(local[local >= 0]).numel())
+        nbytes = hit * metrics.expert_weight_bytes(s.hidden, i_r, el, spec.quant) + 2 * pairs * s.hidden * el
+        nbytes += layer_bytes_extra(self.lw, s, hit, el, spec.quant)
+        if self.lw.shared_w13 is not None:
+            own_tokens = self.x[self.own].shape[0]
+            flops += metrics.shared_flops(own_tokens, s.hidden, self.lw.shared_w2.shape[-1])
+            nbytes += 2 * own_tokens * s.hidden * el
+        return float(flops), float(nbytes)
+
+    def kernel(self, spec, pf: str, ex: str) -> MoELayer:
+        """The rank's experts behind the communication-free prepare/finalize laying tokens out as `pf`."""
+        lw = self.lw
+        return MoELayer(make_kernel(ex, _stand_in(pf)), spec.activation, lw.bias, lw.shared_w13, lw.shared_w2,
+                        self.gate, shared_rows=self.own)
+
+    def check(self, spec, row, kernel) -> None:
+        """Check the share against the float64 reference; fills max_rel_err, correct (and
+        err_vs_unquantized where the weights are quantised)."""
+        lw, args = self.lw, self.args
         with poisoned_outputs():
             out = kernel.apply(*args)
-        ref = layer_reference(lw, args, spec.activation, gate, own)
+        ref = layer_reference(lw, args, spec.activation, self.gate, self.own)
         row.max_rel_err = relative_error(out, ref)
         row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
         if lw.unquantized is not None:
             unq = lw.unquantized
             row.err_vs_unquantized = relative_error(
-                out, layer_reference(unq, (x, unq.w13, unq.w2, *args[3:]), spec.activation, gate, own))
-    # The rank's experts work (flops, bytes of the experts it hits; its shared MLP) for the roofline.
-    local = local_topk_ids(args[4], args[5])
-    pairs = int((local >= 0).sum())
-    i_r = lw.w2.shape[-1]
-    flops = metrics.layer_flops(pairs, 1, s.hidden, i_r)
-    hit = int(torch.unique(local[local >= 0]).numel())
-    nbytes = hit * metrics.expert_weight_bytes(s.hidden, i_r, el, spec.quant) + 2 * pairs * s.hidden * el
-    nbytes += layer_bytes_extra(lw, s, hit, el, spec.quant)
-    if lw.shared_w13 is not None:
-        own_tokens = x[own].shape[0]
-        flops += metrics.shared_flops(own_tokens, s.hidden, lw.shared_w2.shape[-1])
-        nbytes += 2 * own_tokens * s.hidden * el
+                out, layer_reference(unq, (self.x, unq.w13, unq.w2, *args[3:]), spec.activation, self.gate, self.own))
+
+
+def experts_here(ex: str, spec) -> tuple[str | None, str]:
+    """The experts this machine checks in place of `ex` under `spec`: `ex` where it runs here, else
+    the first backend of the same activation format that does; (None, why) when none does."""
+    from moebench.backends import experts_names, get_experts_class
+
+    stand_in = next(pf for pf in prepare_finalize_names()
+                    if get_prepare_finalize_class(pf).activation_format == get_experts_class(ex).activation_format
+                    and not get_prepare_finalize_class(pf).communicates)
+
+    def reason(name):
+        return check_combination(stand_in, name, spec.device, spec.dtype, 1, None, quant=spec.quant,
+                                 activation=spec.activation, bias=spec.bias)
+
+    why = reason(ex)
+    if why is None:
+        return ex, ""
+    for name in experts_names():
+        if get_experts_class(name).timed and reason(name) is None and (
+                get_experts_class(name).activation_format == get_experts_class(ex).activation_format):
+            return name, f"checked with experts '{name}' ({why})"
+    return None, f"not checked here: {why}"
+
+
+def _check_modeled(runner, row, pf: str, ex: str, m: int) -> str:
+    """The check of a row whose experts time is modeled, on runner.check_spec (once per pair and
+    token count), with `ex` or a backend of its format that runs here; returns a note for the
+    row's reason."""
+    spec, cs = runner.spec, runner.check_spec
+    key = (m, pf, ex)
+    if key not in runner.check_cache:
+        name, sub = experts_here(ex, cs)
+        if name is None:
+            runner.check_cache[key] = (None, None, sub)
+        else:
+            share = _Share(cs, pf, m, batch_inputs(cs, m, pf), runner.check_weights, outline=False)
+            probe = replace(row, extra={})
+            share.check(cs, probe, share.kernel(cs, pf, name))
+            note = "; ".join(x for x in (check_note(spec, cs), sub) if x)
+            runner.check_cache[key] = (probe.max_rel_err, probe.correct, note)
+    row.max_rel_err, row.correct, note = runner.check_cache[key]
+    return note
+
+
+def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
+    spec, link = runner.spec, runner.link
+    s, lay = spec.shape, spec.layout
+    el = spec.act_bytes
+    world = lay.world_size
+    row.extra["link"] = _link_label(link, world)  # the x_link column reports group by
+    pf_cls = get_prepare_finalize_class(pf)
+    ops = pf_cls.communication if world > 1 else ()
+
+    # The communication first (cheap): a transport that cannot carry this case skips the row.
+    drow = metrics.packed_row_bytes(s.hidden, el, spec.quant)
+    ids_cpu = inputs[3].cpu()
+    traffic = Traffic(ids_cpu, lay, s.num_experts, rows=inputs[0], row_bytes={"activations": drow, "outputs": s.hidden * el},
+                      topk=s.topk)
+    choice = {"all-reduce": f"{row.allreduce}-all-reduce"} if row.allreduce else None
+    try:
+        res = link.price_ops(ops, traffic, choice) if ops else CommResult(allreduce_us=0.0)
+    except MoebenchError as e:
+        row.status, row.reason = "skipped", f"not modeled: {e}"
+        return
+
+    experts_model = runner.experts_model
+    share = _Share(spec, pf, m, inputs, runner.weights_cache, outline=experts_model is not None)
+    row.imbalance = load_imbalance(share.ids, s.num_experts)
+    if share.share is not None:
+        row.rank_imbalance = share.share.imbalance
+        row.extra["pairs_per_rank"] = ",".join(map(str, share.share.pairs_per_rank.tolist()))
+    else:
+        row.rank_imbalance = 1.0
+    row.extra["simulated_rank"] = share.rank
+    row.rank_tokens = ",".join(str(b - a) for a, b in share.split)
+    flops, nbytes = share.work(spec)
+    note = ""
+    ceilings = runner.ceilings
     if experts_model is not None:
+        if spec.check:
+            note = _check_modeled(runner, row, pf, ex, m)
         floor = metrics.roofline(flops, nbytes, experts_model, dtype=row.dtype)
         t = Timing(floor, floor, floor, 0, f"roofline model ({experts_model.device_name}, {experts_model.source})")
         ceilings = experts_model
     else:
+        kernel = share.kernel(spec, pf, ex)
+        if spec.check:
+            share.check(spec, row, kernel)
         exo = kernel.experts
-        xa, w13, w2, wts_a, ids_a, emap_a, n_exp = args
+        xa, w13, w2, wts_a, ids_a, emap_a, n_exp = share.args
         prep = kernel.kernel.prepare(xa, w13, w2, wts_a, ids_a, emap_a, n_exp)
+        lw, gate, own, x = share.lw, share.gate, share.own, share.x
 
         def step():
             if spec.activation == SILU and lw.bias is None:
@@ -189,30 +331,26 @@ def _simulate_case(spec, row, pf, ex, m, inputs, link, ceilings, el, weights_cac
                 shared_mlp(x[own], lw.shared_w13, lw.shared_w2, spec.activation, None if gate is None else gate[own])
 
         t = time_fn(step, spec.device, **spec.timing_kwargs())
+        # Backends that pick a tile config say where it came from (as in a measured sweep).
+        row.config_source = kernel.experts.last_config_source or ""
     row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.nvlink})"
-    # Backends that pick a tile config say where it came from (as in a measured sweep).
-    row.config_source = kernel.experts.last_config_source or ""
 
-    # Communication from the model.
-    drow = metrics.packed_row_bytes(s.hidden, el, spec.quant)
-    if not moves_tokens:
-        res = link.allreduce(m * s.hidden * el, world) if world > 1 else CommResult(allreduce_us=0.0)
-        row.allreduce_us = res.allreduce_us
-    elif get_prepare_finalize_class(pf).comm_pattern == "all-gather":
-        res = link.allgather_rs(m_full * (drow + s.topk * 8), m_full * s.hidden * el, world)
-        row.dispatch_us, row.combine_us = res.dispatch_us, res.combine_us
-    else:
-        res = link.dispatch_combine(pf, ids.cpu(), lay, s.num_experts, drow, s.hidden * el)
-        row.dispatch_us, row.combine_us = res.dispatch_us, res.combine_us
-        set_comm_gbps(row, ids, s.hidden, el, world, spec.quant)
+    row.dispatch_us, row.combine_us, row.allreduce_us = res.dispatch_us, res.combine_us, res.allreduce_us
+    if any(op.traffic != "tensor" for op in ops):
+        set_comm_gbps(row, share.ids, s.hidden, el, world, spec.quant)
     comm = res.total_us
+    not_run = pf_cls.unavailable_reason("cuda", world) if pf_cls.communicates else None
     row.extra.update(comm_bytes=res.bytes, comm_lo_us=res.band_lo_us, comm_hi_us=res.band_hi_us,
-                     comm_band=res.band, comm_model=res.how)
+                     comm_band=res.band, comm_model=res.how,
+                     comm_transports=",".join(dict.fromkeys(c.transport for c in res.costs)),
+                     comm_not_run=not_run or "")
     row.latency_us = row.experts_us + comm
     row.p10_us = t.p10_us + comm
     row.p90_us = t.p90_us + comm
     how = "modeled" if experts_model is not None else "measured"
-    row.reason = f"modeled: rank {rank}'s experts {how}; communication {link.describe()}"
+    row.reason = f"modeled: rank {share.rank}'s experts {how}; communication {link.describe()}"
+    if note:
+        row.reason += f"; {note}"
 
     # Metrics of the rank's experts work (what was measured or modeled), against its floor.
     if ceilings is not None:

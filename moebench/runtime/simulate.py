@@ -1,23 +1,9 @@
-"""Communication cost model for simulated multi-rank runs.
+"""Links and ranks of simulated multi-rank runs: the link profiles (NVLink by GPU, PCIe, RDMA),
+which one a run models (--link, a measurement, the target GPU), and the share of the work one rank
+gets. The time of the communication itself comes from moebench.runtime.comm_model.
 
-In a simulated run one device computes one rank's share of the work (EP: the busiest rank's
-tokens under the chosen routing; TP: the 1/T weight shards) and the communication time comes from
-this model: latency + bytes / link bandwidth, per the collective's algorithm.
-
-Units: bytes; bandwidth in GB/s (1e9 bytes per second, per direction per GPU, the same unit as
-the `gbps` result column; `--link-gbps` is in these units too); times in microseconds.
-
-Collectives (T ranks, `nbytes` = size of the full tensor on one rank):
-    all-reduce (ring):       2 (T-1)/T * nbytes / bw + 2 (T-1) * latency
-    all-gather (ring):         (T-1)/T * nbytes / bw +   (T-1) * latency   (nbytes = gathered size)
-    reduce-scatter (ring):     (T-1)/T * nbytes / bw +   (T-1) * latency   (nbytes = input size)
-    all-to-all (direct):     bytes sent or received by the busiest rank / bw + latency
-
-Dispatch/combine traffic is counted per (token, expert) pair, as DeepEP's low-latency kernels
-move it: a token that picks two experts of one rank is sent twice (DeepEP LL does no per-rank
-deduplication; its normal-mode kernels do). DeepEP's published GB/s figures divide the bytes of
-all pairs (local ones included) by the time; the time model only charges pairs that leave their
-rank. Both counts are returned.
+Units: bandwidth in GB/s (1e9 bytes per second, per direction per GPU, the same unit as the `gbps`
+result column; `--link-gbps` is in these units too).
 
 Link figures come, in order, from an explicit override (`link_gbps`), a measurement file when one
 exists (`measured_link`), or a hardware profile chosen by device name (`default_link`). Every
@@ -27,6 +13,7 @@ command picks its link through `link_for`: --link, else the target GPU's (`targe
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -55,6 +42,7 @@ class LinkProfile:
 
 #: Hardware profiles. Bandwidths: NVLink4 (H100/H200/H20) 900 GB/s bidirectional = 450 per direction;
 #: H800 / A800 (export parts) 400 bidirectional = 200; NVLink5 (B200) 1800 bidirectional = 900;
+#: GB200 NVL72: NVLink5 across the 72 GPUs of a rack (one NVLink domain, see NVLINK_DOMAIN);
 #: NVLink3 (A100) 600 bidirectional = 300; PCIe Gen5 x16 64 GB/s theoretical, ~50 practical;
 #: PCIe Gen4 x16 ~25 practical; 400 Gb/s InfiniBand (NDR) = 50 GB/s. Latencies are per-step
 #: figures of the order NCCL shows for small messages.
@@ -66,6 +54,7 @@ LINK_PROFILES: dict[str, LinkProfile] = {
         LinkProfile("h20-nvlink", 450.0, 1.5),
         LinkProfile("h800-nvlink", 200.0, 1.5),
         LinkProfile("b200-nvlink", 900.0, 1.5),
+        LinkProfile("gb200-nvlink", 900.0, 1.5),
         LinkProfile("a100-nvlink", 300.0, 2.0),
         LinkProfile("a800-nvlink", 200.0, 2.0),
         LinkProfile("pcie-gen5", 50.0, 3.0),
@@ -86,9 +75,19 @@ def override(link: LinkProfile, link_gbps: float | None) -> LinkProfile:
     """`link` with bandwidth `link_gbps` GB/s (source "override"); unchanged when None."""
     if link_gbps is None:
         return link
-    if link_gbps <= 0:
-        raise MoebenchError(f"--link-gbps must be positive, got {link_gbps}")
+    if not math.isfinite(link_gbps) or link_gbps <= 0:
+        raise MoebenchError(f"--link-gbps must be a positive finite number of GB/s, got {link_gbps}")
     return replace(link, bandwidth_gbps=float(link_gbps), source="override")
+
+
+#: GPUs one NVLink domain holds, by GPU: an HGX / DGX box of 8, a GB200 NVL72 rack of 72
+#: (NVIDIA's GB200 NVL72 datasheet: 72 GPUs in one NVLink domain).
+NVLINK_DOMAIN = {"GB200": 72}
+
+
+def nvlink_domain(gpu: str | None) -> int:
+    """GPUs per NVLink domain (--gpus-per-node's default) for GPUs of this name."""
+    return NVLINK_DOMAIN.get((gpu or "").upper(), 8)
 
 
 def default_link(device_name: str | None) -> LinkProfile:
@@ -99,7 +98,7 @@ def default_link(device_name: str | None) -> LinkProfile:
     if "H200" in n:
         return LINK_PROFILES["h200-nvlink"]
     if "PCIE" not in n:
-        for tag, name in (("H800", "h800-nvlink"), ("H20", "h20-nvlink"), ("H100", "h100-nvlink"),
+        for tag, name in (("GB200", "gb200-nvlink"), ("H800", "h800-nvlink"), ("H20", "h20-nvlink"), ("H100", "h100-nvlink"),
                           ("GH200", "h100-nvlink"), ("B200", "b200-nvlink"), ("A800", "a800-nvlink"),
                           ("A100", "a100-nvlink")):
             if tag in n:
@@ -184,140 +183,6 @@ def link_for(device: str, local_name: str | None = None, link_name: str | None =
 
 
 # ---------------------------------------------------------------------------------------------
-# Collective costs
-
-
-def _check(world: int) -> None:
-    if world < 1:
-        raise MoebenchError(f"world size must be >= 1, got {world}")
-
-
-def allreduce_us(nbytes: float, world: int, link: LinkProfile) -> float:
-    """Ring all-reduce of an nbytes tensor: 2(T-1)/T * nbytes / bw + 2(T-1) * latency."""
-    _check(world)
-    if world == 1:
-        return 0.0
-    t = world
-    return link.transfer_us(2 * (t - 1) / t * nbytes) + 2 * (t - 1) * link.latency_us
-
-
-def allgather_us(nbytes: float, world: int, link: LinkProfile) -> float:
-    """Ring all-gather producing an nbytes tensor on every rank: (T-1)/T * nbytes / bw + (T-1) * latency."""
-    _check(world)
-    if world == 1:
-        return 0.0
-    t = world
-    return link.transfer_us((t - 1) / t * nbytes) + (t - 1) * link.latency_us
-
-
-def reduce_scatter_us(nbytes: float, world: int, link: LinkProfile) -> float:
-    """Ring reduce-scatter of an nbytes input: (T-1)/T * nbytes / bw + (T-1) * latency."""
-    return allgather_us(nbytes, world, link)
-
-
-def all2all_us(busiest_bytes: float, world: int, link: LinkProfile) -> float:
-    """Direct all-to-all (every rank sends to every other at once, as DeepEP does): the busiest
-    rank's larger of bytes sent / received over the link, plus one latency."""
-    _check(world)
-    if world == 1 or busiest_bytes <= 0:
-        return 0.0
-    return link.transfer_us(busiest_bytes) + link.latency_us
-
-
-# ---------------------------------------------------------------------------------------------
-# Dispatch / combine traffic
-
-
-@dataclass
-class DispatchBytes:
-    """One rank's dispatch traffic (combine sends the same rows back).
-
-    pairs_per_rank: (world,) int64 (token, expert) pairs this rank sends to each rank
-    pairs: all pairs (M_r * K, minus -1 ids); remote_pairs: those whose expert lives elsewhere
-    bytes_deepep: pairs * H * dtype_bytes (how DeepEP counts its GB/s)
-    bytes_remote: remote_pairs * H * dtype_bytes (what crosses the links)
-    """
-
-    pairs_per_rank: torch.Tensor
-    pairs: int
-    remote_pairs: int
-    bytes_deepep: int
-    bytes_remote: int
-
-
-def dispatch_combine_bytes(
-    topk_ids: torch.Tensor, expert_owner: torch.Tensor, rank: int, hidden: int, dtype_bytes: int
-) -> DispatchBytes:
-    """topk_ids (M_r, K) of the tokens on `rank`; expert_owner (E,) rank of each expert
-    (ParallelLayout.expert_owner). Counts per (token, expert) pair, as DeepEP LL sends them."""
-    ids = topk_ids.reshape(-1).long().cpu()
-    ids = ids[ids >= 0]
-    owner = expert_owner.long().cpu()
-    world = int(owner.max()) + 1 if owner.numel() else 1
-    per_rank = torch.bincount(owner[ids], minlength=world)
-    pairs = int(per_rank.sum())
-    remote = pairs - int(per_rank[rank]) if rank < world else pairs
-    row = hidden * dtype_bytes
-    return DispatchBytes(per_rank, pairs, remote, pairs * row, remote * row)
-
-
-@dataclass
-class EPTraffic:
-    """All ranks' dispatch traffic. matrix[s, d]: pairs rank s sends to rank d; sent / recv:
-    remote pairs each rank sends / receives; busiest_pairs: max over ranks of max(sent, recv)."""
-
-    matrix: torch.Tensor
-    sent: torch.Tensor
-    recv: torch.Tensor
-    busiest_pairs: int
-    total_pairs: int
-
-
-def ep_traffic(topk_ids_full: torch.Tensor, layout: ParallelLayout, num_experts: int) -> EPTraffic:
-    """topk_ids_full (M, K) of the whole batch, split over the EP ranks as contiguous DP slices
-    (remainder to the first ranks, as the rank-case runner does)."""
-    from moebench.runtime.rank_case import token_split
-
-    world = layout.ep_size
-    owner = layout.expert_owner(num_experts)
-    mat = torch.zeros((world, world), dtype=torch.int64)
-    for s, (lo, hi) in enumerate(token_split(topk_ids_full.shape[0], world)):
-        ids = topk_ids_full[lo:hi].reshape(-1).long().cpu()
-        ids = ids[ids >= 0]
-        mat[s] = torch.bincount(owner[ids], minlength=world)
-    off = mat.clone()
-    off.fill_diagonal_(0)
-    sent, recv = off.sum(1), off.sum(0)
-    busiest = int(torch.maximum(sent, recv).max()) if world else 0
-    return EPTraffic(mat, sent, recv, busiest, int(mat.sum()))
-
-
-def ep_dispatch_combine_us(
-    topk_ids_full: torch.Tensor,
-    layout: ParallelLayout,
-    num_experts: int,
-    hidden: int,
-    link: LinkProfile,
-    dispatch_bytes: int = 2,
-    combine_bytes: int = 2,
-) -> tuple[float, float]:
-    """(dispatch_us, combine_us) of an all-to-all dispatch/combine of the whole batch: the busiest
-    rank's remote (token, expert) rows at hidden * dtype bytes each, over `link`. dispatch_bytes
-    e.g. 1 for FP8 dispatch (scales ignored), combine_bytes 2 for bf16."""
-    tr = ep_traffic(topk_ids_full, layout, num_experts)
-    world = layout.ep_size
-    return (
-        all2all_us(tr.busiest_pairs * hidden * dispatch_bytes, world, link),
-        all2all_us(tr.busiest_pairs * hidden * combine_bytes, world, link),
-    )
-
-
-def tp_allreduce_us(num_tokens: int, hidden: int, dtype_bytes: int, world: int, link: LinkProfile) -> float:
-    """The TP path's all-reduce of the (M, H) output."""
-    return allreduce_us(num_tokens * hidden * dtype_bytes, world, link)
-
-
-# ---------------------------------------------------------------------------------------------
 # The busiest EP rank's share (what one device computes in a simulated EP run)
 
 
@@ -378,8 +243,3 @@ def busiest_rank_share(
     per_rank = torch.bincount(owner[topk_ids.reshape(-1).long().cpu()], minlength=layout.ep_size)
     rank = int(torch.argmax(per_rank))  # first maximum
     return rank_share(topk_ids, layout, num_experts, rank, topk_weights)
-
-
-def profiles_table() -> list[dict]:
-    """The profiles as rows (for `moebench env` and reports)."""
-    return [asdict(p) for p in LINK_PROFILES.values()]

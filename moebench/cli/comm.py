@@ -1,0 +1,70 @@
+"""`moebench comm`: what one collective or dispatch/combine costs on a cluster, from the model."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from moebench.cli.options import console
+from moebench.errors import MoebenchError
+
+TRANSPORTS = ("nccl-all-reduce", "custom-all-reduce", "nccl-all-gather", "nccl-reduce-scatter", "nccl-all-to-all",
+              "deepep-ll", "deepep-ht", "pplx")
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "dispatch", "combine")
+GPUS = ("H100", "H200", "H800", "H20", "A100", "B200", "GB200")
+
+
+@click.command("comm")
+@click.option("--transport", required=True, type=click.Choice(TRANSPORTS), help="The transport priced.")
+@click.option("--op", "op", required=True, type=click.Choice(OPS), help="The operation.")
+@click.option("--gpu", default="H200", show_default=True, type=click.Choice(GPUS, case_sensitive=False),
+              help="The GPUs (their NVLink).")
+@click.option("--world-size", type=int, required=True, help="Ranks taking part.")
+@click.option("--gpus-per-node", "gpus_per_node", type=int, default=None,
+              help="GPUs per NVLink domain [8; 72 for GB200]: past it traffic goes over RDMA.")
+@click.option("--rdma", "rdma_name", default="rdma-400g", show_default=True,
+              help="RDMA link between nodes, per GPU: rdma-400g (50 GB/s) | rdma-800g (100 GB/s).")
+@click.option("--bytes", "size", type=float, default=None,
+              help="Bytes per rank as nccl-tests counts them (all-reduce: the buffer; all-gather: the gathered "
+                   "buffer; reduce-scatter: the input; all-to-all: the send buffer; dispatch / combine: the rows "
+                   "a rank sends, local ones included).")
+@click.option("--tokens", type=int, default=None, help="Tokens per rank (instead of --bytes), routed uniformly.")
+@click.option("--hidden", type=int, default=None, help="Hidden size of a token row (with --tokens).")
+@click.option("--topk", type=int, default=None, help="Experts per token (dispatch / combine with --tokens).")
+@click.option("--num-experts", "experts", type=int, default=None, help="Experts (dispatch / combine with --tokens).")
+@click.option("--dtype", default="bf16", show_default=True, type=click.Choice(("bf16", "fp8")),
+              help="Row payload with --tokens (fp8: one fp32 scale per 128 values; a combine carries bf16).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def comm(transport, op, gpu, world_size, gpus_per_node, rdma_name, size, tokens, hidden, topk, experts, dtype,
+         as_json):
+    """What one collective or dispatch/combine costs: modeled from published points (docs/comm-model.md)."""
+    from moebench.runtime.comm_model import CommModel, ask
+    from moebench.runtime.simulate import default_link, nvlink_domain
+
+    if (size is None) == (tokens is None):
+        raise MoebenchError("give exactly one of --bytes N or --tokens M")
+    gpu = gpu.upper()
+    gpn = gpus_per_node if gpus_per_node is not None else nvlink_domain(gpu)
+    model = CommModel.from_link(default_link(gpu), rdma=rdma_name, gpus_per_node=gpn, use_measurement=False)
+    res = ask(model, transport, op, world_size, size, tokens=tokens, hidden=hidden, topk=topk, experts=experts,
+              dtype=dtype, gpu=gpu)
+    if as_json:
+        click.echo(json.dumps(res, default=float))
+        return
+    say = lambda text, style="": console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    where = f"{world_size} x {gpu} ({model.nvlink} {model.nvlink_gbps:g} GB/s"
+    where += f", {rdma_name} between domains of {gpn})" if world_size > gpn else f", one NVLink domain of {gpn})"
+    say(f"{transport} {op} over {where}: {res['time_us']:.1f} us (modeled)", "bold")
+    say(f"bytes per rank: NVLink {res['nvlink_bytes'] / 1e6:.3f} MB, RDMA {res['rdma_bytes'] / 1e6:.3f} MB "
+        f"({res['bytes_how']})")
+    say(f"fit: {res['fit']}")
+    for k, v in res["provenance"].items():
+        say(f"  {k}: {v}", "dim")
+    if res["nearest"]:
+        say("nearest published points (published / modeled):")
+        for p in res["nearest"]:
+            say(f"  {p['point']}: {p['published_us']:.1f} us published, {p['modeled_us']:.1f} modeled, "
+                f"x{p['ratio']:.2f} ({p['source']}, comm_points.csv line {p['line']})")
+    for e in res["extrapolated"]:
+        say(f"extrapolated: {e}", "yellow")
