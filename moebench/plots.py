@@ -13,6 +13,17 @@ import pandas as pd  # noqa: E402
 from moebench.results import atomic_write_bytes  # noqa: E402
 
 
+def check_plot_file(path: Path, option: str = "--plot") -> Path:
+    """Before any work: `path` names a .png file that can be written (the figures are PNGs; another
+    name would hold a PNG under a misleading suffix). A one-line MoebenchError otherwise."""
+    from moebench.errors import MoebenchError
+    from moebench.results import check_output_file
+
+    if Path(path).suffix.lower() != ".png":
+        raise MoebenchError(f"{option} '{path}': the figure is a PNG; give a file name ending in .png")
+    return check_output_file(path, option)
+
+
 def _save(fig, path: Path) -> Path:
     import io
 

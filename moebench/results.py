@@ -116,6 +116,11 @@ class ResultRow:
         return cls(**kw)
 
 
+#: The columns a results file must hold: ResultRow's fields without a default.
+_REQUIRED_COLUMNS = [f.name for f in dataclasses.fields(ResultRow)
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
 def precision_labels(df: pd.DataFrame) -> pd.Series:
     """Per row 'bf16', 'fp32', ... or 'fp8_w8a8 block[128,128]': the dtype plus the fp8 scheme
     (files written before the `quant` column read as unquantised)."""
@@ -454,6 +459,13 @@ def load_rows(paths: Iterable[Path]) -> list[ResultRow]:
                 recs = pd.read_csv(p).to_dict("records")
             else:
                 raise MoebenchError(f"cannot read results from '{p}': expected a folder, .jsonl, .json or .csv")
+            if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
+                raise MoebenchError(f"'{p}' is not a moebench results file: expected a list of result rows")
+            missing = sorted({c for r in recs for c in _REQUIRED_COLUMNS if c not in r})
+            if missing:
+                shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+                raise MoebenchError(f"'{p}' is not a moebench results file: it has no {shown} column"
+                                    f"{'s' if len(missing) > 1 else ''} (pass a sweep's or compare's results)")
             rows.extend(ResultRow.from_dict(r) for r in recs)
         except (json.JSONDecodeError, TypeError, ValueError) as e:
             raise MoebenchError(f"'{p}' is not a moebench results file ({e})") from None

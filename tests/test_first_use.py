@@ -357,3 +357,61 @@ def test_tune_dry_run_plans_on_a_cpu_for_the_cpu_and_for_a_gpu(tmp_path):
     if not __import__("torch").cuda.is_available():  # without --dry-run a GPU tune still needs the GPU
         assert_bad_input(moebench_inproc("tune", "--model", "mixtral-8x7b", "--tp", "8", "--device", "cuda",
                                          "--tokens", "1", cwd=tmp_path), "no CUDA GPU")
+
+
+# -- nothing odd is accepted quietly ---------------------------------------------------------------
+
+def test_odd_sweep_input_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    for extra, needles in (
+            (["--tokens", "1,1,1"], ["--tokens: 1 is given more than once"]),
+            (["--experts", ""], ["--experts is empty"]),
+            (["--prepare-finalize", " , "], ["--prepare-finalize is empty"]),
+            (["--experts", "deepgemm"], ["no pair of --experts and --prepare-finalize can run here", "not on cpu"])):
+        assert_bad_input(moebench_inproc("sweep", *_override(TINY_SWEEP, extra), "--out", out), *needles)
+        assert not out.exists(), extra
+    for where, what in ((tmp_path / "missing", "does not exist"), (tmp_path / "a-file.json", "is a file")):
+        if what == "is a file":
+            where.write_text("{}")
+        monkeypatch.setenv("MOEBENCH_CONFIG_DIR", str(where))
+        assert_bad_input(moebench_inproc("sweep", *TINY_SWEEP, "--out", out), f"MOEBENCH_CONFIG_DIR={where} {what}")
+        assert not out.exists()
+        assert_bad_input(moebench_inproc("configs", "list"), "MOEBENCH_CONFIG_DIR")
+
+
+def test_a_sweep_where_every_case_failed_exits_non_zero(tmp_path, monkeypatch):
+    import moebench.sweep
+
+    def broken(*args, **kw):
+        raise RuntimeError("kernel launch failed")
+
+    monkeypatch.setattr(moebench.sweep, "make_kernel", broken)  # the pair may run here, but every case fails
+    res = moebench_inproc("sweep", *TINY_SWEEP, "--out", tmp_path)
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "kernel launch failed" in res.stdout and "no pair could run here" in " ".join(res.stdout.split())
+    (run,) = tmp_path.iterdir()
+    assert json.loads((run / "rows.jsonl").read_text())["status"] == "failed"  # the failure is kept
+
+
+def test_report_plot_must_be_a_png_and_a_csv_must_be_a_results_file(tmp_path):
+    res = moebench_inproc("sweep", *TINY_SWEEP, "--out", tmp_path / "out", "--format", "csv")
+    assert res.returncode == 0, res.stderr
+    (run,) = (tmp_path / "out").iterdir()
+    assert_bad_input(moebench_inproc("report", run, "--plot", tmp_path / "x.txt"), "x.txt", "ending in .png")
+    assert not (tmp_path / "x.txt").exists()
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n")
+    assert_bad_input(moebench_inproc("report", other), "other.csv", "not a moebench results file", "has no")
+    assert "ResultRow" not in moebench_inproc("report", other).stderr
+
+
+def test_configs_commit_refuses_a_cpu_tuned_file(tmp_path, monkeypatch):
+    from moebench.kernels.triton import configs as C
+
+    monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
+    entry = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=3)
+    cpu = C.write_config_file(tmp_path / "E=4,N=64,device_name=cpu.json", {1: entry})
+    assert_bad_input(moebench_inproc("configs", "commit", cpu), "tuned on a CPU", "--allow-cpu")
+    assert not (tmp_path / "pkg").exists()
+    res = moebench_inproc("configs", "commit", "--allow-cpu", cpu)
+    assert res.returncode == 0 and (tmp_path / "pkg" / cpu.name).is_file(), res.stderr

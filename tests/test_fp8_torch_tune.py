@@ -293,7 +293,7 @@ def test_tune_cli_fp8(tmp_path, monkeypatch):
     res = r.invoke(g, ["configs", "show", "4,32", "--device", "cpu", "--block-shape", "64,64"])
     assert isinstance(res.exception, MoebenchError) and "--dtype fp8_w8a8" in str(res.exception)
     monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
-    res = r.invoke(g, ["configs", "commit", str(tmp_path / "results" / "configs" / name)])
+    res = r.invoke(g, ["configs", "commit", "--allow-cpu", str(tmp_path / "results" / "configs" / name)])
     assert res.exit_code == 0 and "added" in res.output and (tmp_path / "pkg" / name).is_file()
     # One-line errors for impossible combinations.
     for bad, needle in ((["--dtype", "fp8_w8a8", "--scales", "block"], "--block-shape"),

@@ -433,12 +433,12 @@ def test_configs_list_show_diff_commit(tmp_path, monkeypatch):
     res = r.invoke(g, ["configs", "diff", str(a), str(b)])
     assert res.exit_code == 0 and "only in B" in res.output and "num_warps 4->8" in res.output
 
-    res = r.invoke(g, ["configs", "commit", str(b)])
+    res = r.invoke(g, ["configs", "commit", "--allow-cpu", str(b)])
     assert res.exit_code == 0 and "added" in res.output
     assert C.load_config_file(pkg / b.name) == C.load_config_file(b)
     assert C.tuned_routing(pkg / b.name) is None  # b's folder records no routing: none committed
     C.write_tuned_routing(b, (64, 2))  # ...now it does: the routing goes with the file
-    res = r.invoke(g, ["configs", "commit", str(b)])
+    res = r.invoke(g, ["configs", "commit", "--allow-cpu", str(b)])
     assert "unchanged" in res.output and C.tuned_routing(pkg / b.name) == (64, 2)
     rows = json.loads(r.invoke(g, ["configs", "list", "--json", "--dir", str(pkg)]).output)
     assert [x["routing"] for x in rows if x["dir"] == str(pkg)] == [{"experts": 64, "topk": 2}]

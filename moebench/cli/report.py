@@ -20,6 +20,7 @@ def report(results, fmt, out_file, plot_path):
     """Merge result folders: pivot (tokens x backend pairs), fastest correct entry highlighted, export."""
     from moebench.plots import latency_plot
     from moebench.report import frame, html_report, pivot, pivot_markdown, pivot_table_text, print_table, say
+    from moebench.plots import check_plot_file
     from moebench.results import atomic_write_text, check_output_file, load_rows
 
     rows = load_rows(results)
@@ -33,7 +34,7 @@ def report(results, fmt, out_file, plot_path):
     out_file = out_file or first / f"report.{fmt}"
     check_output_file(out_file, "--out")  # before the plot and the report are made
     if plot_path is not None:
-        check_output_file(plot_path, "--plot")
+        check_plot_file(plot_path)
     png = None
     if plot_path is not None or fmt == "html":
         import tempfile

@@ -166,6 +166,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         )
         run_dir = Path(results_dir) / new_run_id("tune", spec.shape.name)
     check_routing(spec.routing, spec.shape)
+    C.config_search_dirs()  # a MOEBENCH_CONFIG_DIR that is no folder is refused before any work
     spec.tokens = sorted(set(spec.tokens))
     cannot_run = T._validate(spec, plan_only=dry_run)
     if not dry_run:  # before any folder or file exists: a refused tune writes nothing
@@ -536,7 +537,9 @@ def configs_coverage(device, as_shards, as_fill, as_json):
               help="Whose kernel the files are for: moebench -> moebench/configs/; vllm -> moebench/configs/vllm/; "
                    "sglang -> moebench/configs/sglang/triton_X_Y_Z/ (the file's own triton_X_Y_Z folder, else the "
                    "installed Triton's).")
-def configs_commit(files, kernel):
+@click.option("--allow-cpu", "allow_cpu", is_flag=True,
+              help="Commit files tuned on a CPU (device_name=cpu: Triton-interpreter times, for plumbing checks).")
+def configs_commit(files, kernel, allow_cpu):
     """Validate FILES and copy them into the package's config folder of KERNEL (shipped with moebench)."""
     from moebench.kernels import engine_configs as EC
 
@@ -563,6 +566,9 @@ def configs_commit(files, kernel):
             EC.load_engine_file(f)
             folder = f.parent.resolve().name
             dest_dir = EC.package_dir(kernel, folder if kernel == "sglang" and EC._TRITON_DIR_RE.match(folder) else None)
+        if parse_config_name(f.name)["device"] == "cpu" and not allow_cpu:
+            raise MoebenchError(f"{f.name} was tuned on a CPU (Triton-interpreter times say nothing of GPU speed): "
+                                f"commit files tuned on the GPU they name, or pass --allow-cpu for a plumbing check")
         checked.append((f, dest_dir))
     for f, dest_dir in checked:
         dest_dir.mkdir(parents=True, exist_ok=True)

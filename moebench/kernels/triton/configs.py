@@ -396,6 +396,9 @@ def config_search_dirs() -> list[Path]:
     dirs = []
     env = os.environ.get(ENV_CONFIG_DIR)
     if env:
+        if not Path(env).is_dir():
+            what = "is a file, not a folder" if Path(env).exists() else "does not exist"
+            raise MoebenchError(f"{ENV_CONFIG_DIR}={env} {what}: point it at a folder of tuned configs, or unset it")
         dirs.append(Path(env))
     dirs.append(Path.cwd() / "results" / "configs")
     dirs.append(PACKAGE_CONFIG_DIR)
