@@ -10,20 +10,27 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PY="${PYTHON:-python3}"
+# What the set-up is doing goes to stderr, one line a step (the install is quiet and takes a minute or two).
+say() { echo "setup: $*" >&2; }
 
 if [ ! -x .venv/bin/python ]; then
   if "$PY" -c "import torch" >/dev/null 2>&1; then
+    say "creating .venv with $PY, seeing its torch (the system site-packages)"
     "$PY" -m venv --system-site-packages .venv
   else
+    say "creating .venv with $PY"
     "$PY" -m venv .venv
   fi
 fi
 stamp=".venv/.moebench-installed"
 want="$(cat pyproject.toml | cksum)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  started=$SECONDS
   if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+    say "installing torch==2.13.0 into .venv (the CPU build where this machine has one on local disk)..."
     .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
   fi
+  say "installing moebench and its dependencies into .venv (pip install -e '.[test]')..."
   # With setuptools already here (as on machines without a package index), build in place.
   iso=""
   if .venv/bin/python -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" >/dev/null 2>&1; then
@@ -31,6 +38,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   .venv/bin/python -m pip install -q --disable-pip-version-check $iso -e '.[test]'
   echo "$want" > "$stamp"
+  say "installed in $((SECONDS - started)) s; .venv is ready (later runs skip this until pyproject.toml changes)"
 fi
 
 if [ "${1:-}" = "test" ]; then

@@ -14,6 +14,7 @@ import difflib
 import importlib
 import inspect
 import pkgutil
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,7 +234,7 @@ def check_combination(
     activation=None,
     bias: bool = False,
     comm_modeled: bool = False,
-    experts_modeled: bool = False,
+    experts_modeled: str | None = None,
 ) -> str | None:
     """None when the pair can run here; else the reason, naming both halves where it matters.
     quant: a moebench.quant.QuantScheme for fp8 runs (dtype is then the activation dtype);
@@ -241,8 +242,8 @@ def check_combination(
 
     A simulated run prices the prepare/finalize's communication from its declaration
     (comm_modeled: it need not run here, only pair with the experts and carry the precision), and
-    may take the experts time from the target GPU's floor (experts_modeled: the experts need not
-    run here, only run on a GPU in this precision)."""
+    may take the experts time from the target GPU's floor (experts_modeled: that GPU's name; the
+    experts need not run here, only run on a GPU of its maker in this precision)."""
     try:
         pf_cls = get_prepare_finalize_class(prepare_finalize)
         ex_cls = get_experts_class(experts)
@@ -261,7 +262,9 @@ def check_combination(
     else:
         pf_reason = _pf_reason(pf_cls, device, world_size, enable_ep)
     if experts_modeled:
-        ex_reason = (None if "cuda" in ex_cls.supported_devices else f"experts '{ex_cls.name}' do not run on a GPU")
+        vendor = gpu_vendor(experts_modeled)
+        ex_reason = (None if "cuda" in ex_cls.supported_devices and vendor in ex_cls.gpu_vendors
+                     else f"experts '{ex_cls.name}' do not run on {experts_modeled} ({vendor}) GPUs")
         if ex_reason is None and dtype is not None and dtype not in ex_cls.supported_dtypes:
             ex_reason = f"experts '{ex_cls.name}' does not support {_dtype_name(dtype)}"
         q_reason = _quant_reason(pf_cls, ex_cls, "cuda", quant, declared_only=True)
@@ -269,6 +272,11 @@ def check_combination(
         ex_reason = _experts_reason(ex_cls, device, dtype)
         q_reason = _quant_reason(pf_cls, ex_cls, device, quant)
     return pf_reason or ex_reason or q_reason or ex_cls.activation_unavailable_reason(activation or SILU, bias, quant)
+
+
+def gpu_vendor(gpu: str) -> str:
+    """'amd' for an AMD Instinct name (MI300X...), else 'nvidia'."""
+    return "amd" if re.search(r"\bMI\d", gpu.upper()) else "nvidia"
 
 
 def check_named_experts_quant(names: list[str], quant) -> None:

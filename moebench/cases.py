@@ -62,6 +62,8 @@ class SweepSpec:
     #: GPU's floor too (the experts need not run here)
     model_comm: bool = False
     model_experts: bool = False
+    #: the GPU a modeled experts time speaks of (its datasheet's name)
+    target_gpu: str = ""
 
     @property
     def dtype_label(self) -> str:
@@ -119,7 +121,7 @@ def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
             reason = check_combination(
                 pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep, quant=spec.quant,
                 activation=spec.activation, bias=spec.bias, comm_modeled=spec.model_comm,
-                experts_modeled=spec.model_experts,
+                experts_modeled=spec.target_gpu if spec.model_experts else None,
             )
             if reason is None and spec.layout.dp > 1 and not get_prepare_finalize_class(pf).communicates:
                 reason = (f"prepare/finalize '{pf}' keeps tokens where they are, so dp {spec.layout.dp} > 1 "

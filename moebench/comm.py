@@ -24,6 +24,8 @@ payload    what one row carries: "activations" (the tokens going to the experts:
 calls      calls of the transport per layer (all2all-ll: a counts exchange, rows, ids = 3)
 row_extra  bytes each row carries beyond its payload (a local expert id)
 topk_extra bytes each row carries per top-k slot (routing ids and weights travelling with a token)
+chunk      tokens per rank one call moves at most (its buffer); a larger batch takes
+           ceil(tokens / chunk) calls, as engines chunk it (0: no limit)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class CommOp:
     calls: int = 1
     row_extra: int = 0
     topk_extra: int = 0
+    chunk: int = 0
 
     def __post_init__(self):
         if self.op not in OPS or self.traffic not in TRAFFIC or self.payload not in PAYLOADS:

@@ -17,6 +17,7 @@ the flip (moebench.robustness).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def layout_prepare_finalize(moves_tokens: bool) -> list[str]:
     return out
 
 
-def modeled_experts(dtype, quant, activation, bias: bool) -> list[str]:
+def modeled_experts(dtype, quant, activation, bias: bool, target: str) -> list[str]:
     """The experts a comparison considers when their time is the target GPU's floor: every backend
     would show the same floor, so one per activation format: the first (registry order) that runs
     this precision and layer on a GPU."""
@@ -58,7 +59,7 @@ def modeled_experts(dtype, quant, activation, bias: bool) -> list[str]:
                         if str(get_prepare_finalize_class(pf).activation_format) == fmt
                         and not get_prepare_finalize_class(pf).communicates)
         if check_combination(stand_in, name, "cuda", dtype, 1, None, quant=quant, activation=activation, bias=bias,
-                             comm_modeled=True, experts_modeled=True) is None:
+                             comm_modeled=True, experts_modeled=target) is None:
             chosen[fmt] = name
     return list(chosen.values())
 
@@ -186,7 +187,9 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
         })
     df = pd.DataFrame(recs)
     if df.empty:
-        return CompareResult(df, None, "no layout produced a correct result; see the rows for reasons", rows)
+        why = Counter(r.reason.split(";")[0] for r in rows if r.status != "ok" or r.correct is False)
+        top = f": {why.most_common(1)[0][0]} ({why.most_common(1)[0][1]} of {len(rows)} rows)" if why else ""
+        return CompareResult(df, None, f"no layout could be priced{top}", rows)
     df["replicas"] = [n if lname.startswith("TP") else 1 for lname in df.layout]
     robustness.add_columns(df, best)
     winners = df.loc[df.groupby("tokens").latency_us.idxmin()].set_index("tokens")

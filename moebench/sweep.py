@@ -181,7 +181,8 @@ def run_simulated(spec: SweepSpec, store: RunStore, link, on_progress=None, expe
 
     from moebench.runtime.sim_sweep import SimulatedRunner
 
-    spec = replace(spec, model_comm=True, model_experts=experts_model is not None)
+    spec = replace(spec, model_comm=True, model_experts=experts_model is not None,
+                   target_gpu=getattr(experts_model, "device_name", "") or "")
     return run_cases(spec, store, SimulatedRunner(link, experts_model), on_progress)
 
 

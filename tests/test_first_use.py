@@ -415,3 +415,41 @@ def test_configs_commit_refuses_a_cpu_tuned_file(tmp_path, monkeypatch):
     assert not (tmp_path / "pkg").exists()
     res = moebench_inproc("configs", "commit", "--allow-cpu", cpu)
     assert res.returncode == 0 and (tmp_path / "pkg" / cpu.name).is_file(), res.stderr
+
+
+# -- setup.sh says what it is doing ---------------------------------------------------------------
+
+_FAKE_PYTHON = """#!/usr/bin/env bash
+# stands in for python: records each call; `-m venv DIR` makes DIR/bin/python (this script) and a
+# DIR/bin/moebench that echoes; `-c ...` (the torch and setuptools probes) fails: none installed
+echo "$*" >> "$FAKE_LOG"
+if [ "$1" = -m ] && [ "$2" = venv ]; then
+  d="${@: -1}"; mkdir -p "$d/bin"; cp "$0" "$d/bin/python"
+  printf '#!/usr/bin/env bash\\necho "moebench $*"\\n' > "$d/bin/moebench"; chmod +x "$d/bin/moebench"
+fi
+[ "$1" = -c ] && exit 1
+exit 0
+"""
+
+
+def test_setup_sh_says_what_it_installs(tmp_path):
+    import shutil
+
+    for name in ("setup.sh", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    fake = tmp_path / "fake-python"
+    fake.write_text(_FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = {**_env(), "PYTHON": str(fake), "FAKE_LOG": str(tmp_path / "calls.log")}
+    first = subprocess.run(["bash", "setup.sh", "--version"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                           timeout=60)
+    assert first.returncode == 0, first.stderr
+    steps = [line for line in first.stderr.splitlines() if line.startswith("setup: ")]
+    assert [s.split()[1] for s in steps] == ["creating", "installing", "installing", "installed"], first.stderr
+    assert "torch==2.13.0" in steps[1] and "moebench" in steps[2] and ".venv is ready" in steps[3]
+    assert first.stdout.strip() == "moebench --version"  # then the command itself runs
+    calls = (tmp_path / "calls.log").read_text()
+    assert "pip install" in calls and "torch==2.13.0" in calls and "-e .[test]" in calls
+    again = subprocess.run(["bash", "setup.sh", "--version"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                           timeout=60)
+    assert again.returncode == 0 and "setup:" not in again.stderr  # installed: nothing to do, nothing said

@@ -90,7 +90,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         if experts in (None, "", "all"):  # every backend shows the same floor: one per activation format
             from moebench.compare import modeled_experts
 
-            ex_names = modeled_experts(dt, quant, act, bias)
+            ex_names = modeled_experts(dt, quant, act, bias, gpu)
     dev_name = gpu or device_summary(device).get("name")
     link, link_why = link_for(device, device_summary(device).get("name"), link_name, link_gbps, requested_gpu=target_gpu)
     # a measurement of this machine's links stands in only when its GPUs are the target
@@ -148,6 +148,8 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
                              on_progress=lambda r: r.status == "skipped" or prog.update(
                                  task, advance=1, description=f"M={r.tokens} {r.prepare_finalize}+{r.experts}"))
     write_exports(RunStore(folder), ["csv", "json", "md"])
+    if result.summary.empty:  # no answer: say why in one line, keep the rows, exit non-zero
+        raise MoebenchError(f"{result.recommendation}; every row is in {folder}")
     written = write_summary(result, folder)
     _print_compare(result, world_size)
     if not result.summary.empty:

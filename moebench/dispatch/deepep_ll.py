@@ -96,6 +96,11 @@ class DeepEPHandle:
     topk_ids: torch.Tensor  # (M, K) int64, as dispatched
 
 
+#: tokens per rank one low-latency call carries in a deployment: vLLM's VLLM_MOE_DP_CHUNK_SIZE
+#: default (vllm/envs.py); larger batches are dispatched in chunks of it
+DP_CHUNK = 256
+
+
 class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     name = "deepep-ll"
     activation_format = ActivationFormat.BATCHED
@@ -105,10 +110,10 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
     communicates = True
     #: one row per (token, expert) pair each way: fp8 with 1x128 scales out where the layer is fp8
-    #: (use_fp8), the activation dtype back
+    #: (use_fp8), the activation dtype back; a buffer of DP_CHUNK tokens per rank per call
     communication = (
-        CommOp("dispatch", ("deepep-ll",), "pair", "activations"),
-        CommOp("combine", ("deepep-ll",), "pair", "outputs"),
+        CommOp("dispatch", ("deepep-ll",), "pair", "activations", chunk=DP_CHUNK),
+        CommOp("combine", ("deepep-ll",), "pair", "outputs", chunk=DP_CHUNK),
     )
     #: DeepEP-LL quantises inside its dispatch (use_fp8): per-token 1x128 groups, i.e. the
     #: activation side of block scales with bk = 128.

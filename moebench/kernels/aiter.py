@@ -22,6 +22,7 @@ class AiterExperts(Experts):
     activation_format = ActivationFormat.STANDARD
     supported_dtypes = (torch.bfloat16, torch.float16)
     supported_devices = ("cuda",)  # ROCm devices are "cuda" in torch
+    gpu_vendors = ("amd",)
 
     @classmethod
     def unavailable_reason(cls, device: str) -> str | None:

@@ -239,6 +239,7 @@ class _DeepGemmBackend(Experts):
 
     supported_dtypes = (torch.bfloat16,)
     supported_devices = ("cuda",)
+    gpu_vendors = ("nvidia",)
     supported_quant = ("block",)
 
     @classmethod

@@ -257,6 +257,9 @@ class Experts(ABC):
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     #: False for correctness-only backends (the float64 reference): never timed as a contender.
     timed: ClassVar[bool] = True
+    #: GPU makers whose GPUs it runs on ("nvidia", "amd"): what a modeled experts time on a
+    #: target GPU asks of it
+    gpu_vendors: ClassVar[tuple[str, ...]] = ("nvidia", "amd")
     #: Quantisation kinds (moebench.quant.QUANT_KINDS: the fp8 scale kinds and the weight-only
     #: scheme names, `QuantScheme.kind`) the experts take quantised weights with; () = none.
     supported_quant: ClassVar[tuple[str, ...]] = ()

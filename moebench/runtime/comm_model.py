@@ -413,6 +413,10 @@ def fit_group(points: list[Point], fixed_alpha: float | None = None) -> Fit:
     return fit
 
 
+#: Transports that run inside one NVLink domain only (peer memory): never priced over RDMA.
+NVLINK_ONLY = {"custom-all-reduce"}
+
+
 #: Fixed costs no point can pin come from a kin transport's fit: every published point of DeepEP's
 #: normal kernels moves 60 MB or more per rank, where a fixed cost of 15 us and one of 700 us fit
 #: alike; they launch like its low-latency kernels (the same library, one kernel per op).
@@ -450,7 +454,7 @@ def fit_transports(points: list[Point]) -> dict[tuple[str, str], Fit]:
                                                f"per bus byte as nccl-tests counts it)" for k in donor.provenance})
     donor = fits.get(RDMA_DONOR)
     for fit in fits.values():
-        if fit.eta_rdma is None and donor is not None and donor.eta_rdma:
+        if fit.eta_rdma is None and donor is not None and donor.eta_rdma and fit.transport not in NVLINK_ONLY:
             fit.eta_rdma = donor.eta_rdma
             fit.alpha_rdma_us = fit.alpha_rdma_us or donor.alpha_rdma_us
             fit.provenance["eta_rdma"] = (f"borrowed from {donor.transport} {donor.op} ({donor.eta_rdma:.2f}"
@@ -654,13 +658,8 @@ def ep_link_rows(topk_ids_full: torch.Tensor, layout: ParallelLayout, num_expert
 # The model a simulated run uses
 
 
-#: EP transports a comparison's band is drawn from: (transport, how it moves rows; see ep_link_rows)
-BAND_EP = (
-    ("deepep-ll", "pair"),
-    ("pplx", "pair"),
-    ("deepep-ht", "rank"),
-    ("nccl-all-to-all", "pair"),
-)
+#: EP transports a comparison's band is drawn from (each moves rows as `declared_traffic` says)
+BAND_EP = ("deepep-ll", "pplx", "deepep-ht", "nccl-all-to-all")
 
 #: Largest tensor (bytes per rank) a transport takes; larger ones go to the next candidate.
 #: custom-all-reduce: vLLM's CustomAllreduce default max_size, 8 MiB
@@ -862,6 +861,9 @@ class CommModel:
             size = traffic.rows * row
             if world <= 1:
                 return OpCost(op.op, transport, 0.0, 0.0, "one rank: no communication")
+            if transport in NVLINK_ONLY and world > self.gpus_per_node:
+                raise MoebenchError(f"{transport} runs inside one NVLink domain of {self.gpus_per_node} GPUs, not over "
+                                    f"{world} ranks")
             limit = MAX_BYTES.get(transport)
             if limit is not None and size > limit:
                 raise MoebenchError(f"{transport} takes tensors up to {limit / 2**20:g} MiB, this one is {size / 2**20:.1f} MiB")
@@ -875,10 +877,14 @@ class CommModel:
             return OpCost(op.op, transport, us, bus, f"{fit.describe()} over {where}")
         style = "node" if (op.traffic == "rank" and world > self.gpus_per_node) else op.traffic
         rows = ep_link_rows(traffic.topk_ids, traffic.layout, traffic.num_experts, self.gpus_per_node, style)
-        us = self._op_us(fit, rows, row, op.calls if mfit is None or not whole else 1, mfit)
+        chunks = math.ceil(math.ceil(traffic.rows / world) / op.chunk) if op.chunk else 1
+        calls = (op.calls if mfit is None or not whole else 1) * chunks
+        us = self._op_us(fit, rows, row, calls, mfit)
+        if mfit is not None and chunks > 1:  # a measured fit prices one call: its fixed cost once per chunk
+            us += (chunks - 1) * mfit.alpha_us
         how = (f"{transport} {op.op} measured fit" if mfit is not None else fit.describe())
-        if op.calls > 1:
-            how = f"{op.calls} calls: {how}"
+        if op.calls * chunks > 1:
+            how = f"{op.calls * chunks} calls{f' ({chunks} chunks of {op.chunk} tokens per rank)' if chunks > 1 else ''}: {how}"
         return OpCost(op.op, transport, us, rows.busiest(row), how)
 
     def price_ops(self, ops, traffic: Traffic, choice: dict[str, str] | None = None) -> CommResult:
@@ -935,7 +941,8 @@ class CommModel:
         multi = layout.ep_size > self.gpus_per_node
         cache: dict[str, LinkRows] = {}
         out = {}
-        for transport, style in BAND_EP:
+        for transport in BAND_EP:
+            style = declared_traffic(transport)
             ops = ("all-to-all", "all-to-all") if transport == "nccl-all-to-all" else ("dispatch", "combine")
             if any((transport, op) not in self.fits for op in ops):
                 continue
@@ -962,6 +969,7 @@ class CommModel:
 UNDECLARED_TRAFFIC = {"pplx": "pair", "pplx-kernels": "pair"}
 
 
+@functools.lru_cache(maxsize=None)
 def declared_traffic(transport: str) -> str:
     """'pair' or 'rank': how the prepare/finalize that uses `transport` for its dispatch moves rows."""
     from moebench.backends import get_prepare_finalize_class, prepare_finalize_names
@@ -995,6 +1003,9 @@ def ask(model: "CommModel", transport: str, op: str, world: int, size: float | N
     if world < 2:
         raise MoebenchError(f"--world-size must be at least 2, got {world}")
     check_world(world, model.gpus_per_node)
+    if transport in NVLINK_ONLY and world > model.gpus_per_node:
+        raise MoebenchError(f"{transport} runs inside one NVLink domain ({model.gpus_per_node} GPUs here), not over "
+                            f"{world} ranks")
     fit = model.fits[(transport, op)]
     gpn = model.gpus_per_node
     tensor = op in BUS_FACTOR
