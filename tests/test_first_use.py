@@ -345,13 +345,12 @@ def test_tune_dry_run_plans_on_a_cpu_for_the_cpu_and_for_a_gpu(tmp_path):
                                "--tokens", "1,64", "--dry-run", *args], capture_output=True, text=True, env=env,
                               cwd=tmp_path, timeout=300)
 
-    for args in ([], ["--device", "cuda"]):
-        res = tune(*args)
+    results = [tune(), tune("--device", "cuda")]
+    for res in results:
         assert res.returncode == 0, res.stderr
         assert "search space after pruning" in res.stdout and "/ 1920" in res.stdout
-    said = " ".join(tune().stdout.split())
+    said, gpu = (" ".join(res.stdout.split()) for res in results)
     assert "notice: cannot tune the triton experts" in said and "a dry run only plans the search" in said
-    gpu = " ".join(tune("--device", "cuda").stdout.split())
     assert "device_name=GPU_NAME.json on cuda" in gpu and "KiB of shared memory per block" in gpu
     assert list(tmp_path.iterdir()) == []  # a plan writes nothing
     if not __import__("torch").cuda.is_available():  # without --dry-run a GPU tune still needs the GPU
