@@ -83,24 +83,39 @@ def tp_replicas(world_size: int, gpus_per_node: int | None) -> int:
     return world_size // gpus_per_node
 
 
-def layouts(world_size: int, gpus_per_node: int | None = None) -> dict[str, ParallelLayout]:
-    """TP{N} and EP{N}; past one node TP{gpus_per_node}x{nodes} (a TP replica per node) and EP{N}."""
+def ep_group(world_size: int, num_experts: int | None) -> int:
+    """Ranks of one EP group: all of them, or - where the model has fewer experts than ranks - the
+    largest divisor of the world that gets every rank an expert (the rest are replicas)."""
+    if num_experts is None or world_size <= num_experts:
+        return world_size
+    return max(d for d in range(1, num_experts + 1) if world_size % d == 0)
+
+
+def replicas(name: str) -> int:
+    """The replicas of a layout name: 'TP8x4' -> 4, 'EP32' -> 1."""
+    return int(name.split("x")[1]) if "x" in name else 1
+
+
+def layouts(world_size: int, gpus_per_node: int | None = None, num_experts: int | None = None) -> dict[str, ParallelLayout]:
+    """TP{N} and EP{N}; past one node TP{gpus_per_node}x{nodes} (a TP replica per node); with fewer
+    experts than ranks EP{g}x{N/g} (an EP group of g per replica, see ep_group)."""
     n = tp_replicas(world_size, gpus_per_node)
     tp_name = f"TP{world_size}" if n == 1 else f"TP{world_size // n}x{n}"
-    return {tp_name: ParallelLayout(tp=world_size // n),
-            f"EP{world_size}": ParallelLayout(dp=world_size, enable_ep=world_size > 1)}
+    g = ep_group(world_size, num_experts)
+    ep_name = f"EP{world_size}" if g == world_size else f"EP{g}x{world_size // g}"
+    return {tp_name: ParallelLayout(tp=world_size // n), ep_name: ParallelLayout(dp=g, enable_ep=g > 1)}
 
 
 def layout_specs(base: SweepSpec, world_size: int, gpus_per_node: int | None = None) -> dict[str, SweepSpec]:
     """The TP and EP sweeps of `base` over `world_size` ranks (what run_compare simulates). Tokens
-    are the whole batch: TP ranks all see it, EP ranks each bring 1/N of it; past one node each TP
-    replica computes its share of the batch."""
-    n = tp_replicas(world_size, gpus_per_node)
+    are the whole batch: TP ranks all see it, EP ranks each bring 1/N of it; a layout of replicas
+    (TP8x4 past one node, EP8x4 for 8 experts on 32 ranks) computes each replica's share of it."""
     specs = {}
-    for name, lay in layouts(world_size, gpus_per_node).items():
+    for name, lay in layouts(world_size, gpus_per_node, base.shape.num_experts).items():
         spec = replace(base, layout=lay, tokens_are_global=True,
                        prepare_finalize=layout_prepare_finalize(moves_tokens=not name.startswith("TP")))
-        if name.startswith("TP") and n > 1:
+        n = replicas(name)
+        if n > 1:
             spec = replace(spec, tokens=sorted({math.ceil(m / n) for m in spec.tokens}))
         specs[name] = spec
     return specs
@@ -115,8 +130,8 @@ def run_compare(base: SweepSpec, world_size: int, store: RunStore, link, experts
     rows have modeled = false and CPU times; the answer uses the simulated rows only); only within
     one node."""
     gpn = gpus_per_node if gpus_per_node is not None else getattr(link, "gpus_per_node", None)
-    n = tp_replicas(world_size, gpn)
     specs = layout_specs(base, world_size, gpn)
+    n = max(replicas(name) for name in specs)
     for spec in specs.values():
         run_simulated(spec, store, link, on_progress=on_progress, experts_model=experts_model)
     if check_ranks and n == 1:
@@ -138,7 +153,7 @@ def run_compare(base: SweepSpec, world_size: int, store: RunStore, link, experts
 
 def _layout_name(r: ResultRow, world_size: int | None = None) -> str:
     if r.ep > 1:
-        return f"EP{r.ep}"
+        return f"EP{r.ep}" if world_size is None or world_size <= r.world_size else f"EP{r.ep}x{world_size // r.world_size}"
     if world_size is not None and world_size > r.world_size:
         return f"TP{r.world_size}x{world_size // r.world_size}"
     return f"TP{r.world_size}"
@@ -148,9 +163,9 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
               tokens: list[int] | None = None) -> CompareResult:
     """Best correct simulated pair per (tokens, layout), the winner, crossover and recommendation.
 
-    Past one node the TP rows are per replica: the summary row of a batch of M tokens is the TP
-    row of ceil(M / replicas) tokens (`tokens`: the batch sizes asked for; default: the EP rows')."""
-    n = tp_replicas(world_size, gpus_per_node)
+    The rows of a layout of replicas (TP past one node; EP with fewer experts than ranks) are per
+    replica: the summary row of a batch of M tokens is that layout's row of ceil(M / replicas)
+    tokens (`tokens`: the batch sizes asked for; default: the rows' own)."""
     checked: dict[tuple, bool] = {}
     for r in rows:
         if not r.modeled and r.status == "ok" and r.correct is not None:
@@ -163,13 +178,13 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
         k = (r.tokens, _layout_name(r, world_size))
         if k not in best or r.latency_us < best[k].latency_us:
             best[k] = r
-    if n > 1:  # TP replica rows were run at ceil(M / n) tokens: file them under the batch size M
-        per_replica = {k: v for k, v in best.items() if k[1].startswith("TP")}
-        best = {k: v for k, v in best.items() if not k[1].startswith("TP")}
+    per_replica = {k: v for k, v in best.items() if replicas(k[1]) > 1}
+    if per_replica:  # replica rows were run at ceil(M / n) tokens: file them under the batch size M
+        best = {k: v for k, v in best.items() if replicas(k[1]) == 1}
         batch = tokens if tokens is not None else sorted({t for t, _ in best})
         for m in batch:
             for (t, name), r in per_replica.items():
-                if t == math.ceil(m / n):
+                if t == math.ceil(m / replicas(name)):
                     best[(m, name)] = r
     recs = []
     for (tokens, lname), r in sorted(best.items()):
@@ -190,7 +205,7 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
         why = Counter(r.reason.split(";")[0] for r in rows if r.status != "ok" or r.correct is False)
         top = f": {why.most_common(1)[0][0]} ({why.most_common(1)[0][1]} of {len(rows)} rows)" if why else ""
         return CompareResult(df, None, f"no layout could be priced{top}", rows)
-    df["replicas"] = [n if lname.startswith("TP") else 1 for lname in df.layout]
+    df["replicas"] = [replicas(lname) for lname in df.layout]
     robustness.add_columns(df, best)
     winners = df.loc[df.groupby("tokens").latency_us.idxmin()].set_index("tokens")
     df["winner"] = df.apply(lambda x: winners.loc[x.tokens, "layout"] == x.layout, axis=1)

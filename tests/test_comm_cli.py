@@ -139,7 +139,7 @@ def test_presets_answer_on_a_cpu_in_their_shipped_precision(tmp_path):
     low-latency / normal and the custom all-reduce among the modeled candidates."""
     import time
 
-    for model, world in (("deepseek-v3", "8"), ("gpt-oss-120b", "32")):
+    for model, world in (("deepseek-v3", "8"), ("gpt-oss-120b", "32"), ("mixtral-8x22b", "32")):
         out = tmp_path / model
         t0 = time.monotonic()
         res = moebench("compare", "tp-vs-ep", "--model", model, "--world-size", world, "--device", "cpu",
@@ -152,5 +152,7 @@ def test_presets_answer_on_a_cpu_in_their_shipped_precision(tmp_path):
         assert {"deepep-ll", "deepep-ht"} <= set(ok.prepare_finalize)
         assert {"nccl", "custom"} <= set(ok.allreduce.dropna())
         assert (ok[ok.prepare_finalize.str.startswith("deepep")].x_comm_not_run != "").all()  # said so
-        precision = "fp8_w8a8" if model == "deepseek-v3" else "mxfp4"
+        precision = {"deepseek-v3": "fp8_w8a8", "gpt-oss-120b": "mxfp4"}.get(model, "bf16")
         assert precision in set(ok.dtype) and "wins" in (run / "compare.md").read_text()
+        if model == "mixtral-8x22b":  # 8 experts on 32 ranks: one EP8 group per replica, as TP8 per node
+            assert set(summary.layout) == {"TP8x4", "EP8x4"} and (summary.replicas == 4).all()

@@ -59,8 +59,8 @@ def test_compare_bad_input():
     assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "mixtral-8x7b"), "--world-size")
     assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "4", "--tp", "4"),
                      "--world-size N")
-    assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "16"),
-                     "larger than the number of experts")
+    assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "12"),
+                     "not a multiple of --gpus-per-node")
     assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "2",
                               "--target-gpu", "toaster"), "datasheet")
 

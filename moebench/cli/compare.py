@@ -70,7 +70,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     from moebench.runtime.comm_model import check_world
 
     check_world(world_size, gpus_per_node)
-    for lay in layouts(world_size, gpus_per_node).values():
+    for lay in layouts(world_size, gpus_per_node, shape.num_experts).values():
         lay.validate_shape(shape.num_experts, shape.intermediate)
     tok = parse_tokens(tokens) if tokens is not None else [1, 4, 16, 64, 256, 1024, 4096]
     parse_routing(routing)
@@ -106,7 +106,8 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     if plot_path is not None:
         check_output_file(plot_path, "--plot")
     plain_layer = act.name == "silu" and not bias and modes[0] == "none"
-    check_ranks = device == "cpu" and not no_check and world_size <= gpus_per_node and plain_layer
+    check_ranks = (device == "cpu" and not no_check and world_size <= gpus_per_node and plain_layer
+                   and shape.num_experts >= world_size)
     if check_ranks:  # all ranks of each layout at once on this host: refuse before anything is written
         from moebench.compare import layout_specs as _specs
         from moebench.sweep import check_ranks_fit
@@ -135,6 +136,12 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
                   f"{modes[0]}", markup=False, highlight=False)
     if check_ranks:
         console.print("correctness also checked on real gloo ranks")
+    if shape.num_experts < world_size:
+        from moebench.compare import ep_group
+
+        g = ep_group(world_size, shape.num_experts)
+        console.print(f"{shape.num_experts} experts spread over at most {g} ranks: EP is one EP{g} group per "
+                      f"replica ({world_size // g} replicas), each on its share of the batch")
     if world_size > gpus_per_node:
         console.print("past one node TP is one TP replica per node on its share of the batch; correctness is "
                       "checked on the simulated share only")
@@ -153,7 +160,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     written = write_summary(result, folder)
     _print_compare(result, world_size)
     if not result.summary.empty:
-        names = " vs ".join(layouts(world_size, gpus_per_node))
+        names = " vs ".join(layouts(world_size, gpus_per_node, shape.num_experts))
         png = compare_plot(result.summary, result.crossover, f"{shape.name}: {names} ({how})",
                            plot_path or folder / "compare.png")
         written.append(png)
