@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-step set-up and run.
 #   bash setup.sh [moebench args...]   install into ./.venv (created when missing), then run moebench
-#                                       (no args: a default `moebench sweep` on whatever device is here)
+#                                       (no args: `moebench demo`: the measured sweep on a GPU, the
+#                                       modeled TP-vs-EP answer for an H200 box without one)
 #   bash setup.sh test [pytest args]   install the same way, then run the whole test suite (2 workers;
 #                                       TEST_WORKERS=N to change, 0 for one process)
 # A torch that is already importable by python3 (a GPU machine's CUDA build) is kept: the venv then
@@ -48,6 +49,6 @@ if [ "${1:-}" = "test" ]; then
   exec .venv/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" "$@"
 fi
 if [ $# -eq 0 ]; then
-  set -- sweep
+  set -- demo
 fi
 exec .venv/bin/moebench "$@"

@@ -177,13 +177,18 @@ def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=No
 def run_simulated(spec: SweepSpec, store: RunStore, link, on_progress=None, experts_model=None) -> list[ResultRow]:
     """One device computes one rank's share; communication comes from the cost model (`link`);
     with `experts_model` (Ceilings), the experts time is that GPU's roofline floor instead."""
-    from dataclasses import replace
-
     from moebench.runtime.sim_sweep import SimulatedRunner
 
-    spec = replace(spec, model_comm=True, model_experts=experts_model is not None,
+    return run_cases(simulated_spec(spec, experts_model), store, SimulatedRunner(link, experts_model), on_progress)
+
+
+def simulated_spec(spec: SweepSpec, experts_model=None) -> SweepSpec:
+    """`spec` as a simulated run plans it: communication modeled (every declared transport a
+    candidate), and the experts time too where `experts_model` (a target GPU's Ceilings) is given."""
+    from dataclasses import replace
+
+    return replace(spec, model_comm=True, model_experts=experts_model is not None,
                    target_gpu=getattr(experts_model, "device_name", "") or "")
-    return run_cases(spec, store, SimulatedRunner(link, experts_model), on_progress)
 
 
 def choose_mode(layout: ParallelLayout, device: str, simulate: bool = False, world_size: int | None = None,

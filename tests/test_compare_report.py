@@ -7,7 +7,7 @@ from matplotlib import image as mpimg
 
 from moebench.compare import summarize
 from moebench.results import ResultRow
-from test_cli import assert_bad_input, moebench, moebench_inproc
+from test_cli import ROOT, assert_bad_input, moebench, moebench_inproc
 
 
 def _png_has_content(path, min_w=600, min_h=300):
@@ -133,3 +133,25 @@ def test_report_keeps_precisions_apart():
                                           row("fp8_w8a8", "per-token", 6.0)]))
     assert sorted(table.dtype) == ["bf16", "fp8_w8a8 block[128,128]", "fp8_w8a8 per-token"]
     assert sorted(table["no-dpep+triton"]) == [6.0, 7.0, 10.0]
+
+
+def test_default_job_on_a_cpu_is_the_modeled_answer(tmp_path):
+    """`bash setup.sh` without arguments runs `moebench demo`: on a CPU the modeled TP-vs-EP answer for
+    H200s with the check of what ran here, then the next commands."""
+    res = moebench("demo", "--model", "mixtral-8x7b", "--world-size", "2", "--tokens", "1,64", "--out", str(tmp_path),
+                   timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "no GPU here" in res.stdout and "modeled" in res.stdout and "next:" in res.stdout
+    run = next(tmp_path.iterdir())
+    summary = pd.read_csv(run / "compare.csv")
+    assert set(summary.layout) == {"TP2", "EP2"} and summary.checked_on_ranks.astype(bool).all()
+    assert "set -- demo" in (ROOT / "setup.sh").read_text()
+
+
+def test_compare_help_counts_the_whole_batch_and_refuses_a_plot_name(tmp_path):
+    res = moebench_inproc("compare", "tp-vs-ep", "--help")
+    assert res.returncode == 0 and "Whole-batch token counts" in res.stdout
+    out = tmp_path / "out"
+    assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "mixtral-8x7b", "--world-size", "2",
+                                     "--plot", str(tmp_path / "x.txt"), "--out", str(out)), "PNG")
+    assert not out.exists()

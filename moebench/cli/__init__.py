@@ -14,6 +14,7 @@ import torch
 
 from moebench.cli import comm as comm_commands
 from moebench.cli import compare as compare_commands
+from moebench.cli import demo as demo_commands
 from moebench.cli import report as report_commands
 from moebench.cli import run as run_commands
 from moebench.cli import tune as tune_commands
@@ -28,7 +29,8 @@ def cli():
 
 
 for command in (run_commands.env, run_commands.models, run_commands.sweep, compare_commands.compare,
-                report_commands.report, tune_commands.tune, tune_commands.configs, comm_commands.comm):
+                report_commands.report, tune_commands.tune, tune_commands.configs, comm_commands.comm,
+                demo_commands.demo):
     cli.add_command(command)
 
 

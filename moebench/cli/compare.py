@@ -11,9 +11,11 @@ import click
 from moebench.cli.options import (
     _command_line,
     _progress,
+    check_routing,
     cluster_options,
     comm_model,
     console,
+    err_console,
     parse_tokens,
     resolve_device,
     resolve_layer,
@@ -21,7 +23,8 @@ from moebench.cli.options import (
     resolve_shape,
     shape_options,
 )
-from moebench.errors import MoebenchError
+from moebench.errors import MoebenchError, interrupt_status
+from moebench.report import say
 
 
 @click.group()
@@ -51,8 +54,8 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     from moebench.compare import layouts, run_compare, write_summary
     from moebench.plots import compare_plot
     from moebench.report import write_exports
-    from moebench.results import RunStore, check_output_file, ensure_writable_dir, new_run_id
-    from moebench.routing import parse_routing
+    from moebench.plots import check_plot_file
+    from moebench.results import RunStore, ensure_writable_dir, new_run_id
     from moebench.runtime.simulate import DEFAULT_TARGET_GPU, link_for
     from moebench.sweep import SweepSpec, cases_to_run, default_experts, resolve_names
 
@@ -73,7 +76,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     for lay in layouts(world_size, gpus_per_node, shape.num_experts).values():
         lay.validate_shape(shape.num_experts, shape.intermediate)
     tok = parse_tokens(tokens) if tokens is not None else [1, 4, 16, 64, 256, 1024, 4096]
-    parse_routing(routing)
+    check_routing(routing, shape)
     dt, quant, quant_line = resolve_model_precision(shape, dtype, block_shape, scales, device, "bf16", group_size,
                                                     zero_points)
     ex_names = resolve_names(experts, default_experts(), "experts", default_experts())
@@ -104,7 +107,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
 
         check_named_experts_quant(spec.experts, quant)
     if plot_path is not None:
-        check_output_file(plot_path, "--plot")
+        check_plot_file(plot_path)
     plain_layer = act.name == "silu" and not bias and modes[0] == "none"
     check_ranks = (device == "cpu" and not no_check and world_size <= gpus_per_node and plain_layer
                    and shape.num_experts >= world_size)
@@ -146,14 +149,23 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         console.print("past one node TP is one TP replica per node on its share of the batch; correctness is "
                       "checked on the simulated share only")
     from moebench.compare import layout_specs
+    from moebench.sweep import simulated_spec
 
-    with _progress() as prog:  # counts the simulated cases that run (skipped pairs are not counted)
-        task = prog.add_task("compare", total=sum(cases_to_run(s, store, modeled=True)
-                                                  for s in layout_specs(spec, world_size, gpus_per_node).values()))
-        result = run_compare(spec, world_size, store, link, experts_model=experts_model,
-                             check_ranks=check_ranks, gpus_per_node=gpus_per_node,
-                             on_progress=lambda r: r.status == "skipped" or prog.update(
-                                 task, advance=1, description=f"M={r.tokens} {r.prepare_finalize}+{r.experts}"))
+    try:
+        with _progress() as prog:  # counts the simulated cases that run (skipped pairs are not counted)
+            total = sum(cases_to_run(simulated_spec(s, experts_model), store, modeled=True)
+                        for s in layout_specs(spec, world_size, gpus_per_node).values())
+            task = prog.add_task("compare", total=total)
+            result = run_compare(spec, world_size, store, link, experts_model=experts_model,
+                                 check_ranks=check_ranks, gpus_per_node=gpus_per_node,
+                                 on_progress=lambda r: r.status == "skipped" or prog.update(
+                                     task, advance=1, description=f"M={r.tokens} {r.prepare_finalize}+{r.experts}"))
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: the rows so far stay, exported
+        kept = RunStore(folder)
+        write_exports(kept, ["csv", "json", "md"])
+        say(err_console, f"interrupted: {len(kept.rows)} finished rows kept in {folder} (compare has no --resume: "
+                         f"run it again for the answer)")
+        sys.exit(interrupt_status(stop))
     write_exports(RunStore(folder), ["csv", "json", "md"])
     if result.summary.empty:  # no answer: say why in one line, keep the rows, exit non-zero
         raise MoebenchError(f"{result.recommendation}; every row is in {folder}")
@@ -164,7 +176,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         png = compare_plot(result.summary, result.crossover, f"{shape.name}: {names} ({how})",
                            plot_path or folder / "compare.png")
         written.append(png)
-    console.print(f"wrote {', '.join(str(p) for p in written)}")
+    say(console, f"wrote {', '.join(str(p) for p in written)}")
 
 
 def _print_compare(result, n: int) -> None:
@@ -182,3 +194,10 @@ def _print_compare(result, n: int) -> None:
         notes.append(f"not shown at {console.width} columns: {', '.join(left)} (compare.csv holds every column).")
     for note in notes:
         say(console, note, "dim")
+
+
+# compare counts the whole batch, not tokens per rank as sweep does: its own words for --tokens
+for _param in tp_vs_ep.params:
+    if _param.name == "tokens":
+        _param.help = ("Whole-batch token counts, comma list (TP ranks all see the batch, EP ranks each bring 1/N "
+                       "of it) [1,4,16,64,256,1024,4096].")
