@@ -18,12 +18,18 @@ from pathlib import Path
 import pandas as pd
 
 
+def _transport(r) -> str:
+    """How a summary row communicates: its prepare/finalize, and TP's all-reduce where it names one."""
+    ar = r.get("allreduce") if hasattr(r, "get") else None
+    return f"{r.prepare_finalize} ({ar} AR)" if isinstance(ar, str) and ar else str(r.prepare_finalize)
+
+
 def table(folder: Path) -> str:
     s = pd.read_csv(folder / "compare.csv")
     meta = json.loads((folder / "metadata.json").read_text()) if (folder / "metadata.json").is_file() else {}
     name = f"{meta.get('shape', {}).get('name', folder.name)}, {meta.get('world_size', '?')} ranks"
-    lines = [f"### {name}", "", "| tokens | answer | latency us (layouts) | comm us (layouts) | flip factor | flip GB/s |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"### {name}", "", "| tokens | answer | latency us (layouts) | comm us (layouts) | communication | flip factor "
+             "| flip GB/s |", "|---|---|---|---|---|---|---|"]
     for t, g in s.groupby("tokens"):
         g = g.sort_values("latency_us")
         w = g.iloc[0]
@@ -33,7 +39,8 @@ def table(folder: Path) -> str:
         gb = "-" if pd.isna(w.comm_flip_gbps) else f"{w.comm_flip_gbps:.3g}"
         lat = ", ".join(f"{r.layout} {r.latency_us:.0f}" for _, r in g.iterrows())
         comm = ", ".join(f"{r.layout} {r.comm_us:.0f}" for _, r in g.iterrows())
-        lines.append(f"| {t} | {answer} | {lat} | {comm} | {ftxt} | {gb} |")
+        how = ", ".join(f"{r.layout} {_transport(r)}" for _, r in g.iterrows())
+        lines.append(f"| {t} | {answer} | {lat} | {comm} | {how} | {ftxt} | {gb} |")
     md = folder / "compare.md"
     if md.is_file():
         lines += ["", md.read_text().split("\n\n")[0]]
