@@ -18,6 +18,7 @@ from moebench.cli import demo as demo_commands
 from moebench.cli import report as report_commands
 from moebench.cli import run as run_commands
 from moebench.cli import tune as tune_commands
+from moebench.cli import vendor as vendor_commands
 from moebench.cli.options import err_console, oom_text
 from moebench.errors import MoebenchError, Terminated, interrupt_status
 
@@ -30,7 +31,7 @@ def cli():
 
 for command in (run_commands.env, run_commands.models, run_commands.sweep, compare_commands.compare,
                 report_commands.report, tune_commands.tune, tune_commands.configs, comm_commands.comm,
-                demo_commands.demo):
+                demo_commands.demo, vendor_commands.vendor):
     cli.add_command(command)
 
 

@@ -50,6 +50,8 @@ def env(as_json: bool, calibrate: bool, calibrate_link: bool, world_size: int | 
     """What this machine has: device, versions, ceilings, and which backends can run (and why not)."""
     from moebench.bench.hardware import calibrate as do_calibrate, device_summary, get_ceilings
     from moebench.backends import backend_infos
+    from moebench.cli.vendor import status_lines
+    from moebench.vendor import statuses as vendor_statuses
 
     device = resolve_device(device)
     link_line = _calibrate_link(device, world_size) if calibrate_link else None
@@ -62,6 +64,7 @@ def env(as_json: bool, calibrate: bool, calibrate_link: bool, world_size: int | 
     }
     if link_line is not None:
         info["link"] = link_line
+    info["vendor"] = [v.as_dict() for v in vendor_statuses()]
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
@@ -79,6 +82,10 @@ def env(as_json: bool, calibrate: bool, calibrate_link: bool, world_size: int | 
         if b["reason"]:
             say(console, Text.assemble((b["name"], "bold"), (" (not usable)" if not b["usable"] else ""),
                                        f": {b['reason']}"))
+    console.print()
+    say(console, "vendor libraries (`moebench vendor install NAME` installs the index build for this torch)", "bold")
+    for line in status_lines(info["vendor"]):
+        say(console, line)
     if link_line is not None:
         say(console, link_line)
 
