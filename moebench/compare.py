@@ -76,11 +76,19 @@ class CompareResult:
     rows: list[ResultRow] = field(default_factory=list)
 
 
+#: The largest TP group a comparison builds: past 8 ranks TP shards an expert's intermediate
+#: size below what the GEMMs use well, and engines run TP8 replicas even inside a 72-GPU NVLink
+#: domain (GB200 NVL72); EP is what spans it.
+TP_MAX_RANKS = 8
+
+
 def tp_replicas(world_size: int, gpus_per_node: int | None) -> int:
-    """TP replicas (one per node) of a comparison over `world_size` ranks: 1 within one node."""
-    if gpus_per_node is None or world_size <= gpus_per_node:
-        return 1
-    return world_size // gpus_per_node
+    """TP replicas of a comparison over `world_size` ranks: one TP group per node (at most
+    TP_MAX_RANKS ranks, the largest that divides the world), 1 within one such group."""
+    group = min(gpus_per_node or world_size, TP_MAX_RANKS, world_size)
+    while world_size % group:
+        group -= 1
+    return world_size // group
 
 
 def ep_group(world_size: int, num_experts: int | None) -> int:

@@ -274,15 +274,24 @@ def test_held_out_points_are_predicted():
 
 
 def test_every_fitted_transport_answers_through_ask():
-    """`moebench comm`'s question for every fitted point lands within 20% of the published time."""
+    """`moebench comm`'s question for every fitted point lands within 20% of the published time:
+    asked in bytes where the source counts bytes, in tokens (routed uniformly) where it counts rows
+    per (token, rank). Only DeepEP normal's EP64 points, routed group-limited, cannot be asked."""
+    asked = 0
     for (transport, op), f in sorted(cm.published_fits().items()):
         for p in f.points:
-            if p.bytes_rule not in ("ring-allreduce", "a2a-buffer", "pairs", "ring-allreduce-nodes"):
-                continue  # rows counted per (token, rank): asked with --tokens elsewhere
             model = cm.CommModel.from_link(sim.get_link(p.nvlink), rdma=p.rdma or cm.DEFAULT_RDMA,
                                            gpus_per_node=p.gpus_per_node, use_measurement=False)
-            res = cm.ask(model, transport, op, p.world_size, p.bytes_per_rank)
+            if p.bytes_rule in ("ring-allreduce", "a2a-buffer", "a2a-tensor", "pairs", "ring-allreduce-nodes"):
+                res = cm.ask(model, transport, op, p.world_size, p.bytes_per_rank)
+            elif p.routing == "uniform":
+                res = cm.ask(model, transport, op, p.world_size, tokens=p.tokens, hidden=p.hidden, topk=p.topk,
+                             experts=p.experts, dtype="fp8" if p.dtype.startswith("fp8") else "bf16")
+            else:
+                continue
+            asked += 1
             assert abs(p.time_us / res["time_us"] - 1) <= 0.2, (p.label(), p.line, p.time_us, res["time_us"])
+    assert asked >= len(cm.load_points()) - 2
 
 
 def test_custom_all_reduce_beats_nccl_at_decode_sizes_and_has_a_limit():
@@ -305,3 +314,27 @@ def test_nvl72_domain():
     a = _layer(rack, "deepep-ll", ids, lay, 256, 7392, 14336)
     b = _layer(boxes, "deepep-ll", ids, lay, 256, 7392, 14336)
     assert a.total_us < b.total_us / 2
+
+
+def test_tp_groups_and_extrapolation_in_an_nvl72_rack():
+    from moebench.compare import layouts, tp_replicas
+
+    assert tp_replicas(8, 8) == 1 and tp_replicas(32, 8) == 4 and tp_replicas(72, 72) == 9  # TP8 per replica
+    assert set(layouts(72, 72, 256)) == {"TP8x9", "EP72"} and set(layouts(32, 8, 8)) == {"TP8x4", "EP8x4"}
+    rack = cm.CommModel.from_link(sim.get_link("gb200-nvlink"), gpus_per_node=72, use_measurement=False)
+    box = cm.CommModel.from_link(sim.get_link("h200-nvlink"), use_measurement=False)
+    assert rack.extrapolated(["nccl-all-to-all", "nccl-all-gather", "deepep-ll"]) == ["deepep-ll"]
+    assert box.extrapolated(["nccl-all-gather", "deepep-ll", "custom-all-reduce"]) == []
+
+
+def test_ranks_must_fit_together_before_they_start(monkeypatch):
+    from moebench import inputs
+    from moebench.models import get_model
+    from moebench.sweep import SweepSpec, check_ranks_fit
+
+    spec = SweepSpec(shape=get_model("mixtral-8x7b"), tokens=[16], layout=ParallelLayout(tp=8), device="cpu")
+    one = inputs.check_fits(8, 4096, 14336 // 8, 16, 2, torch.bfloat16, "cpu")
+    monkeypatch.setattr(inputs, "available_memory", lambda device: int(one * 4))  # room for 3 ranks, not 8
+    with pytest.raises(MoebenchError, match="8 ranks need about .* together on cpu.*--no-check"):
+        check_ranks_fit(spec, 8)
+    check_ranks_fit(spec, 3)

@@ -170,7 +170,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     if result.summary.empty:  # no answer: say why in one line, keep the rows, exit non-zero
         raise MoebenchError(f"{result.recommendation}; every row is in {folder}")
     written = write_summary(result, folder)
-    _print_compare(result, world_size)
+    _print_compare(result, world_size, link)
     if not result.summary.empty:
         names = " vs ".join(layouts(world_size, gpus_per_node, shape.num_experts))
         png = compare_plot(result.summary, result.crossover, f"{shape.name}: {names} ({how})",
@@ -179,7 +179,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     say(console, f"wrote {', '.join(str(p) for p in written)}")
 
 
-def _print_compare(result, n: int) -> None:
+def _print_compare(result, n: int, link=None) -> None:
     from moebench.report import compare_table, print_table, say
 
     if result.summary.empty:
@@ -192,6 +192,16 @@ def _print_compare(result, n: int) -> None:
              "modeled communication at which the winner would flip (close: the band covers it, too close to call)."]
     if left:
         notes.append(f"not shown at {console.width} columns: {', '.join(left)} (compare.csv holds every column).")
+    rows = [r for r in result.rows if r.modeled and r.status == "ok"]
+    not_run = sorted({f"{r.prepare_finalize} ({r.extra['comm_not_run']})" for r in rows if r.extra.get("comm_not_run")})
+    if not_run:
+        notes.append(f"priced without running here: {'; '.join(not_run)}.")
+    if link is not None and hasattr(link, "extrapolated"):
+        used = sorted({t for r in rows for t in str(r.extra.get("comm_transports", "")).split(",") if t})
+        far = link.extrapolated(used)
+        if far:
+            notes.append(f"extrapolated: no published point of {', '.join(far)} on a {link.nvlink_gbps:g} GB/s NVLink "
+                         f"(their fitted efficiency times its peak; docs/comm-model.md).")
     for note in notes:
         say(console, note, "dim")
 

@@ -88,6 +88,11 @@ def check_sweep_fits(spec, mode: str) -> None:
 
     s, lay = spec.shape, spec.layout
     top = max(spec.tokens, default=0)
+    if mode == "spawn":  # every rank at once: on a CPU they share the host's memory
+        from moebench.sweep import check_ranks_fit
+
+        check_ranks_fit(spec, lay.world_size, "shard it differently, use --simulate, or use fewer --tokens")
+        return
     if mode == "single":
         check_fits(s.num_experts, s.hidden, s.intermediate, top, s.topk, spec.dtype, spec.device)
     elif lay.enable_ep:

@@ -811,6 +811,17 @@ class CommModel:
     def transports(self) -> list[str]:
         return sorted({t for t, _ in self.fits})
 
+    def extrapolated(self, transports) -> list[str]:
+        """Those of `transports` no published point backs on this NVLink (its per-direction peak)."""
+        out = []
+        for t in transports:
+            own = [k for k in self.fits if k[0] == t]
+            keys = [BORROW.get(k, k) for k in own]  # a borrowed fit stands on its donor's points
+            pts = [p for k in keys if k in self.fits for p in self.fits[k].points]
+            if not any(p.nvlink_peak == self.nvlink_gbps for p in pts):
+                out.append(t)
+        return out
+
     def describe(self) -> str:
         s = f"{self.nvlink} {self.nvlink_gbps:g} GB/s"
         if self.source == "override":
