@@ -149,9 +149,10 @@ def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings, variants: li
 
 
 def check_ranks_fit(spec: SweepSpec, world_size: int,
-                    advice: str = "use --no-check, a smaller shape or fewer --tokens") -> None:
+                    advice: str = "use --no-check, a smaller shape or fewer --tokens", ranks_per_gpu: int = 1) -> None:
     """Refuse (MoebenchError) before any rank starts when `world_size` ranks of `spec` would not fit
-    together: CPU ranks share the host's memory, GPU ranks have one GPU each."""
+    together: CPU ranks share the host's memory, GPU ranks have one GPU each, or share one
+    `ranks_per_gpu` at a time."""
     s, lay = spec.shape, spec.layout
     if lay.enable_ep:
         e_local = -(-s.num_experts // lay.ep_size)
@@ -159,7 +160,7 @@ def check_ranks_fit(spec: SweepSpec, world_size: int,
     else:
         e_local, inter, tokens = s.num_experts, lay.intermediate_per_rank(s.intermediate), max(spec.tokens, default=1)
     check_fits(e_local, s.hidden, inter, tokens, s.topk, spec.dtype, spec.device, advice,
-               ranks=world_size if spec.device == "cpu" else 1)
+               ranks=world_size if spec.device == "cpu" else ranks_per_gpu)
 
 
 def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=None) -> int:
@@ -168,10 +169,14 @@ def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=No
     from moebench.runtime.distributed import spawn
     from moebench.runtime.rank_sweep import sweep_on_rank  # rank 0 writes; each rank runs its RankRunner
 
+    from moebench.runtime.distributed import place_ranks
+
     if ctx is not None:
         return sweep_on_rank(ctx, spec, str(folder))
-    check_ranks_fit(spec, world_size or spec.layout.world_size)
-    return spawn(sweep_on_rank, world_size or spec.layout.world_size, spec.device, spec, str(folder))[0]
+    world = world_size or spec.layout.world_size
+    gpus = torch.cuda.device_count() if spec.device == "cuda" else 0
+    check_ranks_fit(spec, world, ranks_per_gpu=place_ranks(world, spec.device, gpus, share_gpus=True).ranks_per_gpu)
+    return spawn(sweep_on_rank, world, spec.device, spec, str(folder), share_gpus=True)[0]
 
 
 def run_simulated(spec: SweepSpec, store: RunStore, link, on_progress=None, experts_model=None) -> list[ResultRow]:
@@ -197,7 +202,8 @@ def choose_mode(layout: ParallelLayout, device: str, simulate: bool = False, wor
     (--world-size real processes) or "simulate"; plus a notice for the user, or None.
 
     A multi-rank layout asked for without --world-size is simulated (one device computes one
-    rank's share); --world-size larger than the visible GPUs on CUDA is an error."""
+    rank's share); --world-size larger than the visible GPUs on CUDA runs the ranks on the GPUs
+    there are, several to a GPU over a gloo group (`shared_gpu_note` says so; the rows say so)."""
     if ctx is not None:
         if ctx.world_size != layout.world_size:
             raise MoebenchError(f"torchrun started {ctx.world_size} ranks but the layout needs {layout.world_size} "
@@ -209,13 +215,26 @@ def choose_mode(layout: ParallelLayout, device: str, simulate: bool = False, wor
     if simulate:
         return "simulate", None
     if world_size is not None:
-        have = torch.cuda.device_count() if device == "cuda" else world_size
-        if have < world_size:
-            raise MoebenchError(f"--world-size {world_size} needs {world_size} GPUs but {have} are visible; "
-                                f"add --simulate to model the other ranks")
-        return "spawn", None
+        return "spawn", shared_gpu_note(world_size, device)
     return "simulate", (f"{layout.describe()} asked for without --world-size: simulating it (one rank's share "
                         f"computed here, communication modeled); pass --world-size {layout.world_size} to run real ranks")
+
+
+def shared_gpu_note(world_size: int, device: str, gpu_count: int | None = None) -> str | None:
+    """The notice for `world_size` real ranks on fewer GPUs (they share them; gloo group), None
+    when each rank has its own device. A MoebenchError where no GPU is visible."""
+    from moebench.runtime.distributed import place_ranks
+    from moebench.runtime.rank_sweep import SHARED_GPU_DEVICE
+
+    if device != "cuda":
+        return None
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    p = place_ranks(world_size, device, gpus, share_gpus=True)
+    if not p.shared:
+        return None
+    return (f"--world-size {world_size} on {gpus} GPU{'s' if gpus > 1 else ''}: up to {p.ranks_per_gpu} ranks share "
+            f"a GPU (gloo group; NCCL takes one rank per GPU). Their rows say device {SHARED_GPU_DEVICE}: checked like "
+            f"any row, but their times are not those of one GPU per rank and are never ranked against them")
 
 
 def run(spec: SweepSpec, store: RunStore, mode: str, link=None, ctx=None,

@@ -349,9 +349,9 @@ def test_capabilities_say_why_not():
     try:
         import deep_ep  # noqa: F401
     except ImportError:
-        assert reason == "deep_ep is not installed"
+        assert reason == "deep_ep is not installed (moebench vendor install deepep)"
     else:
-        assert reason is None or "CUDA" in reason or "GPUs" in reason
+        assert reason is None or "CUDA" in reason or "import" in reason
 
 
 def test_deepep_ll_prepare_reports_routed_tokens(monkeypatch):

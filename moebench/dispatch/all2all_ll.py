@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from moebench.errors import MoebenchError, UnsupportedError
 from moebench.comm import CommOp
@@ -38,7 +37,7 @@ from moebench.kernels.modular import (
 from moebench.kernels.token_layout import batched_slots, scatter_to_batched
 from moebench.quant import pack_rows, unpack_rows
 from moebench.layout import ParallelLayout
-from moebench.runtime.distributed import group_rank_world
+from moebench.runtime.distributed import all_to_all_single, group_rank_world
 
 
 @dataclass
@@ -106,7 +105,7 @@ class AllToAllLLPrepareAndFinalize(PrepareAndFinalize):
         return self._owner_cache[key]
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
-        dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group)
+        all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
 
     def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map, quant=None) -> PrepareResult:
         """x (M, H), topk_ids (M, K) global ids -> a (E_local, max_tokens_per_rank * world, H),

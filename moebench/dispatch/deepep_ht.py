@@ -12,7 +12,8 @@ past one node once per node over RDMA, then over NVLink inside it), which is wha
 communication prices. fp8: with block scales of bk = 128 the tokens travel as fp8 with their
 1x128 scales, as DeepEP's dispatch takes them (x given as a (fp8, scales) pair).
 
-Optional: deep_ep is imported lazily. Needs CUDA, at least 2 ranks and E divisible by the ranks.
+Optional: deep_ep is imported lazily. Needs CUDA, at least 2 ranks (they may share one GPU: see
+deepep_ll) and E divisible by the ranks. One buffer per process and group, reused by every case.
 Where it cannot run, simulated runs still price it (modeled), which is how `compare tp-vs-ep`
 considers it on any machine.
 """
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from moebench.comm import CommOp
-from moebench.dispatch.deepep_ll import deep_ep_unavailable_reason
+from moebench.dispatch.deepep_ll import deep_ep_unavailable_reason, shared_buffer
 from moebench.errors import MoebenchError, UnsupportedError
 from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.modular import (
@@ -86,7 +87,8 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
 
             group = self.group if self.group is not None else dist.group.WORLD
             rdma = RDMA_BUFFER_BYTES if world > NVL_PEERS else 0
-            self._buffer = Buffer(group, NVL_BUFFER_BYTES, rdma)
+            self._buffer = shared_buffer("normal", group, lambda k: k == (NVL_BUFFER_BYTES, rdma),
+                                         lambda: ((NVL_BUFFER_BYTES, rdma), Buffer(group, NVL_BUFFER_BYTES, rdma)))
         return self._buffer
 
     def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map, quant=None) -> PrepareResult:

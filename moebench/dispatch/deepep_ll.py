@@ -8,12 +8,11 @@ and `low_latency_combine`). BatchedExperts format, same layout as `all2all-ll`:
 
 Optional: deep_ep is imported lazily, only when the backend is used. Needs CUDA, bf16
 activations, E divisible by the number of ranks (DeepEP places expert e on rank e // E_local) and
-at most max_tokens_per_rank tokens per rank. With torch.distributed up, the buffer spans `group`
-(one rank per GPU). Sweeps and `moebench env` ask for >= 2 GPUs. Through the Python API, a
-process without torch.distributed gets a one-rank low-latency buffer over DeepEP's `comm`
-argument (`_OneRankComm`: rank 0 of 1; DeepEP asserts nothing against one rank), which
-tests/gpu/test_vendor_gpu.py checks against the reference; it has not run on a GPU yet (DeepEP did
-not build there, docs/perf/vendor.md), so the registry does not offer it. fp8: with block scales of bk = 128
+at most max_tokens_per_rank tokens per rank. With torch.distributed up, the buffer spans `group`:
+one rank per GPU (NCCL group), or several ranks sharing a GPU (a gloo group: DeepEP uses the group
+only to exchange its buffers' handles; `sweep --world-size 2 --device cuda` on one GPU), which
+DeepEP's intranode kernels take as peers over CUDA IPC. A process without torch.distributed is
+refused: DeepEP 1.2.1 stops a one-rank buffer ("Unsupported ranks"). fp8: with block scales of bk = 128
 (`--dtype fp8_w8a8 --block-shape N,128`) the dispatch quantises (DeepEP's use_fp8: 1x128 groups,
 fp32 scales) and the batched experts get fp8 rows with their scales, as from `all2all-ll`.
 """
@@ -44,7 +43,7 @@ _IMPORT_ERROR: list[str | None] = []  # cached: [None] when deep_ep imports, [re
 def _deep_ep_import_error() -> str | None:
     if not _IMPORT_ERROR:
         if importlib.util.find_spec("deep_ep") is None:
-            _IMPORT_ERROR.append("deep_ep is not installed")
+            _IMPORT_ERROR.append("deep_ep is not installed (moebench vendor install deepep)")
         else:
             try:
                 importlib.import_module("deep_ep")
@@ -55,30 +54,14 @@ def _deep_ep_import_error() -> str | None:
 
 
 def deep_ep_unavailable_reason(device: str) -> str | None:
-    """Why DeepEP's kernels cannot run here (not installed, no CUDA, fewer than 2 GPUs), or None."""
+    """Why DeepEP's kernels cannot run here (not installed or not importable, no CUDA GPU), or None.
+    One GPU is enough: ranks beyond the GPUs share them (the sweep marks their rows)."""
     reason = _deep_ep_import_error()
     if reason is not None:
         return reason
-    if device != "cuda" or not torch.cuda.is_available():
+    if device != "cuda" or not torch.cuda.is_available() or torch.cuda.device_count() < 1:
         return "deep_ep needs CUDA"
-    n = torch.cuda.device_count()
-    if n < 2:
-        return f"deep_ep needs >= 2 GPUs (have {n})"
     return None
-
-
-class _OneRankComm:
-    """The three calls DeepEP's Buffer makes on its `comm` argument (an mpi4py communicator there),
-    for a world of one: rank 0, size 1, allgather returns [obj]."""
-
-    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
-        return 0
-
-    def Get_size(self) -> int:  # noqa: N802
-        return 1
-
-    def allgather(self, obj):
-        return [obj]
 
 
 class TopKWeightAndReduceInCombine(TopKWeightAndReduce):
@@ -94,6 +77,22 @@ class TopKWeightAndReduceInCombine(TopKWeightAndReduce):
 class DeepEPHandle:
     deep_ep_handle: Any
     topk_ids: torch.Tensor  # (M, K) int64, as dispatched
+
+
+#: DeepEP buffers of this process, shared by every adapter object over the same group: a buffer
+#: (NVSHMEM in low-latency mode) is set up once per process and reused, as DeepEP advises, never
+#: torn down and set up again between the cases of a sweep. (kind, group id) -> (size key, Buffer)
+_BUFFERS: dict[tuple, tuple[tuple, Any]] = {}
+
+
+def shared_buffer(kind: str, group: Any, fits: Any, make: Any):
+    """The process's DeepEP buffer of `kind` over `group`: the cached one where `fits(its key)`,
+    else `make()` -> (key, Buffer), cached."""
+    slot = (kind, id(group))
+    held = _BUFFERS.get(slot)
+    if held is None or not fits(held[0]):
+        _BUFFERS[slot] = make()
+    return _BUFFERS[slot][1]
 
 
 #: tokens per rank one low-latency call carries in a deployment: vLLM's VLLM_MOE_DP_CHUNK_SIZE
@@ -123,13 +122,16 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     def unavailable_reason(cls, device: str, world_size: int) -> str | None:
         return deep_ep_unavailable_reason(device)
 
-    def __init__(self, group: Any = None, max_tokens_per_rank: int = 128):
+    def __init__(self, group: Any = None, max_tokens_per_rank: int = 128, buffer_tokens: int | None = None):
         """group: ProcessGroup over the EP ranks (None = the default group).
-        max_tokens_per_rank: DeepEP's num_max_dispatch_tokens_per_rank (same on every rank)."""
+        max_tokens_per_rank: DeepEP's num_max_dispatch_tokens_per_rank (same on every rank).
+        buffer_tokens: the tokens per rank the process's buffer is sized for (>= max_tokens_per_rank;
+        a sweep passes its largest count so that one buffer serves every case)."""
         if max_tokens_per_rank < 1:
             raise MoebenchError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
         self.group = group
         self.max_tokens_per_rank = int(max_tokens_per_rank)
+        self.buffer_tokens = max(self.max_tokens_per_rank, int(buffer_tokens or 0))
         self._buffer = None
         self._buffer_key: tuple[int, int, int] | None = None
 
@@ -145,13 +147,19 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
             import torch.distributed as dist
             from deep_ep import Buffer  # lazy: optional dependency
 
-            rdma_bytes = Buffer.get_low_latency_rdma_size_hint(self.max_tokens_per_rank, hidden, world, num_experts)
-            kw = dict(num_nvl_bytes=0, num_rdma_bytes=rdma_bytes, low_latency_mode=True,
-                      num_qps_per_rank=max(1, num_experts // world))
-            if dist.is_available() and dist.is_initialized():
-                self._buffer = Buffer(self.group if self.group is not None else dist.group.WORLD, **kw)
-            else:  # one process, no process group: DeepEP's `comm` path with a one-rank communicator
-                self._buffer = Buffer(None, comm=_OneRankComm(), **kw)
+            if not (dist.is_available() and dist.is_initialized()) or world < 2:
+                raise UnsupportedError("deepep-ll needs a process group of >= 2 ranks (DeepEP stops a one-rank "
+                                       "buffer); two ranks may share one GPU (sweep --world-size 2)")
+            group = self.group if self.group is not None else dist.group.WORLD
+            need = Buffer.get_low_latency_rdma_size_hint(self.max_tokens_per_rank, hidden, world, num_experts)
+            qps = max(1, num_experts // world)
+
+            def make():
+                size = Buffer.get_low_latency_rdma_size_hint(self.buffer_tokens, hidden, world, num_experts)
+                return (size, qps), Buffer(group, num_nvl_bytes=0, num_rdma_bytes=max(size, need), low_latency_mode=True,
+                                           num_qps_per_rank=qps)
+
+            self._buffer = shared_buffer("low-latency", group, lambda k: k[0] >= need and k[1] == qps, make)
             self._buffer_key = key
         return self._buffer
 

@@ -183,7 +183,7 @@ def _import_error() -> str | None:
         import deep_gemm  # noqa: F401
     except ImportError as e:
         if getattr(e, "name", None) == "deep_gemm":
-            return "deep_gemm is not installed (README, 'Vendor libraries')"
+            return "deep_gemm is not installed (moebench vendor install deepgemm; README, 'Vendor libraries')"
         return f"deep_gemm does not import: {e}"
     except Exception as e:  # noqa: BLE001 - a broken build (CUDA home, libraries) is a reason, not a crash
         return f"deep_gemm does not import: {type(e).__name__}: {e}"

@@ -3,7 +3,10 @@
     results = spawn(fn, world_size=4, device="cpu")   # fn(ctx, *args) on every rank
     ctx = join_torchrun()                             # under torchrun: RANK / WORLD_SIZE set
 
-Backends: gloo on CPU, NCCL on CUDA (one GPU per rank, rank i on cuda:i). Every process group is
+Backends: gloo on CPU, NCCL on CUDA (one GPU per rank, rank i on cuda:i). With fewer GPUs than
+ranks (`spawn(..., share_gpus=True)`), ranks share them, rank i on cuda:(i % GPUs), over a gloo
+group (NCCL refuses two ranks on one device); such a run's RankContext says how many ranks share
+a GPU (`ranks_per_gpu`), and its times are not those of one GPU per rank. Every process group is
 created with a timeout, so a collective whose peer died raises instead of hanging. `spawn` also
 watches its children: a rank that raises sends its error and traceback back and the parent raises
 `RankFailedError` naming the rank; a rank that dies without reporting (killed, os._exit) is noticed
@@ -60,6 +63,7 @@ class RankContext:
 
     group: the process group of the run (None = the default group, or no group at all when
     world_size == 1 and torch.distributed is not initialised). backend: "gloo", "nccl" or "none".
+    ranks_per_gpu: how many ranks of the run share this rank's GPU (1: a GPU of its own).
     """
 
     rank: int
@@ -68,10 +72,52 @@ class RankContext:
     device: torch.device
     group: Any = None
     backend: str = "none"
+    ranks_per_gpu: int = 1
 
     @property
     def distributed(self) -> bool:
         return self.backend != "none" and dist.is_available() and dist.is_initialized()
+
+    @property
+    def shares_gpu(self) -> bool:
+        """True when other ranks of the run compute on this rank's GPU too."""
+        return self.device.type == "cuda" and self.ranks_per_gpu > 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks of a spawned run compute: backend of the group, the CUDA device index of each
+    rank (None on CPU), and how many ranks share the busiest GPU (1: a GPU each)."""
+
+    backend: str
+    devices: tuple[int, ...] | None
+    ranks_per_gpu: int = 1
+
+    @property
+    def shared(self) -> bool:
+        return self.ranks_per_gpu > 1
+
+
+def place_ranks(world_size: int, device: str, gpu_count: int, share_gpus: bool = False) -> Placement:
+    """How `world_size` ranks sit on `device` with `gpu_count` visible GPUs: CPU -> gloo; CUDA with
+    a GPU per rank -> NCCL, rank i on cuda:i; CUDA with fewer GPUs and share_gpus -> gloo (NCCL
+    refuses two ranks on one device), rank i on cuda:(i % gpu_count). Else a MoebenchError."""
+    if world_size < 1:
+        raise MoebenchError(f"world size must be >= 1, got {world_size}")
+    if device == "cpu":
+        return Placement("gloo", None)
+    if device != "cuda":
+        raise MoebenchError(f"spawn runs on 'cpu' or 'cuda', not {device!r}")
+    if gpu_count >= world_size:
+        return Placement("nccl", tuple(range(world_size)))
+    if gpu_count < 1:
+        raise MoebenchError(f"--world-size {world_size} on cuda needs a GPU, but none is visible")
+    if not share_gpus:
+        raise MoebenchError(
+            f"--world-size {world_size} needs {world_size} GPUs but {gpu_count} are visible; "
+            f"use --simulate to model the other ranks"
+        )
+    return Placement("gloo", tuple(r % gpu_count for r in range(world_size)), -(-world_size // gpu_count))
 
 
 def is_main(ctx: RankContext | None) -> bool:
@@ -96,15 +142,55 @@ def group_rank_world(group: Any = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def gloo_on_cuda(t: torch.Tensor, group: Any = None) -> bool:
+    """True when `t` is a CUDA tensor and `group` a gloo group (ranks sharing a GPU): the
+    collectives below then go through host memory, which gloo serves for every one of them."""
+    return t.is_cuda and dist.is_initialized() and dist.get_backend(group) == "gloo"
+
+
+def all_reduce(t: torch.Tensor, group: Any = None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of `t` over `group`; returns t."""
+    if gloo_on_cuda(t, group):
+        host = t.cpu()
+        dist.all_reduce(host, op=op, group=group)
+        t.copy_(host)
+    else:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def all_to_all_single(output: torch.Tensor, inp: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+                      group: Any = None) -> None:
+    """dist.all_to_all_single (uneven splits allowed)."""
+    if gloo_on_cuda(inp, group):
+        host = output.cpu()
+        dist.all_to_all_single(host, inp.cpu(), output_split_sizes=output_split_sizes,
+                               input_split_sizes=input_split_sizes, group=group)
+        output.copy_(host)
+        return
+    dist.all_to_all_single(output, inp, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                           group=group)
+
+
 def all_gather_single(output: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
     """output (world * n, ...) <- every rank's inp (n, ...), in rank order."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if gloo_on_cuda(inp, group):
+        host = output.cpu()
+        fn(host, inp.cpu(), group=group)
+        output.copy_(host)
+        return
     fn(output, inp, group=group)
 
 
 def reduce_scatter_single(output: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
     """output (n, ...) <- sum over ranks of chunk `rank` of inp (world * n, ...)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if gloo_on_cuda(inp, group):
+        host = output.cpu()
+        fn(host, inp.cpu(), op=dist.ReduceOp.SUM, group=group)
+        output.copy_(host)
+        return
     fn(output, inp, op=dist.ReduceOp.SUM, group=group)
 
 
@@ -218,7 +304,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _rank_main(
-    rank: int, world_size: int, device: str, port: int, timeout_s: float,
+    rank: int, world_size: int, placement: Placement, port: int, timeout_s: float,
     fn: Callable[..., Any], args: tuple, results: Any, parent_pid: int | None = None,
 ) -> None:
     """Body of one spawned rank: init the group, run fn(ctx, *args), report to the parent."""
@@ -229,20 +315,20 @@ def _rank_main(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        if device == "cuda":
-            dev = torch.device("cuda", rank)
+        backend = placement.backend
+        if placement.devices is not None:
+            dev = torch.device("cuda", placement.devices[rank])
             torch.cuda.set_device(dev)
-            backend = "nccl"
         else:
             dev = torch.device("cpu")
-            backend = "gloo"
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         kw: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s), **kw,
         )
-        ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, device=dev, group=None, backend=backend)
+        ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, device=dev, group=None, backend=backend,
+                          ranks_per_gpu=placement.ranks_per_gpu)
         value = fn(ctx, *args)
         results.put(("ok", rank, _dumps(value)))
     except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the parent
@@ -291,30 +377,22 @@ def spawn(
     *args: Any,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     total_timeout_s: float | None = None,
+    share_gpus: bool = False,
 ) -> list[Any]:
     """Run fn(ctx, *args) on `world_size` new processes; return their values, rank 0's first.
 
     fn must be importable by name (a module-level function) and its arguments and return value
     picklable; tensors come back by value, on the CPU (CUDA tensors are moved there).
     device "cpu" uses gloo; "cuda" uses NCCL with rank i on cuda:i and needs world_size visible
-    GPUs. Children get NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
+    GPUs, unless share_gpus: then with fewer GPUs the ranks share them over a gloo group
+    (`place_ranks`). Children get NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
 
     timeout_s: the process groups' collective timeout (a collective waiting on a dead peer
     raises after this long). total_timeout_s: a wall-clock limit for the whole run (None = none).
     Raises RankFailedError when a rank raises (its error line and traceback), dies without
     reporting (its exit code) or the run exceeds total_timeout_s; the other ranks are terminated.
     """
-    if world_size < 1:
-        raise MoebenchError(f"world size must be >= 1, got {world_size}")
-    if device not in ("cpu", "cuda"):
-        raise MoebenchError(f"spawn runs on 'cpu' or 'cuda', not {device!r}")
-    if device == "cuda":
-        have = torch.cuda.device_count()
-        if have < world_size:
-            raise MoebenchError(
-                f"--world-size {world_size} needs {world_size} GPUs but {have} are visible; "
-                f"use --simulate to model the other ranks"
-            )
+    placement = place_ranks(world_size, device, torch.cuda.device_count() if device == "cuda" else 0, share_gpus)
     mpctx = mp.get_context("spawn")
     results = mpctx.Queue()
     port = free_port()
@@ -325,7 +403,7 @@ def spawn(
     try:
         for rank in range(world_size):
             p = mpctx.Process(
-                target=_rank_main, args=(rank, world_size, device, port, timeout_s, fn, args, results, os.getpid()),
+                target=_rank_main, args=(rank, world_size, placement, port, timeout_s, fn, args, results, os.getpid()),
                 name=f"moebench-rank{rank}", daemon=True,
             )
             p.start()

@@ -31,7 +31,7 @@ from moebench.bench.timing import Timing
 from moebench.errors import MoebenchError
 from moebench.kernels.modular import FusedMoEKernel, PrepareAndFinalize
 from moebench.layout import ParallelLayout
-from moebench.runtime.distributed import RankContext, barrier
+from moebench.runtime.distributed import RankContext, all_reduce, barrier
 
 
 def token_split(num_tokens: int, world: int) -> list[tuple[int, int]]:
@@ -181,7 +181,7 @@ class PhaseTimer:
         reps = min(len(self.samples[n]) for n in names)
         t = torch.tensor([[self.samples[n][i] for n in names] for i in range(reps)], dtype=torch.float64)
         if self.ctx.distributed and self.ctx.world_size > 1:
-            t = t.to(self.ctx.device)
+            t = t.to(self.ctx.device) if self.ctx.backend == "nccl" else t  # gloo sums host tensors
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.group)
             t = t.cpu()
         return {n: _summary(t[:, j].tolist(), self.method) for j, n in enumerate(names)}
@@ -254,11 +254,8 @@ def _all_reduce(y: torch.Tensor, ctx: RankContext) -> torch.Tensor:
         return y
     if ctx.backend == "gloo" and y.dtype in (torch.float16, torch.bfloat16):
         # gloo's half-precision sums are not dependable across versions: sum in fp32
-        y32 = y.float()
-        dist.all_reduce(y32, group=ctx.group)
-        return y32.to(y.dtype)
-    dist.all_reduce(y, group=ctx.group)
-    return y
+        return all_reduce(y.float(), ctx.group).to(y.dtype)
+    return all_reduce(y, ctx.group)
 
 
 def run_rank_case(

@@ -7,10 +7,16 @@ tokens (the DP path) it is M tokens per rank, M * world in all, each rank owning
 Each rank generates only its own weight shard. The float64 reference of the full batch is the sum
 over ranks of each rank's reference on its own shard (TP: partial sums over I; EP: each rank's
 experts), so no rank ever holds all the weights.
+
+Ranks sharing a GPU (more ranks than GPUs: a gloo group, `RankContext.ranks_per_gpu` > 1) run the
+same cases, checked the same way; their rows carry device `cuda-shared` (a setting of its own,
+so a report never ranks them against rows of one GPU per rank), `x_ranks_per_gpu`, and for
+measured rows a reason that says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -27,23 +33,69 @@ from moebench.kernels.reference import reference_moe
 from moebench.backends import get_prepare_finalize_class, make_kernel
 from moebench.results import RunStore
 from moebench.routing import load_imbalance
-from moebench.runtime.distributed import RankContext, is_main
+from moebench.runtime.distributed import RankContext, all_reduce, is_main
 from moebench.runtime.rank_case import rank_inputs, run_inputs
 
 
-def prepare_finalize_kwargs(name: str, ctx: RankContext, layout, max_tokens_per_rank: int) -> dict[str, Any]:
-    """The constructor arguments a prepare/finalize takes, from what the run knows."""
+def prepare_finalize_kwargs(name: str, ctx: RankContext, layout, max_tokens_per_rank: int,
+                            buffer_tokens: int | None = None) -> dict[str, Any]:
+    """The constructor arguments a prepare/finalize takes, from what the run knows (buffer_tokens:
+    the run's largest token count, for buffers a process sets up once)."""
     cls = get_prepare_finalize_class(name)
     have = {"group": ctx.group if ctx.distributed else None, "layout": layout,
-            "max_tokens_per_rank": max(1, max_tokens_per_rank)}
+            "max_tokens_per_rank": max(1, max_tokens_per_rank),
+            "buffer_tokens": max(1, buffer_tokens or max_tokens_per_rank)}
     params = inspect.signature(cls.__init__).parameters
     return {k: v for k, v in have.items() if k in params}
 
 
 def _all_reduce(t: torch.Tensor, ctx: RankContext, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if ctx.distributed and ctx.world_size > 1:
-        dist.all_reduce(t, op=op, group=ctx.group)
+        all_reduce(t, ctx.group, op)
     return t
+
+
+#: the `device` of rows timed with several ranks on one GPU
+SHARED_GPU_DEVICE = "cuda-shared"
+
+
+def shared_gpu_reason(ranks_per_gpu: int) -> str:
+    return (f"{ranks_per_gpu} ranks shared each GPU (gloo group): not a time of one GPU per rank, "
+            f"never ranked against one")
+
+
+class SharedGpuRows:
+    """The run folder (a RunStore) of ranks sharing a GPU: every row it takes is marked (device
+    SHARED_GPU_DEVICE, extra ranks_per_gpu, measured rows' reason, TP's all-reduce "gloo", which it
+    is), and its keys read as the cases they came from (device cuda, all-reduce "nccl"), so a
+    resumed run skips them."""
+
+    def __init__(self, store: RunStore, ranks_per_gpu: int):
+        self.store = store
+        self.ranks_per_gpu = ranks_per_gpu
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def keys(self) -> set[tuple]:
+        return {(dataclasses.replace(r, device="cuda", allreduce="nccl" if r.allreduce == "gloo" else r.allreduce)
+                 if r.device == SHARED_GPU_DEVICE else r).key() for r in self.store.rows}
+
+    def has(self, row_key: tuple) -> bool:
+        return row_key in self.keys()
+
+    def add(self, row) -> None:
+        mark_shared_gpu(row, self.ranks_per_gpu)
+        self.store.add(row)
+
+
+def mark_shared_gpu(row, ranks_per_gpu: int) -> None:
+    row.device = SHARED_GPU_DEVICE
+    row.extra["ranks_per_gpu"] = ranks_per_gpu
+    if row.allreduce == "nccl":  # the group of ranks sharing a GPU is gloo's
+        row.allreduce = "gloo"
+    if row.status == "ok":
+        row.reason = "; ".join(x for x in (row.reason, shared_gpu_reason(ranks_per_gpu)) if x)
 
 
 def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = True) -> int:
@@ -52,7 +104,10 @@ def sweep_on_rank(ctx: RankContext, spec, folder: str, show_progress: bool = Tru
     spec.device = ctx.device.type
     main = is_main(ctx)
     runner = RankRunner(ctx, show_progress)
-    rows = run_cases(spec, RunStore(folder, write=main), runner, on_progress=runner.advance)
+    store = RunStore(folder, write=main)
+    if ctx.shares_gpu:
+        store = SharedGpuRows(store, ctx.ranks_per_gpu)
+    rows = run_cases(spec, store, runner, on_progress=runner.advance)
     return len(rows) if main else 0
 
 
@@ -107,7 +162,7 @@ class RankRunner(CaseRunner):
         # A backend that fails to build or launch fails on every rank alike (inputs are identical);
         # a failure on one rank only leaves its peers in a collective, which times out and ends
         # the run with its message.
-        kernel = make_kernel(ex, pf, prepare_finalize_kwargs=prepare_finalize_kwargs(pf, ctx, lay, m))
+        kernel = make_kernel(ex, pf, prepare_finalize_kwargs=prepare_finalize_kwargs(pf, ctx, lay, m, max(spec.tokens)))
         inp = rank_inputs(ctx, kernel.prepare_finalize, x_full, self.w13, self.w2, s.num_experts, wts, ids, lay)
         with poisoned_outputs(spec.check):
             out = run_inputs(ctx, kernel, inp).out

@@ -1,6 +1,7 @@
 """The vendor adapters on a GPU with the real libraries: DeepGEMM's experts (contiguous psum and
 m-indices layouts, masked; bf16 and fp8 block[128,128]; all-local and an EP shard; in a CUDA graph)
-and DeepEP's low-latency prepare/finalize on one rank. Skipped where a library does not import."""
+and DeepEP's refusal of one rank (two ranks on one GPU: test_shared_gpu_gpu.py). Skipped where a
+library does not import."""
 
 from __future__ import annotations
 
@@ -82,22 +83,14 @@ def test_deepgemm_in_a_cuda_graph(case, quant):
         assert is_correct(err, torch.bfloat16, quant), err
 
 
-@pytest.mark.parametrize("experts", ["batched-torch", "batched-deepgemm"])
-@pytest.mark.parametrize("quant", [None, BLOCK], ids=["bf16", "fp8-block"])
-def test_deepep_ll_one_rank(experts, quant):
-    """DeepEP's low-latency dispatch/combine on a one-rank buffer (no process group)."""
+def test_deepep_ll_refuses_one_rank():
+    """DeepEP stops a one-rank buffer ("Unsupported ranks"): the adapter refuses first, in a line
+    that says how to run it (two ranks, which may share a GPU: tests/gpu/test_shared_gpu_gpu.py)."""
     _needs("deep_ep")
-    if experts == "batched-deepgemm":
-        _needs("deep_gemm")
-    elif quant is not None:
-        pytest.skip("batched-torch has no fp8")
+    from moebench.errors import UnsupportedError
+
     e, k, h, i = 16, 4, 2048, 256
-    pf = make_prepare_finalize("deepep-ll", max_tokens_per_rank=128)
-    kernel = FusedMoEKernel(pf, make_experts(experts))
-    for m in (1, 50, 128):
-        x, w13, w2, tw, ti = _problem(m, e, k, h, i, seed=m)
-        qw13, qw2 = quantize_weights(w13, w2, quant)
-        out = kernel.apply(x, qw13, qw2, tw, ti)
-        err = relative_error(out, reference_moe(x, qw13, qw2, tw, ti))
-        print(f"deepep-ll + {experts} quant={quant is not None} m={m}: rel err {err:.2e}")
-        assert is_correct(err, torch.bfloat16, quant), err
+    kernel = FusedMoEKernel(make_prepare_finalize("deepep-ll", max_tokens_per_rank=128), make_experts("batched-torch"))
+    x, w13, w2, tw, ti = _problem(8, e, k, h, i, seed=1)
+    with pytest.raises(UnsupportedError, match=">= 2 ranks"):
+        kernel.apply(x, w13, w2, tw, ti)
