@@ -88,10 +88,13 @@ def check_sweep_fits(spec, mode: str) -> None:
 
     s, lay = spec.shape, spec.layout
     top = max(spec.tokens, default=0)
-    if mode == "spawn":  # every rank at once: on a CPU they share the host's memory
+    if mode == "spawn":  # every rank at once: on a CPU they share the host's memory, on fewer GPUs than ranks a GPU
+        from moebench.runtime.distributed import place_ranks
         from moebench.sweep import check_ranks_fit
 
-        check_ranks_fit(spec, lay.world_size, "shard it differently, use --simulate, or use fewer --tokens")
+        gpus = torch.cuda.device_count() if spec.device == "cuda" else 0
+        check_ranks_fit(spec, lay.world_size, "shard it differently, use --simulate, or use fewer --tokens",
+                        ranks_per_gpu=place_ranks(lay.world_size, spec.device, gpus, share_gpus=True).ranks_per_gpu)
         return
     if mode == "single":
         check_fits(s.num_experts, s.hidden, s.intermediate, top, s.topk, spec.dtype, spec.device)
