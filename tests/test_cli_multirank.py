@@ -61,7 +61,9 @@ def test_simulated_ep_with_notice(tmp_path):
     df, meta = _rows(tmp_path)
     assert meta["mode"] == "simulate" and meta["link"]["bandwidth_gbps"] > 0
     ok = df[df.status == "ok"]
-    assert ok.modeled.all() and ok.correct.all() and len(ok) == 4
+    # every EP transport is a candidate, DeepEP's priced without running here: 4 pairs x 2 token counts
+    assert ok.modeled.all() and ok.correct.all() and len(ok) == 8
+    assert set(ok.prepare_finalize) == {"allgather-rs", "all2all-ll", "deepep-ll", "deepep-ht"}
     a2a = ok[ok.prepare_finalize == "all2all-ll"]
     assert (a2a.latency_us - (a2a.dispatch_us + a2a.experts_us + a2a.combine_us)).abs().max() < 1e-6
     assert (ok.rank_imbalance > 1.0).all()  # hot routing loads one rank more

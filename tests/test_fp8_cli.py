@@ -96,6 +96,7 @@ def test_nothing_runs_says_why_and_how(tmp_path):
     res = subprocess.run([sys.executable, "-m", "moebench.cli", "sweep", *SHAPE, "--tokens", "1", "--dtype", "fp8_w8a8",
                           "--experts", "triton", "--prepare-finalize", "no-dpep", "--out", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr
-    out = " ".join(res.stdout.split())
-    assert "no pair could run here" in out and "TRITON_INTERPRET=1" in out
+    assert res.returncode == 2, res.stderr  # refused before any folder: one line saying why and how
+    err = " ".join(res.stderr.split())
+    assert "no pair of --experts and --prepare-finalize can run here" in err and "TRITON_INTERPRET=1" in err
+    assert not any(tmp_path.iterdir())

@@ -242,12 +242,9 @@ def test_env_says_what_an_fp8_sweep_says_about_the_torch_experts(tmp_path):
     torch_row = next(b for b in json.loads(env.stdout)["backends"] if b["name"] == "torch")
     sw = moebench("sweep", *SIZES, "--tokens", "2", "--dtype", "fp8_w8a8", "--experts", "torch",
                   "--prepare-finalize", "no-dpep", "--out", str(tmp_path / "sw"), cwd=tmp_path)
-    assert sw.returncode == 0, sw.stderr
-    (run,) = _run_dirs(tmp_path / "sw")
-    (row,) = [json.loads(x) for x in (run / "rows.jsonl").read_text().splitlines()]
-    assert row["status"] == "skipped" and row["reason"]
-    assert "fp8" not in torch_row["dtypes"]  # no fp8 claimed where the sweep skips it
-    assert row["reason"] in torch_row["reason"]
+    assert sw.returncode == 2 and not (tmp_path / "sw").exists()  # nothing can run: refused, nothing written
+    assert "fp8" not in torch_row["dtypes"]  # no fp8 claimed where the sweep refuses it
+    assert "fp8 'torch' experts do not run on cpu" in sw.stderr and "fp8" in torch_row["reason"]
     assert torch_row["usable"]  # still usable for fp32 / bf16
 
 

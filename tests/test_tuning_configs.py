@@ -96,8 +96,11 @@ def test_package_dir_is_last(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     dirs = C.config_search_dirs()
     assert dirs == [tmp_path / "results" / "configs", C.PACKAGE_CONFIG_DIR]
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, "/x")
-    assert C.config_search_dirs()[0].as_posix() == "/x"
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    assert C.config_search_dirs()[0] == tmp_path
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path / "missing"))  # a folder that is not there: said, not ignored
+    with pytest.raises(MoebenchError, match="does not exist"):
+        C.config_search_dirs()
 
 
 def test_lookup_malformed_file_raises(tmp_path, monkeypatch):

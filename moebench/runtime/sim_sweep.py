@@ -108,14 +108,18 @@ CHECK_INTERMEDIATE_PER_RANK = 32
 
 def check_spec_for(spec):
     """The spec whose share this machine checks when the experts time is modeled: the model's
-    routing and layout on a small hidden / intermediate (CHECK_*), in the activation dtype where
-    the precision is an fp8 or weight-only scheme (the modeled time keeps the real precision)."""
+    routing and layout on a small hidden / intermediate (CHECK_*); in the model's precision where
+    the shape is that small already and one of its experts runs it here, else in the activation
+    dtype (the modeled time keeps the real precision)."""
     s, lay = spec.shape, spec.layout
     i = CHECK_INTERMEDIATE_PER_RANK * lay.moe_tp_size
     si = i * max(1, s.shared_intermediate // s.intermediate) if s.shared_intermediate else 0
     small = replace(s, hidden=min(s.hidden, CHECK_HIDDEN), intermediate=min(s.intermediate, i),
                     shared_intermediate=min(s.shared_intermediate, si) if si else 0)
-    return replace(spec, shape=small, quant=None, model_experts=False, reps=1, warmup=0)
+    checked = replace(spec, shape=small, model_experts=False, reps=1, warmup=0)
+    if spec.quant is not None and (small != s or not any(experts_here(ex, checked)[0] for ex in spec.experts)):
+        checked = replace(checked, quant=None)
+    return checked
 
 
 def check_note(spec, check_spec) -> str:

@@ -510,9 +510,14 @@ def _validate(spec: TuneSpec, plan_only: bool = False) -> str | None:
     if spec.down and spec.kernel != "moebench":
         raise MoebenchError(f"--down tunes moebench's own GEMM2 file; --kernel {spec.kernel} runs one config for both GEMMs")
     dev_type = torch.device(spec.device).type
+    what = spec.quant.describe() if spec.quant is not None else f"the {spec.experts} experts ({spec.precision})"
+    # what the experts declare (dtypes, schemes) holds on any machine, a dry run's included
+    declared = check_combination("no-dpep", spec.experts, dev_type, spec.dtype, quant=spec.quant,
+                                 experts_modeled=torch.cuda.get_device_name() if torch.cuda.is_available() else "H100")
+    if declared is not None:
+        raise MoebenchError(f"cannot tune {what} for --kernel {spec.kernel}: {declared}")
     reason = check_combination("no-dpep", spec.experts, dev_type, spec.dtype, quant=spec.quant)
-    if reason is not None:  # the reason `sweep` gives for these experts (e.g. no GPU, no interpreter, a dtype)
-        what = spec.quant.describe() if spec.quant is not None else f"the {spec.experts} experts ({spec.precision})"
+    if reason is not None:  # the reason `sweep` gives for these experts (e.g. no GPU, no interpreter)
         why = f"cannot tune {what} for --kernel {spec.kernel} on {dev_type}: {reason}"
         if plan_only:
             return why
