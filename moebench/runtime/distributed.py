@@ -22,7 +22,7 @@ import ctypes
 import datetime
 import io
 import os
-import queue as queue_mod
+from multiprocessing import connection as mp_connection
 import signal
 import socket
 import sys
@@ -307,7 +307,8 @@ def _rank_main(
     rank: int, world_size: int, placement: Placement, port: int, timeout_s: float,
     fn: Callable[..., Any], args: tuple, results: Any, parent_pid: int | None = None,
 ) -> None:
-    """Body of one spawned rank: init the group, run fn(ctx, *args), report to the parent."""
+    """Body of one spawned rank: init the group, run fn(ctx, *args), report to the parent over
+    `results`, this rank's end of a pipe."""
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     for k, v in CHILD_ENV.items():
@@ -330,9 +331,9 @@ def _rank_main(
         ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, device=dev, group=None, backend=backend,
                           ranks_per_gpu=placement.ranks_per_gpu)
         value = fn(ctx, *args)
-        results.put(("ok", rank, _dumps(value)))
+        results.send(("ok", rank, _dumps(value)))
     except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the parent
-        results.put(("err", rank, _error_line(e), traceback.format_exc()))
+        results.send(("err", rank, _error_line(e), traceback.format_exc()))
     finally:
         try:
             if dist.is_initialized():
@@ -394,7 +395,9 @@ def spawn(
     """
     placement = place_ranks(world_size, device, torch.cuda.device_count() if device == "cuda" else 0, share_gpus)
     mpctx = mp.get_context("spawn")
-    results = mpctx.Queue()
+    # one pipe per rank, not a multiprocessing Queue: a pipe holds no semaphore, so a parent
+    # killed mid-run leaves nothing for multiprocessing's resource tracker to warn about
+    pipes = [mpctx.Pipe(duplex=False) for _ in range(world_size)]
     port = free_port()
     procs = []
     # Children inherit the environment at start: set the NCCL knobs for them (restored after).
@@ -403,10 +406,12 @@ def spawn(
     try:
         for rank in range(world_size):
             p = mpctx.Process(
-                target=_rank_main, args=(rank, world_size, placement, port, timeout_s, fn, args, results, os.getpid()),
+                target=_rank_main, args=(rank, world_size, placement, port, timeout_s, fn, args, pipes[rank][1],
+                                         os.getpid()),
                 name=f"moebench-rank{rank}", daemon=True,
             )
             p.start()
+            pipes[rank][1].close()  # the rank holds its end: its exit closes the pipe (EOF here)
             procs.append(p)
     finally:
         for k, v in saved.items():
@@ -422,12 +427,14 @@ def spawn(
     exited_at: dict[int, float] = {}
     try:
         while len(values) < world_size:
-            try:
-                msg = results.get(timeout=0.1)
-            except queue_mod.Empty:
-                msg = None
+            msgs = []
+            for conn in mp_connection.wait([r for r, _ in pipes if not r.closed], timeout=0.1):
+                try:
+                    msgs.append(conn.recv())
+                except EOFError:  # the rank exited: no more messages on this pipe
+                    conn.close()
             now = time.monotonic()
-            if msg is not None:
+            for msg in msgs:
                 if msg[0] == "ok":
                     values[msg[1]] = _loads(msg[2])
                 else:
@@ -436,7 +443,7 @@ def spawn(
             for rank, p in enumerate(procs):
                 if rank in values or rank in failures or p.exitcode is None:
                     continue
-                # Exited without a message yet: give the queue a moment (its last message may
+                # Exited without a message yet: give the pipe a moment (its last message may
                 # still be in flight), then call it dead.
                 first = exited_at.setdefault(rank, now)
                 if now - first > 1.0:
@@ -458,6 +465,6 @@ def spawn(
                 )
     finally:
         _stop(procs)
-        results.close()
-        results.join_thread()
+        for r, _ in pipes:
+            r.close()
     return [values[r] for r in range(world_size)]
