@@ -606,9 +606,9 @@ def row_notes(rows: list[ResultRow]) -> list[str]:
         notes.append("other = latency minus the parts shown (routing, alignment, work outside the timed parts).")
         over = overlapping_parts(rows)
         if over:
-            notes.append(f"other is blank at {over} row{'s' if over > 1 else ''}: there the parts, each timed alone "
-                         "between barriers on its slowest rank, add up to more than the whole layer, where they "
-                         "overlap (the latency is the whole layer's).")
+            notes.append(f"other is blank at {over} row{'s' if over > 1 else ''}: their parts add up to more than the "
+                         "whole layer (rows of a run that timed each part alone between barriers; runs now time "
+                         "the parts inside the layer's own runs, on each run's slowest rank).")
     if any(r.latency_us is not None for r in rows):
         notes.append("* = fastest correct entry for its token count.")
     return notes

@@ -408,3 +408,28 @@ def test_nccl_two_gpus():
         pytest.skip("needs 2 GPUs")
     for errs in spawn(_gpu_cases, 2, "cuda", timeout_s=120, total_timeout_s=300):
         assert all(v < 2e-2 for v in errs.values()), errs
+
+
+def _phased_runs(ctx: RankContext):
+    """Three runs of two phases; rank 1 is slow in its second phase, more so in the last run."""
+    from moebench.runtime.rank_case import PhaseTimer
+
+    timer = PhaseTimer(ctx)
+    for i in range(3):
+        with timer.run():
+            with timer.phase("dispatch"):
+                time.sleep(0.01)
+            with timer.phase("experts"):
+                time.sleep(0.05 * (i + 1) if ctx.rank == 1 else 0.01)
+    return {k: (v.median_us, v.p10_us, v.p90_us) for k, v in timer.summarise().items()}
+
+
+def test_phases_are_those_of_the_runs_slowest_rank_and_add_up():
+    """Each run's latency is its slowest rank's; the phases shown are that rank's in the median run,
+    so they add up to the total they break down (no remainder counted twice, none negative)."""
+    a, b = spawn(_phased_runs, 2, "cpu", timeout_s=60)
+    assert a == b  # every rank reports the same figures
+    total, disp, exp = a["total"][0], a["dispatch"][0], a["experts"][0]
+    assert 0 <= total - (disp + exp) < 2e3  # the marks' own cost only (us)
+    assert 95e3 < exp < 150e3  # rank 1's median run: 0.1 s in its second phase, not rank 0's 0.01 s
+    assert a["total"][2] > 150e3  # p90: the slowest run

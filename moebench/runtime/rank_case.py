@@ -138,53 +138,82 @@ def rank_inputs(
 
 
 class PhaseTimer:
-    """Times named phases between barriers: barrier, start, phase, device sync, stop.
+    """Times whole-layer runs and their phases: a barrier before each run (`run()`), then a mark
+    at the end of each phase on this rank (CUDA events; wall clock on a CPU) and none between
+    them, so a run's phases add up to its time on that rank.
 
-    CUDA: events around the phase; CPU: wall clock. Samples are kept per rank; `summarise`
-    reduces them to the slowest rank per sample (a collective: every rank must call it).
+    `summarise` (a collective: every rank calls it) takes per run the rank that took longest (the
+    run's latency is its time) and returns "total" over the runs and, per phase, that rank's time:
+    the medians are those of the median run, so the phases add up to the total they break down.
     """
 
     def __init__(self, ctx: RankContext, enabled: bool = True):
         self.ctx = ctx
         self.enabled = enabled
-        self.samples: dict[str, list[float]] = {}
+        self.runs: list[tuple[dict[str, float], float]] = []
+        self._marks: list[tuple[str, object]] | None = None
         self.cuda = ctx.device.type == "cuda"
 
     @property
     def method(self) -> str:
         return "cuda-events" if self.cuda else "cpu-wallclock"
 
+    def _mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def _us(self, a, b) -> float:
+        return a.elapsed_time(b) * 1e3 if self.cuda else (b - a) * 1e6
+
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def run(self) -> Iterator[None]:
+        """One timed run of the whole layer (its phases marked inside by `phase`)."""
         if not self.enabled:
             yield
             return
         barrier(self.ctx)
+        self._marks = [("", self._mark())]
+        yield
+        end = self._mark()
         if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
             end.synchronize()
-            us = start.elapsed_time(end) * 1e3
-        else:
-            t0 = time.perf_counter()
-            yield
-            us = (time.perf_counter() - t0) * 1e6
-        self.samples.setdefault(name, []).append(us)
+        phases, prev = {}, self._marks[0][1]
+        for name, m in self._marks[1:]:
+            phases[name] = self._us(prev, m)
+            prev = m
+        self.runs.append((phases, self._us(self._marks[0][1], end)))
+        self._marks = None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+        if self._marks is not None:
+            self._marks.append((name, self._mark()))
 
     def summarise(self) -> dict[str, Timing]:
-        """{phase: Timing over samples of the slowest rank}. Collective over the run's group."""
-        names = sorted(self.samples)
-        if not names:
+        """{phase: Timing, "total": Timing} over the runs, each run's slowest rank. Collective."""
+        if not self.runs:
             return {}
-        reps = min(len(self.samples[n]) for n in names)
-        t = torch.tensor([[self.samples[n][i] for n in names] for i in range(reps)], dtype=torch.float64)
+        names = list(self.runs[0][0])
+        t = torch.tensor([[ph[n] for n in names] + [total] for ph, total in self.runs], dtype=torch.float64)
         if self.ctx.distributed and self.ctx.world_size > 1:
-            t = t.to(self.ctx.device) if self.ctx.backend == "nccl" else t  # gloo sums host tensors
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.group)
-            t = t.cpu()
-        return {n: _summary(t[:, j].tolist(), self.method) for j, n in enumerate(names)}
+            dev = self.ctx.device if self.ctx.backend == "nccl" else torch.device("cpu")
+            parts = [torch.empty_like(t, device=dev) for _ in range(self.ctx.world_size)]
+            dist.all_gather(parts, t.to(dev), group=self.ctx.group)
+            ranks = torch.stack([p.cpu() for p in parts])  # (world, runs, phases + 1)
+            slowest = ranks[:, :, -1].argmax(dim=0)  # per run, the rank that took longest
+            t = ranks[slowest, torch.arange(t.shape[0])]
+        order = sorted(range(t.shape[0]), key=lambda i: float(t[i, -1]))
+        mid = order[(len(order) - 1) // 2]  # the median run (an actual run: its parts add up)
+        out = {}
+        for j, n in enumerate(names + ["total"]):
+            col = t[:, j].tolist()
+            q = _summary(col, self.method)
+            out[n] = Timing(col[mid], q.p10_us, q.p90_us, q.reps, q.method)
+        return out
 
 
 def _summary(samples_us: list[float], method: str) -> Timing:
@@ -205,7 +234,7 @@ class RankCaseResult:
     """out (M_r, H): this rank's output rows; rows: [start, stop) in the full batch;
     tokens_per_rank: M_r of every rank (DP path) or M everywhere (TP path);
     pairs_per_rank: (token, expert) pairs each rank's experts compute (the expert load);
-    phases: {phase: Timing} (slowest rank per sample) when timed, with "total" the whole layer."""
+    phases: {phase: Timing} of the runs' slowest rank, with "total" the whole layer (PhaseTimer)."""
 
     out: torch.Tensor
     rows: tuple[int, int]
@@ -277,8 +306,9 @@ def run_rank_case(
     x_full (M, H), w13_full (E, 2I, H), w2_full (E, H, I), topk_* (M, K): identical on all ranks.
     The kernel's prepare/finalize must use the run's group. Returns this rank's output rows
     (compare with reference rows `result.rows` of the full batch); with time_phases, also
-    `warmup` untimed and `reps` timed runs: per-phase Timings and "total" (whole layer between
-    two barriers). All timing is collective; the figures are the same on every rank.
+    `warmup` untimed and `reps` timed runs: "total" (the whole layer, after a barrier) and the
+    phases of the same runs (PhaseTimer). All timing is collective; the figures are the same on
+    every rank.
     """
     layout.validate_shape(w13_full.shape[0], w2_full.shape[-1])
     w13, w2 = layout.shard_weights(w13_full, w2_full, ctx.rank)
@@ -303,10 +333,7 @@ def run_inputs(
         _layer(kernel, inp, ctx, off)
     timer = PhaseTimer(ctx)
     for _ in range(reps):
-        _layer(kernel, inp, ctx, timer)
-    total = PhaseTimer(ctx)
-    for _ in range(reps):
-        with total.phase("total"):
-            _layer(kernel, inp, ctx, off)
-    result.phases = {**timer.summarise(), **total.summarise()}
+        with timer.run():
+            _layer(kernel, inp, ctx, timer)
+    result.phases = timer.summarise()
     return result
