@@ -156,3 +156,10 @@ def test_presets_answer_on_a_cpu_in_their_shipped_precision(tmp_path):
         assert precision in set(ok.dtype) and "wins" in (run / "compare.md").read_text()
         if model == "mixtral-8x22b":  # 8 experts on 32 ranks: one EP8 group per replica, as TP8 per node
             assert set(summary.layout) == {"TP8x4", "EP8x4"} and (summary.replicas == 4).all()
+
+
+def test_simulated_sweep_where_nothing_runs_is_refused_before_any_folder(tmp_path):
+    out = tmp_path / "out"
+    assert_bad_input(moebench_inproc("sweep", *SHAPE, "--tokens", "1", "--ep", "2", "--simulate", "--experts", "aiter",
+                                     "--out", str(out)), "no pair of --experts and --prepare-finalize can run here")
+    assert not out.exists()

@@ -265,8 +265,10 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     elif link_gbps is not None or link_name:
         raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
     check_sweep_fits(spec, mode)  # before the run folder exists: a refused sweep writes nothing
-    if mode in ("single", "spawn", "torchrun"):  # nothing modeled: what cannot run here is known now
-        check_some_pair_runs(specs)
+    # what cannot run here is known now (a simulated run as it plans: every transport modeled)
+    from moebench.sweep import simulated_spec
+
+    check_some_pair_runs([simulated_spec(sp) if mode == "simulate" else sp for sp in specs])
     config_search_dirs()  # a MOEBENCH_CONFIG_DIR that is no folder is refused now, not at each lookup
     meta = {"command": "sweep", "argv": sys.argv[1:],
             "options": _run_options(click.get_current_context(), device=device, tokens=",".join(map(str, tok))),
