@@ -161,3 +161,37 @@ def test_poison_catches_unwritten_output():
     assert torch.isnan(buf).all()
     ref = torch.ones(2, 3, dtype=torch.float64)
     assert relative_error(buf, ref) == float("inf")
+
+
+def test_apply_marks_its_phases_for_a_runner():
+    """FusedMoEKernel.apply enters dispatch, experts, combine in turn on the hook a runner passes;
+    MoELayer's separate shared MLP counts as more experts; without a hook nothing changes."""
+    import contextlib
+
+    from moebench.kernels.layer import MoELayer
+    from moebench.kernels.reference import reference_moe
+    from moebench.routing import make_routing
+
+    class Marks:
+        def __init__(self):
+            self.seen = []
+
+        @contextlib.contextmanager
+        def phase(self, name):
+            self.seen.append(name)
+            yield
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=g)
+    w13, w2 = torch.randn(4, 24, 16, generator=g) * 0.25, torch.randn(4, 16, 12, generator=g) * 0.3
+    tw, ids = make_routing("uniform", 5, 4, 2, seed=1)
+    for pf, ex in (("no-dpep", "torch"), ("batched-local", "batched-torch")):
+        kernel, marks = make_kernel(ex, pf), Marks()
+        out = kernel.apply(x, w13, w2, tw, ids, phases=marks)
+        assert marks.seen == ["dispatch", "experts", "combine"]
+        assert torch.equal(out, kernel.apply(x, w13, w2, tw, ids))
+        assert relative_error(out, reference_moe(x, w13, w2, tw, ids)) < 1e-4
+    sw13, sw2 = torch.randn(1, 24, 16, generator=g) * 0.25, torch.randn(1, 16, 12, generator=g) * 0.3
+    marks = Marks()
+    MoELayer(make_kernel("torch", "no-dpep"), shared_w13=sw13, shared_w2=sw2).apply(x, w13, w2, tw, ids, phases=marks)
+    assert marks.seen == ["dispatch", "experts", "combine", "experts"]

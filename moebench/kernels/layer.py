@@ -27,7 +27,7 @@ import torch
 from moebench.activation import SILU, Activation
 from moebench.errors import MoebenchError
 from moebench.inputs import make_weights
-from moebench.kernels.modular import ExpertBias, FusedMoEKernel
+from moebench.kernels.modular import NO_PHASES, ExpertBias, FusedMoEKernel
 from moebench.kernels.reference import act_and_mul, reference_moe
 from moebench.quant import quantize_weights, scheme_of
 
@@ -281,13 +281,16 @@ class MoELayer:
     def name(self) -> str:
         return self.kernel.name
 
-    def apply(self, x, w13, w2, topk_weights, topk_ids, expert_map=None, num_experts=None) -> torch.Tensor:
+    def apply(self, x, w13, w2, topk_weights, topk_ids, expert_map=None, num_experts=None, phases=None) -> torch.Tensor:
+        """The kernel's apply (its phases under `phases`, FusedMoEKernel.apply), then the separate
+        shared MLP, timed as more of the "experts" phase."""
         out = self.kernel.apply(x, w13, w2, topk_weights, topk_ids, expert_map, num_experts,
-                                activation=self.activation, bias=self.bias)
+                                activation=self.activation, bias=self.bias, phases=phases)
         if self.shared_w13 is not None:
-            rows = self.shared_rows or slice(None)
-            out[rows] += shared_mlp(x[rows], self.shared_w13, self.shared_w2, self.activation,
-                                    None if self.shared_gate is None else self.shared_gate[rows])
+            with (phases if phases is not None else NO_PHASES).phase("experts"):
+                rows = self.shared_rows or slice(None)
+                out[rows] += shared_mlp(x[rows], self.shared_w13, self.shared_w2, self.activation,
+                                        None if self.shared_gate is None else self.shared_gate[rows])
         return out
 
 

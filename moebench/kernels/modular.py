@@ -321,6 +321,17 @@ class Experts(ABC):
         """
 
 
+class _NoPhases:
+    """The phase hook of a call nobody times."""
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+
+NO_PHASES = _NoPhases()
+
+
 class FusedMoEKernel:
     """prepare -> experts -> finalize. Final: plug halves in, do not subclass."""
 
@@ -383,18 +394,25 @@ class FusedMoEKernel:
         *,
         activation: Activation = SILU,
         bias: ExpertBias | None = None,
+        phases=None,
     ) -> torch.Tensor:
         """x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_* (M, K) -> (M, H).
 
         expert_map (E,) maps global to local expert ids (-1 = remote); num_experts is the global E
         (defaults to w13.shape[0] when there is no expert_map). activation / bias: the experts'
-        function and per-expert biases (moebench.activation, ExpertBias).
+        function and per-expert biases (moebench.activation, ExpertBias). phases: where a runner
+        times the three steps - an object whose `phase(name)` is a context manager, entered as
+        "dispatch", "experts" and "combine" in turn (moebench.runtime.rank_case.PhaseTimer).
         """
+        marks = phases if phases is not None else NO_PHASES
         self.experts.check_activation(activation, bias, scheme_of(w13))
-        prep = self.prepare(x, w13, w2, topk_weights, topk_ids, expert_map, num_experts)
-        if activation == SILU and bias is None:  # the plain layer: any backend's apply(prep, w13, w2)
-            out = self.experts.apply(prep, w13, w2)
-        else:
-            out = self.experts.apply(prep, w13, w2, activation=activation, bias=bias)
-        war = self.prepare_finalize.resolve(self.experts.weight_and_reduce())
-        return self.prepare_finalize.finalize(out, prep, topk_weights, war)
+        with marks.phase("dispatch"):
+            prep = self.prepare(x, w13, w2, topk_weights, topk_ids, expert_map, num_experts)
+        with marks.phase("experts"):
+            if activation == SILU and bias is None:  # the plain layer: any backend's apply(prep, w13, w2)
+                out = self.experts.apply(prep, w13, w2)
+            else:
+                out = self.experts.apply(prep, w13, w2, activation=activation, bias=bias)
+        with marks.phase("combine"):
+            war = self.prepare_finalize.resolve(self.experts.weight_and_reduce())
+            return self.prepare_finalize.finalize(out, prep, topk_weights, war)

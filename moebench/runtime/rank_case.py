@@ -181,8 +181,8 @@ class PhaseTimer:
         if self.cuda:
             end.synchronize()
         phases, prev = {}, self._marks[0][1]
-        for name, m in self._marks[1:]:
-            phases[name] = self._us(prev, m)
+        for name, m in self._marks[1:]:  # a phase entered twice (the shared MLP: "experts") adds up
+            phases[name] = phases.get(name, 0.0) + self._us(prev, m)
             prev = m
         self.runs.append((phases, self._us(self._marks[0][1], end)))
         self._marks = None
@@ -259,23 +259,16 @@ def _imbalance(n: list[int]) -> float:
 
 
 def _layer(kernel: FusedMoEKernel, inp: RankInputs, ctx: RankContext, timer: PhaseTimer) -> torch.Tensor:
-    """prepare -> experts -> finalize (-> all-reduce), each phase under `timer`."""
-    pf, ex = kernel.prepare_finalize, kernel.experts
+    """The kernel's apply with its phases under `timer` (FusedMoEKernel.apply's hook); on the TP
+    path, where nothing is dispatched, the whole apply is "experts", then the all-reduce."""
+    args = (inp.x, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids, inp.expert_map, inp.num_experts)
     if inp.all_reduce:
         with timer.phase("experts"):
-            prep = kernel.prepare(inp.x, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids, inp.expert_map, inp.num_experts)
-            out = ex.apply(prep, inp.w13, inp.w2)
-            y = pf.finalize(out, prep, inp.topk_weights, pf.resolve(ex.weight_and_reduce()))
+            y = kernel.apply(*args)
         with timer.phase("allreduce"):
             y = _all_reduce(y.contiguous(), ctx)
         return y
-    with timer.phase("dispatch"):
-        prep = kernel.prepare(inp.x, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids, inp.expert_map, inp.num_experts)
-    with timer.phase("experts"):
-        out = ex.apply(prep, inp.w13, inp.w2)
-    with timer.phase("combine"):
-        y = pf.finalize(out, prep, inp.topk_weights, pf.resolve(ex.weight_and_reduce()))
-    return y
+    return kernel.apply(*args, phases=timer)
 
 
 def _all_reduce(y: torch.Tensor, ctx: RankContext) -> torch.Tensor:
