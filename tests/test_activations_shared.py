@@ -351,7 +351,8 @@ def test_cli_applies_quantization_config_and_runs_shared(tmp_path):
     (("--model", "gpt-oss-20b", "--tokens", "1"), "mxfp4"),
     (("--num-experts", "4", "--topk", "2", "--hidden", "16", "--intermediate", "8", "--activation", "relu"),
      "unknown activation"),
-    (("--model", "deepseek-v2-lite", "--dtype", "fp32", "--tokens", "1", "--world-size", "2", "--tp", "2"), "real ranks"),
+    (("--model", "deepseek-v2-lite", "--dtype", "fp32", "--tokens", "1", "--world-size", "2", "--tp", "2",
+      "--shared-experts", "fused"), "real ranks"),
 ])
 def test_cli_bad_combinations_exit_2(tmp_path, args, msg):
     from moebench.quant import QUANT_DTYPES
@@ -362,3 +363,27 @@ def test_cli_bad_combinations_exit_2(tmp_path, args, msg):
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert msg in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) <= 2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_real_ranks_run_the_whole_layer(tmp_path, world):
+    """Real gloo ranks run the model's layer: swigluoai with expert biases and a gated separate
+    shared MLP, TP (shards, all-reduced) and EP (each rank's own tokens), checked against the
+    float64 reference of the whole layer."""
+    from moebench.layout import ParallelLayout
+    from moebench.models import custom_shape
+    from moebench.results import RunStore
+    from moebench.sweep import SweepSpec, run_multirank
+
+    shape = custom_shape(8, 2, 32, 16, shared_experts=1, shared_intermediate=32, shared_gate=True)
+    for name, lay in (("tp", ParallelLayout.from_args(world, None, None, None)),
+                      ("ep", ParallelLayout.from_args(None, None, world, None))):
+        spec = SweepSpec(shape=shape, tokens=[5], layout=lay, experts=["torch", "batched-torch"],
+                         prepare_finalize=["no-dpep", "allgather-rs", "all2all-ll"], dtype=torch.float32,
+                         activation=Activation("swigluoai"), bias=True, shared="separate", reps=1, warmup=0)
+        folder = tmp_path / name
+        RunStore(folder, metadata={}).close()
+        run_multirank(spec, folder, world_size=world)
+        rows = [r for r in RunStore(folder).rows if r.status != "skipped"]
+        assert rows and all(r.status == "ok" and r.correct for r in rows), [(r.reason, r.max_rel_err) for r in rows]
+        assert all(r.shared_experts == "separate" and r.expert_bias and not r.modeled for r in rows)

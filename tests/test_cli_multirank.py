@@ -138,3 +138,17 @@ def test_sweep_under_torchrun(tmp_path):
     assert meta["mode"] == "torchrun"
     ok = df[df.status == "ok"]
     assert len(ok) == 2 and ok.correct.all() and set(ok.prepare_finalize) == {"allgather-rs", "all2all-ll"}
+
+
+def test_real_ranks_run_the_models_activation(tmp_path):
+    """--world-size runs the layer's own activation on real ranks (TP and EP), checked against the
+    reference of that layer; fused shared experts are refused with the way out."""
+    for name, layout in (("tp", ["--tp", "2"]), ("ep", ["--ep", "2"])):
+        res = moebench("sweep", *SHAPE, "--tokens", "3", "--world-size", "2", *layout, "--activation", "swigluoai",
+                       "--experts", "torch,batched-torch", "--out", str(tmp_path / name))
+        assert res.returncode == 0, res.stderr
+        df, _ = _rows(tmp_path / name)
+        ok = df[df.status == "ok"]
+        assert len(ok) and (ok.activation == "swigluoai").all() and ok.correct.all() and not ok.modeled.any()
+    assert_bad_input(moebench_inproc("sweep", "--model", "qwen2-moe-a2.7b", "--world-size", "2", "--tp", "2",
+                                     "--shared-experts", "fused", "--out", str(tmp_path / "f")), "--shared-experts separate")

@@ -108,8 +108,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         check_named_experts_quant(spec.experts, quant)
     if plot_path is not None:
         check_plot_file(plot_path)
-    plain_layer = act.name == "silu" and not bias and modes[0] == "none"
-    check_ranks = (device == "cpu" and not no_check and world_size <= gpus_per_node and plain_layer
+    check_ranks = (device == "cpu" and not no_check and world_size <= gpus_per_node and modes[0] != "fused"
                    and shape.num_experts >= world_size)
     if check_ranks:  # all ranks of each layout at once on this host: refuse before anything is written
         from moebench.compare import layout_specs as _specs

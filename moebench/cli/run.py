@@ -241,9 +241,9 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
 
     ctx = join_torchrun()  # None outside torchrun
     mode, notice = choose_mode(layout, device, simulate, world_size, ctx)
-    if mode in ("spawn", "torchrun") and (act.name != "silu" or bias or any(sm != "none" for sm in shared_modes)):
-        raise MoebenchError("real ranks (--world-size / torchrun) time the plain silu layer without shared experts: "
-                            "add --simulate, or --activation silu --shared-experts none")
+    if mode in ("spawn", "torchrun") and "fused" in shared_modes:
+        raise MoebenchError("real ranks (--world-size / torchrun) run shared experts as a separate MLP, not fused into "
+                            "the routed experts: use --shared-experts separate (or none), or add --simulate")
     if notice:
         say(console, Text.assemble(("notice:", "yellow"), f" {notice}"))
     link = link_why = None

@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
-from moebench.cases import CaseRunner, batch_inputs, base_row, fill_metrics, run_cases
+from moebench.cases import CaseRunner, batch_inputs, base_row, fill_metrics, rank_layer, run_cases, shared_gate
 from moebench.correctness import is_correct, relative_error
-from moebench.inputs import check_fits, rank_weights
+from moebench.inputs import check_fits
+from moebench.kernels.layer import MoELayer, layer_reference
 from moebench.kernels.modular import poisoned_outputs
-from moebench.kernels.reference import reference_moe
 from moebench.backends import get_prepare_finalize_class, make_kernel
 from moebench.results import RunStore
 from moebench.routing import load_imbalance
@@ -136,7 +136,15 @@ class RankRunner(CaseRunner):
         e_local = len(lay.local_experts(ctx.rank, s.num_experts)) if lay.enable_ep else s.num_experts
         check_fits(e_local, s.hidden, lay.intermediate_per_rank(s.intermediate),
                    spec.batch_tokens(max(spec.tokens), True), s.topk, spec.dtype, spec.device)
-        (self.w13, self.w2), self.unquantized = rank_weights(spec, ctx.rank, keep_unquantized=spec.check)
+        # The rank's whole layer (biases, separate shared MLP) as the simulated runner makes it: the
+        # shared MLP replicated where tokens move (each EP rank serves its own), sharded over I where
+        # they stay (TP: the all-reduce sums it)
+        moves = lay.enable_ep and lay.dp > 1
+        experts = lay.local_experts(ctx.rank, s.num_experts) if lay.enable_ep else range(s.num_experts)
+        tp_rank, tp_size = (0, 1) if lay.enable_ep else (ctx.rank, lay.moe_tp_size)
+        self.lw = rank_layer(spec, experts, tp_rank=tp_rank, tp_size=tp_size,
+                             shared_shard=(0, 1) if moves else (ctx.rank, lay.world_size))
+        self.w13, self.w2 = self.lw.w13, self.lw.w2
         self.emap = lay.expert_map(ctx.rank, s.num_experts)
         # The bar counts and names only the cases that run (not skipped pairs, not resumed rows).
         todo = sum(base_row(spec, m, pf, ex).key() not in self.done for m in spec.tokens for pf, ex in runnable)
@@ -164,18 +172,26 @@ class RankRunner(CaseRunner):
         # the run with its message.
         kernel = make_kernel(ex, pf, prepare_finalize_kwargs=prepare_finalize_kwargs(pf, ctx, lay, m, max(spec.tokens)))
         inp = rank_inputs(ctx, kernel.prepare_finalize, x_full, self.w13, self.w2, s.num_experts, wts, ids, lay)
+        lo, hi = inp.rows
+        gate = shared_gate(spec, x_full, m)
+        lw = self.lw
+        kernel = MoELayer(kernel, spec.activation, lw.bias, lw.shared_w13, lw.shared_w2,
+                          None if gate is None else gate[lo:hi].to(dev))
         with poisoned_outputs(spec.check):
             out = run_inputs(ctx, kernel, inp).out
         timing = spec.timing_kwargs()
         timed = run_inputs(ctx, kernel, inp, time_phases=True, warmup=timing["warmup"], reps=timing["reps"])
         if spec.check:
-            lo, hi = inp.rows
-            refs = [(self.w13, self.w2)] + ([self.unquantized] if self.unquantized is not None else [])
             emap = None if self.emap is None else self.emap.to(dev)
             errs = []
-            for r13, r2 in refs:  # the kernels' weights; then (fp8) the unquantised ones
-                ref = reference_moe(x_full.to(dev), r13, r2, wts.to(dev), ids.to(dev), emap)
-                ref = _all_reduce(ref, ctx)  # TP: partial sums of the shards
+            # the kernels' layer; then (fp8) the unquantised one. Each rank's reference is its partial
+            # sum (its experts or shards, its own tokens' shared MLP where tokens move); summed over
+            # ranks it is the whole layer
+            for rl in [lw] + ([lw.unquantized] if lw.unquantized is not None else []):
+                g = None if gate is None else gate.to(dev)
+                args = (x_full.to(dev), rl.w13, rl.w2, wts.to(dev), ids.to(dev), emap, s.num_experts)
+                ref = layer_reference(rl, args, spec.activation, g, slice(lo, hi) if moves_tokens else None)
+                ref = _all_reduce(ref, ctx)
                 err = torch.tensor([relative_error(out, ref[lo:hi]) if hi > lo else 0.0], dtype=torch.float64,
                                    device=dev)
                 errs.append(float(_all_reduce(err, ctx, dist.ReduceOp.MAX).item()))
