@@ -25,8 +25,8 @@ def test_compare_past_one_node(tmp_path):
     summaries = {}
     for rdma in ("rdma-400g", "rdma-800g"):
         out = tmp_path / rdma
-        res = moebench("compare", "tp-vs-ep", *SHAPE, "--world-size", "32", "--tokens", "32,1024", "--rdma", rdma,
-                       "--experts", "torch,batched-torch", "--no-check", "--out", str(out), timeout=600)
+        res = moebench_inproc("compare", "tp-vs-ep", *SHAPE, "--world-size", "32", "--tokens", "32,1024", "--rdma", rdma,
+                       "--experts", "torch,batched-torch", "--no-check", "--out", str(out))
         assert res.returncode == 0, res.stderr
         assert "TP8x4" in res.stdout and "EP32" in res.stdout and "one TP replica per node" in res.stdout
         summary, rows, run = _summary(out)
@@ -62,10 +62,10 @@ def test_compare_uses_a_measured_fit_and_says_so(tmp_path):
     env_file = os.environ.get("MOEBENCH_LINK_FILE")
     os.environ["MOEBENCH_LINK_FILE"] = str(link)
     try:
-        res = moebench("compare", "tp-vs-ep", *SHAPE, "--world-size", "4", "--tokens", "8", "--experts", "torch",
+        res = moebench_inproc("compare", "tp-vs-ep", *SHAPE, "--world-size", "4", "--tokens", "8", "--experts", "torch",
                        "--no-check", "--out", str(tmp_path / "res"))
         link.write_text('{"device_name": "H200", "transports": {"nccl-all-reduce": {"alpha_us": -1}}}')
-        bad = moebench("compare", "tp-vs-ep", *SHAPE, "--world-size", "4", "--tokens", "8", "--no-check",
+        bad = moebench_inproc("compare", "tp-vs-ep", *SHAPE, "--world-size", "4", "--tokens", "8", "--no-check",
                        "--out", str(tmp_path / "res2"))
     finally:
         if env_file is None:
@@ -84,7 +84,7 @@ def test_compare_uses_a_measured_fit_and_says_so(tmp_path):
 
 
 def test_sweep_simulated_ep16(tmp_path):
-    res = moebench("sweep", *SHAPE, "--tokens", "4", "--ep", "16", "--simulate", "--experts", "batched-torch",
+    res = moebench_inproc("sweep", *SHAPE, "--tokens", "4", "--ep", "16", "--simulate", "--experts", "batched-torch",
                    "--prepare-finalize", "all2all-ll", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     run = next(tmp_path.iterdir())
@@ -107,13 +107,14 @@ def test_bad_cluster_input(tmp_path):
 
 
 def test_comm_answers_a_users_question():
-    res = moebench("comm", "--transport", "nccl-all-reduce", "--op", "all-reduce", "--gpu", "H200", "--world-size", "8",
-                   "--bytes", "4e6", "--json")
+    res = moebench_inproc("comm", "--transport", "nccl-all-reduce", "--op", "all-reduce", "--gpu", "H200",
+                          "--world-size", "8", "--bytes", "4e6", "--json")
     assert res.returncode == 0, res.stderr
     d = json.loads(res.stdout)
     assert 40 < d["time_us"] < 70 and d["nearest"] and d["nearest"][0]["ratio"] > 0
-    text = moebench("comm", "--transport", "deepep-ll", "--op", "dispatch", "--gpu", "H200", "--world-size", "32",
-                    "--tokens", "128", "--hidden", "7168", "--topk", "8", "--num-experts", "256", "--dtype", "fp8")
+    text = moebench_inproc("comm", "--transport", "deepep-ll", "--op", "dispatch", "--gpu", "H200", "--world-size",
+                           "32", "--tokens", "128", "--hidden", "7168", "--topk", "8", "--num-experts", "256",
+                           "--dtype", "fp8")
     assert text.returncode == 0, text.stderr
     assert "us (modeled)" in text.stdout and "RDMA" in text.stdout and "nearest published points" in text.stdout
 
@@ -142,8 +143,8 @@ def test_presets_answer_on_a_cpu_in_their_shipped_precision(tmp_path):
     for model, world in (("deepseek-v3", "8"), ("gpt-oss-120b", "32"), ("mixtral-8x22b", "32")):
         out = tmp_path / model
         t0 = time.monotonic()
-        res = moebench("compare", "tp-vs-ep", "--model", model, "--world-size", world, "--device", "cpu",
-                       "--tokens", "1,256,4096", "--no-check", "--out", str(out), timeout=300)
+        res = moebench_inproc("compare", "tp-vs-ep", "--model", model, "--world-size", world, "--device", "cpu",
+                              "--tokens", "1,256,4096", "--no-check", "--out", str(out))
         assert res.returncode == 0, res.stderr
         assert time.monotonic() - t0 < 60
         summary, rows, run = _summary(out)

@@ -24,7 +24,7 @@ def test_compare_world_size_4_qwen3_routing(tmp_path):
     # Qwen3-30B-A3B's 128 experts and top-8 with small hidden sizes: the same TP4 / EP4 paths on 4
     # real gloo ranks in ~25 s on a 2-core machine instead of ~260 s at the model's own sizes
     plot = tmp_path / "cmp.png"
-    res = moebench("compare", "tp-vs-ep", "--num-experts", "128", "--topk", "8", "--hidden", "256", "--intermediate",
+    res = moebench_inproc("compare", "tp-vs-ep", "--num-experts", "128", "--topk", "8", "--hidden", "256", "--intermediate",
                    "96", "--world-size", "4", "--tokens", "1,16,128", "--experts", "torch,batched-torch",
                    "--out", str(tmp_path / "res"), "--plot", str(plot), timeout=900)
     assert res.returncode == 0, res.stderr
@@ -95,12 +95,12 @@ def test_summarize_crossover_and_reason():
 def test_report_merges_and_highlights(tmp_path):
     args = ["--num-experts", "6", "--topk", "2", "--hidden", "24", "--intermediate", "16"]
     for toks, exp in (("1,4", "torch"), ("1,4", "batched-torch")):
-        r = moebench("sweep", *args, "--tokens", toks, "--experts", exp, "--out", str(tmp_path / "runs"))
+        r = moebench_inproc("sweep", *args, "--tokens", toks, "--experts", exp, "--out", str(tmp_path / "runs"))
         assert r.returncode == 0, r.stderr
     folders = sorted((tmp_path / "runs").iterdir())
     html = tmp_path / "r.html"
     plot = tmp_path / "r.png"
-    res = moebench("report", *map(str, folders), "--format", "html", "--out", str(html), "--plot", str(plot))
+    res = moebench_inproc("report", *map(str, folders), "--format", "html", "--out", str(html), "--plot", str(plot))
     assert res.returncode == 0, res.stderr
     text = html.read_text()
     assert "data:image/png;base64," in text and "#c6efce" in text
@@ -109,13 +109,13 @@ def test_report_merges_and_highlights(tmp_path):
     assert "<h1>moebench report: custom (E=6, topk=2, H=24, I=16), 1 rank" in text
     _png_has_content(plot, min_w=400, min_h=250)
     md = tmp_path / "r.md"
-    res = moebench("report", *map(str, folders), "--format", "md", "--out", str(md))
+    res = moebench_inproc("report", *map(str, folders), "--format", "md", "--out", str(md))
     assert res.returncode == 0
     lines = md.read_text().splitlines()
     body = [x for x in lines[4:] if x.startswith("| ")]
     assert len(body) == 2 and all(x.count("**") == 2 for x in body)  # one fastest per token count
     assert "imbalance" in lines[2]
-    res = moebench("report", str(tmp_path / "nothing-here"))
+    res = moebench_inproc("report", str(tmp_path / "nothing-here"))
     assert_bad_input(res, "does not exist")
 
 
@@ -138,7 +138,7 @@ def test_report_keeps_precisions_apart():
 def test_default_job_on_a_cpu_is_the_modeled_answer(tmp_path):
     """`bash setup.sh` without arguments runs `moebench demo`: on a CPU the modeled TP-vs-EP answer for
     H200s with the check of what ran here, then the next commands."""
-    res = moebench("demo", "--model", "mixtral-8x7b", "--world-size", "2", "--tokens", "1,64", "--out", str(tmp_path),
+    res = moebench_inproc("demo", "--model", "mixtral-8x7b", "--world-size", "2", "--tokens", "1,64", "--out", str(tmp_path),
                    timeout=300)
     assert res.returncode == 0, res.stderr
     assert "no GPU here" in res.stdout and "modeled" in res.stdout and "next:" in res.stdout
