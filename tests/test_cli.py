@@ -95,7 +95,7 @@ def test_unwritable_output_folder(tmp_path):
 
 def test_too_large_for_memory():
     # 4096 experts of 16384 x 65536: ~26 TB of fp32 weights
-    res = moebench("sweep", "--num-experts", "4096", "--topk", "2", "--hidden", "16384", "--intermediate", "65536",
+    res = moebench_inproc("sweep", "--num-experts", "4096", "--topk", "2", "--hidden", "16384", "--intermediate", "65536",
                    "--tokens", "1", "--experts", "torch", "--prepare-finalize", "no-dpep")
     assert_bad_input(res, "needs about", "--tp/--ep")
 
@@ -106,7 +106,7 @@ def test_click_usage_error_is_one_line():
 
 
 def test_sweep_end_to_end(tmp_path):
-    res = moebench("sweep", *SMALL[:-2], "--tokens", "0,1,5", "--out", str(tmp_path), "--format", "csv,json,md")
+    res = moebench_inproc("sweep", *SMALL[:-2], "--tokens", "0,1,5", "--out", str(tmp_path), "--format", "csv,json,md")
     assert res.returncode == 0, res.stderr
     runs = list(tmp_path.iterdir())
     assert len(runs) == 1
@@ -135,7 +135,7 @@ def test_sweep_triton_experts_read_the_tuned_file(tmp_path, monkeypatch):
     name = "E=6,N=16,device_name=cpu.json"
     (tmp_path / "cfg" / name).write_text(json.dumps({"triton_version": "3.6.0", "3": entry, "64": entry}))
     monkeypatch.setenv("MOEBENCH_CONFIG_DIR", str(tmp_path / "cfg"))
-    res = moebench("sweep", *SMALL, "--experts", "triton,batched-triton", "--out", str(tmp_path / "out"),
+    res = moebench_inproc("sweep", *SMALL, "--experts", "triton,batched-triton", "--out", str(tmp_path / "out"),
                    "--format", "csv")
     assert res.returncode == 0, res.stderr
     df = pd.read_csv(next((tmp_path / "out").iterdir()) / "results.csv")
@@ -157,14 +157,14 @@ def test_sweep_resume_skips_finished_rows(tmp_path):
 
 
 def test_env_and_models():
-    res = moebench("env", "--json")
+    res = moebench_inproc("env", "--json")
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout)
     names = {b["name"]: b for b in info["backends"]}
     assert names["torch"]["usable"]
     assert not names["deepep-ll"]["usable"] and names["deepep-ll"]["reason"]
     assert not names["aiter"]["usable"] and names["aiter"]["reason"]
-    res = moebench("models")
+    res = moebench_inproc("models")
     assert res.returncode == 0
     for m in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "dbrx", "olmoe-1b-7b"):
         assert m in res.stdout

@@ -4,7 +4,7 @@ import json
 
 import pandas as pd
 
-from test_cli import assert_bad_input, moebench, moebench_inproc
+from test_cli import assert_bad_input, moebench_inproc
 
 SHAPE = ["--num-experts", "10", "--topk", "3", "--hidden", "40", "--intermediate", "24"]
 
@@ -16,7 +16,7 @@ def _rows(folder):
 
 
 def test_ep_world_size_4_real_ranks(tmp_path):
-    res = moebench("sweep", *SHAPE, "--tokens", "0,3,7", "--world-size", "4", "--ep", "4",
+    res = moebench_inproc("sweep", *SHAPE, "--tokens", "0,3,7", "--world-size", "4", "--ep", "4",
                    "--experts", "torch,batched-torch,reference", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     df, meta = _rows(tmp_path)
@@ -35,7 +35,7 @@ def test_ep_world_size_4_real_ranks(tmp_path):
 
 def test_ep_world_size_2_triton_rows_name_their_config(tmp_path):
     # real ranks (gloo): both Triton experts on their exchange, each row says which config it took
-    res = moebench("sweep", *SHAPE, "--tokens", "4", "--world-size", "2", "--ep", "2",
+    res = moebench_inproc("sweep", *SHAPE, "--tokens", "4", "--world-size", "2", "--ep", "2",
                    "--experts", "triton,batched-triton", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     df, _ = _rows(tmp_path)
@@ -45,7 +45,7 @@ def test_ep_world_size_2_triton_rows_name_their_config(tmp_path):
 
 
 def test_tp_world_size_2_all_reduce(tmp_path):
-    res = moebench("sweep", *SHAPE, "--tokens", "5", "--world-size", "2", "--tp", "2",
+    res = moebench_inproc("sweep", *SHAPE, "--tokens", "5", "--world-size", "2", "--tp", "2",
                    "--experts", "torch", "--prepare-finalize", "no-dpep", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     df, _ = _rows(tmp_path)
@@ -54,7 +54,7 @@ def test_tp_world_size_2_all_reduce(tmp_path):
 
 
 def test_simulated_ep_with_notice(tmp_path):
-    res = moebench("sweep", *SHAPE, "--tokens", "4,16", "--ep", "4", "--experts", "torch,batched-torch",
+    res = moebench_inproc("sweep", *SHAPE, "--tokens", "4,16", "--ep", "4", "--experts", "torch,batched-torch",
                    "--routing", "hot:0.5", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert "simulating" in res.stdout
@@ -72,7 +72,7 @@ def test_simulated_ep_with_notice(tmp_path):
 
 def test_simulated_ep_triton_rows_name_their_config(tmp_path):
     # the rank's share runs the Triton experts (interpreter here); each row says which config it took
-    res = moebench("sweep", *SHAPE, "--tokens", "4", "--ep", "4", "--experts", "triton,batched-triton",
+    res = moebench_inproc("sweep", *SHAPE, "--tokens", "4", "--ep", "4", "--experts", "triton,batched-triton",
                    "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     df, _ = _rows(tmp_path)
@@ -82,7 +82,7 @@ def test_simulated_ep_triton_rows_name_their_config(tmp_path):
 
 
 def test_simulated_tp_link_override(tmp_path):
-    res = moebench("sweep", *SHAPE, "--tokens", "8", "--tp", "4", "--simulate", "--link-gbps", "10",
+    res = moebench_inproc("sweep", *SHAPE, "--tokens", "8", "--tp", "4", "--simulate", "--link-gbps", "10",
                    "--experts", "torch", "--prepare-finalize", "no-dpep", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     df, meta = _rows(tmp_path)
@@ -101,7 +101,7 @@ def test_multirank_bad_input():
 
 def test_qwen3_ep4_all_pairs(tmp_path):
     """The issue's check: qwen3-30b-a3b on 4 gloo ranks, every pair ok or skipped with a reason."""
-    res = moebench("sweep", "--model", "qwen3-30b-a3b", "--world-size", "4", "--ep", "4", "--dp", "4",
+    res = moebench_inproc("sweep", "--model", "qwen3-30b-a3b", "--world-size", "4", "--ep", "4", "--dp", "4",
                    "--prepare-finalize", "all", "--experts", "torch,batched-torch", "--tokens", "2",
                    "--out", str(tmp_path), timeout=600)
     assert res.returncode == 0, res.stderr
@@ -112,7 +112,7 @@ def test_qwen3_ep4_all_pairs(tmp_path):
 
 
 def test_calibrate_link_on_gloo(tmp_path):
-    res = moebench("env", "--calibrate-link", "--json", cwd=tmp_path)
+    res = moebench_inproc("env", "--calibrate-link", "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout)
     assert "link over 2 ranks" in info["link"] and "not a GPU link" in info["link"]
@@ -144,7 +144,7 @@ def test_real_ranks_run_the_models_activation(tmp_path):
     """--world-size runs the layer's own activation on real ranks (TP and EP), checked against the
     reference of that layer; fused shared experts are refused with the way out."""
     for name, layout in (("tp", ["--tp", "2"]), ("ep", ["--ep", "2"])):
-        res = moebench("sweep", *SHAPE, "--tokens", "3", "--world-size", "2", *layout, "--activation", "swigluoai",
+        res = moebench_inproc("sweep", *SHAPE, "--tokens", "3", "--world-size", "2", *layout, "--activation", "swigluoai",
                        "--experts", "torch,batched-torch", "--out", str(tmp_path / name))
         assert res.returncode == 0, res.stderr
         df, _ = _rows(tmp_path / name)

@@ -17,7 +17,7 @@ import pytest
 from moebench.errors import MoebenchError
 from moebench.quant import QuantScheme
 from moebench.kernels.triton import configs as C
-from test_cli import ROOT, assert_bad_input, moebench
+from test_cli import ROOT, assert_bad_input, moebench_inproc
 
 SIZES = ["--num-experts", "4", "--topk", "2", "--hidden", "64", "--intermediate", "32", "--device", "cpu"]
 FAST = ["--budget", "2", "--reps", "1", "--final-reps", "1"]
@@ -58,14 +58,14 @@ def read_only_dir(tmp_path):
 
 def test_resume_writes_to_the_runs_saved_out_folder(tmp_path):
     out, res = tmp_path / "my-configs", tmp_path / "res"
-    first = moebench("tune", *SIZES, "--tokens", "1", *FAST, "--out", str(out), "--results-dir", str(res),
+    first = moebench_inproc("tune", *SIZES, "--tokens", "1", *FAST, "--out", str(out), "--results-dir", str(res),
                      cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     (out / FILE).unlink()  # as if the run had been cut off before writing it
     (run,) = _run_dirs(res)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    again = moebench("tune", "--resume", str(run), cwd=elsewhere)
+    again = moebench_inproc("tune", "--resume", str(run), cwd=elsewhere)
     assert again.returncode == 0, again.stderr
     assert C.load_config_file(out / FILE).keys() == {1}
     assert not (elsewhere / "results").exists()  # not ./results/configs of wherever it was resumed
@@ -94,7 +94,7 @@ def test_config_file_is_updated_as_each_token_count_finishes(tmp_path):
     assert proc.returncode == 130, err
     assert 1 in C.load_config_file(out / FILE)  # an interrupted run keeps its finished winners
     (run,) = _run_dirs(res)
-    done = moebench("tune", "--resume", str(run), cwd=tmp_path / "res")
+    done = moebench_inproc("tune", "--resume", str(run), cwd=tmp_path / "res")
     assert done.returncode == 0, done.stderr
     assert C.load_config_file(out / FILE).keys() == {1, 4, 8}
 
@@ -110,7 +110,7 @@ def test_tune_out_that_cannot_be_written_fails_before_measuring(tmp_path, where)
     out = {"missing-parent": blocker / "cfg", "parent-is-a-file": blocker / "sub" / "cfg",
            "out-is-a-file": blocker}[where]
     res = tmp_path / "res"
-    r = moebench("tune", *SIZES, "--tokens", "1", *FAST, "--out", str(out), "--results-dir", str(res), cwd=tmp_path)
+    r = moebench_inproc("tune", *SIZES, "--tokens", "1", *FAST, "--out", str(out), "--results-dir", str(res), cwd=tmp_path)
     assert_bad_input(r, "--out", str(out))
     assert _run_dirs(res) == []  # nothing was measured (no run folder, no journal)
 
@@ -118,7 +118,7 @@ def test_tune_out_that_cannot_be_written_fails_before_measuring(tmp_path, where)
 @as_root
 def test_tune_out_read_only_fails_before_measuring(tmp_path, read_only_dir):
     res = tmp_path / "res"
-    r = moebench("tune", *SIZES, "--tokens", "1", *FAST, "--out", str(read_only_dir), "--results-dir", str(res),
+    r = moebench_inproc("tune", *SIZES, "--tokens", "1", *FAST, "--out", str(read_only_dir), "--results-dir", str(res),
                  cwd=tmp_path)
     assert_bad_input(r, "--out", str(read_only_dir))
     assert _run_dirs(res) == []
@@ -135,7 +135,7 @@ def test_compare_plot_that_cannot_be_written_fails_before_the_run(tmp_path, wher
     plot = {"missing-parent": tmp_path / "nowhere" / "x.png", "parent-is-a-file": blocker / "x.png",
             "is-a-folder": tmp_path}[where]
     out = tmp_path / "res"
-    r = moebench(*COMPARE, "--out", str(out), "--plot", str(plot), cwd=tmp_path)
+    r = moebench_inproc(*COMPARE, "--out", str(out), "--plot", str(plot), cwd=tmp_path)
     assert_bad_input(r, "--plot", str(plot))
     assert _run_dirs(out) == []
 
@@ -143,7 +143,7 @@ def test_compare_plot_that_cannot_be_written_fails_before_the_run(tmp_path, wher
 @as_root
 def test_compare_plot_in_a_read_only_folder_fails_before_the_run(tmp_path, read_only_dir):
     out = tmp_path / "res"
-    r = moebench(*COMPARE, "--out", str(out), "--plot", str(read_only_dir / "x.png"), cwd=tmp_path)
+    r = moebench_inproc(*COMPARE, "--out", str(out), "--plot", str(read_only_dir / "x.png"), cwd=tmp_path)
     assert_bad_input(r, "--plot", str(read_only_dir / "x.png"))
     assert _run_dirs(out) == []
 
@@ -168,7 +168,7 @@ def test_report_output_that_cannot_be_written_is_one_line(tmp_path, results_fold
     blocker.write_text("x")
     target = {"missing-parent": tmp_path / "nowhere" / "x", "parent-is-a-file": blocker / "x"}[where]
     target = target.with_suffix(".png" if option == "--plot" else ".md")
-    r = moebench("report", str(results_folder), option, str(target), cwd=tmp_path)
+    r = moebench_inproc("report", str(results_folder), option, str(target), cwd=tmp_path)
     assert_bad_input(r, option, str(target))
     assert not (results_folder / "report.md").exists()  # refused before writing anything
 
@@ -177,7 +177,7 @@ def test_report_output_that_cannot_be_written_is_one_line(tmp_path, results_fold
 @pytest.mark.parametrize("option", ["--out", "--plot"])
 def test_report_output_in_a_read_only_folder_is_one_line(tmp_path, results_folder, read_only_dir, option):
     target = read_only_dir / ("x.png" if option == "--plot" else "x.md")
-    r = moebench("report", str(results_folder), option, str(target), cwd=tmp_path)
+    r = moebench_inproc("report", str(results_folder), option, str(target), cwd=tmp_path)
     assert_bad_input(r, option, str(target))
 
 
@@ -191,10 +191,10 @@ TOKEN_FILE = "E=4,N=32,device_name=cpu,dtype=fp8_w8a8,per_channel_quant=True.jso
 def test_per_token_and_per_tensor_fp8_tunes_keep_separate_files(tmp_path):
     out, res = tmp_path / "cfg", tmp_path / "res"
     common = [*SIZES, "--tokens", "4", *FAST, "--dtype", "fp8_w8a8", "--out", str(out), "--results-dir", str(res)]
-    r = moebench("tune", *common, cwd=tmp_path)
+    r = moebench_inproc("tune", *common, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     tensor_bytes = (out / TENSOR_FILE).read_bytes()
-    r = moebench("tune", *common, "--scales", "token", cwd=tmp_path)
+    r = moebench_inproc("tune", *common, "--scales", "token", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert {p.name for p in out.iterdir()} == {TENSOR_FILE, TOKEN_FILE, "tuned_routing.json"}
     assert (out / TENSOR_FILE).read_bytes() == tensor_bytes  # the per-tensor entries are untouched
@@ -204,7 +204,7 @@ def test_per_token_and_per_tensor_fp8_tunes_keep_separate_files(tmp_path):
     entry = C.load_config_file(out / TOKEN_FILE)[4]
     assert winner == "M{BLOCK_SIZE_M},N{BLOCK_SIZE_N},K{BLOCK_SIZE_K},G{GROUP_SIZE_M},w{num_warps},s{num_stages}".format(**entry)
     # The triton experts look the per-token file up for per-token scales (and only for them).
-    sw = moebench("configs", "list", "--json", "--dir", str(out), cwd=tmp_path)
+    sw = moebench_inproc("configs", "list", "--json", "--dir", str(out), cwd=tmp_path)
     listed = {x["file"]: x for x in json.loads(sw.stdout) if x["dir"] == str(out)}
     assert listed[TOKEN_FILE]["per_channel_quant"] and not listed[TENSOR_FILE]["per_channel_quant"]
     for scales, name in (("token", TOKEN_FILE), ("tensor", TENSOR_FILE)):
@@ -237,10 +237,10 @@ def test_entries_of_another_scheme_are_not_merged_into_a_file(tmp_path):
 
 
 def test_env_says_what_an_fp8_sweep_says_about_the_torch_experts(tmp_path):
-    env = moebench("env", "--json", "--device", "cpu", cwd=tmp_path)
+    env = moebench_inproc("env", "--json", "--device", "cpu", cwd=tmp_path)
     assert env.returncode == 0, env.stderr
     torch_row = next(b for b in json.loads(env.stdout)["backends"] if b["name"] == "torch")
-    sw = moebench("sweep", *SIZES, "--tokens", "2", "--dtype", "fp8_w8a8", "--experts", "torch",
+    sw = moebench_inproc("sweep", *SIZES, "--tokens", "2", "--dtype", "fp8_w8a8", "--experts", "torch",
                   "--prepare-finalize", "no-dpep", "--out", str(tmp_path / "sw"), cwd=tmp_path)
     assert sw.returncode == 2 and not (tmp_path / "sw").exists()  # nothing can run: refused, nothing written
     assert "fp8" not in torch_row["dtypes"]  # no fp8 claimed where the sweep refuses it
@@ -249,7 +249,7 @@ def test_env_says_what_an_fp8_sweep_says_about_the_torch_experts(tmp_path):
 
 
 def test_env_prints_ceilings_as_lines_with_units(tmp_path):
-    r = moebench("env", "--device", "cpu", cwd=tmp_path)
+    r = moebench_inproc("env", "--device", "cpu", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "{'" not in r.stdout and "{\"" not in r.stdout
     lines = r.stdout.splitlines()
@@ -262,7 +262,7 @@ def test_configs_list_sorts_by_e_then_n_as_numbers(tmp_path):
     d = tmp_path / "mine"
     for e, n in ((128, 64), (16, 1024), (8, 512), (16, 96), (8, 64)):
         C.write_config_file(d / C.config_file_name(e, n, "cpu"), {1: cfg})
-    r = moebench("configs", "list", "--json", "--dir", str(d), cwd=tmp_path)
+    r = moebench_inproc("configs", "list", "--json", "--dir", str(d), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert [(x["E"], x["N"]) for x in rows if x["dir"] == str(d)] == [(8, 64), (8, 512), (16, 96), (16, 1024), (128, 64)]
