@@ -1,5 +1,6 @@
-"""End-to-end: run the CLI as a user would (a subprocess of the installed entry point's module;
-bad-input cases through the same entry point in this process, which skips a second start-up)."""
+"""End-to-end: run the CLI as a user would, through its entry point: in this process
+(`moebench_inproc`, which skips a second interpreter start), or as a subprocess of the installed
+module (`moebench`) where a test needs a process of its own (signals, locks, the environment)."""
 
 import contextlib
 import io
