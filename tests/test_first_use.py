@@ -171,7 +171,7 @@ def test_a_garbled_middle_row_is_reported_on_resume(tmp_path):
 def test_sigterm_to_a_two_rank_sweep_keeps_rows_and_says_how_to_resume(tmp_path):
     import signal
 
-    from test_run_safety import _children, _n_lines, _only_run, _running, _wait_for
+    from test_run_safety import _children, _n_lines, _only_run, _running, _stop_all, _wait_for
 
     out = tmp_path / "out"
     # 2 real ranks; every row takes seconds, so the run is still going when the signal comes
@@ -188,12 +188,7 @@ def test_sigterm_to_a_two_rank_sweep_keeps_rows_and_says_how_to_resume(tmp_path)
         parent.send_signal(signal.SIGTERM)  # what slurm and `timeout` send
         _, err = parent.communicate(timeout=60)
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        for r in ranks:
-            if _running(r):
-                os.kill(r, signal.SIGKILL)
+        _stop_all(parent, ranks)
     assert parent.returncode == 143, err
     said = " ".join(err.split())
     assert "interrupted:" in said and f"--resume {run}" in said, err

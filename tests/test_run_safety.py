@@ -243,6 +243,16 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _stop_all(parent, ranks: list[int]) -> None:
+    """A test's clean-up: the parent and every rank it spawned gone, whatever the test left."""
+    if parent.poll() is None:
+        parent.kill()
+        parent.wait()
+    for r in ranks:
+        if _running(r):
+            os.kill(r, signal.SIGKILL)
+
+
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -273,12 +283,7 @@ def test_ranks_die_with_a_killed_parent(tmp_path):
         time.sleep(1.0)
         assert _n_lines(run) == n  # nobody appends any more
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        for r in ranks:
-            if _running(r):
-                os.kill(r, signal.SIGKILL)
+        _stop_all(parent, ranks)
 
 
 # -- item 6: files written through the atomic helper honour the umask ------------------------------

@@ -80,6 +80,15 @@ class RankLayer:
     unquantized: "RankLayer | None" = None
 
 
+def _shared_shard(shape, mode: str, shard: tuple[int, int]) -> tuple[int, int]:
+    """(rank, size) of the shared MLP's I shard, checked: the model has one and it splits evenly."""
+    if not shape.shared_intermediate:
+        raise MoebenchError(f"shared experts {mode}: model {shape.name!r} has none (use --shared-experts none)")
+    if shape.shared_intermediate % shard[1]:
+        raise MoebenchError(f"shared experts: intermediate {shape.shared_intermediate} does not split over {shard[1]} ranks")
+    return shard
+
+
 def _shared_weights(shape, dtype, device, seed, tp_rank, tp_size, interleaved):
     return make_weights([_SHARED_SEED_ID], shape.hidden, shape.shared_intermediate, dtype, device, seed,
                         tp_rank=tp_rank, tp_size=tp_size, interleaved=interleaved)
@@ -118,11 +127,7 @@ def make_rank_layer(shape, e_list, dtype, device, seed, tp_rank, tp_size, activa
     sw13 = sw2 = None
     s = 0
     if mode != "none":
-        if not shape.shared_intermediate:
-            raise MoebenchError(f"shared experts {mode}: model {shape.name!r} has none (use --shared-experts none)")
-        sr, ss = shared_shard or (tp_rank, tp_size)
-        if shape.shared_intermediate % ss:
-            raise MoebenchError(f"shared experts: intermediate {shape.shared_intermediate} does not split over {ss} ranks")
+        sr, ss = _shared_shard(shape, mode, shared_shard or (tp_rank, tp_size))
         sw13, sw2 = _shared_weights(shape, dtype, device, seed, sr, ss, il)
     if mode == "fused":
         w13, w2, s = fuse_shared(w13, w2, sw13, sw2, il)
@@ -150,11 +155,7 @@ def outline_rank_layer(shape, e_list, tp_rank: int, tp_size: int, bias: bool, mo
     sw13 = sw2 = None
     s = 0
     if mode != "none":
-        if not shape.shared_intermediate:
-            raise MoebenchError(f"shared experts {mode}: model {shape.name!r} has none (use --shared-experts none)")
-        _, ss = shared_shard or (tp_rank, tp_size)
-        if shape.shared_intermediate % ss:
-            raise MoebenchError(f"shared experts: intermediate {shape.shared_intermediate} does not split over {ss} ranks")
+        _, ss = _shared_shard(shape, mode, shared_shard or (tp_rank, tp_size))
         si = shape.shared_intermediate // ss
         sw13, sw2 = torch.empty((1, 2 * si, h), **meta), torch.empty((1, h, si), **meta)
     if mode == "fused":

@@ -384,19 +384,16 @@ def fit_group(points: list[Point], fixed_alpha: float | None = None) -> Fit:
     t, op = points[0].key
     sizes = len({p.nvlink_bytes for p in points if p.rdma_bytes == 0})
     max_lines = 1 if fixed_alpha is not None else max(1, min(MAX_LINES, sizes // POINTS_PER_LINE))
-    chosen = None
     for n in range(1, max_lines + 1):
-        loss, (lines, er, ar), ar_free = _fit_lines(points, n, fixed_alpha)
+        _, (lines, er, ar), _ = _fit_lines(points, n, fixed_alpha)
         fit = Fit(t, op, float(lines[0][0]), None if lines[0][1] is None else float(lines[0][1]),
                   None if er is None else float(er), alpha_rdma_us=float(ar),
                   lines=[(float(a), None if e is None else float(e)) for a, e in sorted(lines)])
         fit.alpha_us, fit.eta_nvl = fit.lines[0]
         fit.points = list(points)
         fit.ratios = [p.time_us / fit.predict(p) for p in points]
-        chosen = fit
         if max(abs(r - 1) for r in fit.ratios) <= LINE_TOLERANCE:
             break
-    fit = chosen
     n = len(points)
     src = f"fit of {n} published point{'s' if n > 1 else ''}"
     fit.provenance = {"alpha": src if fixed_alpha is None else f"fixed at {fixed_alpha:.1f} us"}
@@ -860,9 +857,6 @@ class CommModel:
     # -- pricing -------------------------------------------------------------------------------
     def price(self, op, transport: str, traffic: Traffic) -> OpCost:
         """The modeled time of one declared operation (moebench.comm.CommOp) over `transport`."""
-        from moebench.comm import CommOp
-
-        assert isinstance(op, CommOp)
         world = traffic.layout.world_size if op.traffic == "tensor" else traffic.layout.ep_size
         check_world(world, self.gpus_per_node)
         fit = self.fit(transport, op.op)
