@@ -220,7 +220,8 @@ def test_shared_fused_and_separate_match_formula(gated):
 
 
 def test_fused_needs_whole_chunks_and_modes_parse():
-    from moebench.kernels.layer import fused_count, parse_shared_modes
+    from moebench.cli.options import parse_shared_modes
+    from moebench.kernels.layer import fused_count
 
     assert fused_count(5632, 1408) == 4
     with pytest.raises(MoebenchError, match="separate"):

@@ -220,12 +220,39 @@ def resolve_model_precision(shape, dtype: str | None, block_shape: str | None, s
     return dt, quant, f"quantization_config {cq.describe()} (from {src}) not applied: --dtype {dtype or default} given"
 
 
+def parse_shared_modes(value: str | None, has_shared: bool) -> list[str]:
+    """`--shared-experts` (a comma list of none / fused / separate, or all) -> modes; None: separate
+    where the model has shared experts, else none. Asking for fused / separate of a model without
+    shared experts is an error."""
+    from moebench.kernels.layer import SHARED_MODES
+
+    if value is None or value == "":
+        return ["separate" if has_shared else "none"]
+    modes = list(SHARED_MODES) if value.strip() == "all" else [v.strip() for v in value.split(",") if v.strip()]
+    bad = [m for m in modes if m not in SHARED_MODES]
+    if bad or not modes:
+        raise MoebenchError(f"--shared-experts: unknown {', '.join(bad) or '(empty)'}; use a comma list of "
+                            f"{', '.join(SHARED_MODES)}, or all")
+    if not has_shared and any(m != "none" for m in modes):
+        raise MoebenchError("--shared-experts fused/separate: this model has no shared experts (shared_intermediate 0); "
+                            "use --shared-experts none or a model with shared experts")
+    return list(dict.fromkeys(modes))
+
+
+def check_kernel(kernel: str) -> str:
+    """`--kernel` of `tune` / `configs commit`: moebench's own, or an engine's (engine_configs.KERNELS)."""
+    from moebench.kernels.engine_configs import KERNELS
+
+    if kernel not in KERNELS:
+        raise MoebenchError(f"unknown --kernel '{kernel}'; use one of {', '.join(KERNELS)}")
+    return kernel
+
+
 def resolve_layer(shape, activation: str | None, shared: str | None, experts: list[str], experts_given: bool):
     """--activation / --shared-experts against the model -> (Activation, bias, shared modes).
     The activation comes from the model unless given (biases only with the model's own
     swigluoai). Experts named explicitly that cannot compute it are an error."""
     from moebench.activation import Activation, parse_activation
-    from moebench.kernels.layer import parse_shared_modes
     from moebench.backends import get_experts_class
 
     act = parse_activation(activation) or Activation(shape.activation, limit=shape.swiglu_limit)

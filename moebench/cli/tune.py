@@ -26,6 +26,7 @@ from rich.text import Text
 from moebench.cli.options import (
     MODEL_FLAGS,
     PRECISION_FLAGS,
+    check_kernel,
     check_routing,
     console,
     err_console,
@@ -103,7 +104,6 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
          final_reps, dry_run, kernel, down, against):
     """Find the fastest Triton tile config per token count; write the vLLM-format file."""
     from moebench.inputs import dtype_name
-    from moebench.kernels.engine_configs import check_kernel
     from moebench.layout import ParallelLayout
     from moebench.results import new_run_id
     from moebench.tuning import tuner as T
@@ -543,7 +543,7 @@ def configs_commit(files, kernel, allow_cpu):
     """Validate FILES and copy them into the package's config folder of KERNEL (shipped with moebench)."""
     from moebench.kernels import engine_configs as EC
 
-    EC.check_kernel(kernel)
+    check_kernel(kernel)
     checked = []
     for f in files:
         if not f.is_file():

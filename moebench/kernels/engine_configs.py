@@ -42,12 +42,6 @@ KERNELS = ("moebench",) + ENGINES
 _TRITON_DIR_RE = re.compile(r"^triton_\d+_\d+_\d+$")
 
 
-def check_kernel(kernel: str) -> str:
-    if kernel not in KERNELS:
-        raise MoebenchError(f"unknown --kernel '{kernel}'; use one of {', '.join(KERNELS)}")
-    return kernel
-
-
 def engine_experts(engine: str, device: str) -> str:
     """The experts backend that times `engine`'s kernel on `device`: vLLM's own fused_experts
     (`vllm`) where vllm imports on a GPU, else moebench's implementation of the engines' structure

@@ -36,23 +36,6 @@ SHARED_MODES = ("none", "fused", "separate")
 _SHARED_SEED_ID = 1 << 20
 
 
-def parse_shared_modes(value: str | None, has_shared: bool) -> list[str]:
-    """`--shared-experts` (a comma list of none / fused / separate, or all) -> modes; None: separate
-    where the model has shared experts, else none. Asking for fused / separate of a model without
-    shared experts is an error."""
-    if value is None or value == "":
-        return ["separate" if has_shared else "none"]
-    modes = list(SHARED_MODES) if value.strip() == "all" else [v.strip() for v in value.split(",") if v.strip()]
-    bad = [m for m in modes if m not in SHARED_MODES]
-    if bad or not modes:
-        raise MoebenchError(f"--shared-experts: unknown {', '.join(bad) or '(empty)'}; use a comma list of "
-                            f"{', '.join(SHARED_MODES)}, or all")
-    if not has_shared and any(m != "none" for m in modes):
-        raise MoebenchError("--shared-experts fused/separate: this model has no shared experts (shared_intermediate 0); "
-                            "use --shared-experts none or a model with shared experts")
-    return list(dict.fromkeys(modes))
-
-
 def fused_count(shared_intermediate: int, intermediate: int) -> int:
     """S: the shared MLP as S experts of the routed size; an error when it does not split evenly."""
     if shared_intermediate % intermediate:

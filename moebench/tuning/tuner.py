@@ -503,10 +503,11 @@ def _validate(spec: TuneSpec, plan_only: bool = False) -> str | None:
         for k, vals in spec.space.items():
             if k not in SPACE or not vals:
                 raise MoebenchError(f"search space: unknown parameter or empty list {k!r}")
-    from moebench.kernels.engine_configs import check_kernel
+    from moebench.kernels.engine_configs import KERNELS
     from moebench.backends import check_combination
 
-    check_kernel(spec.kernel)
+    if spec.kernel not in KERNELS:
+        raise MoebenchError(f"the tune's kernel '{spec.kernel}' is none of {', '.join(KERNELS)}")
     if spec.down and spec.kernel != "moebench":
         raise MoebenchError(f"--down tunes moebench's own GEMM2 file; --kernel {spec.kernel} runs one config for both GEMMs")
     dev_type = torch.device(spec.device).type
