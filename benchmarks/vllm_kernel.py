@@ -51,12 +51,13 @@ import moebench
 from benchmarks.bench_common import script_setup, timed_us, write_rows
 from moebench.correctness import is_correct, relative_error
 from moebench.inputs import make_weights
-from moebench.kernels.engine_configs import engine_file_name, write_engine_file
+from moebench.kernels.engine_configs import engine_file_name
 from moebench.kernels.triton.configs import TILE_KEYS, load_config_file, nearest_entry
 from moebench.kernels.triton.experts import fused_moe, select_config
 from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.kernels.vllm_triton import vllm_fused_experts
 from moebench.quant import QuantScheme
+from moebench.tuning.files import write_engine_file
 
 #: name: (E, topk, H, I per rank), the engines' file being E=..,N=I. The first four are the tuned
 #: files' shapes (the default); mixtral (TP1) and deepseek-v3-ep8 (one EP8 rank's 32 experts, top-8

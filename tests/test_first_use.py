@@ -401,10 +401,11 @@ def test_report_plot_must_be_a_png_and_a_csv_must_be_a_results_file(tmp_path):
 
 def test_configs_commit_refuses_a_cpu_tuned_file(tmp_path, monkeypatch):
     from moebench.kernels.triton import configs as C
+    from moebench.tuning import files as F
 
     monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
     entry = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=3)
-    cpu = C.write_config_file(tmp_path / "E=4,N=64,device_name=cpu.json", {1: entry})
+    cpu = F.write_config_file(tmp_path / "E=4,N=64,device_name=cpu.json", {1: entry})
     assert_bad_input(moebench_inproc("configs", "commit", cpu), "tuned on a CPU", "--allow-cpu")
     assert not (tmp_path / "pkg").exists()
     res = moebench_inproc("configs", "commit", "--allow-cpu", cpu)

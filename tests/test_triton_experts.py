@@ -49,6 +49,7 @@ from moebench.kernels.triton.options import (
 from moebench.kernels.triton.common import pdl_launch_args
 from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.quant import QuantScheme
+from moebench.tuning import files as F
 
 H, I, E, K = 72, 40, 20, 4
 CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
@@ -703,8 +704,8 @@ def test_gemm2_with_its_own_config_matches_reference(tmp_path, monkeypatch):
     monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
     monkeypatch.chdir(tmp_path)
     dev = C.device_name(w2.device)
-    C.write_config_file(tmp_path / C.config_file_name(E, I, dev), {1: CFG})
-    C.write_config_file(tmp_path / C.config_file_name(E, I, dev, down=True), {1: dict(down, USE_TMA=False)})
+    F.write_config_file(tmp_path / C.config_file_name(E, I, dev), {1: CFG})
+    F.write_config_file(tmp_path / C.config_file_name(E, I, dev, down=True), {1: dict(down, USE_TMA=False)})
     kernel = moebench.make_kernel("triton", "no-dpep")
     out = kernel.apply(x, w13, w2, tw, ti, num_experts=E)
     assert rel_err(out, ref) < TOL[dtype]
@@ -780,7 +781,7 @@ def test_batched_config_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
     monkeypatch.chdir(tmp_path)
     small, big = dict(CFG, num_stages=3), dict(CFG, BLOCK_SIZE_M=128, BLOCK_SIZE_N=128)
-    C.write_config_file(tmp_path / C.config_file_name(8, 768, "cpu"), {4: small, 256: big})
+    F.write_config_file(tmp_path / C.config_file_name(8, 768, "cpu"), {4: small, 256: big})
     exp = BatchedTritonExperts()
     assert exp.config_for(2048, 8, 768, 2048, torch.bfloat16, device_type="cpu", tokens=6) == small
     assert exp.last_config_source.endswith("E=8,N=768,device_name=cpu.json[4]")

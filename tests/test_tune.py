@@ -18,6 +18,7 @@ from moebench.errors import MoebenchError
 from moebench.layout import ParallelLayout
 from moebench.models import custom_shape, get_model
 from moebench.kernels.triton import configs as C
+from moebench.tuning import files as F
 from moebench.tuning import search as S
 from moebench.tuning import space as SP
 from moebench.tuning import tuner as T
@@ -411,10 +412,10 @@ def test_configs_list_show_diff_commit(tmp_path, monkeypatch):
     monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
     pkg = tmp_path / "pkg_configs"
     monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", pkg)
-    a = C.write_config_file(tmp_path / "results" / "configs" / "E=8,N=64,device_name=cpu.json",
+    a = F.write_config_file(tmp_path / "results" / "configs" / "E=8,N=64,device_name=cpu.json",
                             {1: GOOD, 16: GOOD}, triton_version="3.6.0")
     other = dict(GOOD, BLOCK_SIZE_N=128, num_warps=8)
-    b = C.write_config_file(tmp_path / "b" / "E=8,N=64,device_name=cpu.json", {1: GOOD, 16: other, 64: GOOD})
+    b = F.write_config_file(tmp_path / "b" / "E=8,N=64,device_name=cpu.json", {1: GOOD, 16: other, 64: GOOD})
     r = CliRunner()
     g = _group()
 
@@ -437,7 +438,7 @@ def test_configs_list_show_diff_commit(tmp_path, monkeypatch):
     assert res.exit_code == 0 and "added" in res.output
     assert C.load_config_file(pkg / b.name) == C.load_config_file(b)
     assert C.tuned_routing(pkg / b.name) is None  # b's folder records no routing: none committed
-    C.write_tuned_routing(b, (64, 2))  # ...now it does: the routing goes with the file
+    F.write_tuned_routing(b, (64, 2))  # ...now it does: the routing goes with the file
     res = r.invoke(g, ["configs", "commit", "--allow-cpu", str(b)])
     assert "unchanged" in res.output and C.tuned_routing(pkg / b.name) == (64, 2)
     rows = json.loads(r.invoke(g, ["configs", "list", "--json", "--dir", str(pkg)]).output)
@@ -526,7 +527,7 @@ def test_configs_coverage_of_the_presets_usual_layouts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
     monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path / "mine"))
-    C.write_config_file(tmp_path / "mine" / "E=32,N=2048,device_name=NVIDIA_H200.json", {1: GOOD})
+    F.write_config_file(tmp_path / "mine" / "E=32,N=2048,device_name=NVIDIA_H200.json", {1: GOOD})
     g, r = _group(), CliRunner()
     res = r.invoke(g, ["configs", "coverage", "--json"])
     assert res.exit_code == 0, res.output
@@ -610,7 +611,7 @@ def test_configs_show_down(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     entry = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1, "num_warps": 4,
              "num_stages": 5, "USE_TMA": False}
-    C.write_config_file(tmp_path / "E=4,N=32,device_name=cpu_down.json", {1: entry})
+    F.write_config_file(tmp_path / "E=4,N=32,device_name=cpu_down.json", {1: entry})
     g, r = _group(), CliRunner()
     res = r.invoke(g, ["configs", "show", "4,32", "--device", "cpu", "--down", "--json"])
     assert res.exit_code == 0, res.output

@@ -17,6 +17,7 @@ import pytest
 from moebench.errors import MoebenchError
 from moebench.quant import QuantScheme
 from moebench.kernels.triton import configs as C
+from moebench.tuning import files as F
 from test_cli import ROOT, assert_bad_input, moebench_inproc
 
 SIZES = ["--num-experts", "4", "--topk", "2", "--hidden", "64", "--intermediate", "32", "--device", "cpu"]
@@ -220,15 +221,15 @@ def test_per_token_and_per_tensor_fp8_tunes_keep_separate_files(tmp_path):
 def test_entries_of_another_scheme_are_not_merged_into_a_file(tmp_path):
     cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     token = QuantScheme("fp8_w8a8", "token")
-    C.write_config_file(tmp_path / TENSOR_FILE, {1: cfg})
+    F.write_config_file(tmp_path / TENSOR_FILE, {1: cfg})
     before = (tmp_path / TENSOR_FILE).read_bytes()
     with pytest.raises(MoebenchError, match="refusing to merge fp8_w8a8 per-token entries"):
-        C.merge_config_file(tmp_path / TENSOR_FILE, {4: cfg}, quant=token)
+        F.merge_config_file(tmp_path / TENSOR_FILE, {4: cfg}, quant=token)
     with pytest.raises(MoebenchError, match="refusing to merge unquantised entries"):
-        C.merge_config_file(tmp_path / TOKEN_FILE, {4: cfg})
+        F.merge_config_file(tmp_path / TOKEN_FILE, {4: cfg})
     assert (tmp_path / TENSOR_FILE).read_bytes() == before
-    C.merge_config_file(tmp_path / TOKEN_FILE, {4: cfg}, quant=token)
-    C.merge_config_file(tmp_path / TOKEN_FILE, {1: cfg}, quant=token)
+    F.merge_config_file(tmp_path / TOKEN_FILE, {4: cfg}, quant=token)
+    F.merge_config_file(tmp_path / TOKEN_FILE, {1: cfg}, quant=token)
     assert C.load_config_file(tmp_path / TOKEN_FILE).keys() == {1, 4}
 
 
@@ -261,7 +262,7 @@ def test_configs_list_sorts_by_e_then_n_as_numbers(tmp_path):
     cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     d = tmp_path / "mine"
     for e, n in ((128, 64), (16, 1024), (8, 512), (16, 96), (8, 64)):
-        C.write_config_file(d / C.config_file_name(e, n, "cpu"), {1: cfg})
+        F.write_config_file(d / C.config_file_name(e, n, "cpu"), {1: cfg})
     r = moebench_inproc("configs", "list", "--json", "--dir", str(d), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)

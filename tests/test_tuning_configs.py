@@ -9,6 +9,7 @@ import torch
 
 from moebench.errors import MoebenchError
 from moebench.kernels.triton import configs as C
+from moebench.tuning import files as F
 
 GOOD = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 4}
 BIG = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_warps": 8, "num_stages": 3}
@@ -25,7 +26,7 @@ def test_file_name_like_vllm():
 
 
 def test_write_then_load_roundtrip(tmp_path):
-    p = C.write_config_file(tmp_path / "sub" / "x.json", {1: GOOD, "64": BIG}, triton_version="3.6.0")
+    p = F.write_config_file(tmp_path / "sub" / "x.json", {1: GOOD, "64": BIG}, triton_version="3.6.0")
     raw = json.loads(p.read_text())
     assert raw["triton_version"] == "3.6.0" and list(raw) == ["triton_version", "1", "64"]
     assert C.load_config_file(p) == {1: GOOD, 64: BIG}
@@ -76,11 +77,11 @@ def test_lookup_order(tmp_path, monkeypatch):
     cfg, src = C.lookup_config(8, 64, 10, torch.bfloat16, "cpu", hidden=64, topk=2)
     assert src == "default heuristic" and cfg == C.default_config(10, 8, 64, 64, 2, torch.bfloat16)
     # results/configs under the current directory
-    C.write_config_file(tmp_path / "results" / "configs" / name, {1: GOOD})
+    F.write_config_file(tmp_path / "results" / "configs" / name, {1: GOOD})
     cfg, src = C.lookup_config(8, 64, 10, None, "cpu")
     assert cfg == GOOD and src.endswith(f"{name}[1]") and "results" in src
     # $MOEBENCH_CONFIG_DIR wins over results/configs
-    C.write_config_file(env_dir / name, {8: BIG, 1024: GOOD})
+    F.write_config_file(env_dir / name, {8: BIG, 1024: GOOD})
     monkeypatch.setenv(C.ENV_CONFIG_DIR, str(env_dir))
     cfg, src = C.lookup_config(8, 64, 10, None, "cpu")
     assert cfg == BIG and src == f"{env_dir / name}[8]"
@@ -152,7 +153,7 @@ def test_lookup_down_config(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert C.lookup_down_config(4, 8, 16, GOOD, torch.bfloat16, device_name="cpu") == (None, "GEMM1's config")
     down2 = dict(GOOD, BLOCK_SIZE_K=64, num_stages=5)
-    C.write_config_file(tmp_path / C.config_file_name(4, 8, "cpu", down=True), {1: down2, 64: BIG})
+    F.write_config_file(tmp_path / C.config_file_name(4, 8, "cpu", down=True), {1: down2, 64: BIG})
     cfg, src = C.lookup_down_config(4, 8, 16, GOOD, torch.bfloat16, device_name="cpu")
     assert cfg == down2 and src.endswith("_down.json[1]")
     # the entry nearest to 60 tokens has BLOCK_SIZE_M 64, GEMM1's 16: one alignment cannot serve
@@ -167,12 +168,12 @@ def test_tuned_routing_reads_token_keys_as_the_tunes_load(tmp_path, monkeypatch)
     monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
     monkeypatch.chdir(tmp_path)
     path = tmp_path / C.config_file_name(32, 64, "cpu")
-    C.write_config_file(path, {1: GOOD, 8: BIG})
-    C.write_config_file(tmp_path / C.config_file_name(32, 64, "cpu", down=True), {1: GOOD, 8: BIG})
+    F.write_config_file(path, {1: GOOD, 8: BIG})
+    F.write_config_file(tmp_path / C.config_file_name(32, 64, "cpu", down=True), {1: GOOD, 8: BIG})
     # no record: keys are tokens (vLLM's meaning), whatever the layer's routing
     assert C.lookup_config(32, 64, 1, None, "cpu", topk=8, num_experts_global=32) == (GOOD, f"{path}[1]")
-    C.write_tuned_routing(path, (256, 8))
-    C.write_tuned_routing(path.with_name(C.config_file_name(32, 64, "cpu", down=True)), (256, 8))
+    F.write_tuned_routing(path, (256, 8))
+    F.write_tuned_routing(path.with_name(C.config_file_name(32, 64, "cpu", down=True)), (256, 8))
     assert C.tuned_routing(path) == (256, 8)
     assert json.loads((tmp_path / C.ROUTING_FILE).read_text())[path.name] == {"experts": 256, "topk": 8}
     # the tune's own routing: unchanged; unknown topk: unchanged
@@ -187,21 +188,21 @@ def test_tuned_routing_reads_token_keys_as_the_tunes_load(tmp_path, monkeypatch)
     assert down == BIG and dsrc.endswith("_down.json[8] (its routing's load at 8 tokens, here 1)")
     assert C.file_tokens(path, 3, 2, 32) == 6  # top-2 over 32 experts: 2/32 = 2x the tune's 8/256
     # a record for another file or a removed one changes nothing else
-    C.write_tuned_routing(path, None)
+    F.write_tuned_routing(path, None)
     assert C.tuned_routing(path) is None and C.lookup_config(32, 64, 1, None, "cpu", topk=8, num_experts_global=32)[0] == GOOD
 
 
 def test_claim_tuned_routing(tmp_path):
     path = tmp_path / C.config_file_name(32, 64, "cpu")
-    C.claim_tuned_routing(path, 256, 8)  # a new file: recorded before its first entry
+    F.claim_tuned_routing(path, 256, 8)  # a new file: recorded before its first entry
     assert C.tuned_routing(path) == (256, 8)
-    C.write_config_file(path, {1: GOOD})
-    C.claim_tuned_routing(path, 256, 8)  # the same routing again: fine
+    F.write_config_file(path, {1: GOOD})
+    F.claim_tuned_routing(path, 256, 8)  # the same routing again: fine
     with pytest.raises(MoebenchError, match="top-8 over 256 experts; this tune routes top-8 over 32: give another --out"):
-        C.claim_tuned_routing(path, 32, 8)
+        F.claim_tuned_routing(path, 32, 8)
     old = tmp_path / C.config_file_name(16, 64, "cpu")
-    C.write_config_file(old, {1: GOOD})
-    C.claim_tuned_routing(old, 16, 2)  # a file of unknown routing stays unknown
+    F.write_config_file(old, {1: GOOD})
+    F.claim_tuned_routing(old, 16, 2)  # a file of unknown routing stays unknown
     assert C.tuned_routing(old) is None
 
 

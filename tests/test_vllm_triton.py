@@ -35,6 +35,7 @@ from moebench.kernels.vllm_triton import (
 )
 from moebench.quant import QuantScheme, as_float, fake_quant, scheme_of
 from moebench.routing import make_routing
+from moebench.tuning import files as F
 from moebench.tuning import space as SP
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,7 +128,7 @@ def test_through_make_kernel_and_lookup(tmp_path, monkeypatch):
     assert EC.engine_file_name("sglang", 8, 64, "cpu", BLOCK).endswith("block_shape=[128, 128].json")
     assert EC.engine_device_name("vllm", "NVIDIA H200 NVL") == "NVIDIA_H200"
     small = dict(CFG, BLOCK_SIZE_N=32)
-    EC.write_engine_file(tmp_path / "results" / "configs" / "vllm" / name, {1: CFG, 16: small})
+    F.write_engine_file(tmp_path / "results" / "configs" / "vllm" / name, {1: CFG, 16: small})
     assert ex.config_for(9, w2, 8, torch.bfloat16) == small  # nearest key: 16
     assert ex.config_for(8, w2, 8, torch.bfloat16) == CFG  # 8 is nearer 1 than 16
     k = moebench.make_kernel(experts="vllm-triton", prepare_finalize="no-dpep")
@@ -174,7 +175,7 @@ def test_tune_against_an_engine_file(tmp_path, monkeypatch):
     (journal), the winner is never slower than it, and the report and tune.json say so."""
     monkeypatch.chdir(tmp_path)
     shipped = {1: CFG, 8: dict(CFG, BLOCK_SIZE_N=32, num_stages=3)}
-    path = EC.write_engine_file(tmp_path / "shipped" / "E=8,N=64,device_name=cpu.json", shipped)
+    path = F.write_engine_file(tmp_path / "shipped" / "E=8,N=64,device_name=cpu.json", shipped)
     res = CliRunner().invoke(_group(), ["tune", *SIZES, "--kernel", "vllm", "--tokens", "1,6", "--search", "random",
                                         "--budget", "1", "--reps", "1", "--final-reps", "1", "--against", str(path)])
     assert res.exit_code == 0, res.output
@@ -200,8 +201,8 @@ def test_tune_against_an_engine_file(tmp_path, monkeypatch):
 def test_configs_commit_kernel_folders(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
-    v = EC.write_engine_file(tmp_path / "a" / EC.engine_file_name("vllm", 8, 64, "NVIDIA_H200", BLOCK), {1: CFG})
-    s = EC.write_engine_file(tmp_path / "b" / "triton_3_4_0" / EC.engine_file_name("sglang", 8, 64, "NVIDIA_H200", BLOCK),
+    v = F.write_engine_file(tmp_path / "a" / EC.engine_file_name("vllm", 8, 64, "NVIDIA_H200", BLOCK), {1: CFG})
+    s = F.write_engine_file(tmp_path / "b" / "triton_3_4_0" / EC.engine_file_name("sglang", 8, 64, "NVIDIA_H200", BLOCK),
                              {1: CFG})
     g, r = _group(), CliRunner()
     res = r.invoke(g, ["configs", "commit", "--kernel", "vllm", str(v)])
@@ -211,7 +212,7 @@ def test_configs_commit_kernel_folders(tmp_path, monkeypatch):
     assert res.exit_code == 0 and (tmp_path / "pkg" / "sglang" / "triton_3_4_0" / s.name).is_file()
     res = r.invoke(g, ["configs", "commit", "--kernel", "sglang", str(v)])  # vLLM's name in SGLang's folder
     assert isinstance(res.exception, MoebenchError) and "SGLang's" in str(res.exception)
-    moe = C.write_config_file(tmp_path / "c" / "E=8,N=64,device_name=cpu.json", {1: CFG})  # has triton_version
+    moe = F.write_config_file(tmp_path / "c" / "E=8,N=64,device_name=cpu.json", {1: CFG})  # has triton_version
     res = r.invoke(g, ["configs", "commit", "--kernel", "vllm", str(moe)])
     assert isinstance(res.exception, MoebenchError) and "token counts" in str(res.exception)
 

@@ -31,6 +31,7 @@ from moebench.quant import (
     quantize_weight,
     unpack_nibbles,
 )
+from moebench.tuning import files as F
 from moebench.tuning.space import WQ_GROUP_REASON, Problem, prune_reason
 from tests.test_cli import assert_bad_input, moebench as run_cli
 
@@ -252,11 +253,11 @@ def test_config_file_names():
 
 def test_merge_refuses_another_scheme(tmp_path):
     entry = {1: dict(CFG_SMALL_K)}
-    p = C.merge_config_file(tmp_path / "E=4,N=72,device_name=cpu,dtype=int4_w4a16.json", entry,
+    p = F.merge_config_file(tmp_path / "E=4,N=72,device_name=cpu,dtype=int4_w4a16.json", entry,
                             torch.bfloat16, SCHEMES["int4-g64-zp"])
     assert C.load_config_file(p)[1]["BLOCK_SIZE_K"] == 32
     with pytest.raises(MoebenchError, match="refusing"):
-        C.merge_config_file(tmp_path / "E=4,N=72,device_name=cpu,dtype=mxfp4.json", entry, torch.bfloat16,
+        F.merge_config_file(tmp_path / "E=4,N=72,device_name=cpu,dtype=mxfp4.json", entry, torch.bfloat16,
                             SCHEMES["int8"])
 
 

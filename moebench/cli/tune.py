@@ -542,6 +542,7 @@ def configs_coverage(device, as_shards, as_fill, as_json):
 def configs_commit(files, kernel, allow_cpu):
     """Validate FILES and copy them into the package's config folder of KERNEL (shipped with moebench)."""
     from moebench.kernels import engine_configs as EC
+    from moebench.tuning.files import write_tuned_routing
 
     check_kernel(kernel)
     checked = []
@@ -578,5 +579,5 @@ def configs_commit(files, kernel, allow_cpu):
         if not same:
             atomic_write_bytes(dest, f.read_bytes())
         if kernel == "moebench":  # the routing its keys mean goes with it (unknown: none recorded)
-            C.write_tuned_routing(dest, C.tuned_routing(f))
+            write_tuned_routing(dest, C.tuned_routing(f))
         say(console, f"{verb} {dest}")

@@ -27,12 +27,10 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Mapping
 
 from moebench.errors import MoebenchError
-from moebench.fileio import atomic_write_text
 from moebench.kernels.triton import configs as C
-from moebench.kernels.triton.configs import TILE_KEYS, TileConfig
+from moebench.kernels.triton.configs import TileConfig
 from moebench.quant import QuantScheme
 
 #: Engines whose kernel the vllm-triton experts follow (`moebench tune --kernel`).
@@ -155,27 +153,3 @@ def load_engine_file(path: str | os.PathLike) -> dict[int, TileConfig]:
         raise MoebenchError(f"{p}: key(s) {', '.join(map(repr, extra))} are not token counts; an engine file holds "
                             "token counts only (SGLang reads every key as one)")
     return table
-
-
-def write_engine_file(path: str | os.PathLike, table: Mapping[int | str, Mapping[str, int]]) -> Path:
-    """Write {tokens: config} in the engines' format (sorted token keys, the six keys, nothing else), atomically."""
-    p = Path(path)
-    entries = {int(k): C.validate_tile_config(v, f"entry {k!r}") for k, v in table.items() if k != "triton_version"}
-    doc = {str(k): {kk: int(entries[k][kk]) for kk in TILE_KEYS} for k in sorted(entries)}
-    p.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(p, json.dumps(doc, indent=4) + "\n")
-    return p
-
-
-def merge_engine_file(path: str | os.PathLike, entries: Mapping[int, Mapping[str, int]]) -> Path:
-    """Merge `entries` into the engine file at `path` (other token counts kept; an unreadable
-    old file is replaced)."""
-    p = Path(path)
-    merged: dict[int, Mapping[str, int]] = {}
-    if p.is_file():
-        try:
-            merged.update(C.load_config_file(p))
-        except MoebenchError:
-            pass
-    merged.update({int(k): dict(v) for k, v in entries.items()})
-    return write_engine_file(p, merged)

@@ -61,6 +61,7 @@ from moebench.models import MoEShape
 from moebench.quant import QuantScheme
 from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.kernels.triton import configs as C
+from moebench.tuning.files import claim_tuned_routing, merge_config_file, merge_engine_file
 from moebench.tuning.precompile import Precompiler, die_with_parent
 from moebench.tuning.search import (
     STRATEGIES,
@@ -600,7 +601,7 @@ def tune(
     if main:  # before the first measurement: a folder the file cannot go to fails now, not after the search
         ensure_writable_dir(config_path.parent)
         if spec.kernel == "moebench":  # the routing the file's token keys will mean (configs module docstring)
-            C.claim_tuned_routing(config_path, shape.num_experts, shape.topk)
+            claim_tuned_routing(config_path, shape.num_experts, shape.topk)
     if resume is None:
         if run_dir is None and main:
             run_dir = ensure_writable_dir(Path(results_dir)) / new_run_id("tune", shape.name)
@@ -738,16 +739,14 @@ def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None, de
 
 def update_config_file(spec: TuneSpec, path: Path, entries: Mapping[int, Mapping[str, int]],
                        run_dir: str | os.PathLike | None = None) -> Path:
-    """Merge `entries` into the config file at `path` (moebench.kernels.triton.configs.merge_config_file:
+    """Merge `entries` into the config file at `path` (moebench.tuning.files.merge_config_file:
     atomic rename, refused for a file of another scheme). With `run_dir`, under an exclusive lock
     on a file there, so the workers of one run never drop each other's entries. An engine's file is
     written in the engine's format (token keys only)."""
     if spec.kernel != "moebench":
-        from moebench.kernels.engine_configs import merge_engine_file
-
         merge = lambda: merge_engine_file(path, entries)  # noqa: E731
     else:
-        merge = lambda: C.merge_config_file(path, entries, spec.dtype, spec.quant)  # noqa: E731
+        merge = lambda: merge_config_file(path, entries, spec.dtype, spec.quant)  # noqa: E731
     if run_dir is None:
         return merge()
     import fcntl

@@ -53,7 +53,6 @@ from typing import Any, Mapping, TypedDict
 import torch
 
 from moebench.errors import MoebenchError
-from moebench.fileio import atomic_write_text
 
 TILE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 _POW2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps")
@@ -186,7 +185,7 @@ def file_scheme(path: str | os.PathLike) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading and writing
+# Reading
 
 
 def validate_tile_config(cfg: Any, where: str = "config", down: bool = False) -> TileConfig:
@@ -254,55 +253,6 @@ def load_config_file(path: str | os.PathLike) -> dict[int, TileConfig]:
     return dict(sorted(table.items()))
 
 
-def write_config_file(
-    path: str | os.PathLike, table: Mapping[int | str, Mapping[str, int]], triton_version: str | None = None
-) -> Path:
-    """Write {tokens: config} as vLLM's JSON (keys sorted by token count, plus "triton_version"),
-    atomically: a temporary file in the same folder, then a rename."""
-    p = Path(path)
-    entries = {int(k): validate_tile_config(v, f"entry {k!r}", down=is_down_file(p))
-               for k, v in table.items() if k != "triton_version"}
-    if triton_version is None:
-        try:
-            import triton
-
-            triton_version = triton.__version__
-        except ImportError:  # pragma: no cover - triton is a dependency
-            triton_version = "unknown"
-    doc: dict[str, Any] = {"triton_version": triton_version}
-    doc.update({str(k): dict(entries[k]) for k in sorted(entries)})
-    p.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(p, json.dumps(doc, indent=4) + "\n")
-    return p
-
-
-def merge_config_file(
-    path: str | os.PathLike, entries: Mapping[int, Mapping[str, int]], dtype: torch.dtype | str | None = None,
-    quant: "QuantScheme | None" = None,
-) -> Path:
-    """Merge `entries` ({tokens: config}, tuned with `dtype` / `quant`) into the file at `path`
-    (its entries for other token counts are kept; an unreadable old file is replaced), atomically.
-    Refused (MoebenchError) when the file's name stands for another scheme than the entries'
-    (per-tensor and per-token fp8 entries never share a file)."""
-    p = Path(path)
-    tag, block = name_parts(dtype, quant)
-    mine = scheme_text(dtype_tag(tag), block, per_channel_quant(quant))
-    theirs = file_scheme(p)
-    if theirs is None:
-        raise MoebenchError(f"{p.name} is not a tuned-config file name "
-                            "(E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json)")
-    if mine != theirs:
-        raise MoebenchError(f"refusing to merge {mine} entries into {p}: its name is that of a {theirs} file")
-    merged: dict[int, Any] = {}
-    if p.is_file():
-        try:
-            merged.update(load_config_file(p))
-        except MoebenchError:
-            pass  # an unreadable old file is replaced
-    merged.update({int(k): dict(v) for k, v in entries.items()})
-    return write_config_file(p, merged)
-
-
 #: In a config folder: the routing each file there was tuned under (module docstring).
 ROUTING_FILE = "tuned_routing.json"
 
@@ -334,34 +284,6 @@ def tuned_routing(path: str | os.PathLike) -> tuple[int, int] | None:
     p = Path(path)
     r = read_tuned_routing(p.parent).get(p.name)
     return None if r is None else (r["experts"], r["topk"])
-
-
-def write_tuned_routing(path: str | os.PathLike, routing: tuple[int, int] | None) -> None:
-    """Record (experts, topk) for the config file at `path` in its folder's ROUTING_FILE (None:
-    drop its entry), atomically."""
-    p = Path(path)
-    table = dict(read_tuned_routing(p.parent))
-    if routing is None:
-        if table.pop(p.name, None) is None:
-            return
-    else:
-        table[p.name] = {"experts": int(routing[0]), "topk": int(routing[1])}
-    p.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(p.parent / ROUTING_FILE, json.dumps(dict(sorted(table.items())), indent=4) + "\n")
-
-
-def claim_tuned_routing(path: str | os.PathLike, experts: int, topk: int) -> None:
-    """Before a tune writes into the file at `path`: record that it routes top-`topk` over
-    `experts`, where the file is new or already says so. Refused (MoebenchError) for a file tuned
-    under another routing (its entries would mix two meanings of a token key); a file whose
-    routing is unknown is left so."""
-    p = Path(path)
-    have = tuned_routing(p)
-    if have is not None and have != (experts, topk):
-        raise MoebenchError(f"{p} holds entries tuned for routing top-{have[1]} over {have[0]} experts; this tune "
-                            f"routes top-{topk} over {experts}: give another --out")
-    if have is None and not p.exists():
-        write_tuned_routing(p, (experts, topk))
 
 
 def file_tokens(path: str | os.PathLike, M: int, topk: int | None, num_experts: int | None) -> int:
