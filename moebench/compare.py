@@ -143,13 +143,13 @@ def run_compare(base: SweepSpec, world_size: int, store: RunStore, link, experts
     for spec in specs.values():
         run_simulated(spec, store, link, on_progress=on_progress, experts_model=experts_model)
     if check_ranks and n == 1:
-        from moebench.runtime.sim_sweep import check_spec_for
+        from moebench.sweep.simulated import check_spec_for
 
         for spec in specs.values():
             # with the experts time modeled, the ranks check what this machine runs (check_spec_for)
             checked = spec
             if experts_model is not None:
-                from moebench.runtime.sim_sweep import experts_here
+                from moebench.sweep.simulated import experts_here
 
                 checked = check_spec_for(spec)
                 names = [experts_here(ex, checked)[0] for ex in spec.experts]

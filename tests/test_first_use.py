@@ -374,12 +374,12 @@ def test_odd_sweep_input_is_refused_before_anything_is_written(tmp_path, monkeyp
 
 
 def test_a_sweep_where_every_case_failed_exits_non_zero(tmp_path, monkeypatch):
-    import moebench.sweep
+    import moebench.sweep.local
 
     def broken(*args, **kw):
         raise RuntimeError("kernel launch failed")
 
-    monkeypatch.setattr(moebench.sweep, "make_kernel", broken)  # the pair may run here, but every case fails
+    monkeypatch.setattr(moebench.sweep.local, "make_kernel", broken)  # the pair may run here, but every case fails
     res = moebench_inproc("sweep", *TINY_SWEEP, "--out", tmp_path)
     assert res.returncode == 1, (res.stdout, res.stderr)
     assert "kernel launch failed" in res.stdout and "no pair could run here" in " ".join(res.stdout.split())

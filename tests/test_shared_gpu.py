@@ -10,7 +10,7 @@ import torch
 from moebench.errors import MoebenchError
 from moebench.results import ResultRow, RunStore, rows_to_frame
 from moebench.runtime.distributed import place_ranks
-from moebench.runtime.rank_sweep import SHARED_GPU_DEVICE, SharedGpuRows
+from moebench.sweep.ranks import SHARED_GPU_DEVICE, SharedGpuRows
 
 
 @pytest.mark.parametrize("world,device,gpus,share,want", [

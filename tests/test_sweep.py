@@ -8,7 +8,7 @@ from moebench import backends as registry
 from moebench.kernels.modular import ActivationFormat, Experts, TopKWeightAndReduceNoOp
 from moebench.models import custom_shape
 from moebench.results import RunStore
-from moebench.sweep import SweepSpec, run_sweep
+from moebench.sweep import SweepSpec, run_local
 
 
 class BrokenExperts(Experts):
@@ -26,7 +26,7 @@ def test_failing_backend_is_a_failed_row(tmp_path, monkeypatch):
     monkeypatch.setitem(registry._discover().experts, BrokenExperts.name, BrokenExperts)
     spec = SweepSpec(shape=custom_shape(6, 2, 16, 8), tokens=[3], experts=["broken-for-test", "torch"],
                      prepare_finalize=["no-dpep"], dtype=torch.float32, device="cpu")
-    rows = run_sweep(spec, RunStore(tmp_path / "run"))
+    rows = run_local(spec, RunStore(tmp_path / "run"))
     by = {r.experts: r for r in rows}
     assert by["broken-for-test"].status == "failed" and "out of resources" in by["broken-for-test"].reason
     assert by["torch"].status == "ok" and by["torch"].correct
@@ -42,7 +42,7 @@ def test_wrong_result_is_not_correct(tmp_path, monkeypatch):
     monkeypatch.setitem(registry._discover().experts, WrongExperts.name, WrongExperts)
     spec = SweepSpec(shape=custom_shape(6, 2, 16, 8), tokens=[3], experts=["wrong-for-test"],
                      prepare_finalize=["no-dpep"], dtype=torch.float32, device="cpu")
-    (row,) = run_sweep(spec, RunStore(tmp_path / "run"))
+    (row,) = run_local(spec, RunStore(tmp_path / "run"))
     assert row.status == "ok" and row.correct is False and row.max_rel_err > 0.5
 
 
@@ -62,7 +62,7 @@ def test_timed_calls_cycle_through_routings(tmp_path, monkeypatch):
     monkeypatch.setitem(registry._discover().experts, Recording.name, Recording)
     spec = SweepSpec(shape=custom_shape(16, 2, 16, 8), tokens=[6], experts=["recording-for-test"],
                      prepare_finalize=["no-dpep"], dtype=torch.float32, device="cpu", routings=3, reps=6, warmup=0)
-    (row,) = run_sweep(spec, RunStore(tmp_path / "run"))
+    (row,) = run_local(spec, RunStore(tmp_path / "run"))
     assert row.correct and row.extra["routings"] == 3 and "3 routings cycled" in row.timing_method
     timed = seen[1:]  # the first call is the check
     assert len(timed) == 6

@@ -114,7 +114,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         from moebench.compare import layout_specs as _specs
         from moebench.sweep import check_ranks_fit
 
-        from moebench.runtime.sim_sweep import check_spec_for
+        from moebench.sweep.simulated import check_spec_for
 
         for sp in _specs(spec, world_size, gpus_per_node).values():
             check_ranks_fit(check_spec_for(sp) if experts_model is not None else sp, world_size, "the real-rank check of compare tp-vs-ep does not fit this machine: use "

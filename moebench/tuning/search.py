@@ -36,16 +36,15 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from moebench.bench.timing import Timing, time_cpu, time_cuda
-from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
 from moebench.inputs import make_tokens, make_weights
-from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.reference import reference_moe
 from moebench.backends import make_kernel
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
 from moebench.quant import QuantScheme
 from moebench.routing import make_routing
+from moebench.sweep.measure import measure
 from moebench.kernels.triton.configs import TILE_KEYS, TileConfig, validate_tile_config
 from moebench.tuning.space import config_key, key_str, neighbours
 
@@ -233,21 +232,20 @@ class LayerBench:
         t0 = time.perf_counter()
         try:
             kernel = self._kernel(cfg)
-            if check:
-                with poisoned_outputs():
-                    out = self._call(kernel, 0)
-                m.max_rel_err = relative_error(out, self.reference())
-                m.checked = True
-                if not is_correct(m.max_rel_err, self.dtype, self.quant):
-                    m.status, m.reason = "wrong", f"max_rel_err {m.max_rel_err:.3g} above tolerance"
-                    return m
             counter = [0]
 
             def fn() -> torch.Tensor:
                 counter[0] += 1
                 return self._call(kernel, counter[0])
 
-            t = self.timer(fn, reps)
+            outcome = measure(lambda: self._call(kernel, 0), lambda: self.timer(fn, reps), dtype=self.dtype,
+                              quant=self.quant, reference=self.reference if check else None, stop_if_wrong=True)
+            if check:
+                m.max_rel_err, m.checked = outcome.max_rel_err, True
+                if not outcome.correct:
+                    m.status, m.reason = "wrong", f"max_rel_err {m.max_rel_err:.3g} above tolerance"
+                    return m
+            t = outcome.timing
             m.latency_us, m.p10_us, m.p90_us, m.method = t.median_us, t.p10_us, t.p90_us, t.method
         except (KeyboardInterrupt, SystemExit, MemoryError):
             raise

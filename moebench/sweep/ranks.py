@@ -25,16 +25,17 @@ import torch.distributed as dist
 
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
-from moebench.cases import CaseRunner, batch_inputs, base_row, fill_metrics, rank_layer, run_cases, shared_gate
-from moebench.correctness import is_correct, relative_error
+from moebench.correctness import relative_error
 from moebench.inputs import check_fits
 from moebench.kernels.layer import MoELayer, layer_reference
-from moebench.kernels.modular import poisoned_outputs
 from moebench.backends import get_prepare_finalize_class, make_kernel
 from moebench.results import RunStore
 from moebench.routing import load_imbalance
 from moebench.runtime.distributed import RankContext, all_reduce, is_main
 from moebench.runtime.rank_case import rank_inputs, run_inputs
+from moebench.sweep.cases import CaseRunner, base_row, batch_inputs, run_cases
+from moebench.sweep.layer import fill_metrics, rank_layer, set_comm_gbps, shared_gate
+from moebench.sweep.measure import measure
 
 
 def prepare_finalize_kwargs(name: str, ctx: RankContext, layout, max_tokens_per_rank: int,
@@ -177,28 +178,30 @@ class RankRunner(CaseRunner):
         lw = self.lw
         kernel = MoELayer(kernel, spec.activation, lw.bias, lw.shared_w13, lw.shared_w2,
                           None if gate is None else gate[lo:hi].to(dev))
-        with poisoned_outputs(spec.check):
-            out = run_inputs(ctx, kernel, inp).out
+        emap = None if self.emap is None else self.emap.to(dev)
+        own = slice(lo, hi)
+
+        def reference(rl):
+            # each rank's reference is its partial sum (its experts or shards, its own tokens' shared
+            # MLP where tokens move); summed over ranks it is the whole layer
+            g = None if gate is None else gate.to(dev)
+            args = (x_full.to(dev), rl.w13, rl.w2, wts.to(dev), ids.to(dev), emap, s.num_experts)
+            return _all_reduce(layer_reference(rl, args, spec.activation, g, own if moves_tokens else None), ctx)[own]
+
+        def worst_error(out, ref) -> float:
+            err = torch.tensor([relative_error(out, ref) if hi > lo else 0.0], dtype=torch.float64, device=dev)
+            return float(_all_reduce(err, ctx, dist.ReduceOp.MAX).item())
+
         timing = spec.timing_kwargs()
-        timed = run_inputs(ctx, kernel, inp, time_phases=True, warmup=timing["warmup"], reps=timing["reps"])
-        if spec.check:
-            emap = None if self.emap is None else self.emap.to(dev)
-            errs = []
-            # the kernels' layer; then (fp8) the unquantised one. Each rank's reference is its partial
-            # sum (its experts or shards, its own tokens' shared MLP where tokens move); summed over
-            # ranks it is the whole layer
-            for rl in [lw] + ([lw.unquantized] if lw.unquantized is not None else []):
-                g = None if gate is None else gate.to(dev)
-                args = (x_full.to(dev), rl.w13, rl.w2, wts.to(dev), ids.to(dev), emap, s.num_experts)
-                ref = layer_reference(rl, args, spec.activation, g, slice(lo, hi) if moves_tokens else None)
-                ref = _all_reduce(ref, ctx)
-                err = torch.tensor([relative_error(out, ref[lo:hi]) if hi > lo else 0.0], dtype=torch.float64,
-                                   device=dev)
-                errs.append(float(_all_reduce(err, ctx, dist.ReduceOp.MAX).item()))
-            row.max_rel_err = errs[0]
-            row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
-            if len(errs) > 1:
-                row.err_vs_unquantized = errs[1]
+        outcome = measure(
+            lambda: run_inputs(ctx, kernel, inp).out,
+            lambda: run_inputs(ctx, kernel, inp, time_phases=True, **timing),
+            dtype=spec.dtype, quant=spec.quant, error=worst_error,
+            reference=(lambda: reference(lw)) if spec.check else None,
+            unquantized_reference=(lambda: reference(lw.unquantized))
+            if spec.check and lw.unquantized is not None else None)
+        outcome.fill(row)
+        timed = outcome.timing
         ph = timed.phases
         total = ph["total"]
         row.latency_us, row.p10_us, row.p90_us, row.timing_method = (total.median_us, total.p10_us, total.p90_us,
@@ -219,18 +222,6 @@ class RankRunner(CaseRunner):
             fill_metrics(row, flops, nbytes, self.ceilings)
         if moves_tokens:
             set_comm_gbps(row, ids, s.hidden, spec.act_bytes, lay.world_size, spec.quant)
-
-
-def set_comm_gbps(row, ids_full: torch.Tensor, hidden: int, el: int, world: int, quant=None) -> None:
-    """Dispatch / combine GB/s per rank, counting bytes per (token, expert) pair as DeepEP does
-    (fp8 dispatch: payload + scales + header; combine sends the activation dtype)."""
-    per_rank = {
-        "dispatch": metrics.dispatch_bytes(ids_full, hidden, fp8=quant is not None and not quant.weight_only, dtype_bytes=el) / world,
-        "combine": metrics.dispatch_bytes(ids_full, hidden, dtype_bytes=el) / world,
-    }
-    for name in ("dispatch", "combine"):
-        us = getattr(row, f"{name}_us")
-        row.extra[f"{name}_gbps"] = per_rank[name] / (us * 1e3) if us else None
 
 
 class _RankProgress:

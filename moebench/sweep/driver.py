@@ -1,42 +1,28 @@
-"""Enumerate prepare/finalize x experts combinations for a shape and layout, check each against
-the float64 reference, time it, and collect one ResultRow per (tokens, combination)."""
+"""The sweep's driver: how a spec runs here (one process, real ranks, simulated ranks) and the run
+folder it writes. Each mode is a runner (moebench.sweep.local, .ranks, .simulated) driven by the one
+loop (moebench.sweep.cases.run_cases) over the one measure step (moebench.sweep.measure)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from moebench.bench.hardware import get_ceilings
-from moebench.bench.timing import time_fn
-from moebench.cases import (  # noqa: F401  (re-exported: the sweep's API)
-    CaseRunner,
-    SweepSpec,
-    base_row,
-    cases_to_run,
-    default_experts,
-    fill_metrics,
-    layer_work,
-    one_line,
-    plan,
-    rank_layer,
-    resolve_names,
-    run_cases,
-    shared_gate,
-)
-from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
-from moebench.inputs import check_fits, make_tokens
-from moebench.kernels.layer import MoELayer, layer_args, layer_reference
-from moebench.kernels.modular import poisoned_outputs
-from moebench.backends import make_kernel
+from moebench.inputs import check_fits
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow, RunStore, ensure_writable_dir, new_run_id
-from moebench.routing import load_imbalance, make_routing
+from moebench.runtime.distributed import is_main, place_ranks, spawn
+from moebench.sweep.cases import cases_to_run, run_cases
+from moebench.sweep.local import LocalRunner
+from moebench.sweep.ranks import SHARED_GPU_DEVICE, sweep_on_rank
+from moebench.sweep.simulated import SimulatedRunner
+from moebench.sweep.spec import SweepSpec
 
 
-def run_sweep(
+def run_local(
     spec: SweepSpec,
     store: RunStore,
     on_progress: Callable[[ResultRow], None] | None = None,
@@ -46,106 +32,6 @@ def run_sweep(
     if spec.layout.world_size > 1:
         raise MoebenchError("a multi-rank layout runs through run_multirank or run_simulated (CLI: --world-size / --simulate)")
     return run_cases(spec, store, LocalRunner(), on_progress)
-
-
-class LocalRunner(CaseRunner):
-    """One process holds every expert: each token count's inputs and float64 reference are made
-    once and shared by the pairs."""
-
-    def start(self, spec: SweepSpec, runnable: list[tuple[str, str]]) -> None:
-        self.spec = spec
-        self.ceilings = get_ceilings(spec.device)
-        self.lw = None
-        self.m = None
-        if runnable:
-            s = spec.shape
-            check_fits(s.num_experts, s.hidden, s.intermediate, max(spec.tokens, default=0), s.topk, spec.dtype,
-                       spec.device)
-            # fp8: the kernels run on the quantised weights; the unquantised ones stay for err_vs_unquantized.
-            self.lw = rank_layer(spec, range(s.num_experts))
-
-    def inputs(self, m: int, pf: str) -> None:
-        """The inputs of token count `m`, shared by its pairs (made on its first case)."""
-        if self.m == m:
-            return
-        spec, s, lw = self.spec, self.spec.shape, self.lw
-        x = make_tokens(m, s.hidden, spec.dtype, spec.device, spec.seed + m)
-        topk_weights, topk_ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m,
-                                              device=spec.device)
-        self.m = m
-        self.imbalance = load_imbalance(topk_ids, s.num_experts)
-        self.gate = gate = shared_gate(spec, x, m)
-        self.args = args = layer_args(lw, x, topk_weights, topk_ids, s.num_experts, gate)
-        self.flops, self.nbytes = layer_work(spec, lw, args, m)
-        self.variants = routing_variants(spec, m, x, lw, gate)
-        self.ref = self.ref_unquantized = None
-        if spec.check:
-            self.ref = layer_reference(lw, args, spec.activation, gate)
-            if lw.unquantized is not None:
-                self.ref_unquantized = layer_reference(
-                    lw.unquantized, (x, lw.unquantized.w13, lw.unquantized.w2, *args[3:]), spec.activation, gate)
-
-    def run_case(self, row: ResultRow, m: int, pf: str, ex: str, inputs) -> None:
-        spec, lw, gate = self.spec, self.lw, self.gate
-        row.imbalance = self.imbalance
-        _measure(spec, row, pf, ex, self.args, self.ref, self.flops, self.nbytes, self.ceilings,
-                 variants=self.variants, ref_unquantized=self.ref_unquantized,
-                 wrap=lambda k: MoELayer(k, spec.activation, lw.bias, lw.shared_w13, lw.shared_w2, gate))
-
-
-def routing_variants(spec: SweepSpec, m: int, x, lw, gate=None) -> list[tuple]:
-    """Argument tuples with `spec.routings - 1` extra routings of the same distribution (the first
-    routing, the checked one, is the caller's)."""
-    s = spec.shape
-    out = []
-    for j in range(1, spec.routings):
-        w, ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m + 7919 * j, device=spec.device)
-        out.append(layer_args(lw, x, w, ids, s.num_experts, gate))
-    return out
-
-
-def cycling(kernel, variants: list[tuple]) -> Callable[[], object]:
-    """A call that applies `kernel` to the next argument tuple each time (captured into a CUDA
-    graph, each captured call keeps its own routing)."""
-    state = {"i": 0}
-
-    def call():
-        args = variants[state["i"] % len(variants)]
-        state["i"] += 1
-        return kernel.apply(*args)
-
-    return call
-
-
-def _measure(spec, row, pf, ex, args, ref, flops, nbytes, ceilings, variants: list[tuple] = (),
-             ref_unquantized=None, wrap=None) -> None:
-    """Check `pf + ex` on `args` against `ref`, then time it (cycling through `args` and
-    `variants`, other routings of the same distribution); fills `row` in place. fp8 rows also
-    get their error against `ref_unquantized` (the reference without quantisation). wrap: the
-    layer around the kernel (MoELayer: activation, biases, shared MLP), None = the bare kernel."""
-    kernel = make_kernel(ex, pf)
-    if wrap is not None:
-        kernel = wrap(kernel)
-    if spec.check:
-        with poisoned_outputs():
-            out = kernel.apply(*args)
-        row.max_rel_err = relative_error(out, ref)
-        row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
-        if ref_unquantized is not None:
-            row.err_vs_unquantized = relative_error(out, ref_unquantized)
-    else:
-        kernel.apply(*args)
-    # Backends that pick a tile config say where it came from (tuned file or default heuristic).
-    row.config_source = kernel.experts.last_config_source or ""
-    if not kernel.experts.timed:
-        row.reason = "correctness only (not timed)"
-        return
-    t = time_fn(cycling(kernel, [args, *variants]), spec.device, **spec.timing_kwargs())
-    row.latency_us, row.p10_us, row.p90_us, row.timing_method = t.median_us, t.p10_us, t.p90_us, t.method
-    if variants:
-        row.timing_method += f", {1 + len(variants)} routings cycled"
-        row.extra["routings"] = 1 + len(variants)
-    fill_metrics(row, flops, nbytes, ceilings)
 
 
 def check_ranks_fit(spec: SweepSpec, world_size: int,
@@ -166,11 +52,6 @@ def check_ranks_fit(spec: SweepSpec, world_size: int,
 def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=None) -> int:
     """Real ranks: join the torchrun group `ctx`, or spawn `world_size` processes (gloo on CPU,
     NCCL with one GPU each). Rank 0 appends rows to `folder`; returns the rows it wrote."""
-    from moebench.runtime.distributed import spawn
-    from moebench.runtime.rank_sweep import sweep_on_rank  # rank 0 writes; each rank runs its RankRunner
-
-    from moebench.runtime.distributed import place_ranks
-
     if ctx is not None:
         return sweep_on_rank(ctx, spec, str(folder))
     world = world_size or spec.layout.world_size
@@ -182,16 +63,12 @@ def run_multirank(spec: SweepSpec, folder, world_size: int | None = None, ctx=No
 def run_simulated(spec: SweepSpec, store: RunStore, link, on_progress=None, experts_model=None) -> list[ResultRow]:
     """One device computes one rank's share; communication comes from the cost model (`link`);
     with `experts_model` (Ceilings), the experts time is that GPU's roofline floor instead."""
-    from moebench.runtime.sim_sweep import SimulatedRunner
-
     return run_cases(simulated_spec(spec, experts_model), store, SimulatedRunner(link, experts_model), on_progress)
 
 
 def simulated_spec(spec: SweepSpec, experts_model=None) -> SweepSpec:
     """`spec` as a simulated run plans it: communication modeled (every declared transport a
     candidate), and the experts time too where `experts_model` (a target GPU's Ceilings) is given."""
-    from dataclasses import replace
-
     return replace(spec, model_comm=True, model_experts=experts_model is not None,
                    target_gpu=getattr(experts_model, "device_name", "") or "")
 
@@ -223,9 +100,6 @@ def choose_mode(layout: ParallelLayout, device: str, simulate: bool = False, wor
 def shared_gpu_note(world_size: int, device: str, gpu_count: int | None = None) -> str | None:
     """The notice for `world_size` real ranks on fewer GPUs (they share them; gloo group), None
     when each rank has its own device. A MoebenchError where no GPU is visible."""
-    from moebench.runtime.distributed import place_ranks
-    from moebench.runtime.rank_sweep import SHARED_GPU_DEVICE
-
     if device != "cuda":
         return None
     gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
@@ -247,7 +121,7 @@ def run(spec: SweepSpec, store: RunStore, mode: str, link=None, ctx=None,
     if mode == "simulate":
         run_simulated(spec, store, link, on_progress=on_progress)
     else:
-        run_sweep(spec, store, on_progress=on_progress)
+        run_local(spec, store, on_progress=on_progress)
     return store
 
 
@@ -263,8 +137,6 @@ def run_in_folder(specs: list[SweepSpec], mode: str, out: Path | str, *, resume:
     keeps every finished row. Under torchrun rank 0 owns the folder and the other ranks only
     compute: they return None. on_start(store, cases): once the folder is open, with the number of
     cases left to run. Returns the store holding every row."""
-    from moebench.runtime.distributed import is_main
-
     if ctx is not None and not is_main(ctx):
         for sp in specs:
             run_multirank(sp, out, ctx=ctx)

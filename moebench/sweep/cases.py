@@ -1,116 +1,18 @@
-"""What a sweep is made of, shared by its case runners (moebench.sweep for one process,
-moebench.runtime for real and simulated ranks): the SweepSpec, the pairs it plans, the row each
-case starts from and the metrics it ends with."""
+"""The sweep loop every runner shares: the pairs a spec plans, the row each case starts from, the
+runner contract (`CaseRunner`) and `run_cases`, which turns each planned case into a row."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from moebench.activation import SILU, Activation
-from moebench.bench import metrics
+from moebench.backends import check_combination, get_experts_class, get_prepare_finalize_class
 from moebench.errors import MoebenchError
-from moebench.inputs import dtype_name, make_tokens
-from moebench.kernels.layer import layer_bytes_extra, make_rank_layer, shared_gate_values
-from moebench.backends import (
-    check_combination,
-    experts_names,
-    get_experts_class,
-    get_prepare_finalize_class,
-    prepare_finalize_names,
-)
-from moebench.layout import ParallelLayout
-from moebench.models import MoEShape
-from moebench.quant import QuantScheme, precision_text
-from moebench.routing import make_routing
+from moebench.inputs import make_tokens
 from moebench.results import ResultRow, RunStore
-
-
-@dataclass
-class SweepSpec:
-    shape: MoEShape
-    tokens: list[int]
-    layout: ParallelLayout = field(default_factory=ParallelLayout)
-    experts: list[str] = field(default_factory=lambda: default_experts())
-    prepare_finalize: list[str] = field(default_factory=lambda: prepare_finalize_names())
-    dtype: torch.dtype = torch.bfloat16
-    device: str = "cpu"
-    routing: str = "uniform"
-    seed: int = 0
-    check: bool = True
-    warmup: int | None = None
-    reps: int | None = None
-    #: Distinct routings the timed calls cycle through (1 = the checked routing every call). With
-    #: N > 1 every CUDA-graph replay runs N different routings, as vLLM's tuner does, so hot
-    #: experts' weights do not stay in L2 from one call to the next.
-    routings: int = 1
-    #: False: `tokens` are per rank (a DP rank brings M tokens, M * world in all). True: `tokens`
-    #: are the whole batch, split over the DP ranks (how tp-vs-ep compares equal work).
-    tokens_are_global: bool = False
-    #: fp8 scheme (weights and activations quantised; `dtype` is then the activation and output
-    #: dtype); None = unquantised.
-    quant: QuantScheme | None = None
-    #: the experts' activation and biases (moebench.activation; from the model unless overridden)
-    activation: Activation = SILU
-    bias: bool = False
-    #: the shared experts' form in the timed layer: "none", "fused" or "separate" (moebench.kernels.layer)
-    shared: str = "none"
-    #: simulated runs: the communication comes from the model (every declared transport is a
-    #: candidate, whether or not it runs here); model_experts: the experts time is the target
-    #: GPU's floor too (the experts need not run here)
-    model_comm: bool = False
-    model_experts: bool = False
-    #: the GPU a modeled experts time speaks of (its datasheet's name)
-    target_gpu: str = ""
-
-    @property
-    def dtype_label(self) -> str:
-        """The `dtype` column: 'fp8_w8a8' for quantised runs, else 'bf16' / 'fp16' / 'fp32'."""
-        return self.quant.name if self.quant is not None else dtype_name(self.dtype)
-
-    @property
-    def quant_label(self) -> str:
-        """The `quant` column: 'per-tensor', 'per-token', 'block[128,128]' or ''."""
-        return self.quant.scales_label if self.quant is not None else ""
-
-    @property
-    def precision(self) -> str:
-        """'bf16', or 'fp8_w8a8 block[128,128] (bf16 activations)'."""
-        return precision_text(dtype_name(self.dtype), self.quant)
-
-    @property
-    def act_bytes(self) -> int:
-        return torch.tensor([], dtype=self.dtype).element_size()
-
-    def batch_tokens(self, m: int, moves_tokens: bool) -> int:
-        """Tokens of the whole batch for a case of `m` tokens."""
-        if moves_tokens and not self.tokens_are_global:
-            return m * self.layout.world_size
-        return m
-
-    def timing_kwargs(self) -> dict:
-        if self.device == "cuda":
-            return {"warmup": self.warmup or 3, "reps": self.reps or 50}
-        return {"warmup": self.warmup if self.warmup is not None else 1, "reps": self.reps or 3}
-
-
-def default_experts() -> list[str]:
-    """Every experts backend that competes (the float64 reference only checks)."""
-    return [n for n in experts_names() if n != "reference"]
-
-
-def resolve_names(value: str, valid: list[str], kind: str, default: list[str]) -> list[str]:
-    """'all' or a comma list -> names, each checked against the registry."""
-    if value in ("all", "", None):
-        return list(default)
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    getter = get_experts_class if kind == "experts" else get_prepare_finalize_class
-    for n in names:
-        if n not in valid:
-            getter(n)  # raises the "unknown ..., valid: ..." error with a suggestion
-    return names
+from moebench.routing import make_routing
+from moebench.sweep.spec import SweepSpec
 
 
 def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
@@ -258,44 +160,3 @@ def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,
 def one_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
-
-
-def fill_metrics(row: ResultRow, flops: float, nbytes: float, ceilings) -> None:
-    m = metrics.metrics(row.latency_us, flops, nbytes, ceilings, dtype=row.dtype)
-    row.tflops, row.gbps, row.roofline_frac = m["tflops"], m["gbps"], m.get("roofline_frac")
-    row.floor_us = m.get("floor_us")
-    row.ceilings_source = getattr(ceilings, "source", "") if ceilings is not None else "none"
-
-
-def rank_layer(spec: SweepSpec, experts, tp_rank: int = 0, tp_size: int = 1, shared_shard=None):
-    """The RankLayer (moebench.kernels.layer) of `spec` for the global experts `experts` and TP
-    shard tp_rank of tp_size: weights (quantised when spec.quant, the unquantised ones kept for
-    err_vs_unquantized when checking), biases, shared experts in spec.shared's form."""
-    return make_rank_layer(spec.shape, experts, spec.dtype, spec.device, spec.seed, tp_rank, tp_size, spec.activation,
-                           spec.bias, spec.shared, spec.quant, keep_unquantized=spec.check, shared_shard=shared_shard)
-
-
-def shared_gate(spec: SweepSpec, x, m: int):
-    """The shared experts' per-token gate (M,) where the model gates them and they run, else None."""
-    if spec.shared == "none" or not spec.shape.shared_gate:
-        return None
-    return shared_gate_values(x, spec.seed + m)
-
-
-def layer_work(spec: SweepSpec, lw, args: tuple, tokens: int, shared_tokens: int | None = None) -> tuple[float, float]:
-    """(flops, bytes) of the layer case `args` (from layer_args): the routed pairs (and fused
-    shared pairs) over the experts they hit, the separate shared MLP on `shared_tokens` (default:
-    tokens), the biases of the experts hit, the activations in and out."""
-    s = spec.shape
-    x, w13, w2, tw, ids, emap, n_exp = args
-    i = w2.shape[-1]
-    local = ids if emap is None else emap.to(ids.device).long()[ids]
-    pairs = int((local >= 0).sum())
-    hit = int(torch.unique(local[local >= 0]).numel())
-    flops = metrics.layer_flops(pairs, 1, s.hidden, i)
-    st = tokens if shared_tokens is None else shared_tokens
-    if lw.shared_w13 is not None:
-        flops += metrics.shared_flops(st, s.hidden, lw.shared_w2.shape[-1])
-    nbytes = (hit * metrics.expert_weight_bytes(s.hidden, i, spec.act_bytes, spec.quant)
-              + 2 * tokens * s.hidden * spec.act_bytes + layer_bytes_extra(lw, s, hit, spec.act_bytes, spec.quant))
-    return float(flops), float(nbytes)

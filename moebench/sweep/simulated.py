@@ -31,8 +31,6 @@ from moebench.activation import SILU
 from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
-from moebench.cases import CaseRunner, batch_inputs, rank_layer, shared_gate
-from moebench.correctness import is_correct, relative_error
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits
 from moebench.kernels.layer import (
@@ -43,14 +41,15 @@ from moebench.kernels.layer import (
     outline_rank_layer,
     shared_mlp,
 )
-from moebench.kernels.modular import poisoned_outputs
 from moebench.backends import check_combination, get_prepare_finalize_class, make_kernel, prepare_finalize_names
 from moebench.kernels.token_layout import local_topk_ids
 from moebench.routing import load_imbalance
 from moebench.runtime import simulate as sim
 from moebench.runtime.comm_model import CommModel, CommResult, Traffic
 from moebench.runtime.rank_case import token_split
-from moebench.runtime.rank_sweep import set_comm_gbps
+from moebench.sweep.cases import CaseRunner, batch_inputs
+from moebench.sweep.layer import rank_layer, set_comm_gbps, shared_gate
+from moebench.sweep.measure import measure
 
 
 def _stand_in(pf_name: str) -> str:
@@ -134,7 +133,7 @@ def check_note(spec, check_spec) -> str:
 
 
 def _weights(spec, rank: int, cache: dict, moves_tokens: bool, outline: bool = False):
-    """Rank `rank`'s RankLayer (moebench.sweep.rank_layer), one shard at a time on the device;
+    """Rank `rank`'s RankLayer (moebench.sweep.layer.rank_layer), one shard at a time on the device;
     outline: its shapes only (meta tensors), for a modeled experts time.
     Shared experts: replicated where tokens move (each EP rank serves its own tokens), sharded
     over I across the ranks where they stay (TP, or EP without DP: the all-reduce sums them)."""
@@ -219,19 +218,22 @@ class _Share:
         return MoELayer(make_kernel(ex, _stand_in(pf)), spec.activation, lw.bias, lw.shared_w13, lw.shared_w2,
                         self.gate, shared_rows=self.own)
 
+    def references(self, spec) -> dict:
+        """measure()'s reference arguments for this share: the float64 layer on its rows (and the
+        layer without quantisation where the weights are quantised)."""
+        lw, args = self.lw, self.args
+        refs = {"reference": lambda: layer_reference(lw, args, spec.activation, self.gate, self.own)}
+        if lw.unquantized is not None:
+            unq = lw.unquantized
+            refs["unquantized_reference"] = lambda: layer_reference(
+                unq, (self.x, unq.w13, unq.w2, *args[3:]), spec.activation, self.gate, self.own)
+        return refs
+
     def check(self, spec, row, kernel) -> None:
         """Check the share against the float64 reference; fills max_rel_err, correct (and
         err_vs_unquantized where the weights are quantised)."""
-        lw, args = self.lw, self.args
-        with poisoned_outputs():
-            out = kernel.apply(*args)
-        ref = layer_reference(lw, args, spec.activation, self.gate, self.own)
-        row.max_rel_err = relative_error(out, ref)
-        row.correct = is_correct(row.max_rel_err, spec.dtype, spec.quant)
-        if lw.unquantized is not None:
-            unq = lw.unquantized
-            row.err_vs_unquantized = relative_error(
-                out, layer_reference(unq, (self.x, unq.w13, unq.w2, *args[3:]), spec.activation, self.gate, self.own))
+        measure(lambda: kernel.apply(*self.args), None, dtype=spec.dtype, quant=spec.quant,
+                **self.references(spec)).fill(row)
 
 
 def experts_here(ex: str, spec) -> tuple[str | None, str]:
@@ -321,22 +323,29 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
         ceilings = experts_model
     else:
         kernel = share.kernel(spec, pf, ex)
-        if spec.check:
-            share.check(spec, row, kernel)
         exo = kernel.experts
         xa, w13, w2, wts_a, ids_a, emap_a, n_exp = share.args
-        prep = kernel.kernel.prepare(xa, w13, w2, wts_a, ids_a, emap_a, n_exp)
         lw, gate, own, x = share.lw, share.gate, share.own, share.x
 
-        def step():
-            if spec.activation == SILU and lw.bias is None:
-                exo.apply(prep, w13, w2)
-            else:
-                exo.apply(prep, w13, w2, activation=spec.activation, bias=lw.bias)
-            if lw.shared_w13 is not None:
-                shared_mlp(x[own], lw.shared_w13, lw.shared_w2, spec.activation, None if gate is None else gate[own])
+        def time_experts():
+            # the rank's experts alone: the tokens laid out once, outside the timed calls
+            prep = kernel.kernel.prepare(xa, w13, w2, wts_a, ids_a, emap_a, n_exp)
 
-        t = time_fn(step, spec.device, **spec.timing_kwargs())
+            def step():
+                if spec.activation == SILU and lw.bias is None:
+                    exo.apply(prep, w13, w2)
+                else:
+                    exo.apply(prep, w13, w2, activation=spec.activation, bias=lw.bias)
+                if lw.shared_w13 is not None:
+                    shared_mlp(x[own], lw.shared_w13, lw.shared_w2, spec.activation,
+                               None if gate is None else gate[own])
+
+            return time_fn(step, spec.device, **spec.timing_kwargs())
+
+        outcome = measure(lambda: kernel.apply(*share.args), time_experts, dtype=spec.dtype, quant=spec.quant,
+                          **(share.references(spec) if spec.check else {}))
+        outcome.fill(row)
+        t = outcome.timing
         # Backends that pick a tile config say where it came from (as in a measured sweep).
         row.config_source = kernel.experts.last_config_source or ""
     row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.nvlink})"
