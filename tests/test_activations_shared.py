@@ -183,7 +183,7 @@ def test_activation_from_config_and_parse():
 def _shared_formula(x, shape, seed, act, gate=None):
     """The shared MLP written out from freshly generated weights (same seeds as the layer)."""
     from moebench.inputs import make_weights
-    from moebench.kernels.layer import _SHARED_SEED_ID
+    from moebench.sweep.layer import _SHARED_SEED_ID
 
     sw13, sw2 = make_weights([_SHARED_SEED_ID], shape.hidden, shape.shared_intermediate, torch.float32, "cpu", seed)
     i = shape.shared_intermediate
@@ -195,7 +195,8 @@ def _shared_formula(x, shape, seed, act, gate=None):
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_shared_fused_and_separate_match_formula(gated):
-    from moebench.kernels.layer import MoELayer, layer_args, layer_reference, make_rank_layer, shared_gate_values
+    from moebench.kernels.layer import MoELayer
+    from moebench.sweep.layer import layer_args, layer_reference, make_rank_layer, shared_gate_values
     from moebench.models import custom_shape
 
     shape = custom_shape(6, 2, 40, 24, shared_experts=1, shared_intermediate=48, shared_gate=gated)

@@ -88,3 +88,53 @@ def test_finder_sees_a_cycle():
 def test_no_import_cycles():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles between moebench modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def _imports_of(prefix: str, graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    return {m: deps for m, deps in graph.items() if m == prefix or m.startswith(prefix + ".")}
+
+
+def _offenders(lower: str, upper: tuple[str, ...]) -> list[str]:
+    """Imports from modules under `lower` into modules under any of `upper`."""
+    graph = import_graph()
+    return sorted(f"{m} -> {d}" for m, deps in _imports_of(lower, graph).items() for d in deps
+                  if any(d == u or d.startswith(u + ".") for u in upper))
+
+
+def test_the_runtime_sits_below_the_sweep():
+    """runtime/ (ranks, collectives, the communication model) serves the sweep's runners and never
+    reaches up into the sweep, the comparison, the tuner or the CLI."""
+    bad = _offenders("moebench.runtime", ("moebench.sweep", "moebench.compare", "moebench.tuning", "moebench.cli"))
+    assert not bad, "runtime imports from above it:\n" + "\n".join(bad)
+
+
+def test_the_sweep_does_not_reach_into_the_cli():
+    bad = _offenders("moebench.sweep", ("moebench.cli", "moebench.compare", "moebench.tuning", "moebench.report"))
+    assert not bad, "the sweep imports from above it:\n" + "\n".join(bad)
+
+
+def test_the_kernels_hold_only_the_contract_and_the_backends():
+    """kernels/ imports nothing of the CLI, the tuner, the sweep, the comparison, the report or the
+    benchmark metrics: parsers, file writers and test fixtures live with their users."""
+    bad = _offenders("moebench.kernels", ("moebench.cli", "moebench.tuning", "moebench.sweep", "moebench.compare",
+                                          "moebench.report", "moebench.bench.metrics"))
+    assert not bad, "kernels import from above them:\n" + "\n".join(bad)
+
+
+#: Modules above the kernels: what parses input, tunes, sweeps, compares, reports or measures.
+ABOVE_THE_KERNELS = ("moebench.cli", "moebench.tuning", "moebench.sweep", "moebench.cases", "moebench.compare",
+                     "moebench.report", "moebench.bench.metrics")
+#: Imports from kernels/ into ABOVE_THE_KERNELS tolerated for now: the layer's test fixtures
+#: (layer_bytes_extra and its kin in kernels/layer.py). This goes when they move out of kernels/.
+TOLERATED_KERNEL_IMPORTS = {"moebench.kernels.layer -> moebench.bench.metrics"}
+
+
+def test_kernels_import_nothing_from_above():
+    """moebench.kernels holds the kernel contract and the backends: none of its modules imports
+    (anywhere, lazily included) a parser, a config-file writer, a sweep, a comparison, a report or
+    the benchmark metrics."""
+    graph = import_graph()
+    found = {f"{m} -> {d}" for m, deps in graph.items() if m.startswith("moebench.kernels.") for d in deps
+             if any(d == up or d.startswith(up + ".") for up in ABOVE_THE_KERNELS)}
+    bad = sorted(found - TOLERATED_KERNEL_IMPORTS)
+    assert not bad, "moebench.kernels imports from above it:\n" + "\n".join(bad)

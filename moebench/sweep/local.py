@@ -7,11 +7,11 @@ from moebench.backends import make_kernel
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import time_fn
 from moebench.inputs import check_fits, make_tokens
-from moebench.kernels.layer import MoELayer, layer_args, layer_reference
+from moebench.kernels.layer import MoELayer
 from moebench.results import ResultRow
 from moebench.routing import load_imbalance, make_routing
 from moebench.sweep.cases import CaseRunner
-from moebench.sweep.layer import fill_metrics, layer_work, rank_layer, shared_gate
+from moebench.sweep.layer import fill_metrics, layer_args, layer_reference, layer_work, rank_layer, shared_gate
 from moebench.sweep.measure import cycling, measure
 from moebench.sweep.spec import SweepSpec
 

@@ -27,14 +27,14 @@ from moebench.bench import metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.correctness import relative_error
 from moebench.inputs import check_fits
-from moebench.kernels.layer import MoELayer, layer_reference
+from moebench.kernels.layer import MoELayer
 from moebench.backends import get_prepare_finalize_class, make_kernel
 from moebench.results import RunStore
 from moebench.routing import load_imbalance
 from moebench.runtime.distributed import RankContext, all_reduce, is_main
 from moebench.runtime.rank_case import rank_inputs, run_inputs
 from moebench.sweep.cases import CaseRunner, base_row, batch_inputs, run_cases
-from moebench.sweep.layer import fill_metrics, rank_layer, set_comm_gbps, shared_gate
+from moebench.sweep.layer import fill_metrics, layer_reference, rank_layer, set_comm_gbps, shared_gate
 from moebench.sweep.measure import measure
 
 

@@ -33,14 +33,7 @@ from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits
-from moebench.kernels.layer import (
-    MoELayer,
-    layer_args,
-    layer_bytes_extra,
-    layer_reference,
-    outline_rank_layer,
-    shared_mlp,
-)
+from moebench.kernels.layer import MoELayer, shared_mlp
 from moebench.backends import check_combination, get_prepare_finalize_class, make_kernel, prepare_finalize_names
 from moebench.kernels.token_layout import local_topk_ids
 from moebench.routing import load_imbalance
@@ -48,7 +41,15 @@ from moebench.runtime import simulate as sim
 from moebench.runtime.comm_model import CommModel, CommResult, Traffic
 from moebench.runtime.rank_case import token_split
 from moebench.sweep.cases import CaseRunner, batch_inputs
-from moebench.sweep.layer import rank_layer, set_comm_gbps, shared_gate
+from moebench.sweep.layer import (
+    layer_args,
+    layer_bytes_extra,
+    layer_reference,
+    outline_rank_layer,
+    rank_layer,
+    set_comm_gbps,
+    shared_gate,
+)
 from moebench.sweep.measure import measure
 
 
