@@ -239,9 +239,10 @@ def test_tiny_fp8_tune_end_to_end(tmp_path, monkeypatch, kind):
     assert "fp8_w8a8" in (out.run_dir / "report.md").read_text()
     # The run-time lookup finds the file by scheme; an unquantised lookup does not.
     monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path / "cfg"))
-    cfg, src = C.lookup_config(4, 32, 4, torch.bfloat16, "cpu", quant=scheme)
+    dirs = C.config_search_dirs()
+    cfg, src = C.lookup_config(4, 32, 4, torch.bfloat16, "cpu", folders=dirs, quant=scheme)
     assert src.startswith(str(out.config_path)) and dict(cfg) == raw["4"]
-    assert C.lookup_config(4, 32, 4, torch.bfloat16, "cpu")[1] == "default heuristic"
+    assert C.lookup_config(4, 32, 4, torch.bfloat16, "cpu", folders=dirs)[1] == "default heuristic"
     # Resuming with another scheme is refused; with the same one, nothing is measured again.
     with pytest.raises(MoebenchError, match="differs from the saved one in quant"):
         T.tune(TINY, ParallelLayout(), [1, 4], torch.bfloat16, "cpu", "grid", None, tmp_path / "cfg",

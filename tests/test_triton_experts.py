@@ -8,6 +8,8 @@ resolved flags); the rules that pick the paths are tested as the pure functions 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -26,6 +28,7 @@ from moebench.kernels.triton.align import (
     token_rows_align,
 )
 from moebench.kernels.triton.batched import batched_default_config
+from moebench.kernels.triton import experts as X
 from moebench.kernels.triton.experts import BatchedTritonExperts, TritonExperts, fused_moe
 from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1, sorted_rows, topk_sum
 from moebench.kernels.triton.options import (
@@ -798,6 +801,48 @@ def test_batched_config_lookup(tmp_path, monkeypatch):
     explicit = BatchedTritonExperts(config=CFG)
     assert explicit.config_for(6, 8, 768, 2048, torch.bfloat16, device_type="cpu", tokens=6) == CFG
     assert explicit.last_config_source == "explicit"
+
+
+@pytest.mark.parametrize("experts, pf", [("triton", "no-dpep"), ("batched-triton", "batched-local")])
+def test_apply_looks_nothing_up_after_the_first_call(tmp_path, monkeypatch, experts, pf):
+    # The lookup's folders are resolved when the experts are built and each file is read once per
+    # process: after the first call, apply() neither reads the environment again nor touches a
+    # config folder, and runs with the same tuned entry.
+    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    dtype, m = torch.float32, 6
+    w13, w2 = _weights(E, dtype)
+    tw, ti = _routing(m, E, K)
+    x = _x(m, dtype)
+    ref = moebench.reference_moe(x, w13, w2, tw, ti)
+    path = F.write_config_file(tmp_path / C.config_file_name(E, I, C.device_name(DEV)), {4: CFG})
+    kernel = moebench.make_kernel(experts, pf)
+    with poisoned_outputs():
+        kernel.apply(x, w13, w2, tw, ti)
+    source = kernel.experts.last_config_source
+    assert source == f"{path}[4]"
+
+    watched = (tmp_path, C.PACKAGE_CONFIG_DIR)
+    touched: list[Path] = []
+    for name in ("stat", "is_file", "is_dir", "exists"):
+        real = getattr(Path, name)
+
+        def spy(self, *a, _real=real, **kw):
+            if any(self == d or d in self.parents for d in watched):
+                touched.append(self)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(Path, name, spy)
+    monkeypatch.delenv(C.ENV_CONFIG_DIR)  # a lookup that read it again would find no file
+    monkeypatch.setattr(X, "config_search_dirs", lambda: pytest.fail("the lookup's folders were resolved again"))
+    before = C.found_table.cache_info()
+    with poisoned_outputs():
+        out = kernel.apply(x, w13, w2, tw, ti)
+    assert rel_err(out, ref) < TOL[dtype]
+    assert kernel.experts.last_config_source == source
+    assert touched == []
+    after = C.found_table.cache_info()
+    assert after.misses == before.misses and after.hits > before.hits
 
 
 def test_batched_prepare_reports_the_routed_tokens():

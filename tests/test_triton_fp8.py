@@ -10,8 +10,6 @@ Shapes are odd (H=152, I=72: partial last scale group for every block shape), E=
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -28,6 +26,7 @@ from moebench.kernels.triton.gemm import launch_gemm1
 from moebench.kernels.triton.options import TritonOptions
 from moebench.kernels.triton.quant import check_block_config, quantize_rows, silu_mul_rows
 from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation, quantize_weights
+from moebench.tuning import files as F
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, E, K = 152, 72, 20, 4
@@ -339,7 +338,7 @@ def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch, expert
 
     entry = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     name = f"E={e},N={i},device_name={device_name(DEV)},dtype=fp8_w8a8,block_shape=[32,32].json"
-    (tmp_path / name).write_text(json.dumps({"triton_version": "3.6.0", "8": entry}))
+    F.write_config_file(tmp_path / name, {8: entry})  # a write makes this process's lookup look again
     with poisoned_outputs():
         out = kernel.apply(x, q13, q2, tw, ti)
     assert experts.last_config_source.endswith(f"{name}[8]")

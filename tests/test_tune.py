@@ -579,7 +579,8 @@ def test_down_tune_writes_sglang_down_file_against_gemm1s_config(tmp_path, monke
     assert "GEMM2's own configs (`--down`)" in md and str(up.config_path) in md
     assert json.loads((out.run_dir / "tune.json").read_text())["spec"]["down"] is True
     # what the layer then uses: both files
-    cfg2, src = C.lookup_down_config(4, 32, 1, gemm1[1], torch.float32, device_name="cpu")
+    cfg2, src = C.lookup_down_config(4, 32, 1, gemm1[1], torch.float32, device_name="cpu",
+                                     folders=C.config_search_dirs())
     assert cfg2 == down[1] and src.endswith("_down.json[1]")
     # a --down resume of a run that was not one is refused (the settings differ)
     with pytest.raises(MoebenchError, match="down"):

@@ -70,33 +70,51 @@ def test_nearest_entry_and_ties():
 
 def test_lookup_order(tmp_path, monkeypatch):
     name = C.config_file_name(8, 64, "cpu")
-    env_dir, cwd = tmp_path / "env", tmp_path / "work"
+    env_dir = tmp_path / "env"
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
+    dirs = C.config_search_dirs()
     # nothing anywhere -> default heuristic
-    cfg, src = C.lookup_config(8, 64, 10, torch.bfloat16, "cpu", hidden=64, topk=2)
+    cfg, src = C.lookup_config(8, 64, 10, torch.bfloat16, "cpu", folders=dirs, hidden=64, topk=2)
     assert src == "default heuristic" and cfg == C.default_config(10, 8, 64, 64, 2, torch.bfloat16)
-    # results/configs under the current directory
+    # results/configs under the current directory (a write makes the lookup look again)
     F.write_config_file(tmp_path / "results" / "configs" / name, {1: GOOD})
-    cfg, src = C.lookup_config(8, 64, 10, None, "cpu")
+    cfg, src = C.lookup_config(8, 64, 10, None, "cpu", folders=dirs)
     assert cfg == GOOD and src.endswith(f"{name}[1]") and "results" in src
     # $MOEBENCH_CONFIG_DIR wins over results/configs
     F.write_config_file(env_dir / name, {8: BIG, 1024: GOOD})
     monkeypatch.setenv(C.ENV_CONFIG_DIR, str(env_dir))
-    cfg, src = C.lookup_config(8, 64, 10, None, "cpu")
+    assert C.lookup_config(8, 64, 10, None, "cpu", folders=dirs)[0] == GOOD  # the folders resolved before it was set
+    dirs = C.config_search_dirs()
+    cfg, src = C.lookup_config(8, 64, 10, None, "cpu", folders=dirs)
     assert cfg == BIG and src == f"{env_dir / name}[8]"
-    assert C.lookup_config(8, 64, 900, None, "cpu")[0] == GOOD
+    assert C.lookup_config(8, 64, 900, None, "cpu", folders=dirs)[0] == GOOD
     # another device name or shape does not match
-    assert C.lookup_config(8, 64, 10, None, "NVIDIA_H200")[1] == "default heuristic"
-    assert C.lookup_config(16, 64, 10, None, "cpu")[1] == "default heuristic"
-    del cwd
+    assert C.lookup_config(8, 64, 10, None, "NVIDIA_H200", folders=dirs)[1] == "default heuristic"
+    assert C.lookup_config(16, 64, 10, None, "cpu", folders=dirs)[1] == "default heuristic"
+
+
+def test_lookup_reads_a_file_once(tmp_path):
+    # The lookup reads each (folders, file) once per process: a file changed behind its back is
+    # seen only after clear_lookup_cache (the writers of moebench.tuning.files call it).
+    dirs = (tmp_path,)
+    path = tmp_path / C.config_file_name(8, 64, "cpu")
+    assert C.lookup_config(8, 64, 1, None, "cpu", folders=dirs)[1] == "default heuristic"
+    path.write_text(json.dumps({"1": GOOD}))
+    assert C.lookup_config(8, 64, 1, None, "cpu", folders=dirs)[1] == "default heuristic"
+    C.clear_lookup_cache()
+    assert C.lookup_config(8, 64, 1, None, "cpu", folders=dirs) == (GOOD, f"{path}[1]")
+    path.write_text(json.dumps({"1": BIG}))
+    assert C.lookup_config(8, 64, 1, None, "cpu", folders=dirs)[0] == GOOD
+    F.write_config_file(path, {1: BIG})
+    assert C.lookup_config(8, 64, 1, None, "cpu", folders=dirs)[0] == BIG
 
 
 def test_package_dir_is_last(tmp_path, monkeypatch):
     monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
     monkeypatch.chdir(tmp_path)
     dirs = C.config_search_dirs()
-    assert dirs == [tmp_path / "results" / "configs", C.PACKAGE_CONFIG_DIR]
+    assert dirs == (tmp_path / "results" / "configs", C.PACKAGE_CONFIG_DIR)
     monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
     assert C.config_search_dirs()[0] == tmp_path
     monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path / "missing"))  # a folder that is not there: said, not ignored
@@ -104,11 +122,10 @@ def test_package_dir_is_last(tmp_path, monkeypatch):
         C.config_search_dirs()
 
 
-def test_lookup_malformed_file_raises(tmp_path, monkeypatch):
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+def test_lookup_malformed_file_raises(tmp_path):
     (tmp_path / C.config_file_name(8, 64, "cpu")).write_text("{}")
     with pytest.raises(MoebenchError, match="no token-count entries"):
-        C.lookup_config(8, 64, 1, None, "cpu")
+        C.lookup_config(8, 64, 1, None, "cpu", folders=(tmp_path,))
 
 
 def test_default_heuristic_sanity():
@@ -148,48 +165,50 @@ def test_down_files_sglang_name_and_use_tma(tmp_path):
         C.load_config_file(down)
 
 
-def test_lookup_down_config(tmp_path, monkeypatch):
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    assert C.lookup_down_config(4, 8, 16, GOOD, torch.bfloat16, device_name="cpu") == (None, "GEMM1's config")
+def test_lookup_down_config(tmp_path):
+    dirs = (tmp_path,)
+    assert C.lookup_down_config(4, 8, 16, GOOD, torch.bfloat16, device_name="cpu", folders=dirs) == \
+        (None, "GEMM1's config")
     down2 = dict(GOOD, BLOCK_SIZE_K=64, num_stages=5)
     F.write_config_file(tmp_path / C.config_file_name(4, 8, "cpu", down=True), {1: down2, 64: BIG})
-    cfg, src = C.lookup_down_config(4, 8, 16, GOOD, torch.bfloat16, device_name="cpu")
+    cfg, src = C.lookup_down_config(4, 8, 16, GOOD, torch.bfloat16, device_name="cpu", folders=dirs)
     assert cfg == down2 and src.endswith("_down.json[1]")
     # the entry nearest to 60 tokens has BLOCK_SIZE_M 64, GEMM1's 16: one alignment cannot serve
     # both, so GEMM2 keeps GEMM1's config, and the source says why
-    cfg, src = C.lookup_down_config(4, 8, 60, GOOD, torch.bfloat16, device_name="cpu")
+    cfg, src = C.lookup_down_config(4, 8, 60, GOOD, torch.bfloat16, device_name="cpu", folders=dirs)
     assert cfg is None and "_down.json[64] has BLOCK_SIZE_M 64, GEMM1's config 16 at 60 tokens" in src
 
 
-def test_tuned_routing_reads_token_keys_as_the_tunes_load(tmp_path, monkeypatch):
+def test_tuned_routing_reads_token_keys_as_the_tunes_load(tmp_path):
     # A file tuned for an EP8 shard (top-8 over 256 experts, 32 local): M tokens of a layer routing
     # top-8 over the same 32 experts load each local expert 8x as much, so they read its 8M entry.
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
-    monkeypatch.chdir(tmp_path)
+    dirs = (tmp_path,)
     path = tmp_path / C.config_file_name(32, 64, "cpu")
     F.write_config_file(path, {1: GOOD, 8: BIG})
     F.write_config_file(tmp_path / C.config_file_name(32, 64, "cpu", down=True), {1: GOOD, 8: BIG})
     # no record: keys are tokens (vLLM's meaning), whatever the layer's routing
-    assert C.lookup_config(32, 64, 1, None, "cpu", topk=8, num_experts_global=32) == (GOOD, f"{path}[1]")
+    assert C.lookup_config(32, 64, 1, None, "cpu", folders=dirs, topk=8, num_experts_global=32) == (GOOD, f"{path}[1]")
     F.write_tuned_routing(path, (256, 8))
     F.write_tuned_routing(path.with_name(C.config_file_name(32, 64, "cpu", down=True)), (256, 8))
     assert C.tuned_routing(path) == (256, 8)
     assert json.loads((tmp_path / C.ROUTING_FILE).read_text())[path.name] == {"experts": 256, "topk": 8}
     # the tune's own routing: unchanged; unknown topk: unchanged
-    assert C.lookup_config(32, 64, 1, None, "cpu", topk=8, num_experts_global=256) == (GOOD, f"{path}[1]")
-    assert C.lookup_config(32, 64, 1, None, "cpu")[0] == GOOD
+    assert C.lookup_config(32, 64, 1, None, "cpu", folders=dirs, topk=8,
+                           num_experts_global=256) == (GOOD, f"{path}[1]")
+    assert C.lookup_config(32, 64, 1, None, "cpu", folders=dirs)[0] == GOOD
     # top-8 over the 32: 1 token = 8 tokens of the tune
-    cfg, src = C.lookup_config(32, 64, 1, None, "cpu", topk=8, num_experts_global=32)
+    cfg, src = C.lookup_config(32, 64, 1, None, "cpu", folders=dirs, topk=8, num_experts_global=32)
     assert cfg == BIG and src == f"{path}[8] (its routing's load at 8 tokens, here 1)"
     assert C.layer_config(1, local_experts=32, inter=64, hidden=64, topk=8, num_experts=32, dtype=None,
-                          device_name="cpu")[0] == BIG
-    down, dsrc = C.lookup_down_config(32, 64, 1, BIG, None, device_name="cpu", topk=8, num_experts_global=32)
+                          folders=dirs, device_name="cpu")[0] == BIG
+    down, dsrc = C.lookup_down_config(32, 64, 1, BIG, None, device_name="cpu", folders=dirs, topk=8,
+                                      num_experts_global=32)
     assert down == BIG and dsrc.endswith("_down.json[8] (its routing's load at 8 tokens, here 1)")
     assert C.file_tokens(path, 3, 2, 32) == 6  # top-2 over 32 experts: 2/32 = 2x the tune's 8/256
     # a record for another file or a removed one changes nothing else
     F.write_tuned_routing(path, None)
-    assert C.tuned_routing(path) is None and C.lookup_config(32, 64, 1, None, "cpu", topk=8, num_experts_global=32)[0] == GOOD
+    assert C.tuned_routing(path) is None
+    assert C.lookup_config(32, 64, 1, None, "cpu", folders=dirs, topk=8, num_experts_global=32)[0] == GOOD
 
 
 def test_claim_tuned_routing(tmp_path):

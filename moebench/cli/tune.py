@@ -581,3 +581,5 @@ def configs_commit(files, kernel, allow_cpu):
         if kernel == "moebench":  # the routing its keys mean goes with it (unknown: none recorded)
             write_tuned_routing(dest, C.tuned_routing(f))
         say(console, f"{verb} {dest}")
+    C.clear_lookup_cache()  # the package's folder changed: this process's lookups look again
+    EC.clear_lookup_cache()

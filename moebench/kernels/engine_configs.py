@@ -7,7 +7,8 @@ moebench's `triton` kernel and make the engines' kernel slower.
     sglang   sglang/triton_{X_Y_Z}/ (Triton version) E={E},N={N},device_name={dev}[,dtype=fp8_w8a8][,block_shape=[bn, bk]].json
 
 Config roots, first hit wins: $MOEBENCH_CONFIG_DIR, results/configs (from the current directory),
-the package's moebench/configs. A vllm/ folder can be handed to vLLM as VLLM_TUNED_CONFIG_FOLDER
+the package's moebench/configs (`C.config_search_dirs`, resolved when the experts are built; each
+file is read once per process). A vllm/ folder can be handed to vLLM as VLLM_TUNED_CONFIG_FOLDER
 (or its files copied into vLLM's model_executor/layers/fused_moe/configs/); a sglang/triton_X_Y_Z/
 folder's files go into SGLang's fused_moe_triton/configs/triton_X_Y_Z/. The differences are the
 engines' own: vLLM names an H200-family device NVIDIA_H200 and writes block_shape without a space;
@@ -23,10 +24,12 @@ a file, vLLM's default config (`vllm_default_config`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 from pathlib import Path
+from types import MappingProxyType
 
 from moebench.errors import MoebenchError
 from moebench.kernels.triton import configs as C
@@ -84,15 +87,16 @@ def engine_file_name(engine: str, E: int, N: int, device_name: str, quant: Quant
     return name
 
 
-def engine_dirs(engine: str) -> list[Path]:
-    """Folders the lookup reads for `engine`, in order (sglang: each root's triton_* folders, the
-    installed Triton's first, then the others newest first)."""
-    roots = [Path(d) / engine for d in C.config_search_dirs()]
+def engine_dirs(engine: str, roots: tuple[Path, ...]) -> list[Path]:
+    """Folders the lookup reads for `engine` under the config roots `roots` (`C.config_search_dirs()`),
+    in order (sglang: each root's triton_* folders, the installed Triton's first, then the others
+    newest first)."""
+    folders = [Path(d) / engine for d in roots]
     if engine != "sglang":
-        return roots
+        return folders
     mine = triton_folder()
     out: list[Path] = []
-    for r in roots:
+    for r in folders:
         out.append(r / mine)
         others = sorted((p for p in r.glob("triton_*") if p.is_dir() and _TRITON_DIR_RE.match(p.name) and p.name != mine),
                         key=lambda p: tuple(int(v) for v in p.name.split("_")[1:]), reverse=True)
@@ -113,12 +117,20 @@ def package_dir(engine: str, triton_version_folder: str | None = None) -> Path:
     return d / (triton_version_folder or triton_folder()) if engine == "sglang" else d
 
 
-def find_engine_file(engine: str, E: int, N: int, device_name: str, quant: QuantScheme | None = None) -> Path | None:
-    name = engine_file_name(engine, E, N, device_name, quant)
-    for d in engine_dirs(engine):
+@functools.lru_cache(maxsize=256)
+def found_engine_table(engine: str, roots: tuple[Path, ...], name: str) -> C.FoundTable | None:
+    """The first `engine` file called `name` under `roots`, read, or None. Cached as
+    `C.found_table` is: a steady-state call of the vllm-triton experts does no file-system work;
+    `clear_lookup_cache` forgets what was read."""
+    for d in engine_dirs(engine, roots):
         if (d / name).is_file():
-            return d / name
+            return C.FoundTable(d / name, MappingProxyType(C.load_config_file(d / name)), None)
     return None
+
+
+def clear_lookup_cache() -> None:
+    """Forget the engine files the lookup has read (and not found): the next lookup looks again."""
+    found_engine_table.cache_clear()
 
 
 def vllm_default_config(m: int, num_experts: int, quant: QuantScheme | None) -> TileConfig:
@@ -134,13 +146,15 @@ def vllm_default_config(m: int, num_experts: int, quant: QuantScheme | None) -> 
 
 
 def engine_config(engine: str, m: int, E: int, N: int, num_experts: int, device_name: str,
-                  quant: QuantScheme | None = None) -> tuple[TileConfig, str]:
-    """(config, where from) at m tokens for the layer of E local experts, N = I per rank."""
-    path = find_engine_file(engine, E, N, device_name, quant)
-    if path is None:
-        return vllm_default_config(m, E, quant), f"vLLM's default config (no {engine_file_name(engine, E, N, device_name, quant)})"
-    key, cfg = C.nearest_entry(C.load_config_file(path), max(m, 1))
-    return TileConfig(**cfg), f"{path}[{key}]"  # type: ignore[typeddict-item]
+                  quant: QuantScheme | None = None, *, roots: tuple[Path, ...]) -> tuple[TileConfig, str]:
+    """(config, where from) at m tokens for the layer of E local experts, N = I per rank, from the
+    engine's file under the config roots `roots` (resolved when the experts were built)."""
+    name = engine_file_name(engine, E, N, device_name, quant)
+    found = found_engine_table(engine, roots, name)
+    if found is None:
+        return vllm_default_config(m, E, quant), f"vLLM's default config (no {name})"
+    key, cfg = C.nearest_entry(found.table, max(m, 1))
+    return TileConfig(**cfg), f"{found.path}[{key}]"  # type: ignore[typeddict-item]
 
 
 def load_engine_file(path: str | os.PathLike) -> dict[int, TileConfig]:

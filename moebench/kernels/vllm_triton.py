@@ -33,13 +33,14 @@ epilogue: SGLang's kernel does this on SM90 when BLOCK_SIZE_M < 64 and BLOCK_SIZ
 ("auto"); vLLM's kernel does not (the `vllm` flavour's default is off).
 
 Tile configs: an explicit `config` (what a tune measures), else the engine file of the flavour
-(`engine_configs.find_engine_file`, nearest token key, ties to the smaller) else vLLM's default
+(`engine_configs.engine_config`, nearest token key, ties to the smaller) else vLLM's default
 config (`engine_configs.vllm_default_config`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -57,7 +58,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.common import grouped_tile
-from moebench.kernels.triton.configs import device_name, validate_tile_config
+from moebench.kernels.triton.configs import config_search_dirs, device_name, validate_tile_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting, triton_unavailable_reason
 from moebench.kernels.triton.gemm import topk_sum
 from moebench.kernels.triton.quant import quantize_rows
@@ -368,7 +369,8 @@ class VllmTritonExperts(Experts):
     """vLLM's fused-MoE structure (Standard). Returns (M, H), weighted and summed over top-k.
 
     config: a TileConfig used for every call (a tune's candidate) instead of the lookup;
-    options: VllmTritonOptions (engine whose files the lookup reads, per-pair and swap-AB paths).
+    options: VllmTritonOptions (engine whose files the lookup reads, per-pair and swap-AB paths);
+    config_dirs: the config roots the lookup reads (None: `config_search_dirs()`, resolved here, once).
     Takes bf16/fp16 activations and quantises them itself for fp8_w8a8 block weights (as vLLM's
     fused_experts does)."""
 
@@ -378,9 +380,12 @@ class VllmTritonExperts(Experts):
     supported_quant = ("block",)
     quantizes_input = True
 
-    def __init__(self, config: Mapping[str, int] | None = None, options: VllmTritonOptions | None = None):
+    def __init__(self, config: Mapping[str, int] | None = None, options: VllmTritonOptions | None = None,
+                 config_dirs: tuple[Path, ...] | None = None):
         self.config = validate_tile_config(dict(config), "VllmTritonExperts config") if config is not None else None
         self.options = options or VllmTritonOptions()
+        self.config_dirs = tuple(config_dirs) if config_dirs is not None else \
+            config_search_dirs() if self.config is None else ()
 
     @classmethod
     def unavailable_reason(cls, device: str) -> str | None:
@@ -395,7 +400,7 @@ class VllmTritonExperts(Experts):
             self.last_config_source = "explicit"
             return dict(self.config)
         cfg, self.last_config_source = engine_config(self.options.engine, m, w2.shape[0], w2.shape[2], num_experts,
-                                                     device_name(w2.device), scheme_of(w2))
+                                                     device_name(w2.device), scheme_of(w2), roots=self.config_dirs)
         return dict(cfg)
 
     def apply(self, prep: PrepareResult, w13, w2) -> torch.Tensor:

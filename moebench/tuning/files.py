@@ -1,7 +1,8 @@
 """Writing tuned-config files: moebench's own (vLLM's format, with "triton_version"), the routing a
 folder's files were tuned under (`tuned_routing.json`), and the engines' files (token keys only).
 Names, formats and the readers are the kernels' (moebench.kernels.triton.configs,
-moebench.kernels.engine_configs); every write is atomic (a temporary file, then a rename)."""
+moebench.kernels.engine_configs); every write is atomic (a temporary file, then a rename), and
+makes the kernels' lookup of this process look again (it reads each file once)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from moebench.errors import MoebenchError
 from moebench.fileio import atomic_write_text
+from moebench.kernels import engine_configs as EC
 from moebench.kernels.triton import configs as C
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,6 +41,7 @@ def write_config_file(
     doc.update({str(k): dict(entries[k]) for k in sorted(entries)})
     p.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(p, json.dumps(doc, indent=4) + "\n")
+    C.clear_lookup_cache()
     return p
 
 
@@ -81,6 +84,7 @@ def write_tuned_routing(path: str | os.PathLike, routing: tuple[int, int] | None
         table[p.name] = {"experts": int(routing[0]), "topk": int(routing[1])}
     p.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(p.parent / C.ROUTING_FILE, json.dumps(dict(sorted(table.items())), indent=4) + "\n")
+    C.clear_lookup_cache()
 
 
 def claim_tuned_routing(path: str | os.PathLike, experts: int, topk: int) -> None:
@@ -104,6 +108,7 @@ def write_engine_file(path: str | os.PathLike, table: Mapping[int | str, Mapping
     doc = {str(k): {kk: int(entries[k][kk]) for kk in C.TILE_KEYS} for k in sorted(entries)}
     p.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(p, json.dumps(doc, indent=4) + "\n")
+    EC.clear_lookup_cache()
     return p
 
 

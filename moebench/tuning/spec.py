@@ -164,7 +164,7 @@ def gemm1_config(spec: TuneSpec, tokens: int) -> tuple[dict[str, int], str]:
     GEMM2 against."""
     cfg, src = C.layer_config(
         tokens, local_experts=spec.local_experts, inter=spec.inter_per_rank, hidden=spec.shape.hidden,
-        topk=spec.shape.topk, num_experts=spec.shape.num_experts, dtype=spec.dtype,
+        topk=spec.shape.topk, num_experts=spec.shape.num_experts, dtype=spec.dtype, folders=C.config_search_dirs(),
         device_name=C.device_name(spec.device), quant=spec.quant)
     return dict(cfg), src
 

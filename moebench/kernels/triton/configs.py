@@ -26,9 +26,10 @@ BLOCK_SIZE_M than GEMM1's config, GEMM2 runs with GEMM1's config, as vLLM does (
 config source says which). `moebench tune --down` writes them.
 
 Lookup order at run time: $MOEBENCH_CONFIG_DIR, then results/configs/ (relative to the current
-directory), then the package's moebench/configs/. The first folder holding the file wins; inside it
-the entry with the nearest token count wins (ties go to the smaller count). Without a file,
-`default_config` (a documented heuristic) decides.
+directory), then the package's moebench/configs/, resolved when the experts are built
+(`config_search_dirs`). The first folder holding the file wins; inside it the entry with the
+nearest token count wins (ties go to the smaller count). Each file is read once per process
+(`found_table`). Without a file, `default_config` (a documented heuristic) decides.
 
 The routing a file was tuned under. A token key means a load of pairs per local expert only under
 the routing of its tune: E=32,N=2048 tuned for DeepSeek-V3's EP8 shard (top-8 over 256 experts,
@@ -44,11 +45,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import functools
 import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping, TypedDict
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple, TypedDict
 
 import torch
 
@@ -290,31 +293,28 @@ def file_tokens(path: str | os.PathLike, M: int, topk: int | None, num_experts: 
     """The token key of the file at `path` that M tokens of a layer routing top-`topk` over
     `num_experts` experts correspond to: the same pairs per local expert under the file's tuned
     routing (module docstring); M itself where the routing of either is unknown."""
-    r = tuned_routing(path)
-    if r is None or not topk or not num_experts:
+    return routed_tokens(tuned_routing(path), M, topk, num_experts)
+
+
+def routed_tokens(routing: tuple[int, int] | None, M: int, topk: int | None, num_experts: int | None) -> int:
+    """`file_tokens` for a file tuned under `routing` ((experts, topk), None: unknown)."""
+    if routing is None or not topk or not num_experts:
         return M
-    experts, k = r
+    experts, k = routing
     return max(1, round(M * topk * experts / (num_experts * k)))
 
 
 _ROUTING_CACHE: dict[tuple[str, int, int], dict[str, dict[str, int]]] = {}
-_CACHE: dict[tuple[str, int, int], dict[int, TileConfig]] = {}
-
-
-def _load_cached(path: Path) -> dict[int, TileConfig]:
-    st = path.stat()
-    key = (str(path), st.st_mtime_ns, st.st_size)
-    if key not in _CACHE:
-        _CACHE[key] = load_config_file(path)
-    return _CACHE[key]
 
 
 # ---------------------------------------------------------------------------------------------
 # Lookup
 
 
-def config_search_dirs() -> list[Path]:
-    """$MOEBENCH_CONFIG_DIR (if set), results/configs (from the current directory), moebench/configs."""
+def config_search_dirs() -> tuple[Path, ...]:
+    """The lookup's folders, in order, as they are now: $MOEBENCH_CONFIG_DIR (if set), results/configs
+    (from the current directory), moebench/configs. Whoever builds experts resolves them once and
+    passes them to the lookup; a MOEBENCH_CONFIG_DIR that is no folder is refused here."""
     dirs = []
     env = os.environ.get(ENV_CONFIG_DIR)
     if env:
@@ -324,21 +324,47 @@ def config_search_dirs() -> list[Path]:
         dirs.append(Path(env))
     dirs.append(Path.cwd() / "results" / "configs")
     dirs.append(PACKAGE_CONFIG_DIR)
-    return dirs
+    return tuple(dirs)
 
 
 def find_config_file(
     E: int, N: int, device_name: str, dtype: torch.dtype | str | None = None, block_shape: list[int] | None = None,
-    down: bool = False, *, per_channel_quant: bool = False,
+    down: bool = False, *, per_channel_quant: bool = False, folders: tuple[Path, ...] | None = None,
 ) -> Path | None:
     """The first existing file for (E, N, device, dtype[, block_shape][, per_channel_quant][, down]) along
-    `config_search_dirs()`."""
+    `folders` (None: `config_search_dirs()` now), looked for now (not cached: for tools that list files)."""
     name = config_file_name(E, N, device_name, dtype, block_shape, down, per_channel_quant=per_channel_quant)
-    for d in config_search_dirs():
+    for d in config_search_dirs() if folders is None else folders:
         p = d / name
         if p.is_file():
             return p
     return None
+
+
+class FoundTable(NamedTuple):
+    """A tuned file the lookup found: its path, its entries and the routing its folder records."""
+
+    path: Path
+    table: Mapping[int, TileConfig]
+    routing: tuple[int, int] | None
+
+
+@functools.lru_cache(maxsize=1024)
+def found_table(folders: tuple[Path, ...], name: str) -> FoundTable | None:
+    """The first file called `name` along `folders`, read and validated, or None. Cached: the
+    experts' lookup reads each (folders, file name) once per process, so a steady-state call does
+    no file-system work; `clear_lookup_cache` forgets what was read (moebench.tuning.files calls
+    it after each write)."""
+    for d in folders:
+        p = d / name
+        if p.is_file():
+            return FoundTable(p, MappingProxyType(load_config_file(p)), tuned_routing(p))
+    return None
+
+
+def clear_lookup_cache() -> None:
+    """Forget the files the lookup has read (and not found): the next lookup looks again."""
+    found_table.cache_clear()
 
 
 def _as_tokens(M: int, mk: int) -> str:
@@ -358,13 +384,16 @@ def lookup_config(
     dtype: torch.dtype | str | None = None,
     device_name: str | None = None,
     *,
+    folders: tuple[Path, ...],
     hidden: int | None = None,
     topk: int | None = None,
     num_experts_global: int | None = None,
     quant: "QuantScheme | None" = None,
     default: TileConfig | None = None,
 ) -> tuple[TileConfig, str]:
-    """Tile config for M tokens of an (E local experts, N = intermediate per rank) layer.
+    """Tile config for M tokens of an (E local experts, N = intermediate per rank) layer, from the
+    first file along `folders` (`config_search_dirs()` as resolved when the experts were built;
+    the file is read once: `found_table`).
 
     quant: an fp8 scheme: the file is `...,dtype=fp8_w8a8[,block_shape=[bn,bk]].json` (vLLM's
     name; per-token scales: `...,dtype=fp8_w8a8,per_channel_quant=True.json`, SGLang's) and the
@@ -379,11 +408,12 @@ def lookup_config(
     heuristic, e.g. the batched kernel's).
     """
     dev = device_name if device_name is not None else current_device_name()
-    path = find_config_file(E, N, dev, *name_parts(dtype, quant), per_channel_quant=per_channel_quant(quant))
-    if path is not None:
-        mk = file_tokens(path, M, topk, num_experts_global or E)
-        key, cfg = nearest_entry(_load_cached(path), mk)
-        return TileConfig(**cfg), f"{path}[{key}]" + _as_tokens(M, mk)  # type: ignore[typeddict-item]
+    tag, block = name_parts(dtype, quant)
+    found = found_table(folders, config_file_name(E, N, dev, tag, block, per_channel_quant=per_channel_quant(quant)))
+    if found is not None:
+        mk = routed_tokens(found.routing, M, topk, num_experts_global or E)
+        key, cfg = nearest_entry(found.table, mk)
+        return TileConfig(**cfg), f"{found.path}[{key}]" + _as_tokens(M, mk)  # type: ignore[typeddict-item]
     if default is not None:
         return TileConfig(**default), "default heuristic"  # type: ignore[typeddict-item]
     return heuristic_config(M, num_experts_global or E, N, hidden or 4096, topk or 1,
@@ -399,15 +429,16 @@ def layer_config(
     topk: int,
     num_experts: int,
     dtype: torch.dtype | str | None,
+    folders: tuple[Path, ...],
     device_name: str | None = None,
     quant: "QuantScheme | None" = None,
 ) -> tuple[TileConfig, str]:
     """The config the `triton` experts run GEMM1 with at M tokens of a layer (local_experts of
     num_experts global experts here, intermediate size `inter` per rank): `lookup_config` on the
-    layer's file (E = local experts, N = inter), else `heuristic_config` over the global experts.
-    The one lookup the experts and the tuner share."""
-    return lookup_config(local_experts, inter, max(M, 1), dtype, device_name, hidden=hidden, topk=topk,
-                         num_experts_global=num_experts, quant=quant)
+    layer's file (E = local experts, N = inter) along `folders`, else `heuristic_config` over the
+    global experts. The one lookup the experts and the tuner share."""
+    return lookup_config(local_experts, inter, max(M, 1), dtype, device_name, folders=folders, hidden=hidden,
+                         topk=topk, num_experts_global=num_experts, quant=quant)
 
 
 def heuristic_config(M: int, E: int, N: int, H: int, topk: int, dtype: torch.dtype = torch.bfloat16,
@@ -431,26 +462,28 @@ def lookup_down_config(
     dtype: torch.dtype | str | None = None,
     device_name: str | None = None,
     *,
+    folders: tuple[Path, ...],
     quant: "QuantScheme | None" = None,
     topk: int | None = None,
     num_experts_global: int | None = None,
 ) -> tuple[TileConfig | None, str]:
     """GEMM2's config for M tokens from the `_down.json` file next to GEMM1's (same E, N, device,
-    dtype), nearest token key (read by the file's tuned routing, as in `lookup_config`). (None, why)
-    when GEMM2 runs with GEMM1's config instead: there is no such file, or its entry has another
-    BLOCK_SIZE_M than GEMM1's `gemm1` (both GEMMs run on one alignment; the reason names the entry,
-    and shows in the experts' config source)."""
+    dtype) along `folders`, nearest token key (read by the file's tuned routing, as in
+    `lookup_config`). (None, why) when GEMM2 runs with GEMM1's config instead: there is no such
+    file, or its entry has another BLOCK_SIZE_M than GEMM1's `gemm1` (both GEMMs run on one
+    alignment; the reason names the entry, and shows in the experts' config source)."""
     dev = device_name if device_name is not None else current_device_name()
-    path = find_config_file(E, N, dev, *name_parts(dtype, quant), down=True,
-                            per_channel_quant=per_channel_quant(quant))
-    if path is None:
+    tag, block = name_parts(dtype, quant)
+    found = found_table(folders, config_file_name(E, N, dev, tag, block, down=True,
+                                                  per_channel_quant=per_channel_quant(quant)))
+    if found is None:
         return None, "GEMM1's config"
-    mk = file_tokens(path, M, topk, num_experts_global or E)
-    key, cfg = nearest_entry(_load_cached(path), mk)
+    mk = routed_tokens(found.routing, M, topk, num_experts_global or E)
+    key, cfg = nearest_entry(found.table, mk)
     if cfg["BLOCK_SIZE_M"] != gemm1["BLOCK_SIZE_M"]:
-        return None, (f"GEMM1's config ({path}[{key}] has BLOCK_SIZE_M {cfg['BLOCK_SIZE_M']}, GEMM1's config "
+        return None, (f"GEMM1's config ({found.path}[{key}] has BLOCK_SIZE_M {cfg['BLOCK_SIZE_M']}, GEMM1's config "
                       f"{gemm1['BLOCK_SIZE_M']} at {M} tokens)")
-    return TileConfig(**cfg), f"{path}[{key}]" + _as_tokens(M, mk)  # type: ignore[typeddict-item]
+    return TileConfig(**cfg), f"{found.path}[{key}]" + _as_tokens(M, mk)  # type: ignore[typeddict-item]
 
 
 def quant_default(cfg: TileConfig, quant: "QuantScheme", pairs_per_expert: float | None = None) -> TileConfig:

@@ -32,6 +32,7 @@ are; the GEMMs dequantise the packed weight tiles (moebench.kernels.triton.wquan
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -51,6 +52,7 @@ from moebench.kernels.triton.align import align_pairs
 from moebench.kernels.triton.batched import batched_default_config, batched_moe, mean_rows
 from moebench.kernels.triton.configs import (
     TileConfig,
+    config_search_dirs,
     device_name,
     layer_config,
     lookup_config,
@@ -74,23 +76,27 @@ def _interleaved_quant_reason(name: str, activation: Activation, quant: QuantSch
 
 
 def select_config(
-    m: int, topk: int, w13, w2, num_experts: int, dtype: torch.dtype
+    m: int, topk: int, w13, w2, num_experts: int, dtype: torch.dtype, folders: tuple[Path, ...] | None = None
 ) -> tuple[TileConfig, str]:
-    """GEMM1's config for m tokens: the tuned file (E = local experts, N = I) else the default
-    heuristic over global experts (`configs.layer_config`). Quantised weights look up the scheme's
-    file (dtype=fp8_w8a8[,block_shape=[..]]) and fit the default to the scale block."""
+    """GEMM1's config for m tokens: the tuned file (E = local experts, N = I) along `folders`
+    (None: `config_search_dirs()` now) else the default heuristic over global experts
+    (`configs.layer_config`). Quantised weights look up the scheme's file
+    (dtype=fp8_w8a8[,block_shape=[..]]) and fit the default to the scale block."""
     e_local, h, n_inter = w2.shape
     return layer_config(m, local_experts=e_local, inter=n_inter, hidden=h, topk=topk, num_experts=num_experts,
-                        dtype=dtype, device_name=device_name(w2.device), quant=scheme_of(w2))
+                        dtype=dtype, folders=config_search_dirs() if folders is None else folders,
+                        device_name=device_name(w2.device), quant=scheme_of(w2))
 
 
 def select_down_config(
-    m: int, w2, gemm1: Mapping[str, int], dtype: torch.dtype, topk: int | None = None, num_experts: int | None = None
+    m: int, w2, gemm1: Mapping[str, int], dtype: torch.dtype, topk: int | None = None, num_experts: int | None = None,
+    folders: tuple[Path, ...] | None = None,
 ) -> tuple[TileConfig | None, str]:
-    """GEMM2's own config from a `_down.json` file (`configs.lookup_down_config`), or
-    (None, "GEMM1's config") without one."""
+    """GEMM2's own config from a `_down.json` file along `folders` (None: `config_search_dirs()`
+    now; `configs.lookup_down_config`), or (None, "GEMM1's config") without one."""
     e_local, _, n_inter = w2.shape
     return lookup_down_config(e_local, n_inter, max(m, 1), gemm1, dtype, device_name=device_name(w2.device),
+                              folders=config_search_dirs() if folders is None else folders,
                               quant=scheme_of(w2), topk=topk, num_experts_global=num_experts)
 
 
@@ -149,9 +155,10 @@ def fused_moe(
     if num_experts is None:
         num_experts = expert_map.shape[0] if expert_map is not None else e_local
     if config is None:
-        config, _ = select_config(m, k, w13, w2, num_experts, out_dtype)
+        folders = config_search_dirs()
+        config, _ = select_config(m, k, w13, w2, num_experts, out_dtype, folders)
         if down_config is None:
-            down_config, _ = select_down_config(m, w2, config, out_dtype, k, num_experts)
+            down_config, _ = select_down_config(m, w2, config, out_dtype, k, num_experts, folders)
     if m == 0:
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
     pdl = resolve_pdl(options, x.device, w2.shape[2])
@@ -173,8 +180,10 @@ class TritonExperts(Experts):
     config: a TileConfig (vLLM keys) used for every call instead of the lookup; down_config:
     GEMM2's own (with config, same BLOCK_SIZE_M; without config the lookup also reads a `_down.json`
     file); split_k: GEMM2 K splits (None = `layer_split_k`); options: the code paths
-    (TritonOptions; None = the defaults). fp8_w8a8 weights (all scales of moebench.quant) take the
-    activations prepare quantised (prep.a fp8 + prep.a_scale); the output is in prep.out_dtype.
+    (TritonOptions; None = the defaults); config_dirs: the lookup's folders (None:
+    `config_search_dirs()`, resolved here, once). fp8_w8a8 weights (all scales of moebench.quant)
+    take the activations prepare quantised (prep.a fp8 + prep.a_scale); the output is in
+    prep.out_dtype.
     """
 
     name = "triton"
@@ -190,8 +199,11 @@ class TritonExperts(Experts):
         split_k: int | None = None,
         down_config: Mapping[str, Any] | None = None,
         options: TritonOptions | None = None,
+        config_dirs: tuple[Path, ...] | None = None,
     ):
         self.config = validate_tile_config(dict(config), "TritonExperts config") if config is not None else None
+        self.config_dirs = tuple(config_dirs) if config_dirs is not None else \
+            config_search_dirs() if self.config is None else ()
         self.down_config = (validate_tile_config(dict(down_config), "TritonExperts down_config", down=True)
                             if down_config is not None else None)
         if self.config is not None and self.down_config is not None and \
@@ -212,9 +224,9 @@ class TritonExperts(Experts):
         if self.config is not None:
             self.last_config_source = "explicit" + ("; GEMM2: explicit" if self.down_config is not None else "")
             return dict(self.config), (dict(self.down_config) if self.down_config is not None else None)
-        cfg, src = select_config(m, topk, w13, w2, num_experts, dtype)
+        cfg, src = select_config(m, topk, w13, w2, num_experts, dtype, self.config_dirs)
         down, down_src = (dict(self.down_config), "explicit") if self.down_config is not None else \
-            select_down_config(m, w2, cfg, dtype, topk, num_experts)
+            select_down_config(m, w2, cfg, dtype, topk, num_experts, self.config_dirs)
         self.last_config_source = src + (f"; GEMM2: {down_src}" if down_src != "GEMM1's config" else "")
         return dict(cfg), (dict(down) if down is not None else None)
 
@@ -247,9 +259,10 @@ class BatchedTritonExperts(Experts):
 
     config: a TileConfig used for every call (else the tuned-config lookup, else
     `batched_default_config`, fitted to the fp8 scale block for block-quantised weights); options:
-    TritonOptions (its batched_wide_rows sizes the heuristic). fp8_w8a8 weights (all scales of
-    moebench.quant) take the activations prepare quantised (prep.a fp8 + prep.a_scale); the output
-    is in prep.out_dtype.
+    TritonOptions (its batched_wide_rows sizes the heuristic); config_dirs: the lookup's folders
+    (None: `config_search_dirs()`, resolved here, once). fp8_w8a8 weights (all scales of
+    moebench.quant) take the activations prepare quantised (prep.a fp8 + prep.a_scale); the
+    output is in prep.out_dtype.
     """
 
     name = "batched-triton"
@@ -268,8 +281,11 @@ class BatchedTritonExperts(Experts):
     def unavailable_reason(cls, device: str) -> str | None:
         return triton_unavailable_reason(device)
 
-    def __init__(self, config: Mapping[str, int] | None = None, options: TritonOptions | None = None):
+    def __init__(self, config: Mapping[str, int] | None = None, options: TritonOptions | None = None,
+                 config_dirs: tuple[Path, ...] | None = None):
         self.config = validate_tile_config(dict(config), "BatchedTritonExperts config") if config is not None else None
+        self.config_dirs = tuple(config_dirs) if config_dirs is not None else \
+            config_search_dirs() if self.config is None else ()
         self.options = options or TritonOptions()
 
     def weight_and_reduce(self):
@@ -300,8 +316,8 @@ class BatchedTritonExperts(Experts):
             self.last_config_source = "default heuristic (token count unknown)"
             return dict(default)
         cfg, self.last_config_source = lookup_config(
-            e_local, n_inter, max(tokens, 1), dtype, device_name=device_name(device_type), quant=quant,
-            default=default, topk=topk, num_experts_global=num_experts)
+            e_local, n_inter, max(tokens, 1), dtype, device_name=device_name(device_type), folders=self.config_dirs,
+            quant=quant, default=default, topk=topk, num_experts_global=num_experts)
         return dict(cfg)
 
     def apply(self, prep: PrepareResult, w13, w2, *, activation: Activation = SILU,
