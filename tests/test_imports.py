@@ -119,22 +119,3 @@ def test_the_kernels_hold_only_the_contract_and_the_backends():
     bad = _offenders("moebench.kernels", ("moebench.cli", "moebench.tuning", "moebench.sweep", "moebench.compare",
                                           "moebench.report", "moebench.bench.metrics"))
     assert not bad, "kernels import from above them:\n" + "\n".join(bad)
-
-
-#: Modules above the kernels: what parses input, tunes, sweeps, compares, reports or measures.
-ABOVE_THE_KERNELS = ("moebench.cli", "moebench.tuning", "moebench.sweep", "moebench.cases", "moebench.compare",
-                     "moebench.report", "moebench.bench.metrics")
-#: Imports from kernels/ into ABOVE_THE_KERNELS tolerated for now: the layer's test fixtures
-#: (layer_bytes_extra and its kin in kernels/layer.py). This goes when they move out of kernels/.
-TOLERATED_KERNEL_IMPORTS = {"moebench.kernels.layer -> moebench.bench.metrics"}
-
-
-def test_kernels_import_nothing_from_above():
-    """moebench.kernels holds the kernel contract and the backends: none of its modules imports
-    (anywhere, lazily included) a parser, a config-file writer, a sweep, a comparison, a report or
-    the benchmark metrics."""
-    graph = import_graph()
-    found = {f"{m} -> {d}" for m, deps in graph.items() if m.startswith("moebench.kernels.") for d in deps
-             if any(d == up or d.startswith(up + ".") for up in ABOVE_THE_KERNELS)}
-    bad = sorted(found - TOLERATED_KERNEL_IMPORTS)
-    assert not bad, "moebench.kernels imports from above it:\n" + "\n".join(bad)
