@@ -1,5 +1,6 @@
 """Set-up shared by the cases of `python -m benchmarks` (benchmarks/__init__.py lists them):
-output folder and header, the layer shapes and their tile config, a timer, the table writer."""
+output folder and header, the layer shards (named from moebench.models' presets), design.md's
+reference latencies, the timer (moebench.bench.timing on this machine), the table writer."""
 
 from __future__ import annotations
 
@@ -12,18 +13,58 @@ import torch
 import triton
 
 import moebench
-from moebench.bench.timing import time_cpu, time_cuda
+from moebench.bench.timing import Timing, time_fn
+from moebench.errors import MoebenchError
+from moebench.models import get_model
 from moebench.report import markdown
 from moebench.results import atomic_write_text
 
 ON_GPU = torch.cuda.is_available()
-#: name: (E global, topk, H, I, E local); routing over the E global experts, the first E local
-#: kept (through an expert map when fewer). dsv3-ep8-local: top-8 over DeepSeek-V3's 32 local
-#: experts (design.md's reference row); dsv3-ep8: routing over all 256 (a real EP8 shard).
-SHAPES = {"mixtral": (8, 2, 4096, 14336, 8), "qwen3-30b-a3b": (128, 8, 2048, 768, 128),
-          "dsv3-ep8-local": (32, 8, 7168, 2048, 32), "dsv3-ep8": (256, 8, 7168, 2048, 32),
-          "qwen3-next-80b-a3b": (512, 10, 2048, 512, 512), "qwen3-235b-tp8": (128, 8, 4096, 192, 128),
-          "dsv3-tp8": (256, 8, 7168, 256, 256), "mixtral-tp8": (8, 2, 4096, 1792, 8)}
+
+#: The layer shards the cases time, by name: (preset of moebench.models, layout). "tp8": the
+#: intermediate size split over 8 ranks; "ep8": one rank's 32 experts of 256, routing over all 256
+#: (a real EP8 shard: about M local pairs, reached through an expert map); "ep8-local": top-k routing
+#: over the 32 local experts alone (as vLLM's tuner routes, and the reference table's DeepSeek row).
+BENCH_SHAPES = {"mixtral": ("mixtral-8x7b", "tp1"), "mixtral-tp8": ("mixtral-8x7b", "tp8"),
+                "qwen3-30b-a3b": ("qwen3-30b-a3b", "tp1"), "qwen3-235b-tp8": ("qwen3-235b-a22b", "tp8"),
+                "qwen3-next-80b-a3b": ("qwen3-next-80b-a3b", "tp1"), "dsv3-tp8": ("deepseek-v3", "tp8"),
+                "dsv3-ep8": ("deepseek-v3", "ep8"), "dsv3-ep8-local": ("deepseek-v3", "ep8-local")}
+#: Other spellings of the same shards (vllm_kernel's table names, as PERF.md's raw files hold them).
+SHAPE_ALIASES = {"deepseek-v3-tp8": "dsv3-tp8", "deepseek-v3-ep8": "dsv3-ep8-local"}
+#: --smoke shapes (E, topk, H, I, E local): small enough for the Triton interpreter on a CPU.
+SMOKE_SHAPES = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
+
+
+def bench_shape(name: str) -> tuple[int, int, int, int, int]:
+    """(E global, topk, H, I per rank, E local) of a BENCH_SHAPES / SHAPE_ALIASES / SMOKE_SHAPES name,
+    from the preset's MoEShape; routing is over the E global experts, the first E local kept (through
+    an expert map when fewer). MoebenchError naming the choices for an unknown name."""
+    if name in SMOKE_SHAPES:
+        return SMOKE_SHAPES[name]
+    key = SHAPE_ALIASES.get(name, name)
+    if key not in BENCH_SHAPES:
+        raise MoebenchError(f"unknown shape {name!r}; pick one of {', '.join([*BENCH_SHAPES, *SHAPE_ALIASES])}")
+    preset, layout = BENCH_SHAPES[key]
+    s = get_model(preset)
+    if layout.startswith("tp"):
+        return s.num_experts, s.topk, s.hidden, s.intermediate // int(layout[2:]), s.num_experts
+    local = s.num_experts // int(layout[2:].split("-")[0])
+    if layout.endswith("-local"):
+        return local, s.topk, s.hidden, s.intermediate, local
+    return s.num_experts, s.topk, s.hidden, s.intermediate, local
+
+
+#: design.md's reference table ("Performance reference points"): the GEMM part of a vLLM-style fused
+#: MoE with vLLM's shipped H200 configs, bf16, us at VLLM_REF_TOKENS tokens.
+VLLM_REF_TOKENS = (1, 16, 64, 256, 1024, 4096)
+VLLM_REF_US = {"mixtral": (191, 583, 673, 791, 1682, 5684), "qwen3-30b-a3b": (37, 209, 302, 332, 409, 906),
+               "dsv3-ep8-local": (197, 681, 779, 832, 2164, 7566)}
+
+
+def vllm_ref_us(shape: str, tokens: int) -> float:
+    """design.md's reference latency of a shape at a token count, nan where the table has none."""
+    row = VLLM_REF_US.get(SHAPE_ALIASES.get(shape, shape))
+    return float(row[VLLM_REF_TOKENS.index(tokens)]) if row and tokens in VLLM_REF_TOKENS else float("nan")
 
 
 def ok_rows(root: Path) -> pd.DataFrame:
@@ -49,7 +90,7 @@ def script_setup(what: str) -> tuple[Path, torch.device, str]:
 
 
 def shard_weights(shape: tuple, scheme, dev: torch.device):
-    """(w13, w2, expert_map) of a SHAPES entry (E, topk, H, I, E local): random bf16 weights of the
+    """(w13, w2, expert_map) of a `bench_shape` (E, topk, H, I, E local): random bf16 weights of the
     local experts scaled to unit-order outputs, quantised with `scheme` when given; the map keeps the
     first E local of the E global experts (None when all are local)."""
     e, _, h, inter, e_local = shape
@@ -72,11 +113,17 @@ def seeded_inputs(m: int, h: int, e: int, dtype: torch.dtype, dev: torch.device)
     return torch.randn(m, h, dtype=dtype, device=dev, generator=g), torch.randn(m, e, device=dev, generator=g)
 
 
-def timed_us(fn: Callable[[], object], reps: int, graph_calls: int) -> float:
-    """Median us of fn: CUDA-graph replays on the GPU, one wall-clock call on a CPU (smoke)."""
+def timed(fn: Callable[[], object], reps: int = 30, graph_calls: int = 5, use_graph: bool = True) -> Timing:
+    """moebench's timer on this machine: CUDA-graph replays (or events around eager calls without
+    use_graph) on the GPU; on a CPU (smoke runs) one call after one warm-up, as the interpreter is slow."""
     if ON_GPU:
-        return time_cuda(fn, reps=reps, graph_calls=graph_calls).median_us
-    return time_cpu(fn, warmup=1, reps=1).median_us
+        return time_fn(fn, "cuda", reps=reps, graph_calls=graph_calls, use_graph=use_graph)
+    return time_fn(fn, "cpu", warmup=1, reps=1)
+
+
+def timed_us(fn: Callable[[], object], reps: int, graph_calls: int) -> float:
+    """Median us of `timed`."""
+    return timed(fn, reps=reps, graph_calls=graph_calls).median_us
 
 
 def write_rows(rows: list[dict], out_dir: Path, stem: str, head: str) -> None:

@@ -1,9 +1,9 @@
 """Triton experts on one GPU: whole layer, GEMM part, alignment, torch baseline, floors, reference.
 
-    PYTHONPATH=. python -m benchmarks bench_triton [--tokens 1,16,...] [--shapes a,b] [--sweep]
-        [--check-best] [--smoke]
+    PYTHONPATH=. python -m benchmarks bench_triton [--tokens 1,16,...] [--shapes a,b] [--smoke]
 
-For each shape of design.md ("Performance reference points") and token count, in one run:
+For each shape of design.md ("Performance reference points", bench_common.VLLM_REF_US) and token
+count, in one run:
   layer_us   routing (softmax top-k, renormalised) + moebench `triton` experts via the modular
              kernel (alignment included), CUDA-graph replay (moebench.bench.timing.time_cuda)
   gemm_us    the GEMM part alone (GEMM1+SiLU-mul, GEMM2+weight+top-k sum, cast), alignment outside
@@ -22,9 +22,7 @@ For each shape of design.md ("Performance reference points") and token count, in
              and one cuBLAS mm per expert (bench_common.library_gemms), with x already in expert
              order and no activation, router weight or top-k sum: what the vendor GEMMs reach at
              these shapes, against the floor (library_over_floor) and ours (gemm_over_library)
-With --sweep, 20 alternative tile configs (plus TMA on / off) are timed on the GEMM
-part to see how far the default heuristic is from the best of that set; --check-best times only
-the best configs of the 2026-11-29 sweep (PREV_BEST), with and without TMA. --smoke runs tiny shapes
+--smoke runs tiny shapes
 on CPU under the Triton interpreter to check the script itself (its times mean nothing).
 Writes bench_triton.csv and bench_triton.md under $OUT (default ./bench-out), prints the table.
 """
@@ -41,82 +39,18 @@ import torch
 import triton
 
 import moebench
-from moebench.bench import timing
 from moebench.bench.hardware import read_gbps_candidates
-from moebench.bench.timing import time_cpu
-from moebench.kernels.triton.align import align_pairs, moe_align_block_size
+from moebench.kernels.triton.align import align_pairs
 from moebench.kernels.triton.env import num_sms, tma_ok
 from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1, launch_gemm2
 from moebench.kernels.triton.options import TritonOptions, gemm1_walk, layer_split_k, resolve_use_tma
 from moebench.kernels.triton.routing import fused_topk_softmax
 
-from benchmarks.bench_common import library_gemms, seeded_inputs
+from benchmarks.bench_common import ON_GPU, SMOKE_SHAPES, bench_shape, library_gemms, seeded_inputs, timed, vllm_ref_us
 
-# name: (E global, topk, H, I, E local, use expert_map)
-SHAPES = {
-    "mixtral": (8, 2, 4096, 14336, 8, False),
-    "qwen3-30b-a3b": (128, 8, 2048, 768, 128, False),
-    # The reference table's DeepSeek row does the work of M*8 pairs on 32 experts (its floor
-    # equals Mixtral's): top-8 routing over the 32 local experts, comparable to it.
-    "dsv3-ep8-local": (32, 8, 7168, 2048, 32, False),
-    # The brief's EP8 shard: routing over 256 experts, 32 here via expert_map (~M local pairs).
-    "dsv3-ep8": (256, 8, 7168, 2048, 32, True),
-}
+SHAPES = ("mixtral", "qwen3-30b-a3b", "dsv3-ep8-local", "dsv3-ep8")  # bench_common.BENCH_SHAPES names
 TOKENS = [1, 16, 64, 256, 1024, 4096]
-REF = {
-    "mixtral": [191, 583, 673, 791, 1682, 5684],
-    "qwen3-30b-a3b": [37, 209, 302, 332, 409, 906],
-    "dsv3-ep8": [197, 681, 779, 832, 2164, 7566],
-    "dsv3-ep8-local": [197, 681, 779, 832, 2164, 7566],
-}
-SWEEP = [  # (BLOCK_SIZE_M, N, K, GROUP_SIZE_M, warps, stages)
-    (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 64, 128, 16, 4, 4), (16, 64, 256, 16, 4, 3),
-    (16, 128, 256, 16, 4, 3), (16, 64, 256, 16, 8, 3), (16, 128, 128, 16, 4, 4),
-    (32, 128, 64, 16, 4, 4), (32, 128, 128, 16, 4, 3), (32, 64, 256, 16, 4, 3), (32, 128, 64, 16, 8, 4),
-    (64, 128, 64, 16, 8, 4), (64, 128, 64, 16, 4, 4), (64, 128, 64, 1, 8, 4), (64, 256, 64, 16, 8, 3),
-    (64, 128, 128, 16, 8, 3), (128, 128, 64, 16, 8, 3), (128, 256, 64, 8, 8, 3), (128, 256, 64, 32, 8, 3),
-    (128, 256, 64, 8, 8, 4),
-]
-# Best tile config (and GEMM2 split) per point from the --sweep run of 2026-11-29 on an H200
-# (20 configs, without TMA); --check-best times them again next to the default heuristic.
-PREV_BEST = {
-    ("mixtral", 1): ((16, 64, 256, 16, 4, 3), 2),
-    ("mixtral", 16): ((16, 128, 128, 16, 4, 4), 1),
-    ("mixtral", 64): ((32, 128, 128, 16, 4, 3), 1),
-    ("mixtral", 256): ((128, 256, 64, 8, 8, 4), 1),
-    ("mixtral", 1024): ((128, 256, 64, 32, 8, 3), 1),
-    ("mixtral", 4096): ((128, 256, 64, 8, 8, 3), 1),
-    ("qwen3-30b-a3b", 1): ((16, 64, 128, 16, 4, 4), 1),
-    ("qwen3-30b-a3b", 16): ((16, 64, 128, 16, 4, 4), 1),
-    ("qwen3-30b-a3b", 64): ((16, 64, 128, 16, 4, 4), 1),
-    ("qwen3-30b-a3b", 256): ((32, 128, 128, 16, 4, 3), 1),
-    ("qwen3-30b-a3b", 1024): ((128, 256, 64, 8, 8, 4), 1),
-    ("qwen3-30b-a3b", 4096): ((128, 256, 64, 8, 8, 4), 1),
-    ("dsv3-ep8-local", 1): ((16, 64, 256, 16, 4, 3), 1),
-    ("dsv3-ep8-local", 16): ((16, 128, 128, 16, 4, 4), 1),
-    ("dsv3-ep8-local", 64): ((32, 128, 128, 16, 4, 3), 1),
-    ("dsv3-ep8-local", 256): ((128, 256, 64, 8, 8, 4), 1),
-    ("dsv3-ep8-local", 1024): ((128, 256, 64, 8, 8, 4), 1),
-    ("dsv3-ep8-local", 4096): ((128, 256, 64, 8, 8, 4), 1),
-    ("dsv3-ep8", 1): ((16, 64, 256, 16, 4, 3), 1),
-    ("dsv3-ep8", 16): ((16, 64, 128, 16, 4, 4), 1),
-    ("dsv3-ep8", 64): ((16, 64, 256, 16, 4, 3), 1),
-    ("dsv3-ep8", 256): ((16, 64, 128, 1, 4, 4), 1),
-    ("dsv3-ep8", 1024): ((64, 128, 64, 1, 8, 4), 1),
-    ("dsv3-ep8", 4096): ((128, 256, 64, 8, 8, 4), 1),
-}
-
-# --smoke: tiny shapes on CPU under the Triton interpreter, to check the script itself (its times
-# are not kernel performance).
-SMOKE_SHAPES = {"tiny": (16, 2, 64, 32, 16, False), "tiny-map": (32, 4, 64, 32, 8, True)}
-ON_GPU = torch.cuda.is_available()
-
-
-def time_cuda(fn, reps=30, graph_calls=5, use_graph=True):
-    if ON_GPU:
-        return timing.time_cuda(fn, reps=reps, graph_calls=graph_calls, use_graph=use_graph)
-    return time_cpu(fn, warmup=1, reps=1)
 
 
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
@@ -142,7 +76,7 @@ def matmul_ceiling() -> float:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     c = torch.empty(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    t = time_cuda(lambda: torch.matmul(a, b, out=c), reps=20, graph_calls=5)
+    t = timed(lambda: torch.matmul(a, b, out=c), reps=20, graph_calls=5)
     return 2 * 8192**3 / (t.median_us * 1e-6)
 
 
@@ -161,19 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs (GEMM part)")
-    ap.add_argument("--check-best", action="store_true", help="also time PREV_BEST configs (GEMM part)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter): checks the script")
-    ap.add_argument("--budget-s", type=float, default=330, help="skip sweeps once this many seconds passed")
     args = ap.parse_args(argv)
     t_start = time.time()
     out_dir = os.environ.get("OUT", "bench-out")
     os.makedirs(out_dir, exist_ok=True)
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.smoke:
-        SHAPES.update(SMOKE_SHAPES)
-        REF.update({k: REF["mixtral"] for k in SMOKE_SHAPES})
-        PREV_BEST.update({("tiny", 1): ((16, 64, 128, 16, 4, 4), 1), ("tiny-map", 16): ((32, 64, 64, 16, 4, 4), 2)})
         args.shapes = ",".join(SMOKE_SHAPES)
     dev = torch.device("cuda" if ON_GPU else "cpu")
     gpu = torch.cuda.get_device_name() if ON_GPU else "cpu (smoke run: times are not kernel performance)"
@@ -185,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     csv_path = os.path.join(out_dir, "bench_triton.csv")
     torch_kernel = moebench.make_kernel("torch", "no-dpep")
     for shape in args.shapes.split(","):
-        e, k, h, inter, e_local, use_map = SHAPES[shape]
+        e, k, h, inter, e_local = bench_shape(shape)
+        use_map = e_local < e
         dtype = torch.bfloat16
         w13 = torch.randn(e_local, 2 * inter, h, dtype=dtype, device=dev).mul_(h**-0.5)
         w2 = torch.randn(e_local, h, inter, dtype=dtype, device=dev).mul_(inter**-0.5)
@@ -228,21 +157,21 @@ def main(argv: list[str] | None = None) -> int:
                 w_, i_ = routing(logits, k)
                 return torch_kernel.apply(x, w13, w2, w_, i_, expert_map=emap, num_experts=e)
 
-            t_layer = time_cuda(layer, reps=30, graph_calls=5)
-            t_gemm = time_cuda(gemm, reps=30, graph_calls=5)
+            t_layer = timed(layer, reps=30, graph_calls=5)
+            t_gemm = timed(gemm, reps=30, graph_calls=5)
             # GEMM1 as the layer runs it: x through TMA from a sorted copy where the sorted_a rule picks
             # it (the copy included), else the wide walk at >= 64-row tiles (wide_gemm1 "auto")
             wide0, s_a = gemm1_walk(opts, cfg, dtype, None, tma0, inter, m * k / e)
             g1_kw = dict(sorted_a=s_a, wide=wide0)
             inter0 = launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw)
-            t_g1 = time_cuda(lambda: launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw), reps=20, graph_calls=5)
-            t_g2 = time_cuda(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma0), reps=20, graph_calls=5)
+            t_g1 = timed(lambda: launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw), reps=20, graph_calls=5)
+            t_g2 = timed(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma0), reps=20, graph_calls=5)
             inter0 = None
-            t_align = time_cuda(aligned, reps=30, graph_calls=10)
-            t_route = time_cuda(lambda: routing(logits, k), reps=30, graph_calls=10)
-            t_troute = time_cuda(lambda: torch_routing(logits, k), reps=30, graph_calls=10)
+            t_align = timed(aligned, reps=30, graph_calls=10)
+            t_route = timed(lambda: routing(logits, k), reps=30, graph_calls=10)
+            t_troute = timed(lambda: torch_routing(logits, k), reps=30, graph_calls=10)
             try:
-                t_torch = time_cuda(torch_layer, reps=10, use_graph=False).median_us
+                t_torch = timed(torch_layer, reps=10, use_graph=False).median_us
                 torch_err = ""
             except Exception as ex:  # noqa: BLE001 - report, do not hide
                 t_torch, torch_err = float("nan"), f"{type(ex).__name__}: {str(ex)[:80]}"
@@ -251,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             lib = {}
             for name, fn in library_gemms(x, w13, w2, local).items():
                 try:
-                    lib[name] = time_cuda(fn, reps=20, graph_calls=5).median_us
+                    lib[name] = timed(fn, reps=20, graph_calls=5).median_us
                 except Exception as ex:  # noqa: BLE001 - report, do not hide
                     print(f"  library {name}: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
             lib_how, t_lib = min(lib.items(), key=lambda kv: kv[1]) if lib else ("-", float("nan"))
@@ -267,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             size_read = float("nan")
             if ON_GPU and hit and m <= 256:
                 size_read = max(read_gbps_candidates(dev, nbytes)[0].values()) * 1e9
-            ref_us = REF[shape][TOKENS.index(m)] if m in TOKENS else float("nan")
+            # the smoke shapes stand in for Mixtral's reference row
+            ref_us = vllm_ref_us("mixtral" if shape in SMOKE_SHAPES else shape, m)
             row = dict(
                 shape=shape, tokens=m, E=e, E_local=e_local, topk=k, hidden=h, intermediate=inter,
                 max_rel_err=f"{err:.2e}", layer_us=round(t_layer.median_us, 1), layer_method=t_layer.method,
@@ -286,64 +216,12 @@ def main(argv: list[str] | None = None) -> int:
                 gemm_over_library=round(t_gemm.median_us / t_lib, 3),
                 config="/".join(str(cfg[kk]) for kk in KEYS), split_k=split, tma=tma0, sorted_a=s_a, config_source=src,
             )
-            if args.check_best and (shape, m) in PREV_BEST:
-                # The best config of the previous sweep, with and without TMA, in this run.
-                cand, s2 = PREV_BEST[(shape, m)]
-                c = dict(zip(KEYS, cand))
-                a2 = moe_align_block_size(ids, c["BLOCK_SIZE_M"], e_local, emap)
-                bk = []
-                for tma in (False, True):
-                    try:
-                        t2 = time_cuda(lambda c=c, a2=a2, s2=s2, tma=tma: gemm(c, a2, s2, tma), reps=20, graph_calls=5).median_us
-                        bk.append((t2, "/".join(map(str, cand)) + f" sk{s2}" + (" tma" if tma else "")))
-                    except Exception as ex:  # noqa: BLE001
-                        print(f"  best-known {cand} tma={tma}: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
-                if bk:
-                    b = min(bk)
-                    row["best_known_us"] = round(b[0], 1)
-                    row["best_known_config"] = b[1]
-                    row["default_over_best_known"] = round(t_gemm.median_us / b[0], 3)
-            if args.sweep and time.time() - t_start < args.budget_s:
-                best = (t_gemm.median_us, row["config"] + f" sk{split}", cfg, split)
-                tpe = m * k / e
-                bm_hi = min(128, max(16, 4 * triton.next_power_of_2(max(1, int(tpe)))))
-                bm_lo = 16 if tpe <= 48 else (32 if tpe <= 128 else 64)
-                for cand in SWEEP:
-                    c = dict(zip(KEYS, cand))
-                    if not bm_lo <= c["BLOCK_SIZE_M"] <= bm_hi:
-                        continue
-                    try:
-                        a2 = moe_align_block_size(ids, c["BLOCK_SIZE_M"], e_local, emap)
-                        for s2 in sorted({1, layer_split_k(opts, m, k, e, e_local, h, inter, c, a2.max_blocks, num_sms(dev))}):
-                            t2 = time_cuda(lambda c=c, a2=a2, s2=s2: gemm(c, a2, s2), reps=10, graph_calls=3).median_us
-                            if t2 < best[0]:
-                                best = (t2, "/".join(map(str, cand)) + f" sk{s2}", c, s2)
-                    except Exception as ex:  # noqa: BLE001 - out of resources etc.: skip candidate
-                        print(f"  sweep {cand}: {type(ex).__name__}: {str(ex)[:120]}", file=sys.stderr)
-                row["sweep_best_us"] = round(best[0], 1)
-                row["sweep_best_config"] = best[1]
-                row["default_over_sweep_best"] = round(t_gemm.median_us / best[0], 3)
-                # Kernel variants on the default config and on the best one: TMA weight loads on / off.
-                for label, (c, s2) in (("default", (cfg, split)), ("best", (best[2], best[3]))):
-                    a2 = moe_align_block_size(ids, c["BLOCK_SIZE_M"], e_local, emap)
-                    for vname, tma in (("tma", True), ("notma", False)):
-                        try:
-                            t2 = time_cuda(lambda c=c, a2=a2, s2=s2, tma=tma: gemm(c, a2, s2, tma),
-                                           reps=10, graph_calls=3).median_us
-                            chk = gemm(c, a2, s2, tma)
-                            ok = torch.allclose(chk.float(), out.float(), rtol=3e-2, atol=3e-2)
-                            row[f"{label}_{vname}_us"] = round(t2, 1) if ok else f"WRONG {t2:.1f}"
-                        except Exception as ex:  # noqa: BLE001
-                            row[f"{label}_{vname}_us"] = f"{type(ex).__name__}"
-                            print(f"  variant {label} {vname}: {type(ex).__name__}: {str(ex)[:160]}", file=sys.stderr)
             rows.append(row)
             print(
                 f"{shape:16s} M={m:5d} err={err:.1e} layer={t_layer.median_us:8.1f} ({t_layer.method}) gemm={t_gemm.median_us:8.1f} ({t_gemm.method}) "
                 f"align={t_align.median_us:5.1f} torch={t_torch:8.1f} floor={floor:7.1f} ref={ref_us} "
-                f"g1={t_g1.median_us:.1f} g2={t_g2.median_us:.1f} cfg={row['config']} sk={split} "
-                f"{('best ' + str(row.get('sweep_best_us')) + ' ' + row.get('sweep_best_config', '')) if 'sweep_best_us' in row else ''} "
-                + " ".join(f"{kk[:-3]}={vv}" for kk, vv in row.items() if kk.startswith(("default_t", "default_s", "best_t", "best_s")))
-                + f" [{time.time() - t_start:.0f}s]",
+                f"g1={t_g1.median_us:.1f} g2={t_g2.median_us:.1f} cfg={row['config']} sk={split}"
+                f" [{time.time() - t_start:.0f}s]",
                 flush=True,
             )
             _write_csv(csv_path, rows)
@@ -374,16 +252,14 @@ def table_markdown(rows, gpu, rbw, rhow, mm) -> str:
         f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}; read ceiling "
         f"{rbw / 1e12:.2f} TB/s ({rhow}), bf16 matmul {mm / 1e12:.0f} TFLOP/s (this run).",
         "",
-        "| shape | M | layer us | gemm us (gemm1 + gemm2) | align us | routing us (torch ops) | torch us | floor us | layer/floor (layer/same-size read) | library gemms us (how): /floor, gemm/library | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | sweep best (gemm us, config) | best known (gemm us, config) | err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | M | layer us | gemm us (gemm1 + gemm2) | align us | routing us (torch ops) | torch us | floor us | layer/floor (layer/same-size read) | library gemms us (how): /floor, gemm/library | gemm/ref | layer/ref | config (M/N/K/G/w/s) sk | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        sweep = f"{r['sweep_best_us']} {r['sweep_best_config']}" if "sweep_best_us" in r else "-"
-        known = f"{r['best_known_us']} {r['best_known_config']}" if "best_known_us" in r else "-"
         size = f" ({r['layer_over_size_read']})" if r["layer_over_size_read"] == r["layer_over_size_read"] else ""
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['layer_us']} | {r['gemm_us']} ({r['gemm1_us']} + {r['gemm2_us']}) | {r['align_us']}{' (direct)' if r['align_kind'] == 'direct' else ''} | {r['routing_us']} ({r['torch_routing_us']}) | "
             f"{r['torch_us']} | {r['floor_us']} | {r['layer_over_floor']}{size} | {r['library_us']} ({r['library_how']}): {r['library_over_floor']}, {r['gemm_over_library']} | {r['gemm_over_ref']} | {r['layer_over_ref']} | "
-            f"{r['config']} sk{r['split_k']}{' tma' if r['tma'] else ''}{' sorted-a' if r['sorted_a'] else ''} | {sweep} | {known} | {r['max_rel_err']} |"
+            f"{r['config']} sk{r['split_k']}{' tma' if r['tma'] else ''}{' sorted-a' if r['sorted_a'] else ''} | {r['max_rel_err']} |"
         )
     return "\n".join(lines) + "\n"

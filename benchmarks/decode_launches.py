@@ -51,11 +51,10 @@ from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.options import TritonOptions, wants_direct_align
 from moebench.kernels.triton.routing import fused_topk_softmax
 
-from benchmarks.bench_common import (SHAPES, script_setup, seeded_inputs, shard_weights,
+from benchmarks.bench_common import (SMOKE_SHAPES, bench_shape, script_setup, seeded_inputs, shard_weights,
                                      timed_us, write_rows)
 
 DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8,qwen3-next-80b-a3b"
-SMOKE = {"tiny": (16, 2, 64, 32, 16), "tiny-map": (32, 4, 64, 32, 8)}
 #: name: (GEMM2's split_k or None, the options); "nodown" also gives GEMM1's looked-up config.
 VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions(direct_align=False)),
             "direct": (None, TritonOptions(direct_align=True)),
@@ -101,17 +100,16 @@ def main(argv: list[str] | None = None) -> int:
             moebench.QuantScheme(scales="tensor")
     stem = "decode_launches_fp8block" if args.fp8_block else "decode_launches_fp8" if args.fp8 else "decode_launches"
     if args.smoke:
-        SHAPES.update(SMOKE)
         if args.shapes == DEFAULT_SHAPES:  # both smoke shapes unless some are named
-            args.shapes = ",".join(SMOKE)
+            args.shapes = ",".join(SMOKE_SHAPES)
     out_dir, dev, head = script_setup((scheme.describe() if scheme else "bf16")
                                       + "; layer = routing + triton experts (us)")
     print("# " + head, flush=True)
     rows = []
     for shape in args.shapes.split(","):
-        e, k, h, inter, e_local = SHAPES[shape]
+        e, k, h, inter, e_local = bench_shape(shape)
         dt = torch.bfloat16
-        w13, w2, emap = shard_weights(SHAPES[shape], scheme, dev)
+        w13, w2, emap = shard_weights(bench_shape(shape), scheme, dev)
         for m in [int(t) for t in args.tokens.split(",")]:
             x, logits = seeded_inputs(m, h, e, dt, dev)
 

@@ -6,7 +6,7 @@ calls for an outside profiler such as Nsight Compute.
     ncu --clock-control none -k regex:gemm --launch-skip 4 --launch-count 2 --section SpeedOfLight \
         python -m benchmarks profile_case --shape dsv3-tp8 --tokens 64 --fp8-block --plain --calls 3
 
---shape: a bench shape (bench_common.SHAPES: whole models and the TP / EP shards of the tables,
+--shape: a bench shape (bench_common.BENCH_SHAPES: whole models and the TP / EP shards of the tables,
 routing over the global experts through an expert map where fewer are local). --fp8-block:
 fp8_w8a8 weights with 128 x 128 block scales. --plain: no torch.profiler, just --calls calls after
 the warm-up (each call launches the same kernels, so `--launch-skip` counts whole calls).
@@ -28,9 +28,7 @@ from moebench.errors import MoebenchError
 from moebench.kernels.triton.options import TritonOptions
 from moebench.kernels.triton.routing import fused_topk_softmax
 
-from benchmarks.bench_common import SHAPES, script_setup, seeded_inputs, shard_weights
-
-SMOKE = {"tiny": (16, 2, 64, 32, 16)}
+from benchmarks.bench_common import bench_shape, script_setup, seeded_inputs, shard_weights
 
 
 def parse_options(pairs: list[str]) -> TritonOptions:
@@ -57,7 +55,7 @@ def parse_options(pairs: list[str]) -> TritonOptions:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", "--model", dest="shape", default="qwen3-30b-a3b", help="a bench_common.SHAPES entry")
+    ap.add_argument("--shape", "--model", dest="shape", default="qwen3-30b-a3b", help="a bench_common.BENCH_SHAPES name")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--experts", default="triton")
     ap.add_argument("--prepare-finalize", default="no-dpep")
@@ -68,21 +66,18 @@ def main(argv: list[str] | None = None) -> None:
                     help="a TritonOptions field of the triton experts (repeatable)")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.shape = "tiny"
     try:
         options = parse_options(a.option)
+        dims = bench_shape(a.shape)
     except MoebenchError as ex:
         print(f"error: {ex}", file=sys.stderr)
         sys.exit(2)
-    if a.smoke:
-        SHAPES.update(SMOKE)
-        a.shape = "tiny"
-    if a.shape not in SHAPES:
-        print(f"error: unknown --shape {a.shape!r}; pick one of {', '.join(SHAPES)}", file=sys.stderr)
-        sys.exit(2)
     _, dev, head = script_setup("profile_case")
-    e, k, h, _, _ = SHAPES[a.shape]
+    e, k, h, _, _ = dims
     scheme = moebench.QuantScheme(scales="block", block_shape=(128, 128)) if a.fp8_block else None
-    w13, w2, emap = shard_weights(SHAPES[a.shape], scheme, dev)
+    w13, w2, emap = shard_weights(dims, scheme, dev)
     x, logits = seeded_inputs(a.tokens, h, e, torch.bfloat16, dev)
     w, ids = fused_topk_softmax(logits, k, renormalize=True)
     kern = moebench.make_kernel(a.experts, a.prepare_finalize, experts_kwargs=dict(options=options) if a.option else None)

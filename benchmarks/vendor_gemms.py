@@ -27,9 +27,10 @@ from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.quant import FP8_DTYPE
 
-from benchmarks.bench_common import SHAPES, library_gemms, script_setup, seeded_inputs, shard_weights, timed_us, write_rows
+from benchmarks.bench_common import bench_shape, library_gemms, script_setup, seeded_inputs, shard_weights, timed_us, write_rows
 
 DEFAULT_SHAPES = "mixtral-tp8,qwen3-30b-a3b,qwen3-235b-tp8,dsv3-tp8,mixtral,dsv3-ep8-local"
+#: --smoke: H and I of one 128-column fp8 scale group, so every column runs
 SMOKE = {"tiny": (16, 2, 128, 128, 16)}
 
 
@@ -75,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ceil = {k: float(v) for k, v in (p.split("=") for p in args.ceilings.split(","))}
     fp8 = args.fp8_block
     scheme = moebench.QuantScheme(scales="block", block_shape=(128, 128)) if fp8 else None
-    shapes = SHAPES
     if args.smoke:
-        shapes = dict(SHAPES, **SMOKE)
         args.shapes, args.tokens = ",".join(SMOKE), "8"
     out_dir, dev, head = script_setup((scheme.describe() if scheme else "bf16")
                                       + "; layers without routing, GEMMs alone (us); floor = compute floor")
@@ -89,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     stem = ("vendor_gemms_fp8block" if fp8 else "vendor_gemms") + ("_warm" if args.warm else "")
     rows = []
     for shape in args.shapes.split(","):
-        e, k, h, inter, e_local = shapes[shape]
+        dims = SMOKE[shape] if shape in SMOKE else bench_shape(shape)
+        e, k, h, inter, e_local = dims
         dt = torch.bfloat16
-        w13, w2, emap = shard_weights(shapes[shape], scheme, dev)
+        w13, w2, emap = shard_weights(dims, scheme, dev)
         for m in [int(t) for t in args.tokens.split(",")]:
             x, logits = seeded_inputs(m, h, e, dt, dev)
             tw, ids = fused_topk_softmax(logits, k, renormalize=True)

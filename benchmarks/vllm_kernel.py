@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 import moebench
-from benchmarks.bench_common import script_setup, timed_us, write_rows
+from benchmarks.bench_common import bench_shape, script_setup, timed_us, write_rows
 from moebench.correctness import is_correct, relative_error
 from moebench.inputs import make_weights
 from moebench.kernels.engine_configs import engine_file_name
@@ -59,12 +59,11 @@ from moebench.kernels.vllm_triton import vllm_fused_experts
 from moebench.quant import QuantScheme
 from moebench.tuning.files import write_engine_file
 
-#: name: (E, topk, H, I per rank), the engines' file being E=..,N=I. The first four are the tuned
-#: files' shapes (the default); mixtral (TP1) and deepseek-v3-ep8 (one EP8 rank's 32 experts, top-8
-#: over them as vLLM's tuner routes) complete the kernel tables' shapes.
-SHAPES = {"mixtral-tp8": (8, 2, 4096, 1792), "qwen3-30b-a3b": (128, 8, 2048, 768),
-          "qwen3-235b-tp8": (128, 8, 4096, 192), "deepseek-v3-tp8": (256, 8, 7168, 256),
-          "mixtral": (8, 2, 4096, 14336), "deepseek-v3-ep8": (32, 8, 7168, 2048)}
+#: name: (E, topk, H, I per rank) of a bench_common shard, the engines' file being E=..,N=I. The first
+#: four are the tuned files' shapes (the default); mixtral (TP1) and deepseek-v3-ep8 (one EP8 rank's 32
+#: experts, top-8 over them as vLLM's tuner routes) complete the kernel tables' shapes.
+SHAPES = {name: bench_shape(name)[:4] for name in ("mixtral-tp8", "qwen3-30b-a3b", "qwen3-235b-tp8", "deepseek-v3-tp8",
+                                                   "mixtral", "deepseek-v3-ep8")}
 DEFAULT_SHAPES = ("mixtral-tp8", "qwen3-30b-a3b", "qwen3-235b-tp8", "deepseek-v3-tp8")
 SMOKE_SHAPES = {"tiny": (8, 2, 200, 64)}
 TOKENS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]
