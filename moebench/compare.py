@@ -24,11 +24,16 @@ from pathlib import Path
 import pandas as pd
 
 from moebench import robustness
-from moebench.backends import get_prepare_finalize_class, prepare_finalize_names
+from moebench.backends import check_named_experts_quant, get_prepare_finalize_class, prepare_finalize_names
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow, RunStore
-from moebench.sweep import SweepSpec, default_experts, run_multirank, run_simulated
-
+from moebench.bench.hardware import Ceilings, datasheet_ceilings
+from moebench.errors import MoebenchError
+from moebench.runtime.comm_model import CommModel, check_world
+from moebench.runtime.simulate import DEFAULT_TARGET_GPU, nvlink_domain
+from moebench.sweep import SweepSpec, check_ranks_fit, default_experts, run_multirank, run_simulated
+from moebench.sweep.driver import simulation_link
+from moebench.sweep.simulated import check_spec_for, experts_here
 
 
 def layout_prepare_finalize(moves_tokens: bool) -> list[str]:
@@ -129,6 +134,61 @@ def layout_specs(base: SweepSpec, world_size: int, gpus_per_node: int | None = N
     return specs
 
 
+@dataclass
+class ComparePlan:
+    """How a comparison runs here, decided before its folder exists. spec: the base spec (its
+    experts chosen: one per activation format where their time is modeled); link: the
+    communication model and why that link; experts_model: the target GPU's datasheet ceilings where
+    the experts time is its floor (None: measured here, on `measured_on`); check_ranks: correctness
+    is also checked on real gloo ranks of both layouts."""
+
+    spec: SweepSpec
+    gpus_per_node: int
+    link: CommModel
+    link_why: str
+    experts_model: Ceilings | None
+    measured_on: str | None
+    check_ranks: bool
+
+
+def plan_compare(spec: SweepSpec, world_size: int, *, experts_given: bool, target_gpu: str | None,
+                 device_name: str | None, link_name: str | None = None, link_gbps: float | None = None,
+                 gpus_per_node: int | None = None, rdma_name: str = "rdma-400g") -> ComparePlan:
+    """Plan a comparison of `spec` over `world_size` ranks, and refuse (MoebenchError) what cannot
+    run: a world the nodes do not divide, a shape a layout cannot shard, a target GPU without a
+    datasheet, real-rank checks that do not fit this machine. On a CPU the experts time is the
+    target GPU's floor (default DEFAULT_TARGET_GPU); on a GPU it is measured unless `target_gpu`."""
+    shape, device = spec.shape, spec.device
+    gpu = target_gpu or (DEFAULT_TARGET_GPU if device == "cpu" else None)
+    if gpus_per_node is None:
+        gpus_per_node = nvlink_domain(gpu or device_name)
+    check_world(world_size, gpus_per_node)
+    for lay in layouts(world_size, gpus_per_node, shape.num_experts).values():
+        lay.validate_shape(shape.num_experts, shape.intermediate)
+    experts_model = None
+    if gpu is not None:
+        experts_model = datasheet_ceilings(gpu)
+        if experts_model is None:
+            raise MoebenchError(f"no datasheet profile for GPU '{gpu}'; try H200, H100, A100, B200, GB200, MI300X")
+        if not experts_given:  # every backend shows the same floor: one per activation format
+            spec = replace(spec, experts=modeled_experts(spec.dtype, spec.quant, spec.activation, spec.bias, gpu))
+    if experts_given:
+        check_named_experts_quant(spec.experts, spec.quant)
+    measured_on = gpu or device_name
+    # a measurement of this machine's links stands in only when its GPUs are the target
+    link, why = simulation_link(device, device_name, link_name, link_gbps, gpus_per_node, rdma_name,
+                                device_name if device == "cuda" and target_gpu is None else measured_on,
+                                requested_gpu=target_gpu)
+    check_ranks = (device == "cpu" and spec.check and world_size <= gpus_per_node and spec.shared != "fused"
+                   and shape.num_experts >= world_size)
+    if check_ranks:  # all ranks of each layout at once on this host: refuse before anything is written
+        for sp in layout_specs(spec, world_size, gpus_per_node).values():
+            check_ranks_fit(check_spec_for(sp) if experts_model is not None else sp, world_size,
+                            "the real-rank check of compare tp-vs-ep does not fit this machine: use --no-check (the "
+                            "simulated check still runs), a smaller shape or fewer --tokens")
+    return ComparePlan(spec, gpus_per_node, link, why, experts_model, measured_on, check_ranks)
+
+
 def run_compare(base: SweepSpec, world_size: int, store: RunStore, link, experts_model=None,
                 check_ranks: bool = False, on_progress=None, gpus_per_node: int | None = None) -> CompareResult:
     """Run TP and EP layouts of `base` (shape, tokens, dtype, routing...) over `world_size` ranks.
@@ -143,14 +203,10 @@ def run_compare(base: SweepSpec, world_size: int, store: RunStore, link, experts
     for spec in specs.values():
         run_simulated(spec, store, link, on_progress=on_progress, experts_model=experts_model)
     if check_ranks and n == 1:
-        from moebench.sweep.simulated import check_spec_for
-
         for spec in specs.values():
             # with the experts time modeled, the ranks check what this machine runs (check_spec_for)
             checked = spec
             if experts_model is not None:
-                from moebench.sweep.simulated import experts_here
-
                 checked = check_spec_for(spec)
                 names = [experts_here(ex, checked)[0] for ex in spec.experts]
                 checked = replace(checked, experts=list(dict.fromkeys(n for n in names if n)))

@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moebench.fileio import atomic_write_with
-from moebench.results import CORE_COLUMNS, ResultRow, RunStore, precision_labels, rows_to_frame
+from moebench.results import CORE_COLUMNS, ResultRow, RunStore, precision_labels, rows_to_frame, skip_kind
 
 EXPORT_FORMATS = ("csv", "json", "md", "parquet", "html")
 
@@ -514,30 +514,6 @@ def results_table(df: pd.DataFrame, title: str = "") -> TextTable:
 # -- skipped and failed pairs --------------------------------------------------------------------
 
 #: Short names of the reasons a pair is skipped (first match wins), for the one-line count.
-_SKIP_KINDS = (
-    (r"^format mismatch", "format mismatch"),
-    (r"does not run on (\w+)", r"not on \1"),
-    (r"needs at least (\d+) ranks", r"needs \1+ ranks"),
-    (r"runs on at most 1 rank", "single rank only"),
-    (r"runs on at most (\d+) rank", r"at most \1 ranks"),
-    (r"needs expert parallelism", "needs --ep"),
-    (r"^Triton kernels need a GPU", "Triton needs a GPU"),
-    (r"keeps tokens where they are", "no token exchange (dp > 1)"),
-    (r"cannot quantise activations", "cannot quantise activations"),
-    (r"do(es)? not support", "precision not supported"),
-)
-
-
-def skip_kind(reason: str) -> str:
-    """A few words for a skip reason ('format mismatch', 'not on cpu', 'needs 2+ ranks', ...)."""
-    for pattern, label in _SKIP_KINDS:
-        m = re.search(pattern, reason)
-        if m:
-            return m.expand(label)
-    text = re.sub(r"^(experts|prepare/finalize) '[^']*' ", "", reason)
-    return re.split(r"[;:(]", text, maxsplit=1)[0].strip() or reason
-
-
 def _skip_reason(reason: str) -> str:
     if reason.startswith("format mismatch"):
         return "format mismatch: a Standard half with a BatchedExperts half"

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import re
 import secrets
 import shlex
 import subprocess
@@ -470,3 +471,29 @@ def load_rows(paths: Iterable[Path]) -> list[ResultRow]:
         except (json.JSONDecodeError, TypeError, ValueError) as e:
             raise MoebenchError(f"'{p}' is not a moebench results file ({e})") from None
     return rows
+
+
+
+#: A few words for each kind of skip reason (tables and errors count the pairs by kind).
+_SKIP_KINDS = (
+    (r"^format mismatch", "format mismatch"),
+    (r"does not run on (\w+)", r"not on \1"),
+    (r"needs at least (\d+) ranks", r"needs \1+ ranks"),
+    (r"runs on at most 1 rank", "single rank only"),
+    (r"runs on at most (\d+) rank", r"at most \1 ranks"),
+    (r"needs expert parallelism", "needs --ep"),
+    (r"^Triton kernels need a GPU", "Triton needs a GPU"),
+    (r"keeps tokens where they are", "no token exchange (dp > 1)"),
+    (r"cannot quantise activations", "cannot quantise activations"),
+    (r"do(es)? not support", "precision not supported"),
+)
+
+
+def skip_kind(reason: str) -> str:
+    """A few words for a skip reason ('format mismatch', 'not on cpu', 'needs 2+ ranks', ...)."""
+    for pattern, label in _SKIP_KINDS:
+        m = re.search(pattern, reason)
+        if m:
+            return m.expand(label)
+    text = re.sub(r"^(experts|prepare/finalize) '[^']*' ", "", reason)
+    return re.split(r"[;:(]", text, maxsplit=1)[0].strip() or reason

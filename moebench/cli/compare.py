@@ -13,7 +13,6 @@ from moebench.cli.options import (
     _progress,
     check_routing,
     cluster_options,
-    comm_model,
     console,
     err_console,
     parse_tokens,
@@ -50,13 +49,12 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
              block_shape, scales, group_size, zero_points, activation, routing, seed, out, experts, link_name, link_gbps,
              target_gpu, no_check, plot_path, reps, shared, gpus_per_node, rdma_name):
     """TP (all-reduce) vs EP (dispatch/combine) over --world-size ranks: breakdown, crossover, advice."""
-    from moebench.bench.hardware import datasheet_ceilings, device_summary
-    from moebench.compare import layouts, run_compare, write_summary
+    from moebench.bench.hardware import device_summary
+    from moebench.compare import layouts, plan_compare, run_compare, write_summary
     from moebench.plots import compare_plot
     from moebench.report import write_exports
     from moebench.plots import check_plot_file
     from moebench.results import RunStore, ensure_writable_dir, new_run_id
-    from moebench.runtime.simulate import DEFAULT_TARGET_GPU, link_for
     from moebench.sweep import SweepSpec, cases_to_run, default_experts, resolve_names
 
     if tp is not None or dp is not None or ep is not None:
@@ -64,17 +62,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     if world_size is None or world_size < 2:
         raise MoebenchError("compare tp-vs-ep needs --world-size N with N >= 2")
     device = resolve_device(device)
-    if gpus_per_node is None:
-        from moebench.bench.hardware import device_summary as _summary
-        from moebench.runtime.simulate import DEFAULT_TARGET_GPU as _default, nvlink_domain
-
-        gpus_per_node = nvlink_domain(target_gpu or (_default if device == "cpu" else _summary(device).get("name")))
     shape = resolve_shape(model, num_experts, topk, hidden, intermediate)
-    from moebench.runtime.comm_model import check_world
-
-    check_world(world_size, gpus_per_node)
-    for lay in layouts(world_size, gpus_per_node, shape.num_experts).values():
-        lay.validate_shape(shape.num_experts, shape.intermediate)
     tok = parse_tokens(tokens) if tokens is not None else [1, 4, 16, 64, 256, 1024, 4096]
     check_routing(routing, shape)
     dt, quant, quant_line = resolve_model_precision(shape, dtype, block_shape, scales, device, "bf16", group_size,
@@ -84,41 +72,16 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     if len(modes) != 1:
         raise MoebenchError("compare tp-vs-ep takes one --shared-experts form (fused, separate or none); "
                             "run it once per form to compare them")
-    experts_model = None
-    gpu = target_gpu or (DEFAULT_TARGET_GPU if device == "cpu" else None)
-    if gpu is not None:
-        experts_model = datasheet_ceilings(gpu)
-        if experts_model is None:
-            raise MoebenchError(f"no datasheet profile for GPU '{gpu}'; try H200, H100, A100, B200, GB200, MI300X")
-        if experts in (None, "", "all"):  # every backend shows the same floor: one per activation format
-            from moebench.compare import modeled_experts
-
-            ex_names = modeled_experts(dt, quant, act, bias, gpu)
-    dev_name = gpu or device_summary(device).get("name")
-    link, link_why = link_for(device, device_summary(device).get("name"), link_name, link_gbps, requested_gpu=target_gpu)
-    # a measurement of this machine's links stands in only when its GPUs are the target
-    link = comm_model(link, rdma_name, gpus_per_node,
-                      device_summary(device).get("name") if device == "cuda" and target_gpu is None else dev_name)
     spec = SweepSpec(shape=shape, tokens=tok, experts=ex_names,
                      dtype=dt, device=device, routing=routing, seed=seed, check=not no_check, reps=reps, quant=quant,
                      activation=act, bias=bias, shared=modes[0])
-    if experts not in (None, "", "all"):
-        from moebench.backends import check_named_experts_quant
-
-        check_named_experts_quant(spec.experts, quant)
     if plot_path is not None:
         check_plot_file(plot_path)
-    check_ranks = (device == "cpu" and not no_check and world_size <= gpus_per_node and modes[0] != "fused"
-                   and shape.num_experts >= world_size)
-    if check_ranks:  # all ranks of each layout at once on this host: refuse before anything is written
-        from moebench.compare import layout_specs as _specs
-        from moebench.sweep import check_ranks_fit
-
-        from moebench.sweep.simulated import check_spec_for
-
-        for sp in _specs(spec, world_size, gpus_per_node).values():
-            check_ranks_fit(check_spec_for(sp) if experts_model is not None else sp, world_size, "the real-rank check of compare tp-vs-ep does not fit this machine: use "
-                                            "--no-check (the simulated check still runs), a smaller shape or fewer --tokens")
+    cmp = plan_compare(spec, world_size, experts_given=experts not in (None, "", "all"), target_gpu=target_gpu,
+                       device_name=device_summary(device).get("name"), link_name=link_name, link_gbps=link_gbps,
+                       gpus_per_node=gpus_per_node, rdma_name=rdma_name)
+    spec, link, link_why, experts_model = cmp.spec, cmp.link, cmp.link_why, cmp.experts_model
+    gpus_per_node, check_ranks, dev_name = cmp.gpus_per_node, cmp.check_ranks, cmp.measured_on
     folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)
     meta = {"command": "compare tp-vs-ep", "argv": sys.argv[1:], "shape": shape.to_dict(), "world_size": world_size,
             "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label, "device": device, "routing": routing,

@@ -81,32 +81,6 @@ def check_routing(routing: str, shape) -> None:
         load_topk_ids(rs.path, shape.num_experts, shape.topk, 1)
 
 
-def check_sweep_fits(spec, mode: str) -> None:
-    """The memory estimate of the busiest rank of a sweep run as `mode` decided (what its case
-    runner checks before it allocates), made before the run folder exists."""
-    from moebench.inputs import check_fits
-
-    s, lay = spec.shape, spec.layout
-    top = max(spec.tokens, default=0)
-    if mode == "spawn":  # every rank at once: on a CPU they share the host's memory, on fewer GPUs than ranks a GPU
-        from moebench.runtime.distributed import place_ranks
-        from moebench.sweep import check_ranks_fit
-
-        gpus = torch.cuda.device_count() if spec.device == "cuda" else 0
-        check_ranks_fit(spec, lay.world_size, "shard it differently, use --simulate, or use fewer --tokens",
-                        ranks_per_gpu=place_ranks(lay.world_size, spec.device, gpus, share_gpus=True).ranks_per_gpu)
-        return
-    if mode == "single":
-        check_fits(s.num_experts, s.hidden, s.intermediate, top, s.topk, spec.dtype, spec.device)
-    elif lay.enable_ep:
-        check_fits(len(lay.local_experts(0, s.num_experts)), s.hidden, s.intermediate, spec.batch_tokens(top, True),
-                   s.topk, spec.dtype, spec.device)
-    else:
-        tokens = top if mode == "simulate" else spec.batch_tokens(top, True)
-        check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), tokens, s.topk, spec.dtype,
-                   spec.device)
-
-
 #: --dtype's choices: the float dtypes and the quantised schemes (moebench.quant.QUANT_DTYPES).
 DTYPE_CHOICES = ["bf16", "fp16", "fp32", "fp8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4"]
 
@@ -175,14 +149,6 @@ def cluster_options(f):
                      help="GPUs per NVLink domain [8; 72 for a GB200 NVL72 target]: past it EP traffic goes over "
                           "RDMA; TP stays inside it.")(f)
     return f
-
-
-def comm_model(link, rdma_name: str, gpus_per_node: int, device_name: str | None):
-    """The communication model over the chosen NVLink profile (published fits; measured fits of
-    `device_name` where `moebench env --calibrate-link` wrote them)."""
-    from moebench.runtime.comm_model import CommModel
-
-    return CommModel.from_link(link, rdma=rdma_name, gpus_per_node=gpus_per_node, device_name=device_name)
 
 
 def resolve_precision(dtype: str | None, block_shape: str | None, scales: str | None, device: str,

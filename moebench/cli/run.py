@@ -21,9 +21,7 @@ from moebench.cli.options import (
     _resume_defaults,
     _run_options,
     check_routing,
-    check_sweep_fits,
     cluster_options,
-    comm_model,
     console,
     err_console,
     parse_tokens,
@@ -108,23 +106,6 @@ def backends_table(backends: list[dict]):
         Column("note", "note", ["see below" if b["reason"] else "" for b in backends], right=False, drop=30),
         Column("dtypes", "dtypes", cells("dtypes"), right=False, drop=60),
     ])
-
-
-def check_some_pair_runs(specs) -> None:
-    """Refuse a sweep none of whose pairs can run here (every one would be skipped), before any
-    folder exists; the error counts the pairs by reason."""
-    from moebench.report import skip_kind
-    from moebench.sweep import plan
-
-    reasons = [reason for sp in specs for _, _, reason in plan(sp)]
-    if reasons and all(reasons):
-        kinds: dict[str, int] = {}
-        for r in reasons:
-            kinds[skip_kind(r)] = kinds.get(skip_kind(r), 0) + 1
-        counts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
-        example = reasons[0] if len(set(reasons)) == 1 else next(r for r in reasons if skip_kind(r) == max(kinds, key=kinds.get))
-        raise MoebenchError(f"no pair of --experts and --prepare-finalize can run here ({counts}; e.g. {example}); "
-                            f"`moebench env` says what runs here")
 
 
 def _calibrate_link(device: str, world_size: int | None) -> str:
@@ -237,38 +218,15 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     specs = [dataclasses.replace(spec, shared=sm) for sm in shared_modes]
     from moebench.bench.hardware import device_summary
     from moebench.runtime.distributed import join_torchrun, leave_torchrun
-    from moebench.sweep import choose_mode, run_in_folder
+    from moebench.sweep import plan_run, run_in_folder
 
     ctx = join_torchrun()  # None outside torchrun
-    mode, notice = choose_mode(layout, device, simulate, world_size, ctx)
-    if mode in ("spawn", "torchrun") and "fused" in shared_modes:
-        raise MoebenchError("real ranks (--world-size / torchrun) run shared experts as a separate MLP, not fused into "
-                            "the routed experts: use --shared-experts separate (or none), or add --simulate")
-    if notice:
-        say(console, Text.assemble(("notice:", "yellow"), f" {notice}"))
-    link = link_why = None
-    if mode == "simulate":
-        from moebench.runtime.simulate import link_for
-
-        from moebench.runtime.comm_model import check_tp, check_world
-
-        dev_name = device_summary(device).get("name") if device == "cuda" else None
-        link, link_why = link_for(device, dev_name, link_name, link_gbps)
-        if gpus_per_node is None:
-            from moebench.runtime.simulate import DEFAULT_TARGET_GPU, nvlink_domain
-
-            gpus_per_node = nvlink_domain(dev_name or DEFAULT_TARGET_GPU)
-        check_world(layout.world_size, gpus_per_node)
-        if not layout.enable_ep:
-            check_tp(layout.moe_tp_size, gpus_per_node)
-        link = comm_model(link, rdma_name, gpus_per_node, dev_name)
-    elif link_gbps is not None or link_name:
-        raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
-    check_sweep_fits(spec, mode)  # before the run folder exists: a refused sweep writes nothing
-    # what cannot run here is known now (a simulated run as it plans: every transport modeled)
-    from moebench.sweep import simulated_spec
-
-    check_some_pair_runs([simulated_spec(sp) if mode == "simulate" else sp for sp in specs])
+    dev_name = device_summary(device).get("name") if device == "cuda" else None
+    run_plan = plan_run(specs, simulate=simulate, world_size=world_size, ctx=ctx, device_name=dev_name,
+                        link_name=link_name, link_gbps=link_gbps, gpus_per_node=gpus_per_node, rdma_name=rdma_name)
+    mode, link, link_why = run_plan.mode, run_plan.link, run_plan.link_why
+    if run_plan.notice:
+        say(console, Text.assemble(("notice:", "yellow"), f" {run_plan.notice}"))
     config_search_dirs()  # a MOEBENCH_CONFIG_DIR that is no folder is refused now, not at each lookup
     meta = {"command": "sweep", "argv": sys.argv[1:],
             "options": _run_options(click.get_current_context(), device=device, tokens=",".join(map(str, tok))),

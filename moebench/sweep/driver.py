@@ -4,7 +4,7 @@ loop (moebench.sweep.cases.run_cases) over the one measure step (moebench.sweep.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -13,9 +13,11 @@ import torch
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits
 from moebench.layout import ParallelLayout
-from moebench.results import ResultRow, RunStore, ensure_writable_dir, new_run_id
+from moebench.results import ResultRow, RunStore, ensure_writable_dir, new_run_id, skip_kind
+from moebench.runtime.comm_model import CommModel, check_tp, check_world
 from moebench.runtime.distributed import is_main, place_ranks, spawn
-from moebench.sweep.cases import cases_to_run, run_cases
+from moebench.runtime.simulate import DEFAULT_TARGET_GPU, link_for, nvlink_domain
+from moebench.sweep.cases import cases_to_run, plan, run_cases
 from moebench.sweep.local import LocalRunner
 from moebench.sweep.ranks import SHARED_GPU_DEVICE, sweep_on_rank
 from moebench.sweep.simulated import SimulatedRunner
@@ -153,3 +155,90 @@ def run_in_folder(specs: list[SweepSpec], mode: str, out: Path | str, *, resume:
     finally:
         owner.close()
     return store
+
+
+@dataclass
+class RunPlan:
+    """How a sweep runs here, decided before its folder exists: the mode (`choose_mode`), the
+    notice the user gets, and for a simulated run the communication model and why that link."""
+
+    mode: str
+    notice: str | None = None
+    link: CommModel | None = None
+    link_why: str | None = None
+
+
+def simulation_link(device: str, device_name: str | None, link_name: str | None, link_gbps: float | None,
+                    gpus_per_node: int, rdma_name: str, model_device: str | None,
+                    requested_gpu: str | None = None) -> tuple[CommModel, str]:
+    """The communication model of a simulated run over --link (else the target GPU's link, as
+    `link_for` chooses) with `gpus_per_node` GPUs per NVLink domain and `rdma_name` between them;
+    measured fits of `model_device` are used where `env --calibrate-link` wrote them. Returns the
+    model and why that link."""
+    link, why = link_for(device, device_name, link_name, link_gbps, requested_gpu=requested_gpu)
+    return CommModel.from_link(link, rdma=rdma_name, gpus_per_node=gpus_per_node, device_name=model_device), why
+
+
+def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int | None = None, ctx=None,
+             device_name: str | None = None, link_name: str | None = None, link_gbps: float | None = None,
+             gpus_per_node: int | None = None, rdma_name: str = "rdma-400g") -> RunPlan:
+    """Decide how `specs` (one per shared-experts form, one layout) run here, and refuse
+    (MoebenchError) what cannot, before any folder exists: a fused shared MLP on real ranks, link
+    options without a simulation, a world the nodes do not divide, a run that does not fit, a run
+    none of whose pairs can run here."""
+    spec = specs[0]
+    layout = spec.layout
+    mode, notice = choose_mode(layout, spec.device, simulate, world_size, ctx)
+    if mode in ("spawn", "torchrun") and any(sp.shared == "fused" for sp in specs):
+        raise MoebenchError("real ranks (--world-size / torchrun) run shared experts as a separate MLP, not fused into "
+                            "the routed experts: use --shared-experts separate (or none), or add --simulate")
+    run_plan = RunPlan(mode, notice)
+    if mode == "simulate":
+        gpn = gpus_per_node if gpus_per_node is not None else nvlink_domain(device_name or DEFAULT_TARGET_GPU)
+        check_world(layout.world_size, gpn)
+        if not layout.enable_ep:
+            check_tp(layout.moe_tp_size, gpn)
+        run_plan.link, run_plan.link_why = simulation_link(spec.device, device_name, link_name, link_gbps, gpn,
+                                                           rdma_name, device_name)
+    elif link_gbps is not None or link_name:
+        raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
+    check_fits_for(spec, mode)
+    # what cannot run here is known now (a simulated run as it plans: every transport modeled)
+    check_some_pair_runs([simulated_spec(sp) if mode == "simulate" else sp for sp in specs])
+    return run_plan
+
+
+def check_fits_for(spec: SweepSpec, mode: str) -> None:
+    """The memory estimate of the busiest rank of a sweep run as `mode`, made before the run
+    folder exists (what its case runner checks again before it allocates)."""
+    s, lay = spec.shape, spec.layout
+    top = max(spec.tokens, default=0)
+    if mode == "spawn":  # every rank at once: on a CPU they share the host's memory, on fewer GPUs than ranks a GPU
+        gpus = torch.cuda.device_count() if spec.device == "cuda" else 0
+        check_ranks_fit(spec, lay.world_size, "shard it differently, use --simulate, or use fewer --tokens",
+                        ranks_per_gpu=place_ranks(lay.world_size, spec.device, gpus, share_gpus=True).ranks_per_gpu)
+        return
+    if mode == "single":
+        check_fits(s.num_experts, s.hidden, s.intermediate, top, s.topk, spec.dtype, spec.device)
+    elif lay.enable_ep:
+        check_fits(len(lay.local_experts(0, s.num_experts)), s.hidden, s.intermediate, spec.batch_tokens(top, True),
+                   s.topk, spec.dtype, spec.device)
+    else:
+        tokens = top if mode == "simulate" else spec.batch_tokens(top, True)
+        check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), tokens, s.topk, spec.dtype,
+                   spec.device)
+
+
+def check_some_pair_runs(specs: list[SweepSpec]) -> None:
+    """Refuse a sweep none of whose pairs can run here (every one would be skipped); the error
+    counts the pairs by reason."""
+    reasons = [reason for sp in specs for _, _, reason in plan(sp)]
+    if reasons and all(reasons):
+        kinds: dict[str, int] = {}
+        for r in reasons:
+            kinds[skip_kind(r)] = kinds.get(skip_kind(r), 0) + 1
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        commonest = max(kinds, key=kinds.get)
+        example = reasons[0] if len(set(reasons)) == 1 else next(r for r in reasons if skip_kind(r) == commonest)
+        raise MoebenchError(f"no pair of --experts and --prepare-finalize can run here ({counts}; e.g. {example}); "
+                            f"`moebench env` says what runs here")
