@@ -62,10 +62,8 @@ def test_device_list_names_every_job():
     assert [ln.split()[0] for ln in commands] == [j.name for j in JOBS]
     for job, ln in zip(JOBS, commands):
         assert f"python -m benchmarks device {job.name}" in ln and job.sections in ln and job.minutes in ln
-    # at most the one shell script PERF.md's section 4 names is left, and it runs its job
-    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.sh"))
-    assert scripts == ["device_compare_flip.sh"]
-    assert "benchmarks device compare_flip" in (ROOT / "benchmarks" / scripts[0]).read_text()
+    # the job list replaces the shell scripts
+    assert not sorted(p.name for p in (ROOT / "benchmarks").glob("*.sh"))
 
 
 def test_device_dry_run_prints_the_commands(tmp_path):
@@ -138,7 +136,7 @@ def test_bench_shapes_come_from_the_presets():
 
 def test_profile_case_smoke():
     # torch.profiler's table of the layer's launches, fp8 block included; --plain: the calls alone
-    # (what `device_ncu.sh` runs under ncu) with TritonOptions fields forced; a bad --shape or
+    # (what the `ncu` device job runs under ncu) with TritonOptions fields forced; a bad --shape or
     # --option is one line.
     r = _runner("profile_case", "--smoke", "--tokens", "3", "--fp8-block", "--calls", "1")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -485,7 +485,7 @@ def deploy_coverage(device_name: str) -> list[dict]:
 @click.option("--device", "device", default="NVIDIA_H200", show_default=True,
               help="Device name of the files (as in their names; spaces as underscores).")
 @click.option("--shards", "as_shards", is_flag=True,
-              help="Print only the missing shards as MODEL:FLAGS;... (the SHARDS of benchmarks/device_presets.sh).")
+              help="Print only the missing shards as MODEL:FLAGS;... (the shards the `presets` device job tunes).")
 @click.option("--fill", "as_fill", is_flag=True,
               help="Print the tune commands that add vLLM's missing token counts to the files found.")
 @click.option("--json", "as_json", is_flag=True)

@@ -71,10 +71,8 @@ def topk_softmax_launch(m: int, e: int) -> tuple[int, int]:
     """(tokens per program, num_warps) of the routing kernel for m tokens over e experts.
 
     About 512 logits per program, one warp per token up to 4 warps, never more tokens per
-    program than m, twice the tokens from 1024 on (up to 256 experts). From a sweep of 10 launch
-    shapes on an H200 (benchmarks/routing_configs.py, PERF.md): within 1.17x (0.3 us,
-    Mixtral) of the best shape at every point, and 0.63-0.78x the time of the earlier fixed 2048
-    logits / 4 warps for 128-512 experts up to 256 tokens (Qwen3-30B M=1: 4.13 -> 2.68 us)."""
+    program than m, twice the tokens from 1024 on (up to 256 experts): the launch shapes that
+    measured best (PERF.md section 5)."""
     block_e = max(16, triton.next_power_of_2(e))
     rows = max(1, min(16, 512 // block_e))
     if m >= 1024 and block_e <= 256:
