@@ -339,16 +339,18 @@ def settings(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _layer_suffix(df: pd.DataFrame) -> pd.Series:
-    """' [swigluoai+bias, shared fused]' where a row's layer is not plain silu without shared
-    experts ('' otherwise; files written before these columns read as plain)."""
+    """' [swigluoai+bias, shared fused, variant gemm]' where a row's layer is not plain silu
+    without shared experts, or the row times a variant ('' otherwise; files written before these
+    columns read as plain)."""
     def col(name, default):
         return df[name].fillna(default) if name in df.columns else pd.Series(default, index=df.index)
 
     act, bias, shared = col("activation", "silu").astype(str), col("expert_bias", False), col("shared_experts", "none")
+    variant = col("variant", "").astype(str)
     parts = []
-    for a, b, sh in zip(act, bias, shared.astype(str)):
+    for a, b, sh, v in zip(act, bias, shared.astype(str), variant):
         bits = ([a + ("+bias" if _flag(b) else "")] if a != "silu" or _flag(b) else []) + \
-            ([f"shared {sh}"] if sh != "none" else [])
+            ([f"shared {sh}"] if sh != "none" else []) + ([f"variant {v}"] if v else [])
         parts.append(f" [{', '.join(bits)}]" if bits else "")
     return pd.Series(parts, index=df.index, dtype=object)
 

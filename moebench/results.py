@@ -93,6 +93,9 @@ class ResultRow:
     shared_experts: str = "none"
     #: TP's all-reduce: "nccl" or "custom" (modeled runs price both), "gloo" on CPU ranks; "" none
     allreduce: str = ""
+    #: what was timed: "" the whole layer; else a registered variant's name (moebench.sweep.variants:
+    #: a part of the layer, or another way to run it, that a benchmark times beside it)
+    variant: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def key(self) -> tuple:
@@ -100,7 +103,7 @@ class ResultRow:
         return (self.model, self.num_experts, self.topk, self.hidden, self.intermediate, self.tokens,
                 self.tp, self.dp, self.ep, self.prepare_finalize, self.experts, self.dtype, self.device,
                 self.routing, self.modeled, self.quant, self.activation, self.expert_bias, self.shared_experts,
-                self.allreduce or "")
+                self.allreduce or "", self.variant or "")
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

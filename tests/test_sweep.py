@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import torch
 
 from moebench import backends as registry
@@ -115,3 +117,55 @@ def test_run_in_folder_opens_resumes_and_keeps_rows(tmp_path):
     assert sorted(r.tokens for r in RunStore(folder).rows) == [1, 3, 5]
     meta = json.loads((folder / "metadata.json").read_text())
     assert meta["test"] == 1 and "resumed" in json.dumps(meta)  # the settings kept, the resume noted
+
+
+def test_registered_variants_are_rows_of_their_own(tmp_path, monkeypatch):
+    """A benchmark's variants run through the sweep loop: one row per (tokens, pair, variant), the
+    variant named in the `variant` column, checked where its output is the layer's, resumed like
+    any row; runners that cannot time variants skip them with a reason."""
+    from moebench.sweep import variants as V
+    from moebench.sweep.ranks import RankRunner
+    from moebench.sweep.simulated import SimulatedRunner
+
+    monkeypatch.setattr(V, "_VARIANTS", {})
+    calls = []
+
+    def layer_twice(case):
+        def call():
+            calls.append(case.tokens)
+            return case.layer.apply(*case.args)
+        case.notes["built_for"] = case.tokens
+        return call
+
+    V.register(V.Variant("again", layer_twice, checked=True))
+    V.register(V.Variant("zeros", lambda case: (lambda: torch.zeros_like(case.args[0])), checked=True))
+    V.register(V.Variant("unchecked", lambda case: (lambda: torch.zeros(1)), checked=False))
+    spec = SweepSpec(shape=custom_shape(6, 2, 16, 8), tokens=[3], experts=["torch"], prepare_finalize=["no-dpep"],
+                     dtype=torch.float32, device="cpu", variants=["", "again", "zeros", "unchecked"], reps=2, warmup=0)
+    store = RunStore(tmp_path / "run")
+    rows = {r.variant: r for r in run_local(spec, store)}
+    assert set(rows) == {"", "again", "zeros", "unchecked"} and len({r.key() for r in rows.values()}) == 4
+    assert rows[""].correct and rows["again"].correct and rows["again"].extra["built_for"] == 3
+    assert rows["zeros"].correct is False  # a checked variant is held to the reference
+    assert rows["unchecked"].correct is None and rows["unchecked"].latency_us > 0
+    assert calls  # the variant's own call was checked and timed
+    saved = [json.loads(line)["variant"] for line in (tmp_path / "run" / "rows.jsonl").read_text().splitlines()]
+    assert sorted(saved) == ["", "again", "unchecked", "zeros"]
+    assert run_local(spec, RunStore(tmp_path / "run")) == []  # resumed: every row is there
+    assert not RankRunner.runs_variants and not SimulatedRunner.runs_variants
+    with pytest.raises(Exception, match="unknown variant 'nope'; registered: again, unchecked, zeros"):
+        V.get_variant("nope")
+
+
+def test_a_runner_without_variants_skips_them_with_a_reason(tmp_path):
+    from moebench.sweep.cases import CaseRunner, run_cases
+
+    class LayerOnly(CaseRunner):
+        def run_case(self, row, m, pf, ex, inputs):
+            row.latency_us = 1.0
+
+    spec = SweepSpec(shape=custom_shape(6, 2, 16, 8), tokens=[3], experts=["torch"], prepare_finalize=["no-dpep"],
+                     dtype=torch.float32, device="cpu", variants=["", "gemm"])
+    rows = {r.variant: r for r in run_cases(spec, RunStore(tmp_path / "run"), LayerOnly())}
+    assert rows[""].status == "ok" and rows[""].latency_us == 1.0
+    assert rows["gemm"].status == "skipped" and "variant 'gemm' is timed in one process only" in rows["gemm"].reason

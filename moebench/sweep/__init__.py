@@ -5,6 +5,7 @@ against the float64 reference and timed, one row per case into a run folder.
     cases.py      the plan of pairs, the row each case starts from, and the one loop (run_cases)
     measure.py    the one measure step: check, then time (the tuner's too)
     layer.py      a rank's layer for a spec and the work of a case
+    variants.py   registered calls a case times beside the layer (a benchmark's variants)
     local.py      runner: one process, every expert here
     ranks.py      runner: real ranks (spawned or torchrun), rank 0 writes
     simulated.py  runner: one rank's share computed here, communication modeled

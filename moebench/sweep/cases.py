@@ -53,13 +53,14 @@ def cases_to_run(spec: SweepSpec, store: RunStore | None = None, modeled: bool =
     for m in spec.tokens:
         for pf, ex in runnable:
             for ar in allreduce_choices(spec, pf):
-                row = base_row(spec, m, pf, ex, ar)
-                row.modeled = modeled
-                n += store is None or not store.has(row.key())
+                for v in spec.variants:
+                    row = base_row(spec, m, pf, ex, ar, v)
+                    row.modeled = modeled
+                    n += store is None or not store.has(row.key())
     return n
 
 
-def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str, allreduce: str = "") -> ResultRow:
+def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str, allreduce: str = "", variant: str = "") -> ResultRow:
     s, lay = spec.shape, spec.layout
     try:
         fmt = str(get_experts_class(ex).activation_format)
@@ -70,7 +71,7 @@ def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str, allreduce: str = ""
         tokens=tokens, tp=lay.tp, dp=lay.dp, ep=lay.ep_size, world_size=lay.world_size,
         prepare_finalize=pf, experts=ex, activation_format=fmt, dtype=spec.dtype_label,
         device=spec.device, routing=spec.routing, quant=spec.quant_label, activation=spec.activation.name,
-        expert_bias=spec.bias, shared_experts=spec.shared, allreduce=allreduce,
+        expert_bias=spec.bias, shared_experts=spec.shared, allreduce=allreduce, variant=variant,
     )
 
 
@@ -78,10 +79,12 @@ class CaseRunner:
     """How the cases of a sweep run in one mode (one process, real ranks, simulated ranks).
     `run_cases` drives every mode through the same loop; a runner only fills a row.
 
-    modeled: its rows are modeled (simulated communication); writes: this process writes rows."""
+    modeled: its rows are modeled (simulated communication); writes: this process writes rows;
+    runs_variants: it times registered variants (moebench.sweep.variants) beside the layer."""
 
     modeled: bool = False
     writes: bool = True
+    runs_variants: bool = False
 
     def done_keys(self, store: RunStore) -> set[tuple]:
         """Rows already in the run (a resumed run): the loop skips them."""
@@ -119,8 +122,8 @@ def batch_inputs(spec: SweepSpec, m: int, pf: str):
 
 def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,
               on_progress: Callable[[ResultRow], None] | None = None) -> list[ResultRow]:
-    """The sweep loop of every mode: each (tokens, pair) of `plan(spec)` not already in `store`
-    becomes a row: skipped (with the plan's reason), run by `runner`, or failed (the exception's
+    """The sweep loop of every mode: each (tokens, pair, all-reduce, variant) of `plan(spec)` not
+    already in `store` becomes a row: skipped (with the plan's reason), run by `runner`, or failed (the exception's
     first line). Rows go to `store` as they are made (when the runner writes); returns them in
     plan order. `on_progress` sees each row that ran."""
     pairs = plan(spec)
@@ -130,13 +133,16 @@ def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,
     try:
         for m in spec.tokens:
             for pf, ex, reason in pairs:
-                for ar in allreduce_choices(spec, pf):
-                    row = base_row(spec, m, pf, ex, ar)
+                for ar, variant in ((a, v) for a in allreduce_choices(spec, pf) for v in spec.variants):
+                    row = base_row(spec, m, pf, ex, ar, variant)
                     row.modeled = runner.modeled
                     if row.key() in done:
                         continue
-                    if reason is not None:
-                        row.status, row.reason = "skipped", reason
+                    why = reason
+                    if why is None and variant and not runner.runs_variants:
+                        why = f"variant '{variant}' is timed in one process only (no --world-size, no --simulate)"
+                    if why is not None:
+                        row.status, row.reason = "skipped", why
                     else:
                         inputs = runner.inputs(m, pf)
                         try:
@@ -150,7 +156,7 @@ def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,
                     if runner.writes:
                         store.add(row)
                     rows.append(row)
-                    if on_progress is not None and reason is None:
+                    if on_progress is not None and why is None:
                         on_progress(row)
     finally:
         runner.finish()

@@ -14,11 +14,14 @@ from moebench.sweep.cases import CaseRunner
 from moebench.sweep.layer import fill_metrics, layer_args, layer_reference, layer_work, rank_layer, shared_gate
 from moebench.sweep.measure import cycling, measure
 from moebench.sweep.spec import SweepSpec
+from moebench.sweep.variants import Case, get_variant
 
 
 class LocalRunner(CaseRunner):
     """One process holds every expert: each token count's inputs and float64 reference are made
-    once and shared by the pairs."""
+    once and shared by the pairs (and their variants)."""
+
+    runs_variants = True
 
     def start(self, spec: SweepSpec, runnable: list[tuple[str, str]]) -> None:
         self.spec = spec
@@ -57,14 +60,15 @@ class LocalRunner(CaseRunner):
         spec, lw = self.spec, self.lw
         row.imbalance = self.imbalance
         kernel = MoELayer(make_kernel(ex, pf), spec.activation, lw.bias, lw.shared_w13, lw.shared_w2, self.gate)
+        if row.variant:
+            self.run_variant(row, m, kernel)
+            return
         timed = kernel.experts.timed
         calls = [self.args, *self.variants]
         outcome = measure(
             lambda: kernel.apply(*self.args),
             (lambda: time_fn(cycling(kernel, calls), spec.device, **spec.timing_kwargs())) if timed else None,
-            dtype=spec.dtype, quant=spec.quant,
-            reference=(lambda: self.ref) if self.ref is not None else None,
-            unquantized_reference=(lambda: self.ref_unquantized) if self.ref_unquantized is not None else None)
+            dtype=spec.dtype, quant=spec.quant, **self.references())
         outcome.fill(row)
         # Backends that pick a tile config say where it came from (tuned file or default heuristic).
         row.config_source = kernel.experts.last_config_source or ""
@@ -77,6 +81,31 @@ class LocalRunner(CaseRunner):
             row.timing_method += f", {len(calls)} routings cycled"
             row.extra["routings"] = len(calls)
         fill_metrics(row, self.flops, self.nbytes, self.ceilings)
+
+    def run_variant(self, row: ResultRow, m: int, kernel: MoELayer) -> None:
+        """A registered variant of the case (moebench.sweep.variants): its call, checked where its
+        output is the layer's, timed on the checked routing; its notes go to the row's extra."""
+        spec = self.spec
+        variant = get_variant(row.variant)
+        case = Case(spec, m, kernel, self.args, self.lw)
+        call = variant.build(case)
+        outcome = measure(call, lambda: time_fn(call, spec.device, **spec.timing_kwargs()), dtype=spec.dtype,
+                          quant=spec.quant, **(self.references() if variant.checked else {}))
+        outcome.fill(row)
+        t = outcome.timing
+        row.latency_us, row.p10_us, row.p90_us, row.timing_method = t.median_us, t.p10_us, t.p90_us, t.method
+        row.config_source = kernel.experts.last_config_source or ""
+        row.extra.update(case.notes)
+        fill_metrics(row, self.flops, self.nbytes, self.ceilings)
+
+    def references(self) -> dict:
+        """measure()'s reference arguments of the current token count ({} when unchecked)."""
+        refs = {}
+        if self.ref is not None:
+            refs["reference"] = lambda: self.ref
+        if self.ref_unquantized is not None:
+            refs["unquantized_reference"] = lambda: self.ref_unquantized
+        return refs
 
 
 def routing_variants(spec: SweepSpec, m: int, x, lw, gate=None) -> list[tuple]:

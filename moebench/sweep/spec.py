@@ -51,6 +51,9 @@ class SweepSpec:
     model_experts: bool = False
     #: the GPU a modeled experts time speaks of (its datasheet's name)
     target_gpu: str = ""
+    #: what each case times: "" the whole layer, other names registered variants
+    #: (moebench.sweep.variants), each a row of its own
+    variants: list[str] = field(default_factory=lambda: [""])
 
     @property
     def dtype_label(self) -> str:
