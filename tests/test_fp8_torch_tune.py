@@ -27,7 +27,7 @@ from moebench.kernels.triton import configs as C
 from moebench.tuning import space as SP
 from moebench.tuning import tuner as T
 from moebench.cli.tune import configs as configs_group
-from moebench.cli.tune import parse_config_name
+from moebench.kernels.triton.configs import parse_file_name as parse_config_name
 from moebench.cli.tune import tune as tune_command
 from test_tune import _journal_lines, assert_vllm_loadable
 

@@ -23,7 +23,8 @@ from moebench.tuning import search as S
 from moebench.tuning import space as SP
 from moebench.tuning import tuner as T
 from moebench.cli.tune import configs as configs_group
-from moebench.cli.tune import diff_tables, parse_config_name
+from moebench.kernels.triton.configs import parse_file_name as parse_config_name
+from moebench.tuning.files import diff_tables
 from moebench.cli.tune import tune as tune_command
 
 SHAPE = custom_shape(4, 2, 64, 32, name="tiny")

@@ -7,12 +7,11 @@
     moebench configs list | show FILE|E,N | diff A B | commit [--kernel moebench|vllm|sglang] FILE...
                   (show / diff of E,N: --dtype fp8_w8a8 [--block-shape BN,BK] pick the fp8 file)
 
-Commands parse and print; the work is in `moebench.tuning.tuner` and `moebench.kernels.triton.configs`.
+Commands parse and print; the work is in `moebench.tuning` (tuner, files) and `moebench.kernels.triton.configs`.
 """
 
 from __future__ import annotations
 
-import filecmp
 import json
 import re
 import sys
@@ -38,19 +37,12 @@ from moebench.cli.options import (
     resolve_shape,
 )
 from moebench.errors import MoebenchError, interrupt_status
-from moebench.fileio import atomic_write_bytes
 from moebench.report import Column, TextTable, print_fitted, say
 from moebench.kernels.triton import configs as C
+from moebench.tuning import files
+from moebench.tuning.files import commit_files as files_commit
 
 TUNE_TOKENS_CPU = [1, 4]
-TUNE_TOKENS_CUDA = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]
-
-
-def parse_config_name(name: str) -> dict[str, str | int | bool | None] | None:
-    """'E=8,N=14336,device_name=NVIDIA_H200[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json'
-    -> its parts ("down": GEMM2's file, SGLang's name; "per_channel_quant": fp8 per-token scales, SGLang's
-    name), or None when the name is not a tuned-config file name (moebench.kernels.triton.configs.parse_file_name)."""
-    return C.parse_file_name(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +151,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         spec = T.TuneSpec(
             shape=resolve_shape(model, num_experts, topk, hidden, intermediate),
             layout=ParallelLayout.from_args(tp, dp, ep),
-            tokens=parse_tokens(tokens) if tokens is not None else (TUNE_TOKENS_CUDA if dev == "cuda" else TUNE_TOKENS_CPU),
+            tokens=parse_tokens(tokens) if tokens is not None else (files.TUNE_TOKENS_CUDA if dev == "cuda" else TUNE_TOKENS_CPU),
             dtype=act_dtype, device=dev,
             strategy=strategy or "halving", budget=budget, seed=seed or 0, routing=routing or "uniform",
             reps=reps, final_reps=final_reps, quant=quant, down=down, kernel=kernel, against=rivals,
@@ -328,7 +320,7 @@ def configs_list(dirs, as_json):
         found += [("vllm", d / "vllm", f) for f in (d / "vllm").glob("*.json")]
         found += [("sglang", f.parent, f) for f in (d / "sglang").glob("triton_*/*.json")]
         for kernel, folder, f in found:
-            parts = parse_config_name(f.name)
+            parts = C.parse_file_name(f.name)
             if parts is None:
                 continue
             try:
@@ -424,22 +416,6 @@ def configs_list_table(rows: list[dict], roots: list[Path]) -> TextTable:
     ])
 
 
-def diff_tables(a: dict, b: dict) -> list[tuple[int, str]]:
-    """Per token count of either table, what differs: 'only in A', 'only in B', or
-    'FIELD a->b; ...'. Token counts with identical entries are left out."""
-    out = []
-    for m in sorted(set(a) | set(b)):
-        if m not in b:
-            out.append((m, "only in A"))
-        elif m not in a:
-            out.append((m, "only in B"))
-        else:
-            d = [f"{k} {a[m][k]}->{b[m][k]}" for k in C.TILE_KEYS if a[m][k] != b[m][k]]
-            if d:
-                out.append((m, "; ".join(d)))
-    return out
-
-
 @configs.command("diff")
 @click.argument("a")
 @click.argument("b")
@@ -449,7 +425,7 @@ def diff_tables(a: dict, b: dict) -> list[tuple[int, str]]:
 def configs_diff(a, b, device, dtype, block_shape):
     """Per token count, which fields differ between two files (paths or E,N)."""
     pa, pb = _resolve_file(a, device, dtype, block_shape), _resolve_file(b, device, dtype, block_shape)
-    diffs = diff_tables(C.load_config_file(pa), C.load_config_file(pb))
+    diffs = files.diff_tables(C.load_config_file(pa), C.load_config_file(pb))
     say(console, f"A = {pa}\nB = {pb}")
     if not diffs:
         console.print("identical entries")
@@ -460,25 +436,6 @@ def configs_diff(a, b, device, dtype, block_shape):
     for m, d in diffs:
         t.add_row(str(m), d)
     console.print(t)
-
-
-def deploy_coverage(device_name: str) -> list[dict]:
-    """For every preset model and each of its usual layouts (`MoEShape.deploy`): the bf16 file a
-    rank looks up on `device_name` and where it is found along the lookup order (None: missing)."""
-    from moebench.models import PRESETS
-    from moebench.tuning.tuner import deploy_layout, file_shape
-
-    rows = []
-    for shape in PRESETS.values():
-        for name in shape.deploy:
-            layout, flags = deploy_layout(name)
-            e, n = file_shape(shape, layout)
-            found = C.find_config_file(e, n, device_name)
-            counts = sorted(C.load_config_file(found)) if found else []
-            rows.append({"model": shape.name, "layout": name, "tune_flags": flags, "E": e, "N": n,
-                         "file": C.config_file_name(e, n, device_name), "found": str(found.parent) if found else None,
-                         "token_counts": counts, "missing_counts": [t for t in TUNE_TOKENS_CUDA if t not in counts]})
-    return rows
 
 
 @configs.command("coverage")
@@ -492,7 +449,9 @@ def deploy_coverage(device_name: str) -> list[dict]:
 def configs_coverage(device, as_shards, as_fill, as_json):
     """Which preset models' usual layouts (TP1 and their TP/EP shards) have a tuned bf16 file, and
     how many of vLLM's 18 token counts it holds (between counts the lookup takes the nearest)."""
-    rows = deploy_coverage(device.replace(" ", "_"))
+    from moebench.tuning import tuner as T
+
+    rows = T.deploy_coverage(device.replace(" ", "_"))
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -515,7 +474,7 @@ def configs_coverage(device, as_shards, as_fill, as_json):
     t = Table(title=f"tuned bf16 configs for the presets' usual layouts on {device}")
     for c in ("model", "layout", "E", "N", "token counts", "found in"):
         t.add_column(c)
-    full = len(TUNE_TOKENS_CUDA)
+    full = len(files.TUNE_TOKENS_CUDA)
     for r in rows:
         held = full - len(r["missing_counts"])
         t.add_row(r["model"], r["layout"], str(r["E"]), str(r["N"]),
@@ -541,45 +500,6 @@ def configs_coverage(device, as_shards, as_fill, as_json):
               help="Commit files tuned on a CPU (device_name=cpu: Triton-interpreter times, for plumbing checks).")
 def configs_commit(files, kernel, allow_cpu):
     """Validate FILES and copy them into the package's config folder of KERNEL (shipped with moebench)."""
-    from moebench.kernels import engine_configs as EC
-    from moebench.tuning.files import write_tuned_routing
-
     check_kernel(kernel)
-    checked = []
-    for f in files:
-        if not f.is_file():
-            raise MoebenchError(f"config file {f} does not exist")
-        if parse_config_name(f.name) is None:
-            raise MoebenchError(f"{f.name} is not a vLLM config file name "
-                                f"(E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json)")
-        if kernel == "moebench":
-            C.load_config_file(f)  # raises with the file and entry named
-            dest_dir = Path(C.PACKAGE_CONFIG_DIR)
-        else:
-            parts = parse_config_name(f.name)
-            if parts["down"] or parts["per_channel_quant"]:
-                raise MoebenchError(f"{f.name}: --kernel {kernel} files have no _down / per_channel_quant part "
-                                    "(the vllm-triton experts run one config for both GEMMs, fp8 block scales only)")
-            spaced = ", " in f.name
-            if (kernel == "vllm") == spaced and parts["block_shape"]:
-                want = "block_shape=[bn,bk] (vLLM's)" if kernel == "vllm" else "block_shape=[bn, bk] (SGLang's)"
-                raise MoebenchError(f"{f.name} is not named as {kernel} names its files: {want}")
-            EC.load_engine_file(f)
-            folder = f.parent.resolve().name
-            dest_dir = EC.package_dir(kernel, folder if kernel == "sglang" and EC._TRITON_DIR_RE.match(folder) else None)
-        if parse_config_name(f.name)["device"] == "cpu" and not allow_cpu:
-            raise MoebenchError(f"{f.name} was tuned on a CPU (Triton-interpreter times say nothing of GPU speed): "
-                                f"commit files tuned on the GPU they name, or pass --allow-cpu for a plumbing check")
-        checked.append((f, dest_dir))
-    for f, dest_dir in checked:
-        dest_dir.mkdir(parents=True, exist_ok=True)
-        dest = dest_dir / f.name
-        same = dest.exists() and filecmp.cmp(f, dest, shallow=False)
-        verb = "unchanged" if same else "replaced" if dest.exists() else "added"
-        if not same:
-            atomic_write_bytes(dest, f.read_bytes())
-        if kernel == "moebench":  # the routing its keys mean goes with it (unknown: none recorded)
-            write_tuned_routing(dest, C.tuned_routing(f))
+    for verb, dest in files_commit(files, kernel, allow_cpu):
         say(console, f"{verb} {dest}")
-    C.clear_lookup_cache()  # the package's folder changed: this process's lookups look again
-    EC.clear_lookup_cache()

@@ -61,7 +61,7 @@ from moebench.models import MoEShape
 from moebench.quant import QuantScheme
 from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.kernels.triton import configs as C
-from moebench.tuning.files import claim_tuned_routing, merge_config_file, merge_engine_file
+from moebench.tuning.files import TUNE_TOKENS_CUDA, claim_tuned_routing, merge_config_file, merge_engine_file
 from moebench.tuning.precompile import Precompiler, die_with_parent
 from moebench.tuning.search import (
     STRATEGIES,
@@ -892,3 +892,21 @@ def report_table(results: Sequence[TokenResult], title: str = "tuning report"):
         cols.append(Column("against", "winner\n/ file", [" ".join(_fmt(a["ratio"], 3) for a in r.against.values()) or "-"
                                                          for r in results]))
     return TextTable(title, cols)
+
+
+def deploy_coverage(device_name: str) -> list[dict]:
+    """For every preset model and each of its usual layouts (`MoEShape.deploy`): the bf16 file a
+    rank looks up on `device_name` and where it is found along the lookup order (None: missing)."""
+    from moebench.models import PRESETS
+
+    rows = []
+    for shape in PRESETS.values():
+        for name in shape.deploy:
+            layout, flags = deploy_layout(name)
+            e, n = file_shape(shape, layout)
+            found = C.find_config_file(e, n, device_name)
+            counts = sorted(C.load_config_file(found)) if found else []
+            rows.append({"model": shape.name, "layout": name, "tune_flags": flags, "E": e, "N": n,
+                         "file": C.config_file_name(e, n, device_name), "found": str(found.parent) if found else None,
+                         "token_counts": counts, "missing_counts": [t for t in TUNE_TOKENS_CUDA if t not in counts]})
+    return rows
