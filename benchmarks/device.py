@@ -63,17 +63,20 @@ class Ctx:
         self.say(f"=== {text} ({time.strftime('%H:%M:%S', time.gmtime())})")
 
     def sh(self, cmd: list[str], tail: int | None = None, timeout: float | None = None, env: dict | None = None,
-           stdout: Path | None = None) -> int:
-        """Run cmd; its output (stdout into `stdout` when given) in full, or its last `tail` lines,
-        to stdout and the log. Returns the exit status (124 when cut at `timeout` seconds)."""
+           stdout: Path | None = None, cwd: str | None = None) -> int:
+        """Run cmd (in `cwd` when given); its output (stdout into `stdout` when given) in full, or
+        its last `tail` lines, to stdout and the log. Returns the exit status (124 when cut at
+        `timeout` seconds)."""
         envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
         if self.dry:
-            print(f"$ {envs + ' ' if envs else ''}{shlex.join(cmd)}{' > ' + str(stdout) if stdout else ''}", flush=True)
+            where = f"(cd {shlex.quote(cwd)} && " if cwd else ""
+            print(f"$ {where}{envs + ' ' if envs else ''}{shlex.join(cmd)}{')' if cwd else ''}"
+                  f"{' > ' + str(stdout) if stdout else ''}", flush=True)
             return 0
         lines: collections.deque = collections.deque(maxlen=tail)
         killed = threading.Event()
         with open(stdout, "w") if stdout else open(os.devnull, "w") as sink:
-            p = subprocess.Popen(cmd, env=dict(self.env, **(env or {})), text=True, errors="replace",
+            p = subprocess.Popen(cmd, env=dict(self.env, **(env or {})), text=True, errors="replace", cwd=cwd,
                                  stdout=sink if stdout else subprocess.PIPE,
                                  stderr=subprocess.PIPE if stdout else subprocess.STDOUT)
             timer = threading.Timer(timeout, lambda: (killed.set(), p.kill())) if timeout else None
@@ -590,31 +593,77 @@ def job_vendor(c: Ctx) -> None:
     c.archive("vendor_sweeps")
 
 
+#: the layer_times points: PERF.md section 1's shapes through `moebench sweep` (model, its flags)
+LAYER_POINTS = (
+    ("mixtral-8x7b", ["--experts", "triton", "--prepare-finalize", "no-dpep"]),
+    ("mixtral-8x7b", ["--tp", "8", "--experts", "triton", "--prepare-finalize", "no-dpep"]),
+    ("qwen3-30b-a3b", ["--experts", "triton", "--prepare-finalize", "no-dpep"]),
+    ("deepseek-v3", ["--tp", "8", "--dtype", "bf16", "--shared-experts", "none", "--experts", "triton",
+                     "--prepare-finalize", "no-dpep"]),
+    ("deepseek-v3", ["--tp", "8", *FP8_BLOCK, "--shared-experts", "none", "--experts", "triton",
+                     "--prepare-finalize", "no-dpep"]),
+    ("qwen3-30b-a3b", ["--experts", "batched-triton", "--prepare-finalize", "batched-local"]),
+)
+POINT_KEYS = ["model", "tp", "experts", "dtype", "quant", "tokens"]
+
+
 def job_layer_times(c: Ctx) -> None:
+    """The triton layer at PERF section 1's points through `moebench sweep`. With BASE (the root of
+    another tree, e.g. `git archive REV moebench | tar -x -C DIR`), the same sweeps run from both
+    trees in ROUNDS rounds of alternating order, and $OUT/layer_times.md gives each point's median
+    latency per tree and new / base: a change's same-run A/B."""
     c.sh(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm", "--format=csv"])
     c.sh(["git", "rev-parse", "--short", "HEAD"])
     gpu_tests(c, "gpu tests", "-m", "gpu", "tests/gpu", tail=12)
-    runs = c.results / "layer_times"
-    triton = ["--experts", "triton", "--prepare-finalize", "no-dpep"]
-    for model, flags in (("mixtral-8x7b", triton), ("qwen3-30b-a3b", triton),
-                         ("deepseek-v3", ["--tp", "8", "--dtype", "bf16", "--shared-experts", "none", *triton]),
-                         ("deepseek-v3", ["--tp", "8", *FP8_BLOCK, "--shared-experts", "none", *triton]),
-                         ("qwen3-30b-a3b", ["--experts", "batched-triton", "--prepare-finalize", "batched-local"])):
-        c.step(f"sweep {model} {' '.join(flags)}")
-        c.mb("sweep", "--model", model, *flags, "--tokens", c.knob("TOKENS", TOKENS6), "--routings", "4", "--out", str(runs),
-             "--format", "csv", tail=14, timeout=150)
+    runs = (c.results / "layer_times").resolve()
+    base = c.knob("BASE")
+    trees = [("new", None)] + ([("base", str(Path(base).resolve()))] if base else [])
+    rounds = int(c.knob("ROUNDS", "2" if base else "1"))
+    for r in range(rounds):
+        for label, root in (trees if r % 2 == 0 else trees[::-1]):
+            for model, flags in LAYER_POINTS:
+                c.step(f"{label} round {r}: sweep {model} {' '.join(flags)}")
+                c.mb("sweep", "--model", model, *flags, "--tokens", c.knob("TOKENS", TOKENS6), "--routings", "4",
+                     "--out", str(runs / label / f"r{r}"), "--format", "csv", tail=3, timeout=150,
+                     cwd=root, env={"PYTHONPATH": root} if root else None)
     if c.dry:
         return
+    table = layer_times_table(runs)
+    if table is not None:
+        table.to_csv(c.out / "layer_times.csv", index=False)
+        (c.out / "layer_times.md").write_text(markdown_table(table))
+        c.say(table.to_string(index=False))
+    shutil.rmtree(c.results, ignore_errors=True)
+
+
+def markdown_table(df) -> str:
+    cols = [str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join("" if v != v else f"{v:.1f}" if isinstance(v, float) and c in ("new", "base") else str(v)
+                                for c, v in zip(cols, row)) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def layer_times_table(runs: Path):
+    """Median measured time per point and tree (folders runs/<tree>/<round>/<run>/results.csv):
+    the layer's latency, or for a simulated TP row the rank's measured experts time (its
+    all-reduce is modeled); new / base where both trees ran. None when no row was measured."""
     import pandas as pd
 
-    frames = [pd.read_csv(f) for f in sorted(runs.glob("*/results.csv"))]
-    if frames:
-        df = pd.concat(frames)
-        df = df[df.status == "ok"]
-        df.to_csv(c.out / "layer_times.csv", index=False)
-        c.say(df[["model", "tp", "experts", "dtype", "quant", "tokens", "latency_us", "p10_us", "p90_us",
-                  "max_rel_err"]].to_string(index=False))
-    shutil.rmtree(c.results, ignore_errors=True)
+    frames = []
+    for f in sorted(runs.glob("*/*/*/results.csv")):
+        df = pd.read_csv(f)
+        frames.append(df.assign(tree=f.parts[-4]))
+    if not frames:
+        return None
+    df = pd.concat(frames)
+    df = df[df.status == "ok"].copy()
+    df["quant"] = df["quant"].astype(object).fillna("")
+    df["measured_us"] = df["experts_us"].where(df["modeled"].astype(bool), df["latency_us"])
+    table = df.pivot_table(index=POINT_KEYS, columns="tree", values="measured_us", aggfunc="median").reset_index()
+    if {"new", "base"} <= set(table.columns):
+        table["new_over_base"] = (table["new"] / table["base"]).round(3)
+    return table
 
 
 @dataclass(frozen=True)
@@ -663,8 +712,9 @@ JOBS = (
         "MODELS WORLDS EXPERTS TOKENS REPS EXTRA", job_compare_flip),
     Job("sweeps", "4, 5", "4", "ceilings, a real sweep, simulated TP8 / EP8 sweeps and tp-vs-ep, GPU tests",
         "SWEEP_TOKENS TUNE SKIP_TESTS", job_sweeps),
-    Job("layer_times", "-", "5", "GPU tests, then the triton (and batched-triton) layer times through moebench sweep, "
-        "for a kernel change's before / after ($OUT/layer_times.csv)", "TOKENS SKIP_TESTS TESTS_S", job_layer_times),
+    Job("layer_times", "1", "5 (x2 ROUNDS x2 trees with BASE)", "GPU tests, then the triton (and batched-triton) layer "
+        "times at section 1's points through moebench sweep; with BASE=DIR (another tree's root) a same-run A/B "
+        "($OUT/layer_times.md: new / base per point)", "TOKENS BASE ROUNDS SKIP_TESTS TESTS_S", job_layer_times),
 )
 BY_NAME = {j.name: j for j in JOBS}
 

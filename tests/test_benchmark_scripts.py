@@ -122,6 +122,35 @@ def test_device_run_logs_each_step(tmp_path):
     assert log[0].startswith("=== one (") and log[1:3] == ["b", "c"] and log[3].startswith("(exit 3:")
 
 
+def test_layer_times_ab_table_pairs_the_trees(tmp_path):
+    """layer_times with BASE: each point's median over rounds per tree, new / base; a simulated TP
+    row counts its measured experts time (its all-reduce is modeled), failed rows none."""
+    from benchmarks.device import layer_times_table, markdown_table
+
+    def write(tree, rnd, rows):
+        d = tmp_path / tree / rnd / "run"
+        d.mkdir(parents=True)
+        keys = ["model", "tp", "experts", "dtype", "quant", "tokens", "status", "modeled", "latency_us", "experts_us"]
+        with open(d / "results.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(keys)
+            w.writerows(rows)
+
+    write("new", "r0", [["m", 1, "triton", "bf16", "", 16, "ok", False, 10.0, ""],
+                        ["m", 8, "triton", "bf16", "", 16, "ok", True, 99.0, 4.0],
+                        ["m", 1, "triton", "bf16", "", 64, "failed", False, "", ""]])
+    write("new", "r1", [["m", 1, "triton", "bf16", "", 16, "ok", False, 12.0, ""]])
+    write("base", "r0", [["m", 1, "triton", "bf16", "", 16, "ok", False, 22.0, ""],
+                         ["m", 8, "triton", "bf16", "", 16, "ok", True, 50.0, 5.0]])
+    table = layer_times_table(tmp_path).set_index(["tp", "tokens"])
+    assert table.loc[(1, 16), "new"] == 11.0 and table.loc[(1, 16), "base"] == 22.0
+    assert table.loc[(1, 16), "new_over_base"] == 0.5 and table.loc[(8, 16), "new_over_base"] == 0.8
+    assert (1, 64) not in table.index
+    md = markdown_table(table.reset_index())
+    assert md.splitlines()[0].endswith("| new_over_base |") and "| 11.0 | 0.5 |" in md
+    assert layer_times_table(tmp_path / "none") is None
+
+
 def test_bench_shapes_come_from_the_presets():
     # the shards the cases time are the presets' numbers split by the layout
     assert bench_shape("qwen3-235b-tp8") == (128, 8, 4096, 192, 128)
