@@ -43,8 +43,16 @@ from moebench.bench.hardware import read_gbps_candidates
 from moebench.kernels.triton.align import align_pairs
 from moebench.kernels.triton.env import num_sms, tma_ok
 from moebench.kernels.triton.experts import select_config
-from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1, launch_gemm2
-from moebench.kernels.triton.options import TritonOptions, gemm1_walk, layer_split_k, resolve_use_tma
+from moebench.kernels.triton.launch import fused_moe_gemms, launch_gemm1, launch_gemm2
+from moebench.kernels.triton.options import (
+    Gemm1Plan,
+    Gemm2Plan,
+    TritonOptions,
+    gemm1_walk,
+    layer_split_k,
+    plan_layer,
+    resolve_use_tma,
+)
 from moebench.kernels.triton.routing import fused_topk_softmax
 
 from benchmarks.bench_common import ON_GPU, SMOKE_SHAPES, bench_shape, library_gemms, seeded_inputs, timed, vllm_ref_us
@@ -149,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                 return kernel.apply(x, w13, w2, w_, i_, expert_map=emap, num_experts=e)
 
             def gemm(c=cfg, a=align, s=split, tma="auto"):
-                return fused_moe_gemms(x, w13, w2, tw, a, k, c, s, options=TritonOptions(use_tma=tma))
+                return fused_moe_gemms(x, w13, w2, tw, a, k, plan_layer(TritonOptions(use_tma=tma), x, w13, w2, a, k, c,
+                                                                        split_k=s))
 
             tma0 = resolve_use_tma(opts, cfg, dtype) and tma_ok(w13) and tma_ok(w2)
 
@@ -162,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             # GEMM1 as the layer runs it: x through TMA from a sorted copy where the sorted_a rule picks
             # it (the copy included), else the wide walk at >= 64-row tiles (wide_gemm1 "auto")
             wide0, s_a = gemm1_walk(opts, cfg, dtype, None, tma0, inter, m * k / e)
-            g1_kw = dict(sorted_a=s_a, wide=wide0)
-            inter0 = launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw)
-            t_g1 = timed(lambda: launch_gemm1(x, w13, align, k, cfg, tma0, **g1_kw), reps=20, graph_calls=5)
-            t_g2 = timed(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, split, tma0), reps=20, graph_calls=5)
+            plan1 = Gemm1Plan(use_tma=tma0, wide=wide0, sorted_a=s_a)
+            inter0 = launch_gemm1(x, w13, align, k, cfg, plan1)
+            t_g1 = timed(lambda: launch_gemm1(x, w13, align, k, cfg, plan1), reps=20, graph_calls=5)
+            t_g2 = timed(lambda: launch_gemm2(inter0, w2, tw, align, k, cfg, Gemm2Plan(use_tma=tma0, split_k=split)),
+                         reps=20, graph_calls=5)
             inter0 = None
             t_align = timed(aligned, reps=30, graph_calls=10)
             t_route = timed(lambda: routing(logits, k), reps=30, graph_calls=10)

@@ -30,8 +30,9 @@ from moebench.kernels.triton.align import (
 from moebench.kernels.triton.batched import batched_default_config
 from moebench.kernels.triton import experts as X
 from moebench.kernels.triton.experts import BatchedTritonExperts, TritonExperts, fused_moe
-from moebench.kernels.triton.gemm import fused_moe_gemms, launch_gemm1, sorted_rows, topk_sum
+from moebench.kernels.triton.launch import fused_moe_gemms, launch_gemm1, sorted_rows, topk_sum
 from moebench.kernels.triton.options import (
+    Gemm1Plan,
     TritonOptions,
     align_kernels,
     choose_split_k,
@@ -39,6 +40,7 @@ from moebench.kernels.triton.options import (
     expected_blocks,
     gemm1_walk,
     layer_split_k,
+    plan_layer,
     resolve_pair_store,
     resolve_pdl,
     resolve_swap_ab,
@@ -551,7 +553,7 @@ def test_fp32_output_is_the_accumulator():
     tw, ti = _routing(5, E, K)
     align = moe_align_block_size(ti, 16, E)
     out = torch.full((5, H), float("nan"), device=DEV)
-    got = fused_moe_gemms(x, w13, w2, tw, align, K, CFG, out=out)
+    got = fused_moe_gemms(x, w13, w2, tw, align, K, plan_layer(None, x, w13, w2, align, K, CFG), out=out)
     assert got is out
     assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[torch.float32]
 
@@ -586,10 +588,10 @@ def test_gemm1_walks_give_the_same_intermediate():
     base = launch_gemm1(x, w13, align, 2, cfg)[:used].float()
     for kw in (dict(use_tma=True), dict(wide=True), dict(use_tma=True, wide=True),
                dict(use_tma=True, wide=True, sorted_a=True)):
-        got = launch_gemm1(x, w13, align, 2, cfg, **kw)
+        got = launch_gemm1(x, w13, align, 2, cfg, Gemm1Plan(**kw))
         torch.testing.assert_close(got[:used].float(), base, rtol=1e-2, atol=1e-3, msg=str(kw))
     with pytest.raises(MoebenchError, match="sorted_a"):
-        launch_gemm1(x, w13, align, 2, cfg, use_tma=True, sorted_a=True)  # the paired walk has no A through TMA
+        launch_gemm1(x, w13, align, 2, cfg, Gemm1Plan(use_tma=True, sorted_a=True))  # the paired walk has no A through TMA
 
 
 def test_sorted_a_layer_matches_reference():

@@ -22,7 +22,7 @@ from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.batched import batched_moe
 from moebench.kernels.triton.configs import device_name, fit_to_quant_block
 from moebench.kernels.triton.experts import BatchedTritonExperts, TritonExperts, fused_moe
-from moebench.kernels.triton.gemm import launch_gemm1
+from moebench.kernels.triton.launch import launch_gemm1
 from moebench.kernels.triton.options import TritonOptions
 from moebench.kernels.triton.quant import check_block_config, quantize_rows, silu_mul_rows
 from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation, quantize_weights
@@ -462,11 +462,11 @@ def test_triton_fp8_block_swap_ab_auto(monkeypatch):
     # of both GEMMs, and the layer against the reference (on an H200 the swapped tile measured up to
     # 5.7e-3: there the 128 weight columns fill wgmma's M side, whose fp8 products are accumulated at
     # reduced precision within each K step, where the unswapped 16-row tile is not)
-    import moebench.kernels.triton.gemm as gemm
+    import moebench.kernels.triton.options as opts
 
     seen = []
-    real = gemm.resolve_swap_ab
-    monkeypatch.setattr(gemm, "resolve_swap_ab", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = opts.resolve_swap_ab
+    monkeypatch.setattr(opts, "resolve_swap_ab", lambda *a: seen.append(real(*a)) or seen[-1])
     scheme = SCHEMES["block128"]
     q13, q2 = _qweights(scheme)
     for m in (1, 13):
@@ -495,11 +495,11 @@ def test_triton_fp8_tma_weight_tiles(name, wide, monkeypatch):
     # use_tma=True: both GEMMs' fp8 weight tiles through TMA descriptors (H = 160, I = 80: 16-byte
     # rows, partial 128-wide scale groups), with an expert map and the direct alignment; the
     # descriptors are really made, and "auto" leaves these 16- and 32-row tiles on pointer loads
-    import moebench.kernels.triton.gemm as gemm
+    import moebench.kernels.triton.launch as launch
 
     made = []
-    real = gemm.TensorDescriptor.from_tensor
-    monkeypatch.setattr(gemm.TensorDescriptor, "from_tensor", lambda t, block: made.append(t.dtype) or real(t, block))
+    real = launch.TensorDescriptor.from_tensor
+    monkeypatch.setattr(launch.TensorDescriptor, "from_tensor", lambda t, block: made.append(t.dtype) or real(t, block))
     scheme = SCHEMES[name]
     e_local = 12
     q13, q2 = _qweights(scheme, e=e_local, h=160, i=80)
@@ -566,15 +566,15 @@ def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
     # of 2 x BLOCK_SIZE_K and at least fp8_k_groups_min_hidden with at most half a pair per expert (a spy
     # on the resolved choice: 4 and 8 pairs over 20 experts), one above that load (20 pairs), at
     # 32-row tiles and below the H threshold; a forced 2 that cannot run (H = 152) is refused
-    import moebench.kernels.triton.gemm as gemm
+    import moebench.kernels.triton.options as opts
 
     scheme = SCHEMES[name]
     h, e_local = 256, 12
     q13, q2 = _qweights(scheme, e=e_local, h=h)
     emap = random_expert_map(E, e_local, DEV)
     seen = []
-    real = gemm.resolve_k_groups
-    monkeypatch.setattr(gemm, "resolve_k_groups", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = opts.resolve_k_groups
+    monkeypatch.setattr(opts, "resolve_k_groups", lambda *a: seen.append(real(*a)) or seen[-1])
     for m, bm, want in ((1, 16, 2), (2, 16, 2), (5, 16, 1), (21, 32, 1)):
         x = _x(m, h=h)
         tw, ti = _routing(m, E, K)
@@ -623,7 +623,7 @@ def test_fp8_token_rows(name):
 def test_intermediate_sentinel_rows_are_never_read(name, m, monkeypatch):
     # The intermediate's quantisation skips the alignment's sentinel rows (pair_rows): GEMM2 must
     # not let whatever they hold reach the output. Here they hold NaN (q and scale) after it ran.
-    import moebench.kernels.triton.gemm as gemm_mod
+    import moebench.kernels.triton.launch as gemm_mod
 
     real = gemm_mod.quantize_rows
 

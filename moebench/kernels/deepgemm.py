@@ -61,7 +61,7 @@ from moebench.kernels.modular import (
 from moebench.kernels.reference import silu_and_mul
 from moebench.kernels.token_layout import local_topk_ids
 from moebench.kernels.triton.align import AlignResult, moe_align_block_size, pair_rows
-from moebench.kernels.triton.gemm import sorted_rows, topk_sum
+from moebench.kernels.triton.launch import sorted_rows, topk_sum
 from moebench.kernels.triton.quant import silu_mul_rows
 from moebench.quant import FP8_DTYPE, ActQuant, QuantScheme, QuantWeight, scheme_of
 

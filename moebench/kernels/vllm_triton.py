@@ -60,7 +60,7 @@ from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.common import grouped_tile
 from moebench.kernels.triton.configs import config_search_dirs, device_name, validate_tile_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting, triton_unavailable_reason
-from moebench.kernels.triton.gemm import topk_sum
+from moebench.kernels.triton.launch import topk_sum
 from moebench.kernels.triton.quant import quantize_rows
 from moebench.quant import FP8_DTYPE, QuantScheme, scheme_of  # noqa: F401 (QuantScheme: annotations)
 

@@ -13,7 +13,7 @@ weighting and the sum over top-k are delegated to the prepare/finalize
 (moebench.kernels.triton.experts.BatchedTritonExperts).
 
 fp8_w8a8 (QuantWeight weights): a is float8_e4m3fn with a_scale (E_local, T, G), as the
-triton experts take it (see moebench.kernels.triton.gemm): scales in the epilogue (tensor/token)
+triton experts take it (see moebench.kernels.triton.launch): scales in the epilogue (tensor/token)
 or per K step (block); the intermediate is stored in the layer's dtype, quantised with the scheme
 (moebench.kernels.triton.quant, rows past each count skipped), and the output is in the layer's dtype.
 """
@@ -30,8 +30,10 @@ from moebench.activation import SILU, Activation
 from moebench.errors import MoebenchError
 from moebench.kernels.modular import ExpertBias, alloc_output
 from moebench.kernels.triton.common import (
+    bias_arg,
     cast_rne,
     dequant,
+    gate_up_args,
     gate_up_epilogue,
     gate_up_rows,
     grouped_tile,
@@ -41,8 +43,8 @@ from moebench.kernels.triton.common import (
 from moebench.kernels.triton.configs import TileConfig, default_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.kernels.triton.options import TritonOptions
-from moebench.kernels.triton.quant import check_block_config, quant_meta, quantize_rows
-from moebench.kernels.triton.wquant import check_wq_config, weight_tile, wq_meta, wq_offsets, wq_zero_args
+from moebench.kernels.triton.quant import check_block_config, gemm_scales, quantize_rows
+from moebench.kernels.triton.wquant import check_wq_config, weight_tile, wq_offsets
 from moebench.quant import FP8_DTYPE, QuantWeight, scheme_of
 
 
@@ -63,7 +65,7 @@ def batched_silu_mul_gemm1_kernel(
     inter_ptr,  # (E_local, T, I) out
     num_tokens_ptr,  # (E_local,) valid rows per expert
     a_scale_ptr,  # QUANT: (E_local, T, G) fp32 scales of a's rows
-    w_scale_ptr,  # QUANT: scales of w13
+    w_scale_ptr,  # QUANT / WQ: scales of w13
     T,
     N_INTER,
     H,
@@ -76,23 +78,9 @@ def batched_silu_mul_gemm1_kernel(
     stride_ie,
     stride_im,
     stride_in,
-    stride_ase,
-    stride_asm,
-    stride_asg,
-    stride_wse,  # w13 scale of (expert, row n, K group): e * stride_wse + n' * stride_wsn + g * stride_wsk,
-    stride_wsn,  # n' = n (QUANT 1) or n // GROUP_N (QUANT 2); 0 for broadcast dimensions
-    stride_wsk,
-    wz_ptr,  # WQ_ZP: int4 zero points of w13 (moebench.kernels.triton.wquant)
-    stride_wze,
-    stride_wzn,
-    stride_wzk,
-    b13_ptr,  # HAS_BIAS: (E_local, 2I) biases in w13's row order (as in the sorted-token GEMM1)
-    stride_be,
-    stride_bn,
-    up_off,  # elements from a gate row of w13 to its up row (I rows, or 1 row when interleaved)
-    b_up_off,
-    alpha,
-    limit,
+    stride_ase,  # a_scale's expert stride (its row and group strides are sc's)
+    sc,  # common.Scales of a_scale and w13
+    gu,  # common.GateUp: where up rows are, b13, the activation (as in the sorted-token GEMM1)
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,  # intermediate columns per program (gate and up each)
     BLOCK_SIZE_K: tl.constexpr,
@@ -100,18 +88,6 @@ def batched_silu_mul_gemm1_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    QUANT: tl.constexpr = 0,  # fp8: 0 none; 1 per-row x per-channel scales (tensor/token) in the
-    #                           epilogue; 2 block scales [GROUP_N, GROUP_K] applied per K step
-    GROUP_N: tl.constexpr = 1,
-    GROUP_K: tl.constexpr = 1,  # QUANT 2: a multiple of BLOCK_SIZE_K
-    WQ: tl.constexpr = 0,  # weight-only w13 (wquant.wq_load): 0 none, 1 int8, 2 int4, 3 mxfp4; scales
-    #                        through w_scale_ptr / stride_ws*
-    WQ_GROUP: tl.constexpr = 1,
-    WQ_ZP: tl.constexpr = False,
-    WQ_PACK: tl.constexpr = 1,  # weight codes per byte along K
-    ACTIVATION: tl.constexpr = 0,  # moebench.activation kind (gate_up_epilogue)
-    HAS_BIAS: tl.constexpr = False,
-    INTERLEAVED: tl.constexpr = False,  # w13's gate and up rows interleaved (2j, 2j + 1: swigluoai)
 ):
     # Program -> (expert, row tile, intermediate tile); skip tiles past the expert's valid rows.
     expert, pid_m, pid_n, count = expert_tile(T, N_INTER, num_tokens_ptr, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
@@ -128,12 +104,12 @@ def batched_silu_mul_gemm1_kernel(
     # Pointers: A = the expert's rows, B = gate rows n.. and their up rows (up_off further: I rows,
     # or the next row when interleaved, where stride_wn steps two rows) of w13[e], their scales.
     a_ptrs = a_ptr + expert * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
-    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + wq_offsets(0, BLOCK_SIZE_K, WQ_PACK)[:, None] * stride_wk
-    u_ptrs = g_ptrs + up_off
-    g_rows, u_rows = gate_up_rows(offs_n, N_INTER, INTERLEAVED)
-    gs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, g_rows, QUANT, GROUP_N)
-    us_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, u_rows, QUANT, GROUP_N)
+    as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * sc.stride_asm
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + wq_offsets(0, BLOCK_SIZE_K, sc.WQ_PACK)[:, None] * stride_wk
+    u_ptrs = g_ptrs + gu.up_off
+    g_rows, u_rows = gate_up_rows(offs_n, N_INTER, gu.INTERLEAVED)
+    gs_ptrs = scale_ptrs(w_scale_ptr, expert, g_rows, sc)
+    us_ptrs = scale_ptrs(w_scale_ptr, expert, u_rows, sc)
 
     # K loop: two (BM, BN) dots per step, one A tile for both.
     acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
@@ -144,27 +120,22 @@ def batched_silu_mul_gemm1_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = weight_tile(g_ptrs, k_ok, k * BLOCK_SIZE_K, H, g_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
-                        stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, EVEN_K,
+        g = weight_tile(g_ptrs, k_ok, k * BLOCK_SIZE_K, H, g_rows, col_ok, w_scale_ptr, sc, expert, EVEN_K,
                         BLOCK_SIZE_K, a_ptr.dtype.element_ty, UPCAST)
-        u = weight_tile(u_ptrs, k_ok, k * BLOCK_SIZE_K, H, u_rows, col_ok, w_scale_ptr, stride_wse, stride_wsn,
-                        stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, EVEN_K,
+        u = weight_tile(u_ptrs, k_ok, k * BLOCK_SIZE_K, H, u_rows, col_ok, w_scale_ptr, sc, expert, EVEN_K,
                         BLOCK_SIZE_K, a_ptr.dtype.element_ty, UPCAST)
-        acc_g = scaled_mma(a, g, acc_g, k * BLOCK_SIZE_K, as_ptrs, gs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
-        acc_u = scaled_mma(a, u, acc_u, k * BLOCK_SIZE_K, as_ptrs, us_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                           QUANT, GROUP_K, UPCAST, IEEE_DOT)
+        acc_g = scaled_mma(a, g, acc_g, k * BLOCK_SIZE_K, as_ptrs, gs_ptrs, row_ok, col_ok, sc, UPCAST, IEEE_DOT)
+        acc_u = scaled_mma(a, u, acc_u, k * BLOCK_SIZE_K, as_ptrs, us_ptrs, row_ok, col_ok, sc, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ak
-        g_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
-        u_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
-    acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, QUANT)
-    acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, QUANT)
+        g_ptrs += (BLOCK_SIZE_K // sc.WQ_PACK) * stride_wk
+        u_ptrs += (BLOCK_SIZE_K // sc.WQ_PACK) * stride_wk
+    acc_g = dequant(acc_g, as_ptrs, gs_ptrs, row_ok, col_ok, sc.QUANT)
+    acc_u = dequant(acc_u, as_ptrs, us_ptrs, row_ok, col_ok, sc.QUANT)
 
     # Epilogue: [+ b13], the activation (SiLU(gate) * up by default); store the valid rows.
-    h = gate_up_epilogue(acc_g, acc_u, b13_ptr + expert * stride_be + offs_n * stride_bn, b_up_off, col_ok, alpha, limit,
-                         ACTIVATION, HAS_BIAS)
+    h = gate_up_epilogue(acc_g, acc_u, expert, offs_n, col_ok, gu)
     i_ptrs = inter_ptr + expert * stride_ie + offs_m[:, None] * stride_im + offs_n[None, :] * stride_in
-    h = cast_rne(h, inter_ptr.dtype.element_ty, QUANT != 0 and UPCAST)
+    h = cast_rne(h, inter_ptr.dtype.element_ty, sc.QUANT != 0 and UPCAST)
     tl.store(i_ptrs, h, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -175,7 +146,7 @@ def batched_gemm2_kernel(
     out_ptr,  # (E_local, T, H) out
     num_tokens_ptr,
     a_scale_ptr,  # QUANT: (E_local, T, G) fp32 scales of inter's rows
-    w_scale_ptr,  # QUANT: scales of w2
+    w_scale_ptr,  # QUANT / WQ: scales of w2
     T,
     H,
     N_INTER,
@@ -189,18 +160,8 @@ def batched_gemm2_kernel(
     stride_om,
     stride_on,
     stride_ase,
-    stride_asm,
-    stride_asg,
-    stride_wse,  # as in GEMM1, for w2
-    stride_wsn,
-    stride_wsk,
-    wz_ptr,  # WQ_ZP: int4 zero points of w2, as in GEMM1
-    stride_wze,
-    stride_wzn,
-    stride_wzk,
-    b2_ptr,  # HAS_BIAS: (E_local, H) biases
-    stride_b2e,
-    stride_b2n,
+    sc,  # common.Scales of a_scale and w2, as in GEMM1
+    b2,  # common.Bias: (E_local, H) biases
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -208,14 +169,6 @@ def batched_gemm2_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    QUANT: tl.constexpr = 0,
-    GROUP_N: tl.constexpr = 1,
-    GROUP_K: tl.constexpr = 1,
-    WQ: tl.constexpr = 0,  # weight-only w2, as in GEMM1
-    WQ_GROUP: tl.constexpr = 1,
-    WQ_ZP: tl.constexpr = False,
-    WQ_PACK: tl.constexpr = 1,
-    HAS_BIAS: tl.constexpr = False,
 ):
     # Program -> (expert, row tile, hidden tile), as in GEMM1.
     expert, pid_m, pid_n, count = expert_tile(T, H, num_tokens_ptr, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
@@ -231,9 +184,9 @@ def batched_gemm2_kernel(
 
     # Pointers: A = inter's rows of the expert, B (BK, BN) = w2[e, n, k]^T, and their scales.
     a_ptrs = inter_ptr + expert * stride_ie + offs_m[:, None] * stride_im + offs_k[None, :] * stride_ik
-    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + wq_offsets(0, BLOCK_SIZE_K, WQ_PACK)[:, None] * stride_wk
-    as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * stride_asm
-    bs_ptrs = scale_ptrs(w_scale_ptr, expert, stride_wse, stride_wsn, offs_n, QUANT, GROUP_N)
+    b_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + wq_offsets(0, BLOCK_SIZE_K, sc.WQ_PACK)[:, None] * stride_wk
+    as_ptrs = a_scale_ptr + expert * stride_ase + offs_m * sc.stride_asm
+    bs_ptrs = scale_ptrs(w_scale_ptr, expert, offs_n, sc)
 
     # K loop.
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
@@ -243,21 +196,19 @@ def batched_gemm2_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = weight_tile(b_ptrs, k_ok, k * BLOCK_SIZE_K, N_INTER, offs_n, col_ok, w_scale_ptr, stride_wse, stride_wsn,
-                        stride_wsk, wz_ptr, stride_wze, stride_wzn, stride_wzk, expert, WQ, WQ_GROUP, WQ_ZP, EVEN_K,
+        b = weight_tile(b_ptrs, k_ok, k * BLOCK_SIZE_K, N_INTER, offs_n, col_ok, w_scale_ptr, sc, expert, EVEN_K,
                         BLOCK_SIZE_K, inter_ptr.dtype.element_ty, UPCAST)
-        acc = scaled_mma(a, b, acc, k * BLOCK_SIZE_K, as_ptrs, bs_ptrs, row_ok, col_ok, stride_asg, stride_wsk,
-                         QUANT, GROUP_K, UPCAST, IEEE_DOT)
+        acc = scaled_mma(a, b, acc, k * BLOCK_SIZE_K, as_ptrs, bs_ptrs, row_ok, col_ok, sc, UPCAST, IEEE_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ik
-        b_ptrs += (BLOCK_SIZE_K // WQ_PACK) * stride_wk
+        b_ptrs += (BLOCK_SIZE_K // sc.WQ_PACK) * stride_wk
 
-    acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, QUANT)
+    acc = dequant(acc, as_ptrs, bs_ptrs, row_ok, col_ok, sc.QUANT)
 
     # Epilogue: [+ b2]; store the valid rows, unweighted.
-    if HAS_BIAS:
-        acc += tl.load(b2_ptr + expert * stride_b2e + offs_n * stride_b2n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if b2.HAS_BIAS:
+        acc += tl.load(b2.b2_ptr + expert * b2.stride_b2e + offs_n * b2.stride_b2n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + expert * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    acc = cast_rne(acc, out_ptr.dtype.element_ty, QUANT != 0 and UPCAST)
+    acc = cast_rne(acc, out_ptr.dtype.element_ty, sc.QUANT != 0 and UPCAST)
     tl.store(o_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -281,16 +232,6 @@ def mean_rows(t: int, tokens: int | None, topk: int | None, num_experts: int | N
     if tokens is None or not topk or not num_experts:
         return t
     return max(1, min(t, -(-tokens * topk // num_experts)))
-
-
-def _scale_args(scale: torch.Tensor | None, w) -> tuple:
-    """(a_scale, w_scale) pointers and (a strides (3), w strides (3)); dummies without fp8; the
-    weight scales alone for the weight-only schemes."""
-    if not isinstance(w, QuantWeight):
-        return (w, w), (0, 0, 0, 0, 0, 0)
-    if w.scheme.weight_only:
-        return (w.scale, w.scale), (0, 0, 0, *w.scale_strides())
-    return (scale, w.scale), (*scale.stride(), *w.scale_strides())
 
 
 def batched_moe(
@@ -348,47 +289,43 @@ def batched_moe(
     upcast = interpreting() and a.dtype != torch.float32
     ieee = a.dtype == torch.float32 or upcast
     bm, bn, bk, g = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"], config["GROUP_SIZE_M"]
-    meta = dict(num_warps=config["num_warps"], num_stages=config["num_stages"], **quant_meta(w13))
+    meta = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
     w13q, w2q = (w13.q, w2.q) if scheme is not None else (w13, w2)
-    wq13, wq2 = wq_meta(w13), wq_meta(w2)
 
     bn1 = max(16, bn // 2)
     inter = torch.empty((e_local, t, n_inter), dtype=out_dtype, device=a.device)
-    ptrs, strides = _scale_args(a_scale, w13)
-    il = activation.interleaved
-    if il and scheme is not None and not scheme.weight_only:
+    if activation.interleaved and scheme is not None and not scheme.weight_only:
         raise MoebenchError("batched-triton experts: swigluoai's interleaved w13 runs unquantised or weight-only "
                             "(not fp8)")
-    row = w13q.stride(1)
-    stride_wn, up_off = (2 * row, row) if il else (row, n_inter * row)
-    if bias is not None:
-        b13, bcol = bias.b13, bias.b13.stride(1)
-        bias1 = (b13, b13.stride(0), 2 * bcol if il else bcol, up_off, bcol if il else n_inter * bcol)
-        bias2 = (bias.b2, bias.b2.stride(0), bias.b2.stride(1))
-    else:
-        bias1, bias2 = (w13q, 0, 0, up_off, 0), (w2q, 0, 0)
+    stride_wn, gu = gate_up_args(w13q, n_inter, activation, None if bias is None else bias.b13)
+    ptrs, sc = gemm_scales(w13, a_scale, (1, 2))
     grid1 = (triton.cdiv(t, bm) * triton.cdiv(n_inter, bn1), e_local)
     batched_silu_mul_gemm1_kernel[grid1](
         a, w13q, inter, counts, *ptrs, t, n_inter, h,
         a.stride(0), a.stride(1), a.stride(2), w13q.stride(0), stride_wn, w13q.stride(2),
-        inter.stride(0), inter.stride(1), inter.stride(2), *strides, *wq_zero_args(w13), *bias1,
-        float(activation.alpha), float(activation.limit),
+        inter.stride(0), inter.stride(1), inter.stride(2), _expert_stride(a_scale, w13), sc, gu,
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn1, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
-        EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, ACTIVATION=activation.kind, HAS_BIAS=bias is not None,
-        INTERLEAVED=il,
-        **meta, **wq13,
+        EVEN_K=h % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta,
     )
     inter_scale = None
     if scheme is not None and not scheme.weight_only:
         # Rows past each expert's count are skipped (counts read on the device).
         inter, inter_scale = quantize_rows(inter, scheme, w2.input_scale, batch_counts=counts)
-    ptrs, strides = _scale_args(inter_scale, w2)
+    ptrs, sc = gemm_scales(w2, inter_scale, (1, 2))
     grid2 = (triton.cdiv(t, bm) * triton.cdiv(h, bn), e_local)
     batched_gemm2_kernel[grid2](
         inter, w2q, out, counts, *ptrs, t, h, n_inter,
         inter.stride(0), inter.stride(1), inter.stride(2), w2q.stride(0), w2q.stride(1), w2q.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), *strides, *wq_zero_args(w2), *bias2,
+        out.stride(0), out.stride(1), out.stride(2), _expert_stride(inter_scale, w2), sc,
+        bias_arg(None if bias is None else bias.b2, w2q),
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
-        EVEN_K=n_inter % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, HAS_BIAS=bias is not None, **meta, **wq2,
+        EVEN_K=n_inter % bk == 0, UPCAST=upcast, IEEE_DOT=ieee, **meta,
     )
     return out
+
+
+def _expert_stride(a_scale: torch.Tensor | None, w) -> int:
+    """The expert stride of a batched GEMM's activation scales (E_local, T, G): fp8 (w8a8) only, else 0."""
+    if isinstance(w, QuantWeight) and not w.scheme.weight_only:
+        return a_scale.stride(0)
+    return 0

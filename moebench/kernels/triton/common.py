@@ -1,4 +1,15 @@
-"""@triton.jit pieces shared by moebench's Triton kernels (and the launch arguments of PDL).
+"""@triton.jit pieces shared by moebench's Triton kernels, their argument groups, and the launch
+arguments of PDL.
+
+Argument groups (named tuples a launcher builds and a kernel takes as one argument; the fields in
+capitals are constexprs, passed as `tl.constexpr`):
+
+    Rows      the alignment a sorted-token GEMM reads: sorted pair ids, block experts, expert map
+    Scales    how the fp8 / weight-only scales are laid out: the activation scales' strides, the
+              weight scales' strides, the int4 zero points, the scheme's constexprs (the two
+              scale pointers come as arguments of their own)
+    GateUp    where a gate row's up row is (of w13 and of b13), the biases and the activation
+    Bias      GEMM2's per-expert biases b2
 
     mma, block_scaled_mma, scaled_mma, dequant   one K step of a (fp8-scaled) GEMM; its epilogue scales
     acc_zeros                                    a tile's accumulator (transposed for swapped operands)
@@ -11,9 +22,104 @@
     gate_up_epilogue                             GEMM1's bias and activation (moebench.activation kinds)
 """
 
+from typing import Any, NamedTuple
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+class Rows(NamedTuple):
+    """The alignment's output as a sorted-token GEMM reads it (moebench.kernels.triton.align)."""
+
+    sorted_ids_ptr: Any  # (max_padded,) flat pair ids, sentinel = num_pairs; TOKEN_ROWS: topk_ids (M, K)
+    expert_ids_ptr: Any  # (max_blocks,) local expert per block (MAPPED: global id)
+    expert_map_ptr: Any  # MAPPED: (E,) global -> local expert, -1 = remote
+    ntpp_ptr: Any  # (1,) used length of sorted_ids
+    TOPK: Any
+    TOPK_PAD: Any  # TOKEN_ROWS: TOPK's next power of two
+    MAPPED: Any  # expert_ids are global ids, mapped through expert_map (direct_align)
+    TOKEN_ROWS: Any  # the token-rows layout: block = local expert, row t = token t
+
+
+class Scales(NamedTuple):
+    """The layout of a GEMM's quantisation scales (the pointers are arguments of their own).
+    fp8 (QUANT 1: per-row x per-channel scales in the epilogue; 2: block scales [GROUP_N, GROUP_K]
+    per K step): the activation's scale of (row, K group) at row * stride_asm + g * stride_asg (0:
+    per tensor). The weight's scale of (expert, row n, K group) at e * stride_wse + n' * stride_wsn +
+    g * stride_wsk, n' = n (QUANT 1, weight-only) or n // GROUP_N (QUANT 2); 0 for broadcast
+    dimensions. Weight-only (WQ 1 int8, 2 int4, 3 mxfp4; moebench.kernels.triton.wquant): WQ_GROUP
+    values per scale along K, WQ_PACK codes per byte, int4 zero points (WQ_ZP) at wz_ptr."""
+
+    stride_asm: Any
+    stride_asg: Any
+    stride_wse: Any
+    stride_wsn: Any
+    stride_wsk: Any
+    wz_ptr: Any  # (E_local, ceil(N/2), G) uint8, two per byte along N
+    stride_wze: Any
+    stride_wzn: Any
+    stride_wzk: Any
+    QUANT: Any
+    GROUP_N: Any
+    GROUP_K: Any  # QUANT 2: a multiple of BLOCK_SIZE_K
+    WQ: Any
+    WQ_GROUP: Any
+    WQ_ZP: Any
+    WQ_PACK: Any
+
+
+class GateUp(NamedTuple):
+    """GEMM1's pairing of gate and up and what combines them: a gate row's up row is up_off
+    elements further in w13 (I rows, or one row when INTERLEAVED: swigluoai's 2j, 2j + 1); the
+    biases b13 (HAS_BIAS) of gate column n at e * stride_be + n * stride_bn, its up bias b_up_off
+    further; the activation (moebench.activation kind, `gate_up_epilogue`) with swigluoai's alpha
+    and limit."""
+
+    b13_ptr: Any
+    stride_be: Any
+    stride_bn: Any
+    up_off: Any
+    b_up_off: Any
+    alpha: Any
+    limit: Any
+    ACTIVATION: Any
+    HAS_BIAS: Any
+    INTERLEAVED: Any
+
+
+class Bias(NamedTuple):
+    """Per-expert biases (E_local, N) of a GEMM's output columns (HAS_BIAS): column n of expert e at
+    e * stride_e + n * stride_n."""
+
+    b2_ptr: Any
+    stride_b2e: Any
+    stride_b2n: Any
+    HAS_BIAS: Any
+
+
+def bias_arg(b, dummy) -> Bias:
+    """Bias of an (E_local, N) bias tensor b, or of None (the dummy pointer, never read)."""
+    if b is None:
+        return Bias(dummy, 0, 0, tl.constexpr(False))
+    return Bias(b, b.stride(0), b.stride(1), tl.constexpr(True))
+
+
+def gate_up_args(w13, n_inter: int, activation, b13=None) -> tuple[int, GateUp]:
+    """(w13's row stride between gate columns, GateUp) for stored weights w13 (E_local, 2I, H):
+    gate rows one apart and up rows I further, or (interleaved) gate rows two apart, each up row
+    the next; b13 (E_local, 2I) in the same row order, or None (a dummy pointer, never read)."""
+    il = activation.interleaved
+    row = w13.stride(1)
+    stride_wn, up_off = (2 * row, row) if il else (row, n_inter * row)
+    if b13 is not None:
+        assert b13.shape == (w13.shape[0], 2 * n_inter), "b13 must be (E_local, 2I)"
+        bcol = b13.stride(1)
+        bias = (b13, b13.stride(0), 2 * bcol if il else bcol, up_off, bcol if il else n_inter * bcol)
+    else:
+        bias = (w13, 0, 0, up_off, 0)
+    return stride_wn, GateUp(*bias, float(activation.alpha), float(activation.limit), tl.constexpr(activation.kind),
+                             tl.constexpr(b13 is not None), tl.constexpr(il))
 
 
 @triton.jit
@@ -165,26 +271,25 @@ def gate_up_rows(offs_n, N_INTER, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def scale_ptrs(base, expert, stride_e, stride_n, rows, QUANT: tl.constexpr, GROUP_N: tl.constexpr):
-    """Pointers to the fp8 scales of weight rows `rows` (output channels) of `expert`: each row's
-    own scale (QUANT 1; stride_n = 0 when there is one per expert) or its block row rows // GROUP_N
-    (QUANT 2, where K group g is at + g * stride_k)."""
-    if QUANT == 2:
-        rows = rows // GROUP_N
-    return base + expert * stride_e + rows * stride_n
+def scale_ptrs(base, expert, rows, sc):
+    """Pointers to the fp8 scales of weight rows `rows` (output channels) of `expert` (sc: Scales):
+    each row's own scale (QUANT 1; stride_wsn = 0 when there is one per expert) or its block row
+    rows // GROUP_N (QUANT 2, where K group g is at + g * stride_wsk)."""
+    if sc.QUANT == 2:
+        rows = rows // sc.GROUP_N
+    return base + expert * sc.stride_wse + rows * sc.stride_wsn
 
 
 @triton.jit
-def scaled_mma(a, b, acc, k_start, as_ptrs, bs_ptrs, row_ok, col_ok, stride_ag, stride_bk,
-               QUANT: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
-               SWAP_AB: tl.constexpr = False):
-    """One K step starting at column k_start: acc += a @ b, or for block scales (QUANT 2) the
-    step's own product times its scale column k_start // GROUP_K of a's rows and b's columns.
+def scaled_mma(a, b, acc, k_start, as_ptrs, bs_ptrs, row_ok, col_ok, sc, UPCAST: tl.constexpr,
+               IEEE_DOT: tl.constexpr, SWAP_AB: tl.constexpr = False):
+    """One K step starting at column k_start: acc += a @ b, or for block scales (sc: Scales, QUANT 2)
+    the step's own product times its scale column k_start // GROUP_K of a's rows and b's columns.
     SWAP_AB: acc is (BN, BM), as in `mma`."""
-    if QUANT == 2:
-        kg = k_start // GROUP_K
-        a_s = tl.load(as_ptrs + kg * stride_ag, mask=row_ok, other=0.0)
-        b_s = tl.load(bs_ptrs + kg * stride_bk, mask=col_ok, other=0.0)
+    if sc.QUANT == 2:
+        kg = k_start // sc.GROUP_K
+        a_s = tl.load(as_ptrs + kg * sc.stride_asg, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kg * sc.stride_wsk, mask=col_ok, other=0.0)
         acc = block_scaled_mma(a, b, acc, a_s, b_s, UPCAST, IEEE_DOT, SWAP_AB)
     else:
         acc = mma(a, b, acc, UPCAST, IEEE_DOT, SWAP_AB)
@@ -218,20 +323,20 @@ def cast_rne(x, dtype: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
-def gate_up_epilogue(acc_g, acc_u, b_ptrs, b_up_off, col_ok, alpha, limit, ACTIVATION: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
-    """GEMM1's epilogue on fp32 gate / up tiles (BM, BN): + the expert's b13 columns (HAS_BIAS;
-    b_ptrs: the gate columns' biases, b_up_off: elements from a gate bias to its up bias), then
-    the activation (moebench.activation kinds): 0 silu(g) * u; 1 gelu(g) * u, exact (erf);
-    2 swigluoai: g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
-    if HAS_BIAS:
+def gate_up_epilogue(acc_g, acc_u, expert, offs_n, col_ok, gu):
+    """GEMM1's epilogue on fp32 gate / up tiles (BM, BN) of intermediate columns offs_n (gu: GateUp):
+    + the expert's b13 columns (HAS_BIAS), then the activation (moebench.activation kinds): 0
+    silu(g) * u; 1 gelu(g) * u, exact (erf); 2 swigluoai: g = min(g, limit), u = clamp(u, -limit,
+    limit), (u + 1) * g * sigmoid(alpha * g)."""
+    b_ptrs = gu.b13_ptr + expert * gu.stride_be + offs_n * gu.stride_bn
+    if gu.HAS_BIAS:
         acc_g += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_ptrs + b_up_off, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION == 2:
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = (u + 1.0) * g * tl.sigmoid(alpha * g)
-    elif ACTIVATION == 1:
+        acc_u += tl.load(b_ptrs + gu.b_up_off, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if gu.ACTIVATION == 2:
+        g = tl.minimum(acc_g, gu.limit)
+        u = tl.minimum(tl.maximum(acc_u, -gu.limit), gu.limit)
+        h = (u + 1.0) * g * tl.sigmoid(gu.alpha * g)
+    elif gu.ACTIVATION == 1:
         h = 0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)) * acc_u
     else:
         h = acc_g * tl.sigmoid(acc_g) * acc_u

@@ -1,8 +1,9 @@
 """Where the Triton kernels run: the CPU interpreter or a GPU, and what the device offers.
 
     interpreting()                 TRITON_INTERPRET=1: kernels run on the CPU interpreter
-    interpreter_compat()           a fix for Triton 3.6's interpreter with NumPy >= 2.3; every
-                                   launcher calls it before its first launch (never at import)
+    interpreter_compat()           fixes for Triton's interpreter (NumPy >= 2.3, constexprs in
+                                   argument groups); every launcher calls it before its first
+                                   launch (never at import)
     triton_unavailable_reason(d)   why the Triton experts cannot run on device d, or None
     num_sms(device)                streaming multiprocessors (1 off CUDA)
     tma_ok(t)                      whether t can be read through a TMA descriptor
@@ -32,8 +33,11 @@ def interpreter_compat() -> None:
     """Work around Triton 3.6's interpreter with NumPy >= 2.3: a scalar kernel argument is a
     1-element array, and `int()` of it (what `range(0, n, BLOCK)` calls through `__index__`) raises
     "only 0-dimensional arrays can be converted to Python scalars". Re-patches `__index__` to take
-    the single element. Idempotent; does nothing unless interpreting, so launchers call it before
-    every launch."""
+    the single element. And a named-tuple argument (an argument group, moebench.kernels.triton.common)
+    reaches the kernel with its `tl.constexpr` fields as plain values, as the compiler and the
+    interpreter's own constexpr arguments have them (the interpreter would keep the wrappers, whose
+    arithmetic with tensors fails). Idempotent; does nothing unless interpreting, so launchers call
+    it before every launch."""
     if not interpreting():
         return
     try:
@@ -50,6 +54,17 @@ def interpreter_compat() -> None:
 
     _patched._moebench_compat = True  # type: ignore[attr-defined]
     _interp._patch_lang_tensor = _patched
+
+    import triton.language as tl
+
+    cvt = _interp._implicit_cvt
+
+    def _cvt(arg):
+        if isinstance(arg, tuple) and hasattr(arg, "_fields"):
+            return type(arg)(*(v.value if isinstance(v, tl.constexpr) else _cvt(v) for v in arg))
+        return cvt(arg)
+
+    _interp._implicit_cvt = _cvt
 
 
 def num_sms(device: torch.device) -> int:

@@ -6,7 +6,7 @@
             (moebench.kernels.triton.align; one small kernel, two above 1024 pairs, or none:
             `direct_align`, one block per pair, at one token; no host sync)
     GEMM1   act(x w_gate [+ b_gate]) * (x w_up [+ b_up]) per block and intermediate tile
-            (moebench.kernels.triton.gemm; SiLU by default, any moebench.activation)
+            (moebench.kernels.triton.gemm1; SiLU by default, any moebench.activation)
     GEMM2   inter @ w2^T [+ b2], times the router weight, summed over top-k by fp32 atomics
     cast    the fp32 sum -> the output dtype
             (at prefill with a short GEMM2 K loop, `pair_store`: GEMM2 stores each pair's row and
@@ -19,7 +19,8 @@ GEMM2's own from a `_down.json` file where there is one), else the default heuri
 explicit `config=`. GEMM2 may split its K loop (I) over programs when there are too few output
 tiles to fill the GPU, or where its grid runs in a few waves of long K loops (`split_k`, chosen by
 `options.layer_split_k` unless given). Every code path is chosen by a TritonOptions
-(moebench.kernels.triton.options).
+(moebench.kernels.triton.options), resolved once per call into the plan the launchers run
+(`options.plan_layer`, moebench.kernels.triton.launch).
 
 `batched-triton` runs moebench.kernels.triton.batched on (E_local, T, H) and leaves weighting and
 the sum over top-k to the prepare/finalize.
@@ -60,9 +61,9 @@ from moebench.kernels.triton.configs import (
     quant_default,
     validate_tile_config,
 )
-from moebench.kernels.triton.env import num_sms, triton_unavailable_reason
-from moebench.kernels.triton.gemm import fused_moe_gemms
-from moebench.kernels.triton.options import TritonOptions, layer_split_k, resolve_pdl
+from moebench.kernels.triton.env import triton_unavailable_reason
+from moebench.kernels.triton.launch import fused_moe_gemms
+from moebench.kernels.triton.options import TritonOptions, plan_layer, resolve_pdl
 from moebench.kernels.triton.quant import quantize_rows
 from moebench.quant import FP8_DTYPE, QUANT_KINDS, QuantScheme, scheme_of
 
@@ -122,9 +123,9 @@ def fused_moe(
     see `fused_moe_gemms`): x (M, H), w13 (E_local, 2I, H), w2 (E_local, H, I), topk_weights (M, K)
     float32, topk_ids (M, K) global ids, expert_map (E,) or None -> (M, H) in x's dtype.
 
-    The alignment (`align_pairs`), GEMM2's K split (None: `layer_split_k`) and the GEMMs
-    (`fused_moe_gemms`) with the code paths options (None: TritonOptions()) resolve to; PDL is
-    resolved once, for the alignment and both GEMMs. Without `config`, both configs come from the
+    The alignment (`align_pairs`), then the GEMMs (`fused_moe_gemms`) with the plan the options
+    (None: TritonOptions()) resolve to (`plan_layer`: GEMM2's K split, None: `layer_split_k`, and
+    every code path); PDL is resolved once, for the alignment and both GEMMs. Without `config`, both configs come from the
     lookup (`select_config`, `select_down_config`); an explicit `config` is used for both GEMMs
     unless `down_config` is given too.
 
@@ -163,15 +164,9 @@ def fused_moe(
         return alloc_output((0, x.shape[1]), out_dtype, x.device)
     pdl = resolve_pdl(options, x.device, w2.shape[2])
     align = align_pairs(topk_ids, config["BLOCK_SIZE_M"], e_local, expert_map, num_experts, scheme, options, pdl)
-    if split_k is None and options.pair_store is True:
-        split_k = 1  # stored rows are whole rows
-    if split_k is None:
-        split_k = layer_split_k(options, m, k, num_experts, e_local, x.shape[1], w2.shape[2], down_config or config,
-                                align.max_blocks, num_sms(x.device))
-    return fused_moe_gemms(
-        x, w13, w2, topk_weights, align, k, config, split_k, a_scale=a_scale, out_dtype=out_dtype,
-        down_config=down_config, num_experts=num_experts, options=options, activation=activation, bias=bias,
-    )
+    plan = plan_layer(options, x, w13, w2, align, k, config, down_config, split_k, a_scale=a_scale, out_dtype=out_dtype,
+                      num_experts=num_experts, activation=activation, pdl=pdl)
+    return fused_moe_gemms(x, w13, w2, topk_weights, align, k, plan, a_scale=a_scale, bias=bias)
 
 
 class TritonExperts(Experts):

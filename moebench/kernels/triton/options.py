@@ -1,18 +1,22 @@
-"""The choices of moebench's Triton kernels: one frozen `TritonOptions`, and the rules that resolve it.
+"""The choices of moebench's Triton kernels: one frozen `TritonOptions`, the rules that resolve it,
+and the frozen `LayerPlan` a layer call's GEMMs run with.
 
 Every code path the Triton experts can take is chosen here, by an argument, never by module
 state: `TritonExperts(options=TritonOptions(...))`, `fused_moe(..., options=...)`. A benchmark
-that compares two paths builds two options objects; a test names the path it checks. The defaults
-are the measured winners (PERF.md, each field's comment names the measurement); a field
+that compares two paths builds two options objects; a test names the path it checks. A field
 set to "auto" is decided per call by a rule below, a pure function of the options and the shape,
 config, dtype or device, and the numbers those rules compare against are fields too, so that a
-benchmark can move them.
+benchmark can move them. The defaults are the paths measured fastest (PERF.md).
+
+`plan_layer` resolves the options once per layer call into a `LayerPlan` (a `Gemm1Plan` and a
+`Gemm2Plan`); the launchers (moebench.kernels.triton.launch) take the plan and derive no choice
+of their own. The rules:
 
     resolve_use_tma     weight tiles through TMA descriptors
     gemm1_walk          GEMM1 as the paired walk (gate and up tiles, two dots per K step) or the
                         wide walk (one tile of both, one dot), and whether x comes through TMA
                         from a copy in sorted order (sorted_a; `use_sorted_a`)
-    resolve_pdl         GEMM1 and GEMM2 with programmatic dependent launch
+    resolve_pdl         the alignment, GEMM1 and GEMM2 with programmatic dependent launch
     wants_direct_align  one block per pair and no alignment kernel
     wants_token_rows    one block per local expert over all tokens, no alignment kernel
     align_kernels       the alignment's kernels: one launch, or two by "scan" or "sort"
@@ -27,14 +31,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import triton
 
+from moebench.activation import SILU, Activation
 from moebench.errors import MoebenchError
-from moebench.kernels.triton.env import interpreting
-from moebench.quant import QuantScheme
+from moebench.kernels.triton.env import interpreting, num_sms, tma_ok
+from moebench.kernels.triton.quant import check_block_config
+from moebench.kernels.triton.wquant import check_wq_config
+from moebench.quant import FP8_DTYPE, QuantScheme, scheme_of, stored
 
 _AUTO_FIELDS = ("use_tma", "wide_gemm1", "sorted_a", "pdl", "direct_align", "token_rows", "pair_store", "swap_ab")
 _ALIGN_METHODS = ("auto", "scan", "sort")
@@ -44,24 +51,19 @@ _16BIT = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class TritonOptions:
     """The Triton experts' choices (True / False / "auto" switches, then the thresholds of the
-    "auto" rules). Defaults are what the kernels measured fastest on an H200 (PERF.md)."""
+    "auto" rules)."""
 
-    #: Weight tiles through TMA descriptors where the hardware has them (Hopper+). "auto": 16-bit
-    #: inputs with BLOCK_SIZE_M >= 32 (same-config A/B: 1-13% faster at >= 1024 tokens with 128-row
-    #: tiles; within +-1% at 32 rows; mixed at 16), fp8 (w8a8) with tma_fp8_min_rows <= BLOCK_SIZE_M
-    #: <= tma_fp8_max_rows (fp8 block layers at 1024 / 4096 tokens: 0.979-1.000 at all 7 points with
-    #: 64-row tiles, 1.039 at the one 128-row tile; 0.87-1.22 at 16-row tiles).
+    #: Weight tiles through TMA descriptors where the hardware has them (Hopper+). "auto"
+    #: (`resolve_use_tma`): 16-bit inputs with BLOCK_SIZE_M >= 32; fp8 (w8a8) with
+    #: tma_fp8_min_rows <= BLOCK_SIZE_M <= tma_fp8_max_rows.
     use_tma: bool | str = "auto"
     tma_fp8_min_rows: int = 64
     tma_fp8_max_rows: int = 64
     #: GEMM1's wide walk: gate and up as one (BK, BLOCK_SIZE_N) tile and one dot per K step (with TMA
-    #: one (2, BN, BK) box of w13), instead of the paired walk's two tiles and two dots. "auto":
-    #: BLOCK_SIZE_M >= 64, unquantised (1-4% faster layers; -0.1% to +1% at 16 / 32 rows); fp8 with
-    #: block scales from wide_fp8_block_min_rows pairs per expert (layers at 128-256 pairs: Qwen3-30B
-    #: 0.939-0.950, Qwen3-235B TP8 0.951-0.952, DeepSeek-V3 TP8 1.009; at 64 pairs mixed,
-    #: 0.961-1.027; at 16 DeepSeek-V3 TP8 1.038); fp8 with tensor / token scales from
-    #: wide_fp8_tensor_min_rows (per tensor at 32-256 pairs, the same three shapes: 0.928-0.996, 9 of 9;
-    #: per token untimed). Weight-only: paired.
+    #: one (2, BN, BK) box of w13), instead of the paired walk's two tiles and two dots. "auto"
+    #: (`gemm1_walk`): BLOCK_SIZE_M >= 64, unquantised, or fp8 with at least
+    #: wide_fp8_block_min_rows (block scales) / wide_fp8_tensor_min_rows (tensor, token scales)
+    #: pairs per expert. Weight-only: paired.
     wide_gemm1: bool | str = "auto"
     wide_fp8_block_min_rows: int = 128
     wide_fp8_tensor_min_rows: int = 32
@@ -69,89 +71,63 @@ class TritonOptions:
     #: instead of gathering them by pointer loads in its K loop; needs TMA, 16-bit inputs and the wide
     #: walk. "auto" (`use_sorted_a`): BLOCK_SIZE_M >= 64 and, expected per local expert, at least
     #: sorted_a_min_rows pairs, or sorted_a_wide_min_rows where I >= sorted_a_wide_inter (the copy's
-    #: share of GEMM1 falls as 1 / I). Mixtral 0.92-0.95 of the layer at 1024 / 4096 tokens;
-    #: DeepSeek-V3's 32 experts 0.93-0.95 at 4096 but 1.01-1.04 at 1024; Qwen3-30B 1.08-1.10 at 1024.
+    #: share of GEMM1 falls as 1 / I).
     sorted_a: bool | str = "auto"
     sorted_a_min_rows: int = 512
     sorted_a_wide_inter: int = 4096
     sorted_a_wide_min_rows: int = 256
     #: Programmatic dependent launch (Hopper+): the alignment, GEMM1 and GEMM2 launched with
-    #: launch_pdl, each releasing the next as soon as its programs have started. "auto": layers with
-    #: intermediate size I <= pdl_max_inter (0.94-0.998 of the layer at 1-256 tokens of Qwen3-30B
-    #: (I = 768) and Qwen3-Next (512); a loss at 1-4 tokens of Mixtral (14336) and DeepSeek-V3 EP8
-    #: (2048)). Never on other devices or under the interpreter.
+    #: launch_pdl, each releasing the next as soon as its programs have started. "auto"
+    #: (`resolve_pdl`): layers with intermediate size I <= pdl_max_inter. Never on other devices or
+    #: under the interpreter.
     pdl: bool | str = "auto"
     pdl_max_inter: int = 1024
     #: `direct_align`: one block per pair, no alignment kernel. "auto" (`wants_direct_align`): one
     #: token (a token's top-k experts are distinct), except with an expert map where an fp8
-    #: quantisation launch (block, token scales) sits between the GEMMs (DeepSeek-V3 EP8 fp8 block
-    #: 1.32 of the layer); more tokens up to direct_max_fill pairs per global expert (vLLM's
-    #: per-pair rule at 0.25) without an expert map. One token: -12% of the layer at Qwen3-30B
-    #: bf16, 0.57-0.91 at fp8 block (which it also spares the alignment's worst-case rows in the
-    #: quantisation launch); 2-4 tokens of Qwen3-235B TP8 / Qwen3-30B bf16 0.88-1.01, fp8 block
-    #: (and 2-8 of DeepSeek-V3 TP8) 0.96-0.99; past the rule 1.03-1.27.
+    #: quantisation launch (block, token scales) sits between the GEMMs; more tokens up to
+    #: direct_max_fill pairs per global expert without an expert map.
     direct_align: bool | str = "auto"
     direct_max_fill: float = 0.25
     #: `token_rows_align`: up to BLOCK_SIZE_M tokens, no alignment kernel: one block per local
     #: expert over all the tokens, each GEMM program finding its expert's tokens in topk_ids (one
     #: load of the routing tile). Blocks of experts no token reaches still launch, read the routing
-    #: and exit; at one block per SM (the large decode tiles' shared memory) each such program
-    #: holds an SM for about half a microsecond. Against the alignment kernels (`decode_launches
-    #: --variants tokenrows,notokenrows`; PERF.md section 6), 16-bit weights: 0.915-0.99 with
-    #: 32-256 local experts and about 61% of them idle (8-16 tokens); 0.97-1.0 at 78-88% (the EP8
-    #: shard at 4-8 tokens), 1.003-1.012 at 73% (E 512), 1.99 at 94% (DeepSeek-V3's EP8 shard at 2
-    #: tokens: 20 against 7 us in GEMM2 alone); Mixtral
-    #: TP8 (8 experts) 0.975 at 16 tokens, but 1.04-1.055 at 2-8. fp8 block: 0.967-0.992 on
-    #: Mixtral at 4-16 tokens (up to 3.7 idle), 0.994-1.069 with 20-155 idle experts.
-    #: "auto" (`wants_token_rows`): where the direct alignment is not taken and M <= BLOCK_SIZE_M,
-    #: by idle = E_local x exp(-M K / E), the local experts uniform routing leaves without a token
-    #: in expectation: 16-bit weights up to token_rows_max_idle, or with at least
-    #: token_rows_min_local local experts up to token_rows_max_idle_share of them; quantised weights
-    #: up to token_rows_quant_max_idle. Never where pair_store or sorted_a is forced on (both need
-    #: sorted pair rows).
+    #: and exit. "auto" (`wants_token_rows`): where the direct alignment is not taken and
+    #: M <= BLOCK_SIZE_M, by idle = E_local x exp(-M K / E), the local experts uniform routing
+    #: leaves without a token in expectation: 16-bit weights up to token_rows_max_idle, or with at
+    #: least token_rows_min_local local experts up to token_rows_max_idle_share of them; quantised
+    #: weights up to token_rows_quant_max_idle. Never where pair_store or sorted_a is forced on
+    #: (both need sorted pair rows).
     token_rows: bool | str = "auto"
     token_rows_max_idle: float = 1.0
     token_rows_min_local: int = 16
     token_rows_max_idle_share: float = 0.7
     token_rows_quant_max_idle: float = 4.0
-    #: The alignment kernels: one launch up to this many pairs (0.96-1.005 of the layer from 2 to 64
-    #: tokens against two launches), above it two launches by align_method: "scan", "sort", or "auto"
-    #: = sort where local experts x pairs >= sort_min_work (Qwen3-30B 4096 tokens 20.1 -> 8.5 us;
-    #: the scan is faster below, E=8: always).
+    #: The alignment kernels (`align_kernels`): one launch up to one_launch_max_pairs pairs, above it
+    #: two launches by align_method: "scan", "sort", or "auto" = sort where local experts x pairs
+    #: >= sort_min_work.
     one_launch_max_pairs: int = 1024
     align_method: str = "auto"
     sort_min_work: int = 1 << 20
     #: GEMM2's K split where its grid runs in a few waves of long K loops (`wave_split`): a program's
-    #: fixed cost (pipeline fill, epilogue, launch) in K steps of the main loop, fitted to GEMM2's
-    #: times (~0.8 us per 128 x 256 x 64 step, ~6 us per tile): Mixtral 1024 tokens 0.965 of the layer.
+    #: fixed cost (pipeline fill, epilogue, launch) in K steps of the main loop.
     wave_tile_overhead_steps: int = 7
     #: GEMM2 stores each pair's weighted row (M*K, H) in the output dtype and one more launch sums
     #: them over top-k (`topk_sum`), instead of adding them into an fp32 (M, H) accumulator by
     #: atomics (which GEMM1 then zeroes). "auto" (`use_pair_store`): where GEMM2's K loop is short
     #: (I <= pair_store_max_inter) and experts get at least pair_store_min_rows pairs each, with every
     #: pair local (no expert map) and GEMM2's K unsplit: there the atomic epilogue of every tile
-    #: outweighs its few K steps. Layer at 32-256 pairs per expert: Qwen3-235B TP8 (I = 192) 0.79-0.92,
-    #: DeepSeek-V3 TP8 (256) 0.83-0.94, Qwen3-30B (768) 0.95-0.96, bf16 and fp8 block; 16 pairs
-    #: 0.98-1.006; Mixtral (14336) 1.00.
+    #: outweighs its few K steps.
     pair_store: bool | str = "auto"
     pair_store_max_inter: int = 1024
     pair_store_min_rows: int = 32
     #: fp8 GEMMs compute each tile as w^T x^T into a (BLOCK_SIZE_N, BLOCK_SIZE_M) accumulator, so the
-    #: weight columns fill the MMA's M side (wgmma's M is 64) where a block has few rows (vLLM's
-    #: kernel swaps for fp8 on Hopper at BLOCK_SIZE_M < 64 with BLOCK_SIZE_N >= 64). "auto"
-    #: (`use_swap_ab`): block scales, 16-row tiles at least swap_ab_min_cols wide, pointer weight tiles:
-    #: the only tiles where it measured faster (DeepSeek-V3 TP8 48-512 tokens 0.91-0.94, Qwen3-30B
-    #: 16 tokens 0.96, all 128-256 wide); 64 wide 1.02-1.83x, per-tensor scales slower at 17 of 20.
+    #: weight columns fill the MMA's M side (wgmma's M is 64) where a block has few rows. "auto"
+    #: (`use_swap_ab`): block scales, 16-row tiles at least swap_ab_min_cols wide, pointer weight
+    #: tiles.
     swap_ab: bool | str = "auto"
     swap_ab_min_cols: int = 128
     #: fp8 block scale groups each K step of GEMM1's paired walk takes (two: two BLOCK_SIZE_K-wide
-    #: loads, dots and scalings per iteration, twice the bytes of each weight row per step). The
-    #: experts' weight stream alone (`fp8_k_step`) moved 3923 -> 4103 GB/s (K 7168) and 3867 -> 3937
-    #: (K 2048) with two at 16 rows per expert, nothing or a loss at GEMM2's short K. In the layer
-    #: (`decode_launches --variants kg1` / `kg2`) two took DeepSeek-V3 TP8 (H 7168) to 0.942-0.987 at
-    #: 1-16 tokens (at most half a pair per expert), 0.995-1.003 at 64-256; Qwen3-235B TP8 and Mixtral
-    #: TP8 (H 4096) to 0.878-0.996 at 1-4 tokens, 1.001-1.011 at Qwen3-235B's 16 (one pair per expert),
-    #: 1.07-1.14 at 64 (4-16 pairs per expert); Qwen3-30B (H 2048) 1.004-1.030 everywhere. "auto"
+    #: loads, dots and scalings per iteration, twice the bytes of each weight row per step). "auto"
     #: (`resolve_k_groups`): 2 at 16-row tiles with pointer weight tiles where H >=
     #: fp8_k_groups_min_hidden and is a multiple of 2 x BLOCK_SIZE_K, with at most
     #: fp8_k_groups_max_rows pairs per expert; else 1.
@@ -159,8 +135,7 @@ class TritonOptions:
     fp8_k_groups_min_hidden: int = 4096
     fp8_k_groups_max_rows: float = 0.5
     #: batched-triton's default heuristic keeps 64-row tiles up to this many rows per expert where
-    #: the sorted-token heuristic takes 128-row ones (128 x 256 tiles 10-30% faster at 192 and 768
-    #: mean rows per expert, 4-9% slower at 48).
+    #: the sorted-token heuristic takes 128-row ones (`batched.batched_default_config`).
     batched_wide_rows: int = 128
 
     def __post_init__(self):
@@ -265,6 +240,132 @@ def resolve_pdl(options: TritonOptions, device: torch.device, inter: int) -> boo
     if pdl == "auto":
         pdl = inter <= options.pdl_max_inter
     return bool(pdl) and pdl_supported(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan of one layer call
+
+
+@dataclass(frozen=True)
+class Gemm1Plan:
+    """GEMM1's resolved code paths (what `launch.launch_gemm1` runs)."""
+
+    use_tma: bool = False  # weight tiles through TMA (the device checked)
+    wide: bool = False  # the wide walk (one tile of gate and up, one dot), else the paired walk
+    sorted_a: bool = False  # x copied into sorted order and read through TMA (the wide walk with TMA)
+    swap_ab: bool = False  # fp8 dots as w^T x^T into a transposed accumulator
+    k_groups: int = 1  # K steps per iteration of the paired walk
+    pdl: bool = False  # launched with programmatic dependent launch
+
+
+@dataclass(frozen=True)
+class Gemm2Plan:
+    """GEMM2's resolved code paths (what `launch.launch_gemm2` runs)."""
+
+    use_tma: bool = False  # w2's tiles through TMA (the device checked)
+    swap_ab: bool = False
+    pair_store: bool = False  # each pair's row stored and summed by `topk_sum`, not the fp32 atomics
+    split_k: int = 1  # K splits asked (the launcher clamps them to whole BLOCK_SIZE_K steps)
+    pdl: bool = False
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Everything the two GEMMs of one layer call run with, resolved once by `plan_layer`."""
+
+    gemm1: Gemm1Plan
+    gemm2: Gemm2Plan
+    config: Mapping[str, Any]  # GEMM1's tile config
+    down_config: Mapping[str, Any]  # GEMM2's (GEMM1's where it has none of its own)
+    out_dtype: torch.dtype  # the layer's output (and, for fp8, its intermediate's) dtype
+    fp8_out: bool  # per-tensor fp8: GEMM1 stores the intermediate quantised with w2.input_scale
+    activation: Activation = SILU
+
+
+def plan_layer(options: TritonOptions | None, x: torch.Tensor, w13, w2, align, topk: int, config: Mapping[str, Any],
+               down_config: Mapping[str, Any] | None = None, split_k: int | None = None, *,
+               a_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               num_experts: int | None = None, activation: Activation = SILU, pdl: bool | None = None) -> LayerPlan:
+    """The LayerPlan of a layer call on aligned pairs (`align`: an align.AlignResult): x (M, H),
+    w13 (E_local, 2I, H), w2 (E_local, H, I), top-k routing over num_experts global experts (None:
+    E_local), GEMM1's tile `config` and GEMM2's own `down_config` (None: `config`; its optional
+    USE_TMA decides GEMM2's TMA instead of the options). split_k: GEMM2's K splits (None:
+    `layer_split_k`, 1 where pair_store is forced on); pdl: the choice the alignment was launched
+    with (None: `resolve_pdl`). Raises MoebenchError for inputs the kernels cannot run.
+
+    Resolved here: TMA weight tiles (`resolve_use_tma` on GEMM1's config, where the device has
+    TMA), GEMM1's walk and sorted_a (`gemm1_walk`; pairs per expert M * K / num_experts), PDL,
+    GEMM2's sum over top-k (`resolve_pair_store`), the fp8 dots' operand order (`resolve_swap_ab`),
+    GEMM1's K groups (`resolve_k_groups`). swigluoai's interleaved w13 runs the paired walk
+    without TMA (GEMM2 keeps its choice), unquantised or weight-only. The token-rows layout has no
+    sorted pair rows: pair_store and sorted_a are off there (forced on: an error).
+
+    fp8 (w13, w2 QuantWeights of one scheme): x float8_e4m3fn with a_scale (M, G); out_dtype
+    defaults to bf16. Weight-only and unquantised: the output in x's dtype."""
+    options = options or TritonOptions()
+    m, h = x.shape
+    e_local, n_inter = w13.shape[0], w2.shape[2]
+    scheme = scheme_of(w13)
+    if scheme is not None and scheme.weight_only:
+        check_wq_config(config, scheme, "triton experts")
+        if down_config is not None:
+            check_wq_config(down_config, scheme, "triton experts (GEMM2)")
+        if x.dtype != w13.act_dtype or a_scale is not None:
+            raise MoebenchError(f"{scheme.name} triton experts take unquantised {w13.act_dtype} x (the dtype its "
+                                f"weights were quantised for), got {x.dtype}")
+        out_dtype = x.dtype
+        use_tma = False
+    elif scheme is not None:
+        out_dtype = out_dtype or torch.bfloat16
+        check_block_config(config, scheme, "triton experts", x.device)
+        if down_config is not None:
+            check_block_config(down_config, scheme, "triton experts (GEMM2)", x.device)
+        if a_scale is None or x.dtype != FP8_DTYPE:
+            raise MoebenchError("fp8 triton experts need x as float8_e4m3fn with its a_scale")
+        if scheme.scales == "tensor" and w2.input_scale is None:
+            raise MoebenchError("per-tensor fp8 needs w2.input_scale (moebench.quant.quantize_weights sets it)")
+        use_tma = resolve_use_tma(options, config, x.dtype)
+    else:
+        out_dtype = x.dtype
+        use_tma = resolve_use_tma(options, config, x.dtype)
+    if down_config is not None and down_config["BLOCK_SIZE_M"] != config["BLOCK_SIZE_M"]:
+        raise MoebenchError(f"GEMM2's config has BLOCK_SIZE_M {down_config['BLOCK_SIZE_M']}, GEMM1's "
+                            f"{config['BLOCK_SIZE_M']}: both GEMMs share one alignment")
+    fp8 = scheme is not None and not scheme.weight_only
+    if activation.interleaved and fp8:
+        raise MoebenchError("triton experts: swigluoai's interleaved w13 runs unquantised or weight-only (not fp8)")
+    use_tma = use_tma and tma_ok(stored(w13)) and tma_ok(stored(w2))
+    num_experts = num_experts or e_local
+    rows_per_expert = m * topk / num_experts
+    cfg2 = down_config if down_config is not None else config
+    if split_k is None:
+        split_k = 1 if options.pair_store is True else layer_split_k(
+            options, m, topk, num_experts, e_local, h, n_inter, cfg2, align.max_blocks, num_sms(x.device))
+    pair_store = resolve_pair_store(options, n_inter, rows_per_expert, align.remote, split_k)
+    if align.token_rows and pair_store:
+        if options.pair_store is True:
+            raise MoebenchError("pair_store stores one row per pair, which the token-rows layout does not have: "
+                                "give token_rows=False or pair_store=False")
+        pair_store = False
+    if pdl is None:
+        pdl = resolve_pdl(options, x.device, n_inter)
+    wide, sorted_a = gemm1_walk(options, config, x.dtype, scheme, use_tma, n_inter, rows_per_expert)
+    if align.token_rows and sorted_a:
+        if options.sorted_a is True:
+            raise MoebenchError("sorted_a copies x into sorted pair order, which the token-rows layout does not have: "
+                                "give token_rows=False or sorted_a=False")
+        sorted_a = False
+    tma1 = use_tma
+    if activation.interleaved:
+        wide = sorted_a = tma1 = False
+    gemm1 = Gemm1Plan(use_tma=tma1, wide=wide, sorted_a=sorted_a, swap_ab=resolve_swap_ab(options, config, scheme, tma1),
+                      k_groups=resolve_k_groups(options, config, scheme, tma1, wide, h, rows_per_expert), pdl=pdl)
+    tma2 = use_tma
+    if down_config is not None and "USE_TMA" in down_config:
+        tma2 = bool(down_config["USE_TMA"]) and not (scheme is not None and scheme.weight_only) and tma_ok(stored(w2))
+    gemm2 = Gemm2Plan(use_tma=tma2, swap_ab=resolve_swap_ab(options, cfg2, scheme, tma2), pair_store=pair_store,
+                      split_k=split_k, pdl=pdl)
+    return LayerPlan(gemm1, gemm2, config, cfg2, out_dtype, fp8 and scheme.scales == "tensor", activation)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ the cast only converts an exactly representable value.
 The second is the step between two GEMMs done by a library (DeepGEMM's grouped GEMMs in
 moebench.kernels.deepgemm): it writes the scales with whatever strides the caller's tensor has.
 
-Also here, for the fp8 GEMM kernels: `quant_meta` (their QUANT / GROUP_N / GROUP_K constexprs) and
+Also here, for the GEMM kernels: `quant_meta` (their QUANT / GROUP_N / GROUP_K constexprs),
+`gemm_scales` (a GEMM's scale pointers and its `common.Scales` argument, fp8 and weight-only) and
 `check_block_config`, the tile-config rule of block scales (BLOCK_SIZE_K divides bk: one scale
 column per K step).
 """
@@ -42,9 +43,10 @@ import triton
 import triton.language as tl
 
 from moebench.errors import MoebenchError
-from moebench.kernels.triton.common import cast_rne
+from moebench.kernels.triton.common import Scales, cast_rne
 from moebench.kernels.triton.env import interpreter_compat, interpreting
-from moebench.quant import AMAX_EPS, FP8_DTYPE, INV_FP8_MAX, QuantScheme, scale_of, scheme_of
+from moebench.kernels.triton.wquant import wq_meta, wq_zero_args
+from moebench.quant import AMAX_EPS, FP8_DTYPE, INV_FP8_MAX, QuantScheme, QuantWeight, scale_of, scheme_of
 
 _EPS = tl.constexpr(AMAX_EPS)
 _INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
@@ -71,7 +73,7 @@ def round_e4m3(v):
 @triton.jit
 def quant_group(x, scale, q_ptrs, mask, EXACT_ROUND: tl.constexpr):
     """Store clamp(x / scale[:, None], +-448) as e4m3 at q_ptrs (x (BM, BK) fp32; also the fused
-    epilogue of the Triton experts' GEMM1, moebench.kernels.triton.gemm). A zero is stored as itself
+    epilogue of the Triton experts' GEMM1, moebench.kernels.triton.gemm1). A zero is stored as itself
     (its sign kept) and divided as scale / scale: a zero dividend sends div_rn down its slow path,
     which made the quantisation of the alignment's zero sentinel rows twice as slow as random rows."""
     s = tl.broadcast_to(scale[:, None], x.shape)
@@ -319,6 +321,23 @@ def quant_meta(w) -> dict[str, int]:
     if scheme.block_shape is None:
         return dict(QUANT=1, GROUP_N=1, GROUP_K=1)
     return dict(QUANT=2, GROUP_N=scheme.block_shape[0], GROUP_K=scheme.block_shape[1])
+
+
+def gemm_scales(w, a_scale: torch.Tensor | None = None, a_dims: tuple[int, int] = (0, 1)) -> tuple[tuple, Scales]:
+    """((a_scale pointer, weight scale pointer), common.Scales) of a GEMM on weight `w`: fp8 (w8a8)
+    the activation scales a_scale (a_dims: its row and group dimensions) and the weight's; the
+    weight-only schemes the weight's scales alone; unquantised weights dummy pointers (the weight
+    itself) and zero strides, never read (QUANT = WQ = 0)."""
+    if not isinstance(w, QuantWeight):
+        ptrs, a_strides, w_strides = (w, w), (0, 0), (0, 0, 0)
+    elif w.scheme.weight_only:
+        ptrs, a_strides, w_strides = (w.scale, w.scale), (0, 0), w.scale_strides()
+    else:
+        ptrs, a_strides, w_strides = (a_scale, w.scale), (a_scale.stride(a_dims[0]), a_scale.stride(a_dims[1])), \
+            w.scale_strides()
+    q, wq = quant_meta(w), wq_meta(w)
+    consts = (q["QUANT"], q["GROUP_N"], q["GROUP_K"], wq["WQ"], wq["WQ_GROUP"], wq["WQ_ZP"], wq["WQ_PACK"])
+    return ptrs, Scales(*a_strides, *w_strides, *wq_zero_args(w), *(tl.constexpr(v) for v in consts))
 
 
 def check_block_config(cfg: Mapping[str, int], scheme: QuantScheme | None, where: str,

@@ -5,15 +5,15 @@
     wq_load      one (BLOCK_SIZE_K, BLOCK_SIZE_N) weight tile of a K loop: the packed bytes, unpacked,
                  scaled (and shifted by the zero points), rounded once to the activation dtype
     wq_meta      the GEMMs' constexprs for a weight (WQ, WQ_GROUP, WQ_ZP, WQ_PACK)
-    wq_zero_args the zero-point pointer and strides a launcher passes (dummies without them)
+    wq_zero_args the zero-point pointer and strides (dummies without them)
     check_wq_config  the tile-config rule: BLOCK_SIZE_K divides the group or is a multiple of it
 
 Layouts (moebench.quant): int8 q (E, N, K) with an (E, N) scale; int4 / mxfp4 q (E, N, Kp / 2)
 uint8 with two codes per byte along K (k in byte k // 2, low nibble for even k) and an (E, N, G)
 scale (int4: act dtype; mxfp4: e8m0 uint8, 2^(s - 127)); int4 zero points (E, ceil(N/2), G) uint8,
 two per byte along N. The GEMMs point at a tile's (BLOCK_SIZE_K // WQ_PACK, BN) bytes, each once (`wq_offsets`),
-and step them by BLOCK_SIZE_K // WQ_PACK bytes; the scales come through the fp8 weight-scale pointer and strides
-(stride_ws*: expert, row, group), unused by the weight-only schemes otherwise.
+and step them by BLOCK_SIZE_K // WQ_PACK bytes; the scales come through the weight-scale pointer and the
+weight strides of `common.Scales` (expert, row, group), which also carries the zero points and the constexprs.
 
 Arithmetic, the same as moebench.quant.dequantize_weight_only: fp32 (q - z) * s (exact: a 4/8-bit
 integer times a 16-bit scale; mxfp4 e2m1 x a power of two), then one rounding to the activation
@@ -62,24 +62,17 @@ def wq_load(
     k_hi,  # K indices >= k_hi are masked (read as 0: they meet zero activations)
     rows,  # (BN,) weight rows (output channels) of the tile's columns
     col_ok,  # (BN,) columns in range
-    s_ptr,  # scales (see the module docstring), indexed expert * s_e + row * s_n + group * s_g
-    s_e,
-    s_n,
-    s_g,
-    z_ptr,  # int4 zero points, indexed expert * z_e + (row // 2) * z_n + group * z_g
-    z_e,
-    z_n,
-    z_g,
+    s_ptr,  # scales (see the module docstring), indexed expert * stride_wse + row * stride_wsn + group * stride_wsk
+    sc,  # common.Scales: the scales' strides, the zero points (row // 2 two per byte), WQ, WQ_GROUP, WQ_ZP
     expert,
-    WQ: tl.constexpr,
-    GROUP: tl.constexpr,  # values per scale along K (int4 / mxfp4; a power of two)
-    HAS_ZP: tl.constexpr,
     MASK_K: tl.constexpr,  # mask K indices >= k_hi (False where every tile is whole)
     BLOCK_SIZE_K: tl.constexpr,
     DTYPE: tl.constexpr,  # the activation dtype the tile is rounded to
     EXACT: tl.constexpr,  # interpreter: round to nearest even explicitly
 ):
     """One dequantised weight tile (BLOCK_SIZE_K, BN) in DTYPE."""
+    WQ: tl.constexpr = sc.WQ
+    GROUP: tl.constexpr = sc.WQ_GROUP  # values per scale along K (int4 / mxfp4; a power of two)
     PACK: tl.constexpr = 1 if WQ == 1 else 2
     BN: tl.constexpr = rows.shape[0]
     # The packed bytes: rows k0 / PACK .. of the tile, each byte once, contiguous along K; where K
@@ -91,7 +84,7 @@ def wq_load(
     else:
         mask = col_ok[None, :]
     raw = tl.load(ptrs, mask=mask, other=0)
-    base = s_ptr + expert * s_e + rows * s_n
+    base = s_ptr + expert * sc.stride_wse + rows * sc.stride_wsn
     if WQ == 1:
         # int8: one scale per output channel.
         s = tl.load(base, mask=col_ok, other=0.0).to(tl.float32)
@@ -105,20 +98,20 @@ def wq_load(
         # of BLOCK_SIZE_K) or BLOCK_SIZE_K / GROUP groups, each broadcast over its GROUP rows.
         if BLOCK_SIZE_K <= GROUP:
             g = k0 // GROUP
-            s = tl.load(base + g * s_g, mask=col_ok, other=0)[None, :]
+            s = tl.load(base + g * sc.stride_wsk, mask=col_ok, other=0)[None, :]
         else:
             NG: tl.constexpr = BLOCK_SIZE_K // GROUP
             g = (k0 // GROUP + tl.arange(0, NG))[:, None]
-            s = tl.load(base[None, :] + g * s_g, mask=col_ok[None, :] & (g * GROUP < k_hi), other=0)
+            s = tl.load(base[None, :] + g * sc.stride_wsk, mask=col_ok[None, :] & (g * GROUP < k_hi), other=0)
             s = tl.reshape(tl.broadcast_to(s[:, None, :], (NG, GROUP, BN)), (BLOCK_SIZE_K, BN))
         if WQ == 2:
-            if HAS_ZP:
-                zrow = z_ptr + expert * z_e + (rows // 2) * z_n
+            if sc.WQ_ZP:
+                zrow = sc.wz_ptr + expert * sc.stride_wze + (rows // 2) * sc.stride_wzn
                 zshift = ((rows % 2) * 4)[None, :]
                 if BLOCK_SIZE_K <= GROUP:
-                    zb = tl.load(zrow + g * z_g, mask=col_ok, other=0)[None, :]
+                    zb = tl.load(zrow + g * sc.stride_wzk, mask=col_ok, other=0)[None, :]
                 else:
-                    zb = tl.load(zrow[None, :] + g * z_g, mask=col_ok[None, :] & (g * GROUP < k_hi), other=0)
+                    zb = tl.load(zrow[None, :] + g * sc.stride_wzk, mask=col_ok[None, :] & (g * GROUP < k_hi), other=0)
                     zb = tl.reshape(tl.broadcast_to(zb[:, None, :], (NG, GROUP, BN)), (BLOCK_SIZE_K, BN))
                 z = ((zb.to(tl.int32) >> zshift) & 0xF).to(tl.float32)
             else:
@@ -139,18 +132,9 @@ def weight_tile(
     k_hi,
     rows,
     col_ok,
-    s_ptr,
-    s_e,
-    s_n,
-    s_g,
-    z_ptr,
-    z_e,
-    z_n,
-    z_g,
+    s_ptr,  # the weight's scales
+    sc,  # common.Scales
     expert,
-    WQ: tl.constexpr,
-    GROUP: tl.constexpr,
-    HAS_ZP: tl.constexpr,
     EVEN_K: tl.constexpr,  # every tile whole along K: no K mask
     BLOCK_SIZE_K: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -159,9 +143,8 @@ def weight_tile(
     """One (BLOCK_SIZE_K, BN) weight tile of a GEMM's K loop through pointers: dequantised by
     `wq_load` (WQ != 0: the arguments are its own), else as stored; columns out of range and K
     indices out of range read as zeros."""
-    if WQ != 0:
-        w = wq_load(ptrs, k0, k_hi, rows, col_ok, s_ptr, s_e, s_n, s_g, z_ptr, z_e, z_n, z_g, expert, WQ, GROUP,
-                    HAS_ZP, not EVEN_K, BLOCK_SIZE_K, DTYPE, EXACT)
+    if sc.WQ != 0:
+        w = wq_load(ptrs, k0, k_hi, rows, col_ok, s_ptr, sc, expert, not EVEN_K, BLOCK_SIZE_K, DTYPE, EXACT)
     elif EVEN_K:
         w = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
     else:
