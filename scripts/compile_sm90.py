@@ -10,8 +10,19 @@ machine, first. Prints one line per kernel variant; exit status 1 on the first f
     python scripts/compile_sm90.py --ptx-hashes    # + a hash of each variant's PTX
 
 --ptx-hashes ends each line with a hash of the PTX without its debug information (line
-locations, their labels), so a refactor that must not change the generated code can be checked on
-a CPU: the same hashes before and after mean the same instructions in every variant.
+locations, their labels) and without the kernel's own name and parameter declarations: the entry
+name is replaced by "kernel" wherever it appears (the entry, its parameters' names in the ld.param
+loads), and the `.param` declaration lines and the `// .globl` comment (padded to the name's
+length) are dropped, so that renaming a kernel or regrouping its
+arguments (an argument group is passed as its fields, in order) hashes the same while any change
+of which parameters are loaded, in what order, or of an instruction does not. A refactor that must
+not change the generated code can so be checked on a CPU: the same hashes before and after mean
+the same instructions in every variant.
+
+Kernel arguments that are argument groups (named tuples: moebench.kernels.triton.common's Rows,
+Scales, GateUp, Bias; gemm1's ZeroFill, Fp8Out) are given here by their fields' names, which are
+unique within a kernel: constexpr fields in the consts, pointers in the pointer types, integer
+fields in the launch values.
 
 The last lines compile the two GEMMs at the prefill tile as the JIT specialises them at launch
 (integer arguments equal to 1 become constants, pointers and integers divisible by 16 carry that
@@ -39,9 +50,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import triton.language as tl  # noqa: E402
+
 from moebench.kernels.triton import align as A  # noqa: E402
 from moebench.kernels.triton import batched as B  # noqa: E402
-from moebench.kernels.triton import gemm as T  # noqa: E402
+from moebench.kernels.triton import common as C  # noqa: E402
+from moebench.kernels.triton import gemm1 as G1  # noqa: E402
+from moebench.kernels.triton import gemm2 as G2  # noqa: E402
 from moebench.kernels.triton import quant as Q  # noqa: E402
 from moebench.kernels.triton import routing as R  # noqa: E402
 from moebench.kernels import vllm_triton as V  # noqa: E402
@@ -49,25 +64,80 @@ from moebench.kernels import vllm_triton as V  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
+#: The argument groups, by the kernel parameter names that take them.
+GROUPS = {"rows": C.Rows, "sc": C.Scales, "gu": C.GateUp, "b2": C.Bias, "zero": G1.ZeroFill, "fp8_out": G1.Fp8Out}
+#: Their constexpr fields' values where a variant gives none.
+FIELD_DEFAULTS = dict(TOPK_PAD=1, MAPPED=False, TOKEN_ROWS=False, QUANT=0, GROUP_N=1, GROUP_K=1, WQ=0, WQ_GROUP=1,
+                      WQ_ZP=False, WQ_PACK=1, ACTIVATION=0, HAS_BIAS=False, INTERLEAVED=False, ZERO_OUT=False,
+                      QUANT_OUT=False, ACT_DTYPE=tl.bfloat16)
+
+
+def arg_names(jit) -> set[str]:
+    """The names a variant can give for `jit`: its parameters and its argument groups' fields."""
+    names = [f for n in inspect.signature(jit.fn).parameters for f in (GROUPS[n]._fields if n in GROUPS else (n,))]
+    if len(set(names)) != len(names):
+        raise KeyError(f"{jit.fn.__name__}: an argument group's field has a parameter's name")
+    return set(names)
+
+
+def gemm1(consts: dict):
+    """GEMM1's kernel for a variant (WIDE: the wide walk, else the paired one) and its other consts."""
+    consts = dict(consts)
+    return (G1.gemm1_wide_kernel if consts.pop("WIDE", False) else G1.gemm1_paired_kernel), consts
+
+
 def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] = (), ints: dict | None = None,
                    options: dict | None = None, ptx_hashes: bool = False) -> str:
     """Compile `jit` with `consts` as constexprs; other args are pointers (ptr_types) or i32.
-    `unused` args (TMA descriptors when USE_TMA=False) are passed as None constexprs. ints: the
-    integer arguments' values at a launch, to specialise as the JIT does (then the line also gives
-    registers, spills and pipelined loads); options: num_warps, num_stages."""
+    `unused` args (TMA descriptors when USE_TMA=False; names the kernel lacks are skipped) are passed
+    as None constexprs. ints: the integer arguments' values at a launch, to specialise as the JIT
+    does (then the line also gives registers, spills and pipelined loads); options: num_warps,
+    num_stages. An argument group's fields are named as kernel parameters are (`GROUPS`); its
+    constexpr fields not in consts take FIELD_DEFAULTS."""
     params = inspect.signature(jit.fn).parameters
     names = list(params)
     ints = ints or {}
-    # constexpr parameters left out take their defaults (else they would become runtime ints)
-    defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty
-                and n not in ptr_types and n not in unused and n not in ints}
-    consts = dict(defaults, **consts, **{n: None for n in unused}, **{n: 1 for n, v in ints.items() if v == 1})
-    sig = {n: "constexpr" if n in consts else ptr_types.get(n, "i32") for n in names}
-    attrs = {}
-    if ints:  # the JIT's divisibility facts: pointers (16-byte aligned tensors) and ints % 16 == 0
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in consts and (
-            ptr_types.get(n, "").startswith("*") or ints.get(n, 1) % 16 == 0)}
-    src = ASTSource(fn=jit, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    unknown = set(consts) - arg_names(jit)
+    if unknown:
+        raise KeyError(f"{jit.fn.__name__} has no argument {', '.join(sorted(unknown))}")
+    consts = dict(consts, **{n: 1 for n, v in ints.items() if v == 1})
+
+    def arg(n, default):
+        """(signature type, constexpr value or None, divisibility attribute) of one argument."""
+        if n in consts or default is not None:
+            return "constexpr", consts.get(n, default), False
+        ty = ptr_types.get(n, "i32")
+        return ty, None, bool(ints) and (ty.startswith("*") or ints.get(n, 1) % 16 == 0)
+
+    sig, constexprs, attrs = {}, {}, {}
+    for i, n in enumerate(names):
+        if n in GROUPS:
+            group = GROUPS[n]
+            tys = []
+            for j, f in enumerate(group._fields):
+                default = FIELD_DEFAULTS.get(f) if f.isupper() else None
+                if f.isupper() and default is None and f not in consts:
+                    raise KeyError(f"{jit.fn.__name__}: give {n}.{f}")
+                ty, value, div = arg(f, default)
+                tys.append(ty)
+                if ty == "constexpr":
+                    constexprs[(i, j)] = value
+                elif div:
+                    attrs[(i, j)] = [["tt.divisibility", 16]]
+            sig[n] = group(*tys)
+            continue
+        p = params[n]
+        if n in unused:
+            consts[n] = None
+        elif p.default is not inspect.Parameter.empty and n not in ptr_types and n not in ints and n not in consts:
+            consts[n] = p.default  # constexpr parameters left out take their defaults
+        ty, value, div = arg(n, None)
+        sig[n] = ty
+        if ty == "constexpr":
+            constexprs[(i,)] = value
+        elif div:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=TARGET, options=options or {})
     line = f"{jit.fn.__name__}: cubin {len(k.asm['cubin'])} bytes, shared {k.metadata.shared} B"
     if ptx_hashes:
@@ -80,12 +150,16 @@ def compile_kernel(jit, consts: dict, ptr_types: dict, unused: tuple[str, ...] =
 
 
 def ptx_hash(ptx: str) -> str:
-    """16 hex digits of the PTX's sha256 without its debug information: the .loc / .file lines,
-    the labels they use and the debug sections."""
+    """16 hex digits of the PTX's sha256 without its debug information (the .loc / .file lines,
+    the labels they use and the debug sections), with the kernel's entry name replaced by "kernel"
+    and its `.param` declaration lines and `// .globl` comment dropped."""
+    name = re.search(r"\.entry\s+(\w+)", ptx).group(1)
     code = ptx.split("\t.section\t.debug")[0]
     lines = [ln for ln in code.splitlines()
-             if not re.match(r"\s*\.(loc|file)\b", ln) and not re.fullmatch(r"\s*\$L__tmp\d+:", ln)]
-    return hashlib.sha256(re.sub(r"\$L__tmp\d+", "L", "\n".join(lines)).encode()).hexdigest()[:16]
+             if not re.match(r"\s*\.(loc|file)\b", ln) and not re.fullmatch(r"\s*\$L__tmp\d+:", ln)
+             and not re.match(r"\s*(\.param\b|// \.globl\b)", ln)]
+    code = re.sub(r"\b%s(?=\b|_param_)" % re.escape(name), "kernel", "\n".join(lines))
+    return hashlib.sha256(re.sub(r"\$L__tmp\d+", "L", code).encode()).hexdigest()[:16]
 
 
 def ptx_resources(ptx: str) -> str:
@@ -123,12 +197,12 @@ def main(argv: list[str]) -> int:
         # and read as fp8 (after the activation quantisation) by GEMM2.
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if fp8 else std_ptrs
         p2 = dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if fp8 else std_ptrs
-        print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False), p1, ("w13_desc", "x_desc")))
-        print(build(T.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
+        print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)), p1, ("w13_desc", "x_desc")))
+        print(build(G2.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
         for name, fp8_ptrs in (("batched_silu_mul_gemm1_kernel", ("a_ptr", "w13_ptr")),
                                ("batched_gemm2_kernel", ("inter_ptr", "w2_ptr"))):
             jit = getattr(B, name)
-            params = set(inspect.signature(jit.fn).parameters)
+            params = arg_names(jit)
             ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16")
                     for p in params if p.endswith("_ptr")}
             if fp8:
@@ -148,12 +222,12 @@ def main(argv: list[str]) -> int:
                      UPCAST=False, IEEE_DOT=False, USE_TMA=False, **no_quant, **wq)
             wp = dict(std_ptrs, w13_ptr=wtype, w2_ptr=wtype, w_scale_ptr=stype, wz_ptr="*u8")
             for wide in (False, True):
-                print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=True, WIDE=wide),
+                print(build(*gemm1(dict(c, ZERO_OUT=True, WIDE=wide)),
                                      dict(wp, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
-            print(build(T.gemm2_weighted_sum_kernel, c, wp, ("w2_desc",)))
+            print(build(G2.gemm2_weighted_sum_kernel, c, wp, ("w2_desc",)))
             for name in ("batched_silu_mul_gemm1_kernel", "batched_gemm2_kernel"):
                 jit = getattr(B, name)
-                params = set(inspect.signature(jit.fn).parameters)
+                params = arg_names(jit)
                 ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16")
                         for p in params if p.endswith("_ptr")}
                 ptrs.update(w13_ptr=wtype, w2_ptr=wtype, w_scale_ptr=stype, wz_ptr="*u8")
@@ -165,34 +239,34 @@ def main(argv: list[str]) -> int:
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, ACTIVATION=2, HAS_BIAS=True, INTERLEAVED=True,
              **no_quant, **wq_variants[-1][0])
     wp = dict(std_ptrs, w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8", zero_ptr="*fp32", b13_ptr="*bf16")
-    print(build(T.silu_mul_gemm1_kernel, c, wp, ("w13_desc", "x_desc")))
-    params = set(inspect.signature(B.batched_silu_mul_gemm1_kernel.fn).parameters)
+    print(build(*gemm1(c), wp, ("w13_desc", "x_desc")))
+    params = arg_names(B.batched_silu_mul_gemm1_kernel)
     ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16") for p in params if p.endswith("_ptr")}
     ptrs.update(w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8")
     print(build(B.batched_silu_mul_gemm1_kernel, {k: v for k, v in c.items() if k in params}, ptrs))
     # GEMM1 also zeroing GEMM2's fp32 accumulator (decode tile)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant)
-    print(build(T.silu_mul_gemm1_kernel, c, dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    print(build(*gemm1(c), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
     # Programmatic dependent launch (griddepcontrol): GEMM1 waiting and releasing, GEMM2 reading
     # its expert from L2 before waiting (decode tile, where options.pdl "auto" uses it)
-    print(build(T.silu_mul_gemm1_kernel, dict(c, PDL=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    print(build(*gemm1(dict(c, PDL=True)), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
     c2 = dict(c, BLOCK_SIZE_K=64, PDL=True)
     del c2["ZERO_OUT"], c2["WIDE"]
-    print(build(T.gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc",)))
+    print(build(G2.gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc",)))
     # a direct alignment under EP: both GEMMs map their block's global expert id (MAPPED)
-    print(build(T.silu_mul_gemm1_kernel, dict(c, MAPPED=True), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
-    print(build(T.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True), std_ptrs, ("w2_desc",)))
+    print(build(*gemm1(dict(c, MAPPED=True)), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    print(build(G2.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True), std_ptrs, ("w2_desc",)))
     # the token-rows layout (decode: each program finds its expert's tokens in topk_ids), under EP
     # and PDL; and with fp8 block scales on the swapped 16 x 128 tile, two groups per step in GEMM1
-    print(build(T.silu_mul_gemm1_kernel, dict(c, PDL=True, MAPPED=True, TOKEN_ROWS=True), dict(std_ptrs, zero_ptr="*fp32"),
+    print(build(*gemm1(dict(c, PDL=True, MAPPED=True, TOKEN_ROWS=True)), dict(std_ptrs, zero_ptr="*fp32"),
                 ("w13_desc", "x_desc")))
-    print(build(T.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True, TOKEN_ROWS=True), std_ptrs, ("w2_desc",)))
+    print(build(G2.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True, TOKEN_ROWS=True), std_ptrs, ("w2_desc",)))
     cq = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
               IEEE_DOT=False, USE_TMA=False, SWAP_AB=True, QUANT=2, GROUP_N=128, GROUP_K=128, PDL=True, TOKEN_ROWS=True)
-    print(build(T.silu_mul_gemm1_kernel, dict(cq, ZERO_OUT=True, WIDE=False, K_GROUPS=2),
+    print(build(*gemm1(dict(cq, ZERO_OUT=True, WIDE=False, K_GROUPS=2)),
                 dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv", zero_ptr="*fp32"), ("w13_desc", "x_desc")))
-    print(build(T.gemm2_weighted_sum_kernel, cq, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"), ("w2_desc",)))
+    print(build(G2.gemm2_weighted_sum_kernel, cq, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"), ("w2_desc",)))
     # GEMM1 with gate and up as one tile and one dot: decode and prefill tiles (BLOCK_SIZE_N is
     # per half here, as launch_gemm1 passes it), and fp8 block scales
     for (bm, bn, bk), quant in (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),
@@ -200,45 +274,45 @@ def main(argv: list[str]) -> int:
         c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
                  IEEE_DOT=False, USE_TMA=False, ZERO_OUT=False, WIDE=True, **quant)
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if quant["QUANT"] else std_ptrs
-        print(build(T.silu_mul_gemm1_kernel, c, p1, ("w13_desc", "x_desc")))
+        print(build(*gemm1(c), p1, ("w13_desc", "x_desc")))
     # GEMM2 storing each pair's bf16 row (pair_store) at the prefill tile, bf16 and fp8 block
     for quant in (no_quant, dict(QUANT=2, GROUP_N=128, GROUP_K=128)):
         c = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128 if quant["QUANT"] else 64, GROUP_SIZE_M=16,
                  TOPK=8, EVEN_K=True, UPCAST=False, IEEE_DOT=False, USE_TMA=False, PAIR_STORE=True, **quant)
         p2 = dict(std_ptrs, ws_ptr="*bf16", **(dict(inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if quant["QUANT"] else {}))
-        print(build(T.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
+        print(build(G2.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
     # fp8 dots as w^T x^T into a transposed accumulator (swap_ab): per-token scales on the decode
     # tile and block scales on the 16 x 128 tile "auto" swaps, GEMM1 (paired walk) and GEMM2
     for quant, bn in ((dict(QUANT=1, GROUP_N=1, GROUP_K=1), 64), (dict(QUANT=2, GROUP_N=128, GROUP_K=128), 128)):
         c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
                  UPCAST=False, IEEE_DOT=False, USE_TMA=False, SWAP_AB=True, **quant)
-        print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
+        print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)),
                     dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
-        print(build(T.gemm2_weighted_sum_kernel, c, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"), ("w2_desc",)))
+        print(build(G2.gemm2_weighted_sum_kernel, c, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"), ("w2_desc",)))
     # ... and GEMM1's paired walk taking two block-scale groups per iteration (fp8_k_groups "auto")
-    print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False, K_GROUPS=2),
+    print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False, K_GROUPS=2)),
                 dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
     # per-tensor fp8: GEMM1 quantising the intermediate in its epilogue (fp8 store)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, QUANT=1, GROUP_N=1, GROUP_K=1, QUANT_OUT=True)
-    print(build(T.silu_mul_gemm1_kernel, c, dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv",
+    print(build(*gemm1(c), dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv",
                                                             inter_ptr="*fp8e4nv", out_scale_ptr="*fp32"), ("w13_desc", "x_desc")))
     # TMA variants at the prefill tile: GEMM1's weights (paired walk), GEMM2's weights
     bm, bn, bk = 128, 128, 64
     c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=True, **no_quant)
-    print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
+    print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)),
                          dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>"), ("x_desc",)))
-    print(build(T.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn),
+    print(build(G2.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn),
                          dict(std_ptrs, w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
     # fp8 block weights through TMA (use_tma: 64-row tiles) at a prefill tile: GEMM1's paired walk, GEMM2
     blk = dict(QUANT=2, GROUP_N=128, GROUP_K=128)
     c = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=True, **blk)
-    print(build(T.silu_mul_gemm1_kernel, dict(c, ZERO_OUT=False, WIDE=False),
+    print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)),
                 dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv", w13_desc="tensordesc<fp8e4nv[128, 128]>"),
                 ("x_desc",)))
-    print(build(T.gemm2_weighted_sum_kernel, c,
+    print(build(G2.gemm2_weighted_sum_kernel, c,
                 dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv", w2_desc="tensordesc<fp8e4nv[128, 128]>")))
     # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
     # (looped chunks), dynamic scales, rows limited on the device.
@@ -280,15 +354,15 @@ def main(argv: list[str]) -> int:
         print(build(V.vllm_moe_gemm_kernel, consts, ptrs))
     print(build(V.silu_and_mul_kernel, dict(BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
     tsum = {"x_ptr": "*bf16", "y_ptr": "*bf16", "row_ptr": "*bf16", "w_ptr": "*bf16"}
-    print(build(T.topk_sum_kernel, dict(TOP_K=8, GATHER=False, WEIGHTED=False, BLOCK=1024, EXACT=False), tsum))
+    print(build(G2.topk_sum_kernel, dict(TOP_K=8, GATHER=False, WEIGHTED=False, BLOCK=1024, EXACT=False), tsum))
     # deepgemm's glue: the sum gathering GEMM2's rows by index, weighted; x's rows in sorted order
     # (fp8, padding unset) and their scales; SiLU-and-mul with and without the requantisation
-    print(build(T.topk_sum_kernel, dict(TOP_K=8, GATHER=True, WEIGHTED=True, BLOCK=1024, EXACT=False),
+    print(build(G2.topk_sum_kernel, dict(TOP_K=8, GATHER=True, WEIGHTED=True, BLOCK=1024, EXACT=False),
                 dict(tsum, row_ptr="*i32", w_ptr="*fp32")))
     srows = {"sorted_ids_ptr": "*i32", "ntpp_ptr": "*i32"}
-    print(build(T.sorted_rows_kernel, dict(TOPK=8, ROWS=32, BLOCK_H=512, ZERO_PAD=False),
+    print(build(G1.sorted_rows_kernel, dict(TOPK=8, ROWS=32, BLOCK_H=512, ZERO_PAD=False),
                 dict(srows, x_ptr="*fp8e4nv", xs_ptr="*fp8e4nv")))
-    print(build(T.sorted_rows_kernel, dict(TOPK=8, ROWS=32, BLOCK_H=256, ZERO_PAD=True),
+    print(build(G1.sorted_rows_kernel, dict(TOPK=8, ROWS=32, BLOCK_H=256, ZERO_PAD=True),
                 dict(srows, x_ptr="*fp32", xs_ptr="*fp32")))
     for q, out in ((True, "*fp8e4nv"), (False, "*bf16")):
         print(build(Q.silu_mul_rows_kernel, dict(QUANT=q, BLOCK_M=16, GROUP=128, EXACT=False),
@@ -301,16 +375,16 @@ def main(argv: list[str]) -> int:
                  stride_xk=1, stride_we=2 * n_inter * h, stride_wn=h, stride_wk=1, stride_im=n_inter, stride_in=1,
                  stride_asm=0, stride_asg=0, stride_wse=0, stride_wsn=0, stride_wsk=0)
     ints2 = dict(num_pairs=pairs, H=h, N_INTER=n_inter, num_blocks_m=blocks, k_per_split=n_inter, stride_im=n_inter,
-                 stride_ik=1, stride_we=h * n_inter, stride_wn=n_inter, stride_wk=1, stride_wsm=h, stride_wsn=1,
-                 stride_asm=0, stride_asg=0, stride_bse=0, stride_bsn=0, stride_bsk=0)
+                 stride_ik=1, stride_we=h * n_inter, stride_wn=n_inter, stride_wk=1, stride_om=h, stride_on=1,
+                 stride_asm=0, stride_asg=0, stride_wse=0, stride_wsn=0, stride_wsk=0)
     c = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, TOPK=8, EVEN_K=True, UPCAST=False, IEEE_DOT=False,
              **no_quant)
     opts = dict(num_warps=8, num_stages=4)
     print("as launched: " + build(
-        T.silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=False, ZERO_OUT=True, WIDE=True),
+        *gemm1(dict(c, BLOCK_SIZE_N=128, USE_TMA=False, ZERO_OUT=True, WIDE=True)),
         dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc"), ints1, opts))
     print("as launched: " + build(
-        T.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=256, USE_TMA=True),
+        G2.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=256, USE_TMA=True),
         dict(std_ptrs, w2_desc="tensordesc<bf16[256, 64]>"), (), ints2, opts))
     # The wide GEMM1 through TMA (as on the H200): the (2, BN, BK) weight box of the (2E, I, H)
     # view, A gathered by pointer loads or (sorted_a) through TMA from the sorted copy
@@ -320,7 +394,7 @@ def main(argv: list[str]) -> int:
         if a_tma:
             ptrs["x_desc"], unused = "tensordesc<bf16[128, 64]>", ()
         print("as launched, WIDE TMA, A_TMA=%s: " % a_tma + build(
-            T.silu_mul_gemm1_kernel, dict(c, BLOCK_SIZE_N=128, USE_TMA=True, ZERO_OUT=True, WIDE=True, A_TMA=a_tma),
+            *gemm1(dict(c, BLOCK_SIZE_N=128, USE_TMA=True, ZERO_OUT=True, WIDE=True, A_TMA=a_tma)),
             ptrs, unused, ints1, opts))
     # gpt-oss-20b's mxfp4 GEMM1 at one token as launched (H = I = 2880, 4 pairs, the shipped
     # file's 16 x 64 x 64 tile, 4 warps, 3 stages): the packed weight bytes come through cp.async
@@ -333,7 +407,7 @@ def main(argv: list[str]) -> int:
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=16, TOPK=4, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant, **wq_variants[-1][0])
     wp = dict(std_ptrs, w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8", zero_ptr="*fp32")
-    print("as launched, mxfp4: " + build(T.silu_mul_gemm1_kernel, c, wp, ("w13_desc", "x_desc"), ints_wq,
+    print("as launched, mxfp4: " + build(*gemm1(c), wp, ("w13_desc", "x_desc"), ints_wq,
                                                   dict(num_warps=4, num_stages=3)))
     return 0
 
