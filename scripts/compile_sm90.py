@@ -8,6 +8,7 @@ machine, first. Prints one line per kernel variant; exit status 1 on the first f
 
     python scripts/compile_sm90.py                 # not under TRITON_INTERPRET=1
     python scripts/compile_sm90.py --ptx-hashes    # + a hash of each variant's PTX
+    python scripts/compile_sm90.py --sample        # each weight-only scheme at one of its two tiles (the suite's run)
 
 --ptx-hashes ends each line with a hash of the PTX without its debug information (line
 locations, their labels) and without the kernel's own name and parameter declarations: the entry
@@ -180,6 +181,7 @@ def ptx_resources(ptx: str) -> str:
 
 def main(argv: list[str]) -> int:
     build = functools.partial(compile_kernel, ptx_hashes="--ptx-hashes" in argv)
+    sample = "--sample" in argv
     std_ptrs = {"x_ptr": "*bf16", "w13_ptr": "*bf16", "w2_ptr": "*bf16", "inter_ptr": "*bf16", "ws_ptr": "*fp32",
                 "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "expert_map_ptr": "*i32", "ntpp_ptr": "*i32",
                 "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
@@ -216,8 +218,9 @@ def main(argv: list[str]) -> int:
                    (dict(WQ=2, WQ_GROUP=128, WQ_ZP=False, WQ_PACK=2), "*u8", "*bf16"),
                    (dict(WQ=2, WQ_GROUP=128, WQ_ZP=True, WQ_PACK=2), "*u8", "*bf16"),
                    (dict(WQ=3, WQ_GROUP=32, WQ_ZP=False, WQ_PACK=2), "*u8", "*u8")]
-    for wq, wtype, stype in wq_variants:
-        for bm, bn, bk in ((16, 64, 128), (64, 128, 64)):
+    wq_tiles = ((16, 64, 128), (64, 128, 64))
+    for i, (wq, wtype, stype) in enumerate(wq_variants):
+        for bm, bn, bk in (wq_tiles[i % 2],) if sample else wq_tiles:
             c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=False,
                      UPCAST=False, IEEE_DOT=False, USE_TMA=False, **no_quant, **wq)
             wp = dict(std_ptrs, w13_ptr=wtype, w2_ptr=wtype, w_scale_ptr=stype, wz_ptr="*u8")

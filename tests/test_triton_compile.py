@@ -26,11 +26,13 @@ def test_kernels_compile_for_hopper(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # really compile, never a cached cubin
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_sm90.py")], env=env,
+    # --sample: each weight-only scheme at one of its two tiles (the full set, 110 variants, is the
+    # script without it: run it before and after a kernel change)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--sample"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 110 and all("cubin" in line for line in lines), res.stdout
+    assert len(lines) == 90 and all("cubin" in line for line in lines), res.stdout
     assert sum("quant_rows_kernel" in line for line in lines) == 2, res.stdout
     # deepgemm's glue: the top-k sum plain and gathered + weighted, sorted rows (fp8, fp32 scales),
     # SiLU-and-mul with and without the requantisation
