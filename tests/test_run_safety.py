@@ -28,8 +28,11 @@ def _env(**extra):
 
 
 def _start(*args, umask=None):
+    # Ctrl-C as in a terminal: a suite started in the background (a non-interactive shell's `&`)
+    # passes SIGINT on ignored, and Python then never raises KeyboardInterrupt
     return subprocess.Popen([sys.executable, "-m", "moebench.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(), umask=-1 if umask is None else umask)
+                            stderr=subprocess.PIPE, text=True, env=_env(), umask=-1 if umask is None else umask,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _rows(run: Path) -> list[dict]:

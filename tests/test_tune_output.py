@@ -77,7 +77,8 @@ def test_config_file_is_updated_as_each_token_count_finishes(tmp_path):
     out, res = tmp_path / "cfg", tmp_path / "res"
     proc = subprocess.Popen([sys.executable, "-m", "moebench.cli", "tune", *SIZES, "--tokens", "1,4,8", *FAST,
                              "--out", str(out), "--results-dir", str(res)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=_env())
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # Ctrl-C as in a terminal
     try:
         deadline = time.time() + 240
         while not (out / FILE).exists() and proc.poll() is None and time.time() < deadline:
