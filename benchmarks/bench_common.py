@@ -15,16 +15,20 @@ import triton
 import moebench
 from moebench.bench.timing import Timing, time_fn
 from moebench.errors import MoebenchError
-from moebench.models import get_model
+from moebench.layout import ParallelLayout
+from moebench.models import custom_shape, get_model
 from moebench.report import markdown
-from moebench.results import atomic_write_text
+from moebench.results import atomic_write_text, rows_to_frame
+from moebench.runtime.simulate import link_for
+from moebench.sweep import SweepSpec, run_in_folder
 
 ON_GPU = torch.cuda.is_available()
 
 #: The layer shards the cases time, by name: (preset of moebench.models, layout). "tp8": the
 #: intermediate size split over 8 ranks; "ep8": one rank's 32 experts of 256, routing over all 256
-#: (a real EP8 shard: about M local pairs, reached through an expert map); "ep8-local": top-k routing
-#: over the 32 local experts alone (as vLLM's tuner routes, and the reference table's DeepSeek row).
+#: (a real EP8 shard: about M local pairs, reached through an expert map; through the sweep, the
+#: busiest of the 8 ranks); "ep8-local": top-k routing over the 32 local experts alone (as vLLM's
+#: tuner routes, and the reference table's DeepSeek row).
 BENCH_SHAPES = {"mixtral": ("mixtral-8x7b", "tp1"), "mixtral-tp8": ("mixtral-8x7b", "tp8"),
                 "qwen3-30b-a3b": ("qwen3-30b-a3b", "tp1"), "qwen3-235b-tp8": ("qwen3-235b-a22b", "tp8"),
                 "qwen3-next-80b-a3b": ("qwen3-next-80b-a3b", "tp1"), "dsv3-tp8": ("deepseek-v3", "tp8"),
@@ -65,6 +69,46 @@ def vllm_ref_us(shape: str, tokens: int) -> float:
     """design.md's reference latency of a shape at a token count, nan where the table has none."""
     row = VLLM_REF_US.get(SHAPE_ALIASES.get(shape, shape))
     return float(row[VLLM_REF_TOKENS.index(tokens)]) if row and tokens in VLLM_REF_TOKENS else float("nan")
+
+
+def shard_spec(name: str, tokens: list[int], dev: torch.device, experts: str, variants: list[str], *,
+               quant=None, routings: int = 1, reps: int | None = None) -> tuple[SweepSpec, str, object]:
+    """The sweep of one `bench_shape` shard with `experts` behind `no-dpep`: (spec, mode, link).
+    A shard whose experts are all local is a shape of its own, run in one process; one reached
+    through an expert map (an EP rank's share of routing over every expert) is a simulated EP run
+    over the TP ranks (tokens stay), the busiest rank's experts measured here. reps: timed calls
+    (the sweep's default where None); on a CPU (smoke runs) one call after none to warm up."""
+    e, k, h, inter, e_local = bench_shape(name)
+    spec = SweepSpec(shape=custom_shape(e, k, h, inter, name=name), tokens=tokens, experts=[experts],
+                     prepare_finalize=["no-dpep"], dtype=torch.bfloat16, device=dev.type, quant=quant,
+                     routings=routings, reps=reps if ON_GPU else 1,
+                     warmup=None if ON_GPU else 0, variants=variants)
+    if e_local == e:
+        return spec, "single", None
+    ranks = e // e_local
+    spec.layout = ParallelLayout.from_args(ranks, None, ranks)
+    link, _ = link_for(dev.type)
+    return spec, "simulate", link
+
+
+def run_shard(name: str, tokens: list[int], runs: Path, dev: torch.device, experts: list[tuple[str, list[str]]],
+              **kw) -> pd.DataFrame:
+    """Every (experts, its variants) of `experts` on shard `name` through the sweep, into one run
+    folder under `runs`: its rows (one per tokens, experts, variant; a simulated shard's rows once
+    per modeled all-reduce, whose experts time is the one measurement), as a frame."""
+    planned = [shard_spec(name, tokens, dev, ex, variants, **kw) for ex, variants in experts]
+    _, mode, link = planned[0]
+    store = run_in_folder([sp for sp, _, _ in planned], mode, runs, link=link,
+                          metadata={"benchmark": name, "tokens": tokens})
+    return rows_to_frame(store.rows)
+
+
+def write_table(df: pd.DataFrame, out_dir: Path, stem: str, head: str) -> None:
+    """Rewrite <stem>.csv and <stem>.md (head, then the table) under out_dir, each by an atomic
+    rename, and print the table's last line: a run cut off keeps every finished line."""
+    print(" ".join(f"{k}={v}" for k, v in df.iloc[-1].items()), flush=True)
+    atomic_write_text(out_dir / f"{stem}.csv", df.to_csv(index=False))
+    atomic_write_text(out_dir / f"{stem}.md", head + "\n\n" + markdown(df))
 
 
 def ok_rows(root: Path) -> pd.DataFrame:

@@ -1,6 +1,8 @@
-"""The `triton` layer's code paths for decode and prefill, A/B in one run: the layer (routing +
-experts via the modular kernel) with the defaults (`current`) against one TritonOptions field
-changed, on the same routing, CUDA-graph replay.
+"""The `triton` layer's code paths for decode and prefill, A/B in one run: the layer (the sweep's
+`triton` row behind `no-dpep`, routing given) with the defaults (`current`) against one
+TritonOptions field changed, on the same routing, CUDA-graph replay. Each variant is a registered
+sweep variant (the layer with its experts rebuilt from those options), checked against the float64
+reference and timed by the sweep's measure step; each round is one run folder under $OUT/runs.
 
     PYTHONPATH=. python -m benchmarks decode_launches [--tokens 1,2,4,16,64] [--shapes a,b] [--fp8] [--smoke]
         [--variants a,b] [--rounds N] [--reps N]
@@ -30,32 +32,30 @@ files, both GEMMs with the default heuristic's config (`configs.heuristic_config
 column `heuristic_cfg`; `heuristic/current` = default / tuned where a file exists); `again`: the current defaults timed a
 second time, last (`again/current`: the point's noise). --fp8: per-tensor fp8_w8a8 weights (GEMM1
 quantises the intermediate itself); --fp8-block: fp8_w8a8 with 128 x 128 block scales. --variants picks which run (default: all).
---rounds N times every variant N times, interleaved in a rotated order (median; `<name>_spread` =
+--rounds N times every variant N times, one sweep a round with the variants in a rotated order (median; `<name>_spread` =
 max / min over the rounds): at prefill one pass in a fixed order measured the same code 5-12%
 apart, as the clocks drift over a run (DEVELOPERS.md, GPU checks).
 Writes decode_launches[_fp8].csv / .md under $OUT (default ./bench-out). --smoke: tiny shapes on
-CPU under the Triton interpreter (checks the script; its times mean nothing).
+CPU under the Triton interpreter (checks the script; its times mean nothing). A variant a point
+cannot take (`sorted` without TMA) is a failed row; the table says why (`<name>_note`).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
-import torch
+import pandas as pd
 
 import moebench
-from moebench.errors import MoebenchError
 from moebench.kernels.triton.configs import TILE_KEYS, heuristic_config
 from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.options import TritonOptions, wants_direct_align
-from moebench.kernels.triton.routing import fused_topk_softmax
+from moebench.sweep.variants import Case, Variant, register
 
-from benchmarks.bench_common import (SMOKE_SHAPES, bench_shape, script_setup, seeded_inputs, shard_weights,
-                                     timed_us, write_rows)
+from benchmarks.bench_common import SMOKE_SHAPES, bench_shape, run_shard, script_setup, write_table
 
 DEFAULT_SHAPES = "mixtral,qwen3-30b-a3b,dsv3-ep8,qwen3-next-80b-a3b"
-#: name: (GEMM2's split_k or None, the options); "nodown" also gives GEMM1's looked-up config.
+#: name: (GEMM2's split_k or None, the options); "current" is the layer's own row.
 VARIANTS = {"current": (None, TritonOptions()), "nodirect": (None, TritonOptions(direct_align=False)),
             "direct": (None, TritonOptions(direct_align=True)),
             "notokenrows": (None, TritonOptions(token_rows=False)),
@@ -79,6 +79,59 @@ RATIOS = (("current", "nodirect"), ("direct", "current"), ("current", "notokenro
           ("swapab", "noswap"), ("current", "kg1"), ("kg2", "current"), ("heuristic", "current"), ("again", "current"))
 
 
+def _options_variant(name: str, split: int | None, opts: TritonOptions) -> Variant:
+    """The layer with the `triton` experts rebuilt from `opts` (and GEMM2's split): "nodown" gives
+    both GEMMs GEMM1's looked-up config, "heuristic" the default heuristic's (no file)."""
+
+    def build(case: Case):
+        x, w13, w2, _, ids, _, e = case.args
+        m, k = x.shape[0], ids.shape[1]
+        kw = dict(split_k=split, options=opts)
+        if name == "nodown":  # both GEMMs with GEMM1's config from the lookup
+            kw["config"] = dict(select_config(m, k, w13, w2, e, x.dtype)[0])
+        if name == "heuristic":  # no file: the default over the global experts, as the lookup falls back
+            kw["config"] = dict(heuristic_config(m, e, w2.shape[2], x.shape[1], k, x.dtype, quant=case.spec.quant))
+            case.notes["heuristic_cfg"] = "/".join(str(kw["config"][c]) for c in TILE_KEYS)
+        layer = case.rebuilt(**kw)
+        return lambda: layer.apply(*case.args)
+
+    return Variant(f"options-{name}", build, checked=True, about=f"the triton layer with {name}")
+
+
+OPTION_VARIANTS = {name: register(_options_variant(name, *v)) for name, v in VARIANTS.items() if name != "current"}
+
+
+def point_table(rows: pd.DataFrame, names: list[str], rounds: int, scheme) -> pd.DataFrame:
+    """One line per (shape, tokens): each variant's median time over the rounds (`<name>_us`),
+    their spread (max / min) with several rounds, its error against float64 (`<name>_err`), why a
+    variant could not run (`<name>_note`), and the RATIOS."""
+    rows = rows.drop_duplicates(["shape", "tokens", "variant", "round"]).copy()
+    rows["name"] = rows["variant"].fillna("").map(lambda v: v.removeprefix("options-") or "current")
+    rows["us"] = rows["experts_us"].where(rows["modeled"].astype(bool), rows["latency_us"])
+    out = []
+    for (shape, m), point in rows.groupby(["shape", "tokens"], sort=False):
+        e, k, _, _, e_local = bench_shape(shape)
+        row = dict(shape=shape, tokens=m, direct_rule=wants_direct_align(TritonOptions(), m, k, e, scheme, e_local < e))
+        for name in names:
+            got = point[point.name == name]
+            ok = got[got.status == "ok"]
+            if ok.empty:
+                reason = got["reason"].iloc[0] if len(got) else "not run"
+                row[f"{name}_note"] = f"n/a: {reason}"[:60]
+                continue
+            row[f"{name}_err"] = f"{ok['max_rel_err'].iloc[0]:.1e}"
+            row[f"{name}_us"] = round(float(ok["us"].median()), 1)
+            if rounds > 1:
+                row[f"{name}_spread"] = round(float(ok["us"].max() / ok["us"].min()), 3)
+            if name == "heuristic" and "x_heuristic_cfg" in ok:
+                row["heuristic_cfg"] = ok["x_heuristic_cfg"].iloc[0]
+        for a, b in RATIOS:
+            if f"{a}_us" in row and f"{b}_us" in row:
+                row[f"{a}/{b}"] = round(row[f"{a}_us"] / row[f"{b}_us"], 3)
+        out.append(row)
+    return pd.DataFrame(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,16,64")
@@ -90,72 +143,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, interleaved (median)")
     ap.add_argument("--reps", type=int, default=30, help="graph replays per timing")
     args = ap.parse_args(argv)
-    variants = dict(VARIANTS)
+    names = list(VARIANTS)
     if args.variants:
         keep = set(args.variants.split(",")) | {"current"}
-        variants = {n: v for n, v in variants.items() if n in keep}
+        unknown = keep - set(VARIANTS)
+        if unknown:
+            ap.error(f"unknown variant(s) {', '.join(sorted(unknown))}; pick from {', '.join(VARIANTS)}")
+        names = [n for n in names if n in keep]
     scheme = None
     if args.fp8 or args.fp8_block:
         scheme = moebench.QuantScheme(scales="block", block_shape=(128, 128)) if args.fp8_block else \
             moebench.QuantScheme(scales="tensor")
     stem = "decode_launches_fp8block" if args.fp8_block else "decode_launches_fp8" if args.fp8 else "decode_launches"
-    if args.smoke:
-        if args.shapes == DEFAULT_SHAPES:  # both smoke shapes unless some are named
-            args.shapes = ",".join(SMOKE_SHAPES)
+    if args.smoke and args.shapes == DEFAULT_SHAPES:  # both smoke shapes unless some are named
+        args.shapes = ",".join(SMOKE_SHAPES)
     out_dir, dev, head = script_setup((scheme.describe() if scheme else "bf16")
-                                      + "; layer = routing + triton experts (us)")
+                                      + "; layer = triton experts behind no-dpep, routing given (us)")
     print("# " + head, flush=True)
-    rows = []
+    tokens = [int(t) for t in args.tokens.split(",")]
+    variants = ["" if n == "current" else OPTION_VARIANTS[n].name for n in names]
+    frames = []
     for shape in args.shapes.split(","):
-        e, k, h, inter, e_local = bench_shape(shape)
-        dt = torch.bfloat16
-        w13, w2, emap = shard_weights(bench_shape(shape), scheme, dev)
-        for m in [int(t) for t in args.tokens.split(",")]:
-            x, logits = seeded_inputs(m, h, e, dt, dev)
-
-            def layer(kern):
-                tw, ids = fused_topk_softmax(logits, k, renormalize=True)
-                return kern.apply(x, w13, w2, tw, ids, expert_map=emap, num_experts=e)
-
-            row = dict(shape=shape, tokens=m,
-                       direct_rule=wants_direct_align(TritonOptions(), m, k, e, scheme, emap is not None))
-            ref = None
-            runs = {}  # name: the layer of each variant this point can take
-            for name, (split, opts) in variants.items():
-                kw = dict(split_k=split, options=opts)
-                if name == "nodown":  # both GEMMs with GEMM1's config from the lookup
-                    kw["config"] = dict(select_config(m, k, w13, w2, e, dt)[0])
-                if name == "heuristic":  # no file: the default over the global experts, as the lookup falls back
-                    kw["config"] = dict(heuristic_config(m, e, inter, h, k, dt, quant=scheme))
-                    row["heuristic_cfg"] = "/".join(str(kw["config"][c]) for c in TILE_KEYS)
-                kern = moebench.make_kernel("triton", "no-dpep", experts_kwargs=kw)
-                try:
-                    out = layer(kern)
-                except MoebenchError as ex:  # a forced option this point cannot take (`sorted` without TMA)
-                    row[f"{name}_note"] = f"n/a: {ex}"[:60]
-                    continue
-                if ref is None:
-                    tw, ids = fused_topk_softmax(logits, k, renormalize=True)
-                    ref = moebench.reference_moe(x, w13, w2, tw, ids, emap)
-                row[f"{name}_err"] = f"{((out.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item():.1e}"
-                runs[name] = lambda kern=kern: layer(kern)
-            # Timing: --rounds rounds over the variants, each round in a rotated order, so that a drift
-            # of the clocks over the run (prefill layers heat the GPU) spreads over all of them; a
-            # variant's time is the median of its rounds' medians.
-            times = {name: [] for name in runs}
-            names = list(runs)
-            for r in range(args.rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    times[name].append(timed_us(runs[name], reps=args.reps, graph_calls=5))
-            for name, ts in times.items():
-                row[f"{name}_us"] = round(statistics.median(ts), 1)
-                if args.rounds > 1:
-                    row[f"{name}_spread"] = round(max(ts) / min(ts), 3)
-            for a, b in RATIOS:
-                if f"{a}_us" in row and f"{b}_us" in row:
-                    row[f"{a}/{b}"] = round(row[f"{a}_us"] / row[f"{b}_us"], 3)
-            rows.append(row)
-            write_rows(rows, out_dir, f"{stem}", head)
-        w13 = w2 = None  # free this shape's weights before the next shape's
+        # each round one sweep of every variant, in an order rotated by one per round, so that a
+        # drift of the clocks over the run (prefill layers heat the GPU) spreads over all of them
+        for r in range(args.rounds):
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            rows = run_shard(shape, tokens, out_dir / "runs", dev, [("triton", order)], quant=scheme, reps=args.reps)
+            frames.append(rows.assign(shape=shape, round=r))
+        write_table(point_table(pd.concat(frames, ignore_index=True), names, args.rounds, scheme), out_dir, stem, head)
     print((out_dir / f"{stem}.md").read_text())
     return 0

@@ -6,8 +6,12 @@
     PYTHONPATH=. python -m benchmarks vllm_kernel --tokens 1,16,64,256,1024,4096 \
         --shapes mixtral,mixtral-tp8,qwen3-30b-a3b,qwen3-235b-tp8,deepseek-v3-tp8,deepseek-v3-ep8
 
-Per shape, precision and token count, on the same routings (CUDA-graph replay, median over
-routings; each layer is first checked against the float64 reference):
+Per shape and precision one sweep (moebench.sweep, `no-dpep`, one run folder under $OUT/runs):
+the rows of every column at each token count, on the same routings (cycled through the CUDA-graph
+replays, --routings of them; each layer is first checked against the float64 reference). The
+engine files are registered sweep variants of the `vllm-triton` experts (`file-new`,
+`file-vllm`, `file-sglang`: the experts with the file's nearest entry); `triton` is the layer's
+own row of the `triton` experts, `deepgemm` that of the `deepgemm` experts.
 
   files   the `vllm-triton` experts (vLLM's kernel structure: alignment, fp8 activation
           quantisation, GEMM1, SiLU-and-mul, GEMM2, top-k sum, as vLLM runs them) with each file's
@@ -23,8 +27,9 @@ routings; each layer is first checked against the float64 reference):
 
 Writes vllm_kernel_files.{csv,md} and vllm_kernel_triton.{csv,md} under $OUT. A point without a
 file for a column shows "-" (vLLM ships no H200 file for E=256,N=256 bf16, SGLang's set is
-smaller: the JSON files say which). --smoke: a tiny shape on a CPU under the interpreter (checks
-the script; its times mean nothing). --summary prints, per precision, how many points of the four
+smaller: the JSON files say which; its row in the run folder is a failed one saying so). --smoke:
+a tiny shape on a CPU under the interpreter, with stand-in files (checks the script; its times
+mean nothing). --summary prints, per precision, how many points of the four
 TP shapes (the default ones) are at or below the engine file and their median, then a row per shape: the ratio at 1, 16,
 64, 256, 1024 and 4096 tokens (bold: above), at or below, median, the engine file's layer over the
 weight-read floor at 16-256 tokens (`read_floor_us`, --read-gbs; the headline counts the points
@@ -45,18 +50,20 @@ import json
 import statistics
 from pathlib import Path
 
+import pandas as pd
 import torch
 
-import moebench
-from benchmarks.bench_common import bench_shape, script_setup, timed_us, write_rows
-from moebench.correctness import is_correct, relative_error
+from benchmarks.bench_common import bench_shape, run_shard, script_setup, write_rows, write_table
+from moebench.errors import MoebenchError
 from moebench.inputs import make_weights
 from moebench.kernels.engine_configs import engine_file_name
-from moebench.kernels.triton.configs import TILE_KEYS, load_config_file, nearest_entry
-from moebench.kernels.triton.experts import fused_moe, select_config
+from moebench.kernels.triton.configs import (TILE_KEYS, config_search_dirs, device_name, layer_config,
+                                             load_config_file, nearest_entry)
+from moebench.kernels.triton.experts import fused_moe
 from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.kernels.vllm_triton import vllm_fused_experts
 from moebench.quant import QuantScheme
+from moebench.sweep.variants import Case, Variant, register
 from moebench.tuning.files import write_engine_file
 
 #: name: (E, topk, H, I per rank) of a bench_common shard, the engines' file being E=..,N=I. The first
@@ -65,7 +72,9 @@ from moebench.tuning.files import write_engine_file
 SHAPES = {name: bench_shape(name)[:4] for name in ("mixtral-tp8", "qwen3-30b-a3b", "qwen3-235b-tp8", "deepseek-v3-tp8",
                                                    "mixtral", "deepseek-v3-ep8")}
 DEFAULT_SHAPES = ("mixtral-tp8", "qwen3-30b-a3b", "qwen3-235b-tp8", "deepseek-v3-tp8")
-SMOKE_SHAPES = {"tiny": (8, 2, 200, 64)}
+SMOKE_SHAPES = {"tiny": bench_shape("tiny")[:4]}
+#: the columns of the files table: the engine files as `vllm-triton` variants
+FILES = ("new", "vllm", "sglang")
 TOKENS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096]
 BLOCK = QuantScheme("fp8_w8a8", "block", (128, 128))
 HERE = Path(__file__).parent
@@ -221,100 +230,116 @@ def main(argv: list[str] | None = None) -> int:
         args.shapes, args.routings = "tiny", 1
     out_dir, dev, head = script_setup(f"{args.routings} routings per point")
     head = "# " + head
-    files_rows, triton_rows, kernel_rows = [], [], []
+    tokens = [int(t) for t in args.tokens.split(",")]
+    kernel_rows, frames = [], []
     for shape in args.shapes.split(","):
         e, k, h, n = shapes[shape]
         for prec in args.precisions.split(","):
             quant = BLOCK if prec == "fp8" else None
-            tables = {"new": tuned_table(args.tuned, e, n, quant), "vllm": engine_table("vllm", e, n, quant),
-                      "sglang": engine_table("sglang", e, n, quant)}
-            if args.smoke:  # the real files are for real shapes: stand-ins that exercise every column
-                small = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
-                tables = {"new": {1: small}, "vllm": {1: dict(small, BLOCK_SIZE_N=32)}, "sglang": None}
-            w13, w2 = make_weights(range(e), h, n, torch.bfloat16, str(dev), 0, quant=quant)
-            for m in [int(t) for t in args.tokens.split(",")]:
-                if args.profile:
+            tables = file_tables(args.tuned, e, n, quant, args.smoke)
+            if args.profile:
+                w13, w2 = make_weights(range(e), h, n, torch.bfloat16, str(dev), 0, quant=quant)
+                for m in tokens:
                     kernel_rows += _kernel_times(shape, prec, m, e, k, h, w13, w2, tables, dev)
                     if kernel_rows:  # none on a CPU: no device timeline
                         write_rows(kernel_rows, out_dir, "kernel_times", head + "; per-kernel CUDA time per call, eager")
-                    continue
-                per: dict[str, list[float]] = {c: [] for c in ("new", "vllm", "sglang", "triton", "deepgemm")}
-                dg_kernel, dg_note = _deepgemm_kernel(args.deepgemm, dev, w13, w2, quant)
-                errs: dict[str, float] = {}
-                for r in range(args.routings):
-                    g = torch.Generator(device=dev).manual_seed(1000 * r + m)
-                    x = torch.randn(m, h, dtype=torch.bfloat16, device=dev, generator=g)
-                    tw, ids = fused_topk_softmax(torch.randn(m, e, device=dev, generator=g), k, renormalize=True)
-                    ref = moebench.reference_moe(x, w13, w2, tw, ids) if r == 0 else None
-                    timed: dict[str, float] = {}  # one timing per distinct config: equal files, equal times
-                    for col, table in tables.items():
-                        if table is None:
-                            continue
-                        cfg = nearest_entry(table, m)[1]
-                        key = _cfg(table, m)
-                        fn = lambda cfg=cfg: vllm_fused_experts(x, w13, w2, tw, ids, cfg)  # noqa: E731
-                        if ref is not None:
-                            errs[col] = relative_error(fn(), ref)
-                        if key not in timed:
-                            timed[key] = timed_us(fn, reps=20, graph_calls=4)
-                        per[col].append(timed[key])
-                    tfn = lambda: fused_moe(x, w13, w2, tw, ids)  # noqa: E731
-                    if ref is not None:
-                        errs["triton"] = relative_error(tfn(), ref)
-                    per["triton"].append(timed_us(tfn, reps=20, graph_calls=4))
-                    if dg_kernel is not None:
-                        dfn = lambda: dg_kernel.apply(x, w13, w2, tw, ids)  # noqa: E731
-                        if ref is not None:
-                            errs["deepgemm"] = relative_error(dfn(), ref)
-                        per["deepgemm"].append(timed_us(dfn, reps=20, graph_calls=4))
-                    del ref
-                bad = [c for c, v in errs.items() if not is_correct(v, torch.bfloat16, quant)]
-                med = {c: statistics.median(v) if v else None for c, v in per.items()}
-
-                def ratio(a, b):
-                    return round(med[a] / med[b], 3) if med[a] and med[b] else "-"
-
-                us = {c: round(v, 1) if v is not None else "-" for c, v in med.items()}
-                files_rows.append(dict(
-                    shape=shape, precision=prec, tokens=m, new_us=us["new"], vllm_file_us=us["vllm"],
-                    sglang_file_us=us["sglang"], new_over_vllm=ratio("new", "vllm"), new_over_sglang=ratio("new", "sglang"),
-                    new_cfg=_cfg(tables["new"], m), vllm_cfg=_cfg(tables["vllm"], m), sglang_cfg=_cfg(tables["sglang"], m),
-                    max_err=f"{max(errs.values()):.2e}", wrong=",".join(bad) or "-"))
-                write_rows(files_rows, out_dir, "vllm_kernel_files", head + "; engine files in the vllm-triton experts")
-                eng = min((c for c in ("vllm", "sglang") if med[c]), key=lambda c: med[c], default=None)
-                triton_cfg = select_config(m, k, w13, w2, e, torch.bfloat16)
-                triton_rows.append(dict(
-                    shape=shape, precision=prec, tokens=m, triton_us=us["triton"],
-                    engine_us=us[eng] if eng else "-", engine_file=eng or "-",
-                    triton_over_engine=ratio("triton", eng) if eng else "-",
-                    triton_cfg="/".join(str(triton_cfg[0][kk]) for kk in TILE_KEYS), triton_cfg_source=triton_cfg[1],
-                    wrong=",".join(bad) or "-",
-                    **({"deepgemm_us": us["deepgemm"], "deepgemm_over_engine": ratio("deepgemm", eng) if eng else "-",
-                        "deepgemm_note": dg_note} if args.deepgemm else {})))
-                write_rows(triton_rows, out_dir, "vllm_kernel_triton",
-                           head + "; moebench's triton layer vs the faster engine file in the vllm-triton experts")
-            w13 = w2 = None
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+                continue
+            for col, table in tables.items():
+                register(Variant(f"file-{col}", _file_layer(col, table), checked=True,
+                                 about=f"the vllm-triton experts with {col}'s file"))
+            experts = [("vllm-triton", [f"file-{c}" for c in FILES]), ("triton", [""])]
+            if args.deepgemm:
+                experts.append(("deepgemm", [""]))
+            rows = run_shard(SHAPE_NAMES.get(shape, shape), tokens, out_dir / "runs", dev, experts, quant=quant,
+                             routings=args.routings, reps=20)
+            frames.append(rows.assign(shape=shape, precision=prec))
+            files, tri = point_tables(pd.concat(frames, ignore_index=True), tables_by_point(frames, args, shapes),
+                                      shapes, dev, args.deepgemm)
+            write_table(files, out_dir, "vllm_kernel_files", head + "; engine files in the vllm-triton experts")
+            write_table(tri, out_dir, "vllm_kernel_triton",
+                        head + "; moebench's triton layer vs the faster engine file in the vllm-triton experts")
     return 0
 
 
-def _deepgemm_kernel(wanted: bool, dev, w13, w2, quant):
-    """(the `deepgemm` layer, "") where asked for and it runs here, else (None, why not)."""
-    if not wanted:
-        return None, ""
-    from moebench.errors import MoebenchError
-    from moebench.kernels import deepgemm
+#: the bench_common shard behind each table name
+SHAPE_NAMES = {"deepseek-v3-tp8": "dsv3-tp8", "deepseek-v3-ep8": "dsv3-ep8-local"}
 
-    reason = deepgemm.DeepGemmExperts.unavailable_reason(dev.type)
-    if reason is None:
-        try:
-            deepgemm.check_shapes(w13, w2, quant, "deepgemm")
-        except MoebenchError as e:
-            reason = str(e)
-    if reason is not None:
-        return None, reason[:60]
-    return moebench.make_kernel("deepgemm", "no-dpep"), ""
+
+def file_tables(tuned: Path | None, e: int, n: int, quant, smoke: bool) -> dict[str, dict | None]:
+    """Each file column's entries for (E, N, scheme): the tuned file in `tuned`, vLLM's, SGLang's;
+    None where there is no file. The smoke run's stand-ins exercise every column on its tiny shape."""
+    if smoke:  # the real files are for real shapes
+        small = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+        return {"new": {1: small}, "vllm": {1: dict(small, BLOCK_SIZE_N=32)}, "sglang": None}
+    return {"new": tuned_table(tuned, e, n, quant), "vllm": engine_table("vllm", e, n, quant),
+            "sglang": engine_table("sglang", e, n, quant)}
+
+
+def tables_by_point(frames, args, shapes) -> dict[tuple[str, str], dict]:
+    """(shape, precision) -> its file tables, for the config columns."""
+    return {(sh, pr): file_tables(args.tuned, shapes[sh][0], shapes[sh][3], BLOCK if pr == "fp8" else None, args.smoke)
+            for sh, pr in {(f["shape"].iloc[0], f["precision"].iloc[0]) for f in frames if len(f)}}
+
+
+def _file_layer(col: str, table: dict | None):
+    """A variant's build: the case's `vllm-triton` layer with the nearest entry of `table`."""
+
+    def build(case: Case):
+        if table is None:
+            raise MoebenchError(f"no {col} file for this shape and precision")
+        layer = case.rebuilt(config=nearest_entry(table, case.tokens)[1])
+        return lambda: layer.apply(*case.args)
+
+    return build
+
+
+def triton_config(shape: tuple, m: int, quant, dev: torch.device) -> tuple[str, str]:
+    """GEMM1's config of the `triton` layer at m tokens of `shape` (E, topk, H, I) on `dev`, as its
+    lookup finds it: (M/N/K/G/w/s, where it came from)."""
+    e, k, h, n = shape
+    cfg, src = layer_config(m, local_experts=e, inter=n, hidden=h, topk=k, num_experts=e, dtype=torch.bfloat16,
+                            folders=config_search_dirs(), device_name=device_name(dev), quant=quant)
+    return "/".join(str(cfg[c]) for c in TILE_KEYS), src
+
+
+def point_tables(rows: pd.DataFrame, tables: dict, shapes: dict, dev: torch.device,
+                 deepgemm: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The files table (each file's layer, new / vllm, new / sglang, the entries, the largest error,
+    any column above its tolerance) and the triton table (the `triton` layer against the faster
+    of vLLM's and SGLang's files; the `deepgemm` layer beside them where asked for)."""
+    rows = rows.copy()
+    rows["col"] = rows["variant"].fillna("").str.removeprefix("file-").where(rows["variant"].fillna("") != "",
+                                                                               rows["experts"])
+    files, tri = [], []
+    for (shape, prec, m), point in rows.groupby(["shape", "precision", "tokens"], sort=False):
+        ok = point[point.status == "ok"].set_index("col")
+        us = {c: round(float(ok.at[c, "latency_us"]), 1) if c in ok.index else None
+              for c in (*FILES, "triton", "deepgemm")}
+        errs = ok["max_rel_err"].dropna()
+        bad = ",".join(ok.index[ok["correct"] == False]) or "-"  # noqa: E712 - a column, not a bool
+
+        def ratio(a, b):
+            return round(us[a] / us[b], 3) if us.get(a) and us.get(b) else "-"
+
+        entries = {c: _cfg(tables[shape, prec][c], m) for c in FILES}
+        files.append(dict(shape=shape, precision=prec, tokens=m, new_us=us["new"] or "-",
+                          vllm_file_us=us["vllm"] or "-", sglang_file_us=us["sglang"] or "-",
+                          new_over_vllm=ratio("new", "vllm"), new_over_sglang=ratio("new", "sglang"),
+                          new_cfg=entries["new"], vllm_cfg=entries["vllm"], sglang_cfg=entries["sglang"],
+                          max_err=f"{errs.max():.2e}" if len(errs) else "-", wrong=bad))
+        eng = min((c for c in ("vllm", "sglang") if us[c]), key=lambda c: us[c], default=None)
+        cfg, src = triton_config(shapes[shape], m, BLOCK if prec == "fp8" else None, dev)
+        row = dict(shape=shape, precision=prec, tokens=m, triton_us=us["triton"] or "-",
+                   engine_us=us[eng] if eng else "-", engine_file=eng or "-",
+                   triton_over_engine=ratio("triton", eng) if eng else "-", triton_cfg=cfg, triton_cfg_source=src,
+                   wrong=bad)
+        if deepgemm:
+            dg = point[point.experts == "deepgemm"]
+            note = "" if us["deepgemm"] else (dg["reason"].iloc[0] if len(dg) else "not run")[:60]
+            row.update(deepgemm_us=us["deepgemm"] or "-", deepgemm_over_engine=ratio("deepgemm", eng) if eng else "-",
+                       deepgemm_note=note)
+        tri.append(row)
+    return pd.DataFrame(files), pd.DataFrame(tri)
 
 
 def _kernel_times(shape, prec, m, e, k, h, w13, w2, tables, dev, calls: int = 10) -> list[dict]:

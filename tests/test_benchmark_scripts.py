@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import moebench
+from moebench.results import RunStore
 from moebench.errors import MoebenchError
 from moebench.kernels.triton.configs import TILE_KEYS, heuristic_config
 from moebench.kernels.triton.routing import fused_topk_softmax, topk_softmax_launch
@@ -201,7 +202,8 @@ def _smoke(case: str, tmp_path: Path, *args: str, csv_name: str | None = None) -
 
 
 def test_decode_launches_smoke(tmp_path):
-    # every variant (a TritonOptions each) correct against the reference, table written
+    # every variant (a TritonOptions each, a registered sweep variant) correct against the
+    # reference, a variant the point cannot take named with its reason, table written
     variants = ("nodirect", "twolaunch", "sk4", "heuristic")
     # one shape: the expert map's paths are the fp8 block smoke's
     rows = _smoke("decode_launches", tmp_path, "--tokens", "1,3", "--shapes", "tiny", "--variants",
@@ -209,6 +211,10 @@ def test_decode_launches_smoke(tmp_path):
     assert len(rows) == 2 and [r["direct_rule"] for r in rows] == ["True", "False"]
     assert all(float(r[f"{v}_err"]) < 2e-2 for r in rows for v in ("current",) + variants)
     assert all(float(r["sk4/current"]) > 0 and float(r["current/twolaunch"]) > 0 for r in rows)
+    assert all(r["sorted_note"].startswith("n/a: sorted_a needs") and not r.get("sorted_us") for r in rows)
+    saved = RunStore(next((tmp_path / "runs").iterdir())).rows  # one round: one sweep folder
+    assert sorted({r.variant for r in saved}) == ["", "options-heuristic", "options-nodirect", "options-sk4",
+                                                  "options-sorted", "options-twolaunch"]
     # `heuristic` ran the default heuristic's config of each point (tiny: E 16, top-2, H 64, I 32)
     for r in rows[:2]:
         cfg = heuristic_config(int(r["tokens"]), 16, 32, 64, 2, torch.bfloat16)
@@ -216,13 +222,21 @@ def test_decode_launches_smoke(tmp_path):
 
 
 def test_bench_triton_smoke(tmp_path):
-    # PERF.md's table: runs end to end, every point correct
+    # PERF.md's table through the sweep: the layer, its registered parts and the torch experts are
+    # rows of one run folder per shape, checked by the sweep's measure step
     rows = _smoke("bench_triton", tmp_path, "--tokens", "1")
     assert [r["shape"] for r in rows] == ["tiny", "tiny-map"]
-    assert all(float(r["max_rel_err"]) < 2e-2 for r in rows)
+    assert all(float(r["max_rel_err"]) < 2e-2 and float(r["gemms_err"]) < 2e-2 for r in rows)
     assert all(float(r["ref_us"]) == 191 for r in rows)  # the smoke shapes stand in for Mixtral's reference row
-    # the library bound ran on both shapes (grouped_mm and per-expert mm both time)
-    assert all(float(r["library_grouped_us"]) > 0 and float(r["library_mm_us"]) > 0 for r in rows)
+    parts = ("layer", "gemms", "gemm1", "gemm2", "align", "routing", "library-grouped", "library-mm", "torch")
+    assert all(float(r[f"{p}_us"]) > 0 for r in rows for p in parts)
+    assert all(r["align_kind"] == "direct" for r in rows)  # one token: the direct alignment
+    saved = [RunStore(f).rows for f in sorted((tmp_path / "runs").iterdir())]
+    assert [len(rs) for rs in saved] == [9, 18]  # tiny-map: a simulated EP4 shard, nccl and custom all-reduce rows
+    assert {r.variant for r in saved[0]} == {"", "gemms", "gemm1", "gemm2", "align", "routing", "library-grouped",
+                                             "library-mm"}
+    assert all(r.status == "ok" for rs in saved for r in rs)
+    assert {r.correct for r in saved[0] if r.variant in ("", "gemms")} == {True}
 
 
 def test_library_gemms_agree():
@@ -286,6 +300,13 @@ def test_vllm_kernel_smoke(tmp_path):
     tri = list(csv.DictReader(open(tmp_path / "vllm_kernel_triton.csv")))
     assert len(tri) == 4 and all(r["engine_file"] in ("vllm", "sglang") and r["wrong"] == "-" for r in tri)
     assert "| tiny | fp8 | 5 |" in (tmp_path / "vllm_kernel_files.md").read_text()
+    # one sweep folder per precision: the files as variants of the vllm-triton experts, then triton
+    for folder in (tmp_path / "runs").iterdir():
+        rows = RunStore(folder).rows
+        assert sorted((r.experts, r.variant, r.status) for r in rows if r.tokens == 5) == [
+            ("triton", "", "ok"), ("vllm-triton", "file-new", "ok"), ("vllm-triton", "file-sglang", "failed"),
+            ("vllm-triton", "file-vllm", "ok")]
+        assert all("no sglang file" in r.reason for r in rows if r.status == "failed")
 
 
 def test_engine_h200_data_files_hold_the_table_shapes():
@@ -346,6 +367,27 @@ def test_vllm_kernel_writes_the_shipped_files_tune_against_reads(tmp_path):
     assert tables[f"sglang/{sglang_dsv3.name}"] == engine_table("sglang", 256, 256, BLOCK)
     assert "[128, 128]" in sglang_dsv3.name  # SGLang's own spelling
     assert len(list((tmp_path / "vllm").glob("*.json"))) == 7
+
+
+@pytest.mark.gpu
+def test_bench_triton_and_decode_launches_run_on_the_gpu(tmp_path):
+    """The parts table and an options A/B compiled for the GPU, through the sweep: every part timed,
+    the layer and its GEMMs correct; a simulated EP8 shard (the expert map) among them."""
+    r = _runner("bench_triton", "--shapes", "qwen3-30b-a3b,dsv3-ep8", "--tokens", "1,64", env={"OUT": str(tmp_path)},
+                gpu=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "bench_triton.csv")))
+    assert [(x["shape"], x["tokens"]) for x in rows] == [("qwen3-30b-a3b", "1"), ("qwen3-30b-a3b", "64"),
+                                                         ("dsv3-ep8", "1"), ("dsv3-ep8", "64")]
+    assert all(float(x["max_rel_err"]) < 2e-2 and float(x["gemms_err"]) < 2e-2 for x in rows)
+    assert all(float(x[f"{p}_us"]) > 0 for x in rows for p in ("layer", "gemms", "gemm1", "gemm2", "align", "torch"))
+    r = _runner("decode_launches", "--shapes", "qwen3-30b-a3b", "--tokens", "4,256", "--variants", "nodirect,sorted,again",
+                "--rounds", "2", "--reps", "10", env={"OUT": str(tmp_path)}, gpu=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "decode_launches.csv")))
+    assert len(rows) == 2 and all(float(x[f"{v}_err"]) < 2e-2 for x in rows for v in ("current", "nodirect", "again"))
+    assert all(x.get("sorted_us") or x["sorted_note"].startswith("n/a: ") for x in rows)  # runs, or says why not
+    assert all(0.7 < float(x["again/current"]) < 1.3 for x in rows)
 
 
 @pytest.mark.gpu

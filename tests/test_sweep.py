@@ -152,7 +152,10 @@ def test_registered_variants_are_rows_of_their_own(tmp_path, monkeypatch):
     saved = [json.loads(line)["variant"] for line in (tmp_path / "run" / "rows.jsonl").read_text().splitlines()]
     assert sorted(saved) == ["", "again", "unchecked", "zeros"]
     assert run_local(spec, RunStore(tmp_path / "run")) == []  # resumed: every row is there
-    assert not RankRunner.runs_variants and not SimulatedRunner.runs_variants
+    from moebench.runtime.simulate import link_for
+    link, _ = link_for("cpu", None, None, None)
+    assert not RankRunner.runs_variants and not SimulatedRunner(link, experts_model=object()).runs_variants
+    assert SimulatedRunner(link).runs_variants  # experts measured here: see the next test
     with pytest.raises(Exception, match="unknown variant 'nope'; registered: again, unchecked, zeros"):
         V.get_variant("nope")
 
@@ -168,4 +171,39 @@ def test_a_runner_without_variants_skips_them_with_a_reason(tmp_path):
                      dtype=torch.float32, device="cpu", variants=["", "gemm"])
     rows = {r.variant: r for r in run_cases(spec, RunStore(tmp_path / "run"), LayerOnly())}
     assert rows[""].status == "ok" and rows[""].latency_us == 1.0
-    assert rows["gemm"].status == "skipped" and "variant 'gemm' is timed in one process only" in rows["gemm"].reason
+    assert rows["gemm"].status == "skipped" and "variant 'gemm' is timed on this device only" in rows["gemm"].reason
+
+
+def test_a_simulated_share_times_variants_once_per_case(tmp_path, monkeypatch):
+    """With --simulate and the experts measured here, a variant runs on the busiest rank's share
+    (its expert map, its tokens): checked against that share's reference, its time the row's
+    experts_us. The experts half is measured once for the case's all-reduce choices (nccl and
+    custom rows differ only in the modeled all-reduce)."""
+    from moebench.layout import ParallelLayout
+    from moebench.runtime.simulate import link_for
+    from moebench.sweep import run_simulated
+    from moebench.sweep import variants as V
+
+    monkeypatch.setattr(V, "_VARIANTS", {})
+    built = []
+
+    def layer_on_share(case):
+        built.append((case.tokens, case.args[5] is not None))  # the share's expert map under EP
+        return lambda: case.layer.apply(*case.args)
+
+    V.register(V.Variant("share", layer_on_share, checked=True))
+    V.register(V.Variant("zeros", lambda case: (lambda: torch.zeros_like(case.args[0])), checked=True))
+    link, _ = link_for("cpu", None, None, None)
+    spec = SweepSpec(shape=custom_shape(8, 2, 32, 16), tokens=[4], layout=ParallelLayout.from_args(2, None, 2),
+                     experts=["torch"], prepare_finalize=["no-dpep"], dtype=torch.float32, reps=1, warmup=0,
+                     variants=["", "share", "zeros"])  # EP over the TP ranks: tokens stay, an all-reduce sums
+    rows = [r for r in run_simulated(spec, RunStore(tmp_path / "run", metadata={}), link)]
+    by = {(r.allreduce, r.variant): r for r in rows}
+    assert {a for a, _ in by} == {"nccl", "custom"} and {v for _, v in by} == {"", "share", "zeros"}
+    assert all(r.status == "ok" and r.modeled for r in rows)
+    assert built == [(4, True)]  # built once: the custom row reuses the nccl row's measurement
+    for ar in ("nccl", "custom"):
+        assert by[ar, "share"].correct and by[ar, "zeros"].correct is False
+        assert by[ar, "share"].latency_us == pytest.approx(by[ar, "share"].experts_us + by[ar, "share"].allreduce_us)
+    assert by["nccl", "share"].experts_us == by["custom", "share"].experts_us
+    assert by["nccl", "share"].allreduce_us != by["custom", "share"].allreduce_us

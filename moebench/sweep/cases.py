@@ -140,7 +140,8 @@ def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,
                         continue
                     why = reason
                     if why is None and variant and not runner.runs_variants:
-                        why = f"variant '{variant}' is timed in one process only (no --world-size, no --simulate)"
+                        why = (f"variant '{variant}' is timed on this device only (one process, or --simulate with the "
+                               f"experts measured here), not on real ranks or with a modeled experts time")
                     if why is not None:
                         row.status, row.reason = "skipped", why
                     else:

@@ -51,6 +51,7 @@ from moebench.sweep.layer import (
     shared_gate,
 )
 from moebench.sweep.measure import measure
+from moebench.sweep.variants import Case, get_variant
 
 
 def _stand_in(pf_name: str) -> str:
@@ -84,6 +85,12 @@ class SimulatedRunner(CaseRunner):
     def __init__(self, link, experts_model=None):
         self.link = as_comm_model(link)
         self.experts_model = experts_model
+        # a variant is a call timed on this device: with a modeled experts time there is none
+        self.runs_variants = experts_model is None
+        # the experts half of the current case (tokens, pf, ex), shared by its all-reduce choices
+        # (only the modeled communication differs): {"case": (m, pf, ex), variant: what its
+        # measure step filled}
+        self.measured: dict = {}
         self.weights_cache: dict[tuple, tuple] = {}
         self.check_cache: dict[tuple, tuple] = {}
         self.check_weights: dict[tuple, tuple] = {}
@@ -323,32 +330,16 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
         t = Timing(floor, floor, floor, 0, f"roofline model ({experts_model.device_name}, {experts_model.source})")
         ceilings = experts_model
     else:
-        kernel = share.kernel(spec, pf, ex)
-        exo = kernel.experts
-        xa, w13, w2, wts_a, ids_a, emap_a, n_exp = share.args
-        lw, gate, own, x = share.lw, share.gate, share.own, share.x
-
-        def time_experts():
-            # the rank's experts alone: the tokens laid out once, outside the timed calls
-            prep = kernel.kernel.prepare(xa, w13, w2, wts_a, ids_a, emap_a, n_exp)
-
-            def step():
-                if spec.activation == SILU and lw.bias is None:
-                    exo.apply(prep, w13, w2)
-                else:
-                    exo.apply(prep, w13, w2, activation=spec.activation, bias=lw.bias)
-                if lw.shared_w13 is not None:
-                    shared_mlp(x[own], lw.shared_w13, lw.shared_w2, spec.activation,
-                               None if gate is None else gate[own])
-
-            return time_fn(step, spec.device, **spec.timing_kwargs())
-
-        outcome = measure(lambda: kernel.apply(*share.args), time_experts, dtype=spec.dtype, quant=spec.quant,
-                          **(share.references(spec) if spec.check else {}))
-        outcome.fill(row)
-        t = outcome.timing
-        # Backends that pick a tile config say where it came from (as in a measured sweep).
-        row.config_source = kernel.experts.last_config_source or ""
+        if runner.measured.get("case") != (m, pf, ex):
+            runner.measured = {"case": (m, pf, ex)}
+        if row.variant not in runner.measured:
+            runner.measured[row.variant] = _measure_share(spec, share, pf, ex, m, row.variant)
+        done = runner.measured[row.variant]
+        t = done["timing"]
+        for name in ("max_rel_err", "correct", "err_vs_unquantized", "config_source"):
+            if done[name] is not None:
+                setattr(row, name, done[name])
+        row.extra.update(done["notes"])
     row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.nvlink})"
 
     row.dispatch_us, row.combine_us, row.allreduce_us = res.dispatch_us, res.combine_us, res.allreduce_us
@@ -373,3 +364,44 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
         m_ = metrics.metrics(row.experts_us, flops, nbytes, ceilings, dtype=row.dtype)
         row.tflops, row.gbps, row.roofline_frac, row.floor_us = m_["tflops"], m_["gbps"], m_["roofline_frac"], m_["floor_us"]
         row.ceilings_source = getattr(ceilings, "source", "")
+
+
+def _measure_share(spec, share: _Share, pf: str, ex: str, m: int, variant: str) -> dict:
+    """Check and time the experts half of a case on this device: the rank's experts alone (the
+    tokens laid out once, outside the timed calls), or a registered variant's call on the share.
+    Returns the filled check columns, the timing, the config source and the variant's notes."""
+    kernel = share.kernel(spec, pf, ex)
+    refs = share.references(spec) if spec.check else {}
+    notes: dict = {}
+    if variant:
+        v = get_variant(variant)
+        case = Case(spec, m, kernel, share.args, share.lw)
+        call = v.build(case)
+        outcome = measure(call, lambda: time_fn(call, spec.device, **spec.timing_kwargs()), dtype=spec.dtype,
+                          quant=spec.quant, **(refs if v.checked else {}))
+        notes = case.notes
+    else:
+        exo = kernel.experts
+        xa, w13, w2, wts_a, ids_a, emap_a, n_exp = share.args
+        lw, gate, own, x = share.lw, share.gate, share.own, share.x
+
+        def time_experts():
+            prep = kernel.kernel.prepare(xa, w13, w2, wts_a, ids_a, emap_a, n_exp)
+
+            def step():
+                if spec.activation == SILU and lw.bias is None:
+                    exo.apply(prep, w13, w2)
+                else:
+                    exo.apply(prep, w13, w2, activation=spec.activation, bias=lw.bias)
+                if lw.shared_w13 is not None:
+                    shared_mlp(x[own], lw.shared_w13, lw.shared_w2, spec.activation,
+                               None if gate is None else gate[own])
+
+            return time_fn(step, spec.device, **spec.timing_kwargs())
+
+        outcome = measure(lambda: kernel.apply(*share.args), time_experts, dtype=spec.dtype, quant=spec.quant,
+                          **refs)
+    return {"timing": outcome.timing, "max_rel_err": outcome.max_rel_err, "correct": outcome.correct,
+            "err_vs_unquantized": outcome.err_vs_unquantized, "notes": notes,
+            # backends that pick a tile config say where it came from (as in a measured sweep)
+            "config_source": kernel.experts.last_config_source or ""}

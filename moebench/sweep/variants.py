@@ -16,6 +16,8 @@ from typing import Any, Callable
 import torch
 
 from moebench.errors import MoebenchError
+from moebench.kernels.layer import MoELayer
+from moebench.kernels.modular import FusedMoEKernel
 
 
 @dataclass
@@ -31,6 +33,15 @@ class Case:
     lw: Any
     #: what a variant's build may keep for its columns (written to the row's extra)
     notes: dict = field(default_factory=dict)
+
+    def rebuilt(self, **experts_kwargs) -> MoELayer:
+        """The case's layer with its experts made again from `experts_kwargs` (the same class,
+        prepare/finalize, activation, biases and shared MLP): a variant that changes a backend's
+        options."""
+        lay = self.layer
+        kernel = FusedMoEKernel(lay.prepare_finalize, type(lay.experts)(**experts_kwargs))
+        return MoELayer(kernel, lay.activation, lay.bias, lay.shared_w13, lay.shared_w2, lay.shared_gate,
+                        lay.shared_rows)
 
 
 @dataclass(frozen=True)
