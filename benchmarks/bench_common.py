@@ -21,6 +21,7 @@ from moebench.report import markdown
 from moebench.results import atomic_write_text, rows_to_frame
 from moebench.runtime.simulate import link_for
 from moebench.sweep import SweepSpec, run_in_folder
+from moebench.sweep.variants import Case, Variant, register
 
 ON_GPU = torch.cuda.is_available()
 
@@ -72,7 +73,8 @@ def vllm_ref_us(shape: str, tokens: int) -> float:
 
 
 def shard_spec(name: str, tokens: list[int], dev: torch.device, experts: str, variants: list[str], *,
-               quant=None, routings: int = 1, reps: int | None = None) -> tuple[SweepSpec, str, object]:
+               quant=None, routings: int = 1, reps: int | None = None, check: bool = True,
+               shapes: dict | None = None) -> tuple[SweepSpec, str, object]:
     """The sweep of one `bench_shape` shard with `experts` behind `no-dpep`: (spec, mode, link).
     A shard whose experts are all local is a shape of its own, run in one process; one reached
     through an expert map (an EP rank's share of routing over every expert) is a simulated EP run
@@ -82,7 +84,7 @@ def shard_spec(name: str, tokens: list[int], dev: torch.device, experts: str, va
     spec = SweepSpec(shape=custom_shape(e, k, h, inter, name=name), tokens=tokens, experts=[experts],
                      prepare_finalize=["no-dpep"], dtype=torch.bfloat16, device=dev.type, quant=quant,
                      routings=routings, reps=reps if ON_GPU else 1,
-                     warmup=None if ON_GPU else 0, variants=variants)
+                     warmup=None if ON_GPU else 0, variants=variants, check=check)
     if e_local == e:
         return spec, "single", None
     ranks = e // e_local
@@ -216,3 +218,21 @@ def library_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, local_id
         return y
 
     return {"grouped": grouped, "mm": per_expert}
+
+
+def _library_variant(how: str):
+    def build(case: Case):
+        x, w13, w2, _, ids, emap, _ = case.args
+        local = ids.long() if emap is None else emap.long()[ids.long()]
+        calls = library_gemms(x, w13, w2, local)
+        if not calls:
+            raise MoebenchError("no pair of this rank's share is local: no GEMM to time")
+        return calls[how]
+    return build
+
+
+#: the library bounds as sweep variants (16-bit weights): "library-grouped" (torch.grouped_mm),
+#: "library-mm" (one torch.mm per hit expert)
+LIBRARY_VARIANTS = tuple(register(Variant(f"library-{how}", _library_variant(how), about=about)).name for how, about in (
+    ("grouped", "the layer's two GEMMs by torch.grouped_mm on x in expert order, less work than the layer"),
+    ("mm", "the layer's two GEMMs by one torch.mm per hit expert, less work than the layer")))

@@ -48,12 +48,12 @@ from moebench.kernels.triton.options import (
 from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.sweep.variants import Case, Variant, register
 
-from benchmarks.bench_common import (SMOKE_SHAPES, library_gemms, run_shard, script_setup, seeded_inputs,
+from benchmarks.bench_common import (LIBRARY_VARIANTS, SMOKE_SHAPES, run_shard, script_setup, seeded_inputs,
                                      vllm_ref_us, write_table)
 
 SHAPES = ("mixtral", "qwen3-30b-a3b", "dsv3-ep8-local", "dsv3-ep8")  # bench_common.BENCH_SHAPES names
 TOKENS = [1, 16, 64, 256, 1024, 4096]
-PARTS = ("gemms", "gemm1", "gemm2", "align", "routing", "library-grouped", "library-mm")
+PARTS = ("gemms", "gemm1", "gemm2", "align", "routing", *LIBRARY_VARIANTS)
 
 
 class LayerParts:
@@ -101,17 +101,6 @@ def _routing(case: Case):
     return lambda: fused_topk_softmax(logits, k, renormalize=True)
 
 
-def _library(how: str):
-    def build(case: Case):
-        x, w13, w2, _, ids, emap, _ = case.args
-        local = ids.long() if emap is None else emap.long()[ids.long()]
-        calls = library_gemms(x, w13, w2, local)
-        if not calls:
-            raise MoebenchError("no pair of this rank's share is local: no GEMM to time")
-        return calls[how]
-    return build
-
-
 for _variant in (
     Variant("gemms", lambda case: LayerParts(case).gemms, checked=True,
             about="both GEMMs, alignment made outside the timed call"),
@@ -119,8 +108,6 @@ for _variant in (
     Variant("gemm2", lambda case: LayerParts(case).gemm2(), about="GEMM2 + router weight + top-k sum"),
     Variant("align", lambda case: LayerParts(case).aligned, about="the alignment the layer takes"),
     Variant("routing", _routing, about="softmax top-k, renormalised, one Triton launch"),
-    Variant("library-grouped", _library("grouped"), about="the two GEMMs by torch.grouped_mm, less work"),
-    Variant("library-mm", _library("mm"), about="the two GEMMs by one torch.mm per hit expert, less work"),
 ):
     register(_variant)
 

@@ -1,41 +1,42 @@
 """Prefill by a vendor grouped GEMM: DeepGEMM's two contiguous grouped GEMMs alone, on the rows of
 the same routing, against the `triton` layer, the `deepgemm` layer (the adapter's glue included)
-and, for bf16, torch's grouped GEMM; every time also over the compute floor (2 x pairs x 3 x H x I /
-the matmul ceiling). The question it answers: can a layer built around the vendor GEMM come within
-1.5x of the floor where the Triton layer does not, and how much of the `deepgemm` layer is glue.
+and, for bf16, torch's grouped GEMM; every time also over the sweep's floor (at these token counts
+the compute floor, 2 x pairs x 3 x H x I / the matmul ceiling). The question it answers: can a layer
+built around the vendor GEMM come within 1.5x of the floor where the Triton layer does not, and how
+much of the `deepgemm` layer is glue.
 
     PYTHONPATH=. python -m benchmarks vendor_gemms [--shapes a,b] [--tokens 1024,4096] [--fp8-block]
-        [--ceilings bf16=749.6,fp8=1336.2] [--warm] [--smoke]
+        [--warm] [--smoke]
 
-The GEMM-alone rows use the adapter's psum layout (`moe_align_block_size` with DeepGEMM's 128-row
-alignment as the block, `moebench.kernels.deepgemm.grouped_layout`) on the routed pairs, with activation values drawn at random (the
-time does not depend on them); routing is done once, outside the timed region. Needs deep_gemm
-(README, "Vendor libraries"); without it the DeepGEMM columns say why and the rest still runs.
+Each shape is one sweep (moebench.sweep, `no-dpep`, a run folder under $OUT/runs): the `triton`
+layer; the `deepgemm` layer with its GEMMs alone as registered variants (`dg-gemm1`, `dg-gemm2`),
+on the adapter's psum layout (`moe_align_block_size` with DeepGEMM's 128-row alignment as the
+block, `moebench.kernels.deepgemm.grouped_layout`) of the routed pairs, with activation values drawn
+at random (the time does not depend on them); for bf16 `library-grouped` (bench_common). Routing is
+given, outside the timed region. Needs deep_gemm (README, "Vendor libraries"); without it the
+DeepGEMM rows are skipped by the sweep with the reason, and the table's `deepgemm_note` says it.
+--warm runs every call once, unchecked (fills DeepGEMM's and Triton's caches).
 """
 
 from __future__ import annotations
 
 import argparse
 
+import pandas as pd
 import torch
 
 import moebench
-from moebench.errors import MoebenchError
 from moebench.kernels import deepgemm as dgk
 from moebench.kernels.token_layout import local_topk_ids
 from moebench.kernels.triton.align import moe_align_block_size
-from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.quant import FP8_DTYPE
+from moebench.sweep.variants import Case, Variant, register
 
-from benchmarks.bench_common import bench_shape, library_gemms, script_setup, seeded_inputs, shard_weights, timed_us, write_rows
+from benchmarks.bench_common import run_shard, script_setup, write_table
 
 DEFAULT_SHAPES = "mixtral-tp8,qwen3-30b-a3b,qwen3-235b-tp8,dsv3-tp8,mixtral,dsv3-ep8-local"
 #: --smoke: H and I of one 128-column fp8 scale group, so every column runs
 SMOKE = {"tiny": (16, 2, 128, 128, 16)}
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> str:
-    return f"{((out.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item():.1e}"
 
 
 def _dg_gemms(dg, ids_local, e: int, h: int, inter: int, w13, w2, fp8: bool, dev) -> dict:
@@ -62,86 +63,73 @@ def _dg_gemms(dg, ids_local, e: int, h: int, inter: int, w13, w2, fp8: bool, dev
             "gemm2": lambda: dg.m_grouped_bf16_gemm_nt_contiguous(act, w2, y, group_end, **kw)}
 
 
+def _dg_variant(which: str):
+    def build(case: Case):
+        import deep_gemm as dg
+
+        x, w13, w2, _, ids, emap, _ = case.args
+        dgk.check_shapes(w13, w2, case.spec.quant, "deepgemm")
+        e_local, h, inter = w2.shape
+        calls = _dg_gemms(dg, local_topk_ids(ids, emap), e_local, h, inter, w13, w2, case.spec.quant is not None,
+                          x.device)
+        return calls[which]
+    return build
+
+
+DG_VARIANTS = tuple(register(Variant(f"dg-{g}", _dg_variant(g), about=f"DeepGEMM's {g} alone, contiguous layout")).name
+                    for g in ("gemm1", "gemm2"))
+
+
+def vendor_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """One line per (shape, tokens): each layer's and GEMM's time, error, and over the floor; a
+    column that did not run says why (`<name>_note`)."""
+    rows = rows.copy()
+    rows["name"] = rows["variant"].fillna("").str.replace("-", "_")
+    rows["name"] = rows["name"].where(rows["name"] != "", rows["experts"]).replace("library_grouped", "torch_grouped")
+    out = []
+    for (shape, m), point in rows.groupby(["shape", "tokens"], sort=False):
+        layer = point[(point.experts == "triton") & (point.name == "triton")]
+        row = dict(shape=shape, tokens=m, floor_us=round(float(layer["floor_us"].iloc[0]), 1) if len(layer) else "")
+        for _, r in point.iterrows():
+            if r.status != "ok":
+                row[f"{r['name']}_note"] = str(r.reason)[:60]
+                continue
+            if r.max_rel_err == r.max_rel_err and r.max_rel_err is not None:
+                row[f"{r['name']}_err"] = f"{r.max_rel_err:.1e}"
+            row[f"{r['name']}_us"] = round(float(r.latency_us), 1)
+        if "dg_gemm1_us" in row and "dg_gemm2_us" in row:
+            row["dg_gemms_us"] = round(row["dg_gemm1_us"] + row["dg_gemm2_us"], 1)
+        for name in ("triton", "deepgemm", "dg_gemms", "torch_grouped"):
+            if f"{name}_us" in row and row["floor_us"]:
+                row[f"{name}/floor"] = round(row[f"{name}_us"] / row["floor_us"], 2)
+        out.append(row)
+    return pd.DataFrame(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--tokens", default="1024,4096")
     ap.add_argument("--fp8-block", action="store_true", help="fp8_w8a8 weights with 128 x 128 block scales")
-    ap.add_argument("--ceilings", default="bf16=749.6,fp8=1336.2", help="matmul ceilings, TFLOP/s")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warm", action="store_true",
-                    help="run every kernel once, unchecked and untimed (fills DeepGEMM's and Triton's caches)")
+                    help="run every call once, unchecked (fills DeepGEMM's and Triton's caches)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
-    ceil = {k: float(v) for k, v in (p.split("=") for p in args.ceilings.split(","))}
     fp8 = args.fp8_block
     scheme = moebench.QuantScheme(scales="block", block_shape=(128, 128)) if fp8 else None
     if args.smoke:
         args.shapes, args.tokens = ",".join(SMOKE), "8"
     out_dir, dev, head = script_setup((scheme.describe() if scheme else "bf16")
-                                      + "; layers without routing, GEMMs alone (us); floor = compute floor")
+                                      + "; layers without routing, GEMMs alone (us); floor = the sweep's")
     print("# " + head, flush=True)
-    dg_reason = dgk.DeepGemmExperts.unavailable_reason(dev.type)
-    dg = None
-    if dg_reason is None:
-        import deep_gemm as dg
     stem = ("vendor_gemms_fp8block" if fp8 else "vendor_gemms") + ("_warm" if args.warm else "")
-    rows = []
+    experts = [("triton", [""] if fp8 else ["", "library-grouped"]), ("deepgemm", ["", *DG_VARIANTS])]
+    frames = []
     for shape in args.shapes.split(","):
-        dims = SMOKE[shape] if shape in SMOKE else bench_shape(shape)
-        e, k, h, inter, e_local = dims
-        dt = torch.bfloat16
-        w13, w2, emap = shard_weights(dims, scheme, dev)
-        for m in [int(t) for t in args.tokens.split(",")]:
-            x, logits = seeded_inputs(m, h, e, dt, dev)
-            tw, ids = fused_topk_softmax(logits, k, renormalize=True)
-            ids_local = local_topk_ids(ids, emap)
-            pairs = int((ids_local >= 0).sum())
-            floor_us = 2 * pairs * 3 * h * inter / (ceil["fp8" if fp8 else "bf16"] * 1e12) * 1e6
-            row = dict(shape=shape, tokens=m, pairs=pairs, floor_us=round(floor_us, 1))
-            ref = None if args.warm else moebench.reference_moe(x, w13, w2, tw, ids, emap)
-            layers = {"triton": None, "deepgemm": dg_reason}
-            for name, reason in layers.items():
-                if reason is not None:
-                    row[f"{name}_note"] = reason[:60]
-                    continue
-                kern = moebench.make_kernel(name, "no-dpep")
-
-                def layer(kern=kern):
-                    return kern.apply(x, w13, w2, tw, ids, expert_map=emap, num_experts=e)
-                try:
-                    out = layer()
-                except MoebenchError as ex:
-                    row[f"{name}_note"] = str(ex)[:60]
-                    continue
-                if args.warm:
-                    continue
-                row[f"{name}_err"] = _rel_err(out, ref)
-                row[f"{name}_us"] = round(timed_us(layer, reps=args.reps, graph_calls=5), 1)
-            gemms = {}
-            if dg is not None:
-                try:
-                    dgk.check_shapes(w13, w2, scheme, "deepgemm")
-                    gemms.update({f"dg_{n}": f for n, f in _dg_gemms(dg, ids_local, e_local, h, inter, w13, w2, fp8, dev).items()})
-                except MoebenchError as ex:
-                    row["dg_note"] = str(ex)[:60]
-            if not fp8:
-                lib = library_gemms(x, w13, w2, ids_local)
-                if "grouped" in lib:
-                    gemms["torch_grouped"] = lib["grouped"]
-            for name, fn in gemms.items():
-                fn()
-                if args.warm:
-                    continue
-                row[f"{name}_us"] = round(timed_us(fn, reps=args.reps, graph_calls=5), 1)
-            if "dg_gemm1_us" in row:
-                row["dg_gemms_us"] = round(row["dg_gemm1_us"] + row["dg_gemm2_us"], 1)
-            for name in ("triton", "deepgemm", "dg_gemms", "torch_grouped"):
-                if f"{name}_us" in row and floor_us > 0:
-                    row[f"{name}/floor"] = round(row[f"{name}_us"] / floor_us, 2)
-            rows.append(row)
-            write_rows(rows, out_dir, stem, head)
-            ref = None
-        w13 = w2 = None
+        rows = run_shard(shape, [int(t) for t in args.tokens.split(",")], out_dir / "runs", dev, experts, quant=scheme,
+                         reps=1 if args.warm else args.reps, check=not args.warm, shapes=SMOKE)
+        frames.append(rows.assign(shape=shape))
+        write_table(vendor_table(pd.concat(frames, ignore_index=True)), out_dir, stem, head)
     print((out_dir / f"{stem}.md").read_text())
     return 0

@@ -405,6 +405,6 @@ def test_vllm_kernel_profile_lists_each_layers_launches(tmp_path):
 def test_vendor_gemms_smoke(tmp_path):
     # without deep_gemm the DeepGEMM columns say why; the triton layer is checked, the floor computed
     rows = _smoke("vendor_gemms", tmp_path, csv_name="vendor_gemms.csv")
-    assert len(rows) == 1 and int(rows[0]["pairs"]) == 16 and float(rows[0]["floor_us"]) >= 0
+    assert len(rows) == 1 and float(rows[0]["floor_us"]) > 0 and float(rows[0]["torch_grouped_us"]) > 0
     assert float(rows[0]["triton_err"]) < 2e-2
     assert rows[0].get("deepgemm_note") or float(rows[0]["deepgemm_err"]) < 2e-2
