@@ -631,17 +631,11 @@ def job_layer_times(c: Ctx) -> None:
     table = layer_times_table(runs)
     if table is not None:
         table.to_csv(c.out / "layer_times.csv", index=False)
-        (c.out / "layer_times.md").write_text(markdown_table(table))
+        from moebench.report import markdown
+
+        (c.out / "layer_times.md").write_text(markdown(table))
         c.say(table.to_string(index=False))
     shutil.rmtree(c.results, ignore_errors=True)
-
-
-def markdown_table(df) -> str:
-    cols = [str(c) for c in df.columns]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join("" if v != v else f"{v:.1f}" if isinstance(v, float) and c in ("new", "base") else str(v)
-                                for c, v in zip(cols, row)) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines) + "\n"
 
 
 def layer_times_table(runs: Path):
@@ -663,7 +657,7 @@ def layer_times_table(runs: Path):
     table = df.pivot_table(index=POINT_KEYS, columns="tree", values="measured_us", aggfunc="median").reset_index()
     if {"new", "base"} <= set(table.columns):
         table["new_over_base"] = (table["new"] / table["base"]).round(3)
-    return table
+    return table.round({"new": 1, "base": 1})
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,8 @@ def test_device_run_logs_each_step(tmp_path):
 def test_layer_times_ab_table_pairs_the_trees(tmp_path):
     """layer_times with BASE: each point's median over rounds per tree, new / base; a simulated TP
     row counts its measured experts time (its all-reduce is modeled), failed rows none."""
-    from benchmarks.device import layer_times_table, markdown_table
+    from benchmarks.device import layer_times_table
+    from moebench.report import markdown
 
     def write(tree, rnd, rows):
         d = tmp_path / tree / rnd / "run"
@@ -147,8 +148,8 @@ def test_layer_times_ab_table_pairs_the_trees(tmp_path):
     assert table.loc[(1, 16), "new"] == 11.0 and table.loc[(1, 16), "base"] == 22.0
     assert table.loc[(1, 16), "new_over_base"] == 0.5 and table.loc[(8, 16), "new_over_base"] == 0.8
     assert (1, 64) not in table.index
-    md = markdown_table(table.reset_index())
-    assert md.splitlines()[0].endswith("| new_over_base |") and "| 11.0 | 0.5 |" in md
+    md = markdown(table.reset_index())
+    assert md.splitlines()[0].endswith("| base | new | new_over_base |") and "| 22 | 11 | 0.5 |" in md
     assert layer_times_table(tmp_path / "none") is None
 
 
