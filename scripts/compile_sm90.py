@@ -8,7 +8,17 @@ machine, first. Prints one line per kernel variant; exit status 1 on the first f
 
     python scripts/compile_sm90.py                 # not under TRITON_INTERPRET=1
     python scripts/compile_sm90.py --ptx-hashes    # + a hash of each variant's PTX
-    python scripts/compile_sm90.py --sample        # each weight-only scheme at one of its two tiles (the suite's run)
+    python scripts/compile_sm90.py --sample        # the suite's run: 78 of the 110 variants (below)
+
+--sample (tests/test_triton_compile.py) builds each weight-only scheme at one of its two tiles and
+leaves out the variants whose every compile-time branch another variant of the sample builds: the
+unquantised decode tile of section one (GEMM1 and GEMM2 at that tile build with MAPPED / TOKEN_ROWS,
+the batched pair's 16-row bf16 dots with the int8 and int4-zero-point decode tiles), GEMM1 zeroing
+alone and both GEMMs' PDL alone (the TOKEN_ROWS GEMM1 zeroes and waits, the MAPPED GEMM2 reads its
+expert from L2 under PDL), the swapped block GEMM2 and the two-groups GEMM1 without token rows (built
+with them), the unquantised wide prefill tile and GEMM2's bf16 TMA tile (built as launched, below)
+and the second softmax top-k shape. The script without --sample builds all 110: run it before and
+after a kernel change.
 
 --ptx-hashes ends each line with a hash of the PTX without its debug information (line
 locations, their labels) and without the kernel's own name and parameter declarations: the entry
@@ -191,7 +201,7 @@ def main(argv: list[str]) -> int:
     variants = [((16, 64, 256), no_quant), ((64, 128, 64), no_quant),
                 ((16, 64, 128), dict(QUANT=1, GROUP_N=1, GROUP_K=1)),
                 ((64, 128, 64), dict(QUANT=2, GROUP_N=128, GROUP_K=128))]
-    for (bm, bn, bk), quant in variants:
+    for (bm, bn, bk), quant in variants[1:] if sample else variants:
         fp8 = quant["QUANT"] != 0
         c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
                  UPCAST=False, IEEE_DOT=False, USE_TMA=False, **quant)
@@ -250,13 +260,15 @@ def main(argv: list[str]) -> int:
     # GEMM1 also zeroing GEMM2's fp32 accumulator (decode tile)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, **no_quant)
-    print(build(*gemm1(c), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    if not sample:
+        print(build(*gemm1(c), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
     # Programmatic dependent launch (griddepcontrol): GEMM1 waiting and releasing, GEMM2 reading
     # its expert from L2 before waiting (decode tile, where options.pdl "auto" uses it)
-    print(build(*gemm1(dict(c, PDL=True)), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
     c2 = dict(c, BLOCK_SIZE_K=64, PDL=True)
     del c2["ZERO_OUT"], c2["WIDE"]
-    print(build(G2.gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc",)))
+    if not sample:
+        print(build(*gemm1(dict(c, PDL=True)), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+        print(build(G2.gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc",)))
     # a direct alignment under EP: both GEMMs map their block's global expert id (MAPPED)
     print(build(*gemm1(dict(c, MAPPED=True)), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
     print(build(G2.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True), std_ptrs, ("w2_desc",)))
@@ -272,8 +284,9 @@ def main(argv: list[str]) -> int:
     print(build(G2.gemm2_weighted_sum_kernel, cq, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"), ("w2_desc",)))
     # GEMM1 with gate and up as one tile and one dot: decode and prefill tiles (BLOCK_SIZE_N is
     # per half here, as launch_gemm1 passes it), and fp8 block scales
-    for (bm, bn, bk), quant in (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),
-                                ((64, 64, 64), dict(QUANT=2, GROUP_N=128, GROUP_K=128))):
+    wide_tiles = (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),
+                  ((64, 64, 64), dict(QUANT=2, GROUP_N=128, GROUP_K=128)))
+    for (bm, bn, bk), quant in (wide_tiles[::2] if sample else wide_tiles):
         c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
                  IEEE_DOT=False, USE_TMA=False, ZERO_OUT=False, WIDE=True, **quant)
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if quant["QUANT"] else std_ptrs
@@ -291,10 +304,13 @@ def main(argv: list[str]) -> int:
                  UPCAST=False, IEEE_DOT=False, USE_TMA=False, SWAP_AB=True, **quant)
         print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)),
                     dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
-        print(build(G2.gemm2_weighted_sum_kernel, c, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"), ("w2_desc",)))
+        if not (sample and quant["QUANT"] == 2):
+            print(build(G2.gemm2_weighted_sum_kernel, c, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"),
+                        ("w2_desc",)))
     # ... and GEMM1's paired walk taking two block-scale groups per iteration (fp8_k_groups "auto")
-    print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False, K_GROUPS=2)),
-                dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
+    if not sample:
+        print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False, K_GROUPS=2)),
+                    dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
     # per-tensor fp8: GEMM1 quantising the intermediate in its epilogue (fp8 store)
     c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=False, QUANT=1, GROUP_N=1, GROUP_K=1, QUANT_OUT=True)
@@ -306,8 +322,9 @@ def main(argv: list[str]) -> int:
              IEEE_DOT=False, USE_TMA=True, **no_quant)
     print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)),
                          dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>"), ("x_desc",)))
-    print(build(G2.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn),
-                         dict(std_ptrs, w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
+    if not sample:
+        print(build(G2.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn),
+                    dict(std_ptrs, w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
     # fp8 block weights through TMA (use_tma: 64-row tiles) at a prefill tile: GEMM1's paired walk, GEMM2
     blk = dict(QUANT=2, GROUP_N=128, GROUP_K=128)
     c = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
@@ -339,7 +356,7 @@ def main(argv: list[str]) -> int:
     print(build(A.align_one_launch_kernel, dict(HAS_MAP=False, BLOCK_SIZE_M=16, CHUNK=128, E_POW2=128,
                                                           PDL=True), aptrs))
     # Softmax top-k routing: Qwen3-Next's (512 experts, top-10) and DeepSeek's (256, top-8) shapes
-    for block_e, topk, rows in ((512, 10, 4), (256, 8, 8), (128, 8, 1)):
+    for block_e, topk, rows in ((512, 10, 4), (128, 8, 1)) if sample else ((512, 10, 4), (256, 8, 8), (128, 8, 1)):
         rc = dict(TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), RENORMALIZE=True, BLOCK_E=block_e, ROWS=rows,
                   RELEASE=rows == 1)  # (the decode shape releasing a PDL-launched successor early)
         print(build(R.topk_softmax_kernel, rc, {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}))

@@ -1,8 +1,8 @@
 """The Triton GEMM kernels build for sm_90 (the H200) on a CPU machine: TTIR -> cubin with
 Triton's own ptxas, in a subprocess without the interpreter (which conftest turns on). Covers the
-unquantised GEMMs (2 tiles x 4 kernels), their fp8 variants (per-token and block[128,128] scales,
+unquantised GEMMs (a mid-size tile x 4 kernels; GEMM1 and GEMM2 also at the decode tile), their fp8 variants (per-token and block[128,128] scales,
 4 kernels each), GEMM1 zeroing GEMM2's accumulator, both GEMMs under programmatic dependent
-launch (griddepcontrol), GEMM1's wide walk (3 tiles; and through TMA at the prefill tile, A
+launch (griddepcontrol), GEMM1's wide walk (decode and fp8 tiles, the prefill tile as launched; and through TMA there, A
 gathered or from the sorted copy: its weight box lands in shared memory by TMA), the TMA
 variants of both GEMMs, GEMM1 storing a per-tensor fp8 intermediate, GEMM2 storing per-pair rows
 (pair_store, bf16 and fp8 block) and the top-k sum (also gathered and weighted), the deepgemm
@@ -26,13 +26,14 @@ def test_kernels_compile_for_hopper(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # really compile, never a cached cubin
-    # --sample: each weight-only scheme at one of its two tiles (the full set, 110 variants, is the
-    # script without it: run it before and after a kernel change)
+    # --sample: each weight-only scheme at one of its two tiles, and none of the variants whose every
+    # compile-time branch another variant builds (the script's docstring lists them; the full set,
+    # 110 variants, is the script without it: run it before and after a kernel change)
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--sample"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 90 and all("cubin" in line for line in lines), res.stdout
+    assert len(lines) == 78 and all("cubin" in line for line in lines), res.stdout
     assert sum("quant_rows_kernel" in line for line in lines) == 2, res.stdout
     # deepgemm's glue: the top-k sum plain and gathered + weighted, sorted rows (fp8, fp32 scales),
     # SiLU-and-mul with and without the requantisation
