@@ -140,7 +140,9 @@ def parts_table(rows: pd.DataFrame) -> pd.DataFrame:
     for name in ("config", "config_file", "split_k", "tma", "sorted_a", "align_kind"):
         col = gemms.get(f"x_{name}")
         out[name] = col if col is not None else ""
-    out = out.reset_index()
+    # in the order the shapes ran (pivot_table sorts its index)
+    order = list(dict.fromkeys(zip(ok["shape"], ok["tokens"])))
+    out = out.reindex(pd.MultiIndex.from_tuples(order, names=["shape", "tokens"])).reset_index()
     # the smoke shapes stand in for Mixtral's reference row
     out["ref_us"] = [vllm_ref_us("mixtral" if s in SMOKE_SHAPES else s, t) for s, t in zip(out["shape"], out["tokens"])]
     out["layer_over_ref"] = (out["layer_us"] / out["ref_us"]).round(3)
