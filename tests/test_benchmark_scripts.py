@@ -392,6 +392,25 @@ def test_bench_triton_and_decode_launches_run_on_the_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+def test_vllm_kernel_and_vendor_gemms_run_on_the_gpu(tmp_path):
+    """The engine files as vllm-triton variants and the vendor table, compiled for the GPU through
+    the sweep: every file the shape has is timed and correct, triton against the faster one."""
+    r = _runner("vllm_kernel", "--shapes", "qwen3-30b-a3b", "--tokens", "1,64,1024", "--routings", "2",
+                env={"OUT": str(tmp_path)}, gpu=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    files = list(csv.DictReader(open(tmp_path / "vllm_kernel_files.csv")))
+    tri = list(csv.DictReader(open(tmp_path / "vllm_kernel_triton.csv")))
+    assert [(x["precision"], x["tokens"]) for x in tri] == [(p, t) for p in ("bf16", "fp8") for t in ("1", "64", "1024")]
+    assert all(x["wrong"] == "-" and float(x["vllm_file_us"]) > 0 for x in files)
+    assert all(x["engine_file"] in ("vllm", "sglang") and 0.2 < float(x["triton_over_engine"]) < 5 for x in tri)
+    r = _runner("vendor_gemms", "--shapes", "qwen3-30b-a3b", "--tokens", "1024", env={"OUT": str(tmp_path)}, gpu=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = list(csv.DictReader(open(tmp_path / "vendor_gemms.csv")))[0]
+    assert float(row["triton_err"]) < 2e-2 and float(row["triton/floor"]) >= 1 and float(row["torch_grouped_us"]) > 0
+    assert row.get("deepgemm_note") or float(row["deepgemm_err"]) < 2e-2
+
+
+@pytest.mark.gpu
 def test_vllm_kernel_profile_lists_each_layers_launches(tmp_path):
     """--profile on the GPU: per-launch rows for the triton layer and the engine files' layers."""
     r = _runner("vllm_kernel", "--profile", "--shapes", "mixtral-tp8", "--precisions", "bf16", "--tokens", "1,64",
