@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from moebench.results import CORE_COLUMNS
+from test_cli import moebench_inproc
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--num-experts", "6", "--topk", "2", "--hidden", "24", "--intermediate", "16", "--device", "cpu"]
@@ -163,9 +164,9 @@ def test_results_md_and_html_are_short_reports(default_sweep):
 def test_report_keeps_shapes_and_routings_apart_and_finds_run_folders(tmp_path):
     results = tmp_path / "results"
     one = ["--tokens", "1,3", "--experts", "torch", "--prepare-finalize", "no-dpep", "--out", results]
-    run_cli("sweep", *TINY, *one)
-    run_cli("sweep", *[("8" if a == "6" else a) for a in TINY], *one)  # E=8
-    run_cli("sweep", *TINY, *one, "--routing", "hot:0.5")
+    # the run folders (their sweeps' output is not what this test reads: in this process)
+    for args in (TINY, [("8" if a == "6" else a) for a in TINY], [*TINY, "--routing", "hot:0.5"]):  # E=6, E=8, hot
+        assert moebench_inproc("sweep", *args, *one).returncode == 0
     res = run_cli("report", results, "--out", tmp_path / "report.md")  # a folder of run folders
     assert_fits(res.stdout)
     heads, rows = parse_table(res.stdout)

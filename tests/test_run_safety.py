@@ -6,6 +6,7 @@ with their parent, and written files get the permissions the umask gives."""
 import json
 import os
 import platform
+import shutil
 import signal
 import stat
 import subprocess
@@ -13,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from moebench.backends import prepare_finalize_names
-from test_cli import ROOT, assert_bad_input, moebench
+from test_cli import ROOT, assert_bad_input, moebench, moebench_inproc
 
 SHAPE = ["--num-experts", "6", "--topk", "2", "--hidden", "24", "--intermediate", "16"]
 TOKENS = [1, 2, 3, 4]
@@ -82,18 +85,40 @@ def _cut_to(run: Path, n_rows: int, extra: bytes = b"") -> None:
     (run / "rows.jsonl").write_bytes(b"".join(lines[:n_rows]) + extra)
 
 
-def _finished_custom_run(out: Path) -> Path:
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def custom_sweep(tmp_path_factory):
+    """One finished custom sweep (its --out folder holds the run folder alone) and that folder's
+    files: the tests resume copies of the run folder, never the run itself."""
+    out = tmp_path_factory.mktemp("custom") / "out"
     res = moebench("sweep", *CUSTOM, "--out", str(out))
     assert res.returncode == 0, res.stderr
     run = _only_run(out)
     _assert_whole_custom_sweep(run)
-    return run
+    return run, _files(out)
+
+
+def _finished_custom_run(out: Path, custom_sweep) -> Path:
+    """A copy of the finished custom sweep's run folder in `out` (its saved --out stays the
+    original's folder, which `_assert_saved_out_untouched` checks)."""
+    run, _ = custom_sweep
+    copy = out / run.name
+    shutil.copytree(run, copy)
+    return copy
+
+
+def _assert_saved_out_untouched(custom_sweep) -> None:
+    run, files = custom_sweep
+    assert _files(run.parent) == files  # nothing was written into the run's saved --out folder
 
 
 # -- item 1: a resumed sweep continues with the settings it was started with -----------------------
 
-def test_resume_alone_finishes_the_saved_custom_sweep(tmp_path):
-    run = _finished_custom_run(tmp_path / "out")
+def test_resume_alone_finishes_the_saved_custom_sweep(tmp_path, custom_sweep):
+    run = _finished_custom_run(tmp_path / "out", custom_sweep)
     settings = _settings(run)
     _cut_to(run, 7)  # an interruption after the first rows
     res = moebench("sweep", "--resume", str(run))
@@ -103,6 +128,7 @@ def test_resume_alone_finishes_the_saved_custom_sweep(tmp_path):
     resumed = json.loads((run / "metadata.json").read_text())["resumed"]
     assert [r["argv"] for r in resumed] == [["sweep", "--resume", str(run)]]
     assert list((tmp_path / "out").iterdir()) == [run]  # nothing else was written
+    _assert_saved_out_untouched(custom_sweep)
 
 
 def test_resume_after_a_real_ctrl_c(tmp_path):
@@ -134,12 +160,12 @@ def test_resume_after_a_real_ctrl_c(tmp_path):
     assert json.loads((run / "metadata.json").read_text())["argv"][0] == "sweep"
 
 
-def test_resume_flags_must_repeat_the_saved_ones(tmp_path):
-    run = _finished_custom_run(tmp_path / "out")
+def test_resume_flags_must_repeat_the_saved_ones(tmp_path, custom_sweep):
+    run = _finished_custom_run(tmp_path / "out", custom_sweep)
     _cut_to(run, 3)
     before = (run / "rows.jsonl").read_bytes()
-    assert_bad_input(moebench("sweep", "--resume", str(run), "--tokens", "9"), "--tokens 9", "1,2,3,4")
-    assert_bad_input(moebench("sweep", "--resume", str(run), "--experts", "torch", "--no-check"),
+    assert_bad_input(moebench_inproc("sweep", "--resume", str(run), "--tokens", "9"), "--tokens 9", "1,2,3,4")
+    assert_bad_input(moebench_inproc("sweep", "--resume", str(run), "--experts", "torch", "--no-check"),
                      "--experts torch", "--no-check")
     assert (run / "rows.jsonl").read_bytes() == before  # refused before anything was written
     res = moebench("sweep", "--resume", str(run), "--tokens", "1,2,3,4", "--experts", "torch,reference",
@@ -148,9 +174,9 @@ def test_resume_flags_must_repeat_the_saved_ones(tmp_path):
     _assert_whole_custom_sweep(run)
 
 
-def test_resume_of_a_folder_from_before_options_were_saved(tmp_path):
+def test_resume_of_a_folder_from_before_options_were_saved(tmp_path, custom_sweep):
     # folders written before "options" was saved: the saved argv is read instead
-    run = _finished_custom_run(tmp_path / "out")
+    run = _finished_custom_run(tmp_path / "out", custom_sweep)
     meta = json.loads((run / "metadata.json").read_text())
     del meta["options"]
     (run / "metadata.json").write_text(json.dumps(meta))
@@ -163,27 +189,28 @@ def test_resume_of_a_folder_from_before_options_were_saved(tmp_path):
 # -- item 2: --resume refuses a missing folder and one that is not a sweep's run folder ----------
 
 def test_resume_refuses_missing_and_foreign_folders(tmp_path):
+    # refused before anything runs: through the CLI's entry point in this process
     missing = tmp_path / "nowhere"
-    assert_bad_input(moebench("sweep", *CUSTOM, "--resume", str(missing)), "does not exist")
+    assert_bad_input(moebench_inproc("sweep", *CUSTOM, "--resume", str(missing)), "does not exist")
     assert not missing.exists()
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert_bad_input(moebench("sweep", *CUSTOM, "--resume", str(empty)), "not a moebench run folder")
+    assert_bad_input(moebench_inproc("sweep", *CUSTOM, "--resume", str(empty)), "not a moebench run folder")
     assert list(empty.iterdir()) == []
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
-    assert_bad_input(moebench("sweep", "--resume", str(a_file)), "is not a folder")
+    assert_bad_input(moebench_inproc("sweep", "--resume", str(a_file)), "is not a folder")
     tune_like = tmp_path / "other"
     tune_like.mkdir()
     (tune_like / "metadata.json").write_text(json.dumps({"command": "compare tp-vs-ep", "argv": []}))
-    assert_bad_input(moebench("sweep", "--resume", str(tune_like)), "compare tp-vs-ep")
+    assert_bad_input(moebench_inproc("sweep", "--resume", str(tune_like)), "compare tp-vs-ep")
     assert sorted(p.name for p in tune_like.iterdir()) == ["metadata.json"]
 
 
 # -- item 4: a torn last line is dropped before the resume appends --------------------------------
 
-def test_resume_drops_a_torn_last_line(tmp_path):
-    run = _finished_custom_run(tmp_path / "out")
+def test_resume_drops_a_torn_last_line(tmp_path, custom_sweep):
+    run = _finished_custom_run(tmp_path / "out", custom_sweep)
     lines = (run / "rows.jsonl").read_bytes().splitlines(keepends=True)
     _cut_to(run, 6, extra=lines[6][: len(lines[6]) // 2])  # power loss in the middle of a write
     # the options repeated: the resume runs the same sweep, only the torn line is in the way
@@ -191,7 +218,7 @@ def test_resume_drops_a_torn_last_line(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "dropped a torn last line" in res.stderr and "rows.jsonl" in res.stderr
     _assert_whole_custom_sweep(run)  # every line parses
-    rep = moebench("report", str(run))
+    rep = moebench_inproc("report", str(run))
     assert rep.returncode == 0, rep.stderr
 
 
@@ -208,7 +235,7 @@ def test_a_second_writer_is_refused_and_a_killed_holders_lock_taken_over(tmp_pat
         run = _only_run(out)
         assert _n_lines(run) < 4
         before = (run / "rows.jsonl").read_bytes()
-        second = moebench("sweep", "--resume", str(run))
+        second = moebench_inproc("sweep", "--resume", str(run))  # this process: a second writer
         assert_bad_input(second, "in use", f"pid {holder.pid}", platform.node(), "moebench sweep")
         assert (run / "rows.jsonl").read_bytes() == before
         holder.kill()  # kill -9: the lock file still names it
@@ -224,7 +251,7 @@ def test_a_second_writer_is_refused_and_a_killed_holders_lock_taken_over(tmp_pat
     rows = _rows(run)
     assert sorted(r["tokens"] for r in rows) == TOKENS  # each once
     # a clean end leaves no stale lock behind: the next resume says nothing about one
-    again = moebench("sweep", "--resume", str(run))
+    again = moebench_inproc("sweep", "--resume", str(run))
     assert again.returncode == 0 and "stale" not in again.stderr, again.stderr
 
 
@@ -295,11 +322,16 @@ def _mode(p: Path) -> int:
     return stat.S_IMODE(p.stat().st_mode)
 
 
-def test_written_files_get_the_umask_permissions(tmp_path):
+def test_written_files_get_the_umask_permissions(tmp_path, monkeypatch):
+    # through the CLI's entry point in this process, under umask 027 while each command runs
+    monkeypatch.setenv("MOEBENCH_CACHE_DIR", str(tmp_path / "cache"))
+
     def run(*args):
-        res = subprocess.run([sys.executable, "-m", "moebench.cli", *args], capture_output=True, text=True,
-                             env=_env(MOEBENCH_CACHE_DIR=str(tmp_path / "cache")), cwd=tmp_path, umask=0o027,
-                             timeout=300)
+        old = os.umask(0o027)
+        try:
+            res = moebench_inproc(*args, cwd=tmp_path)
+        finally:
+            os.umask(old)
         assert res.returncode == 0, res.stderr
         return res
 

@@ -23,7 +23,7 @@ from moebench.kernels.triton.batched import batched_moe
 from moebench.kernels.triton.configs import device_name, fit_to_quant_block
 from moebench.kernels.triton.experts import BatchedTritonExperts, TritonExperts, fused_moe
 from moebench.kernels.triton.launch import launch_gemm1
-from moebench.kernels.triton.options import TritonOptions
+from moebench.kernels.triton.options import TritonOptions, resolve_use_tma
 from moebench.kernels.triton.quant import check_block_config, quantize_rows, silu_mul_rows
 from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation, quantize_weights
 from moebench.tuning import files as F
@@ -388,7 +388,7 @@ def test_fused_moe_fp8_entry_points(name):
     q13, q2 = _qweights(scheme, e=16)
     x = _x(6)
     tw, ti = _routing(6, 16, K)
-    cfg = _cfg(scheme)
+    cfg = _cfg(scheme, BLOCK_SIZE_N=128)  # (one GEMM1 program per row block: the entry points are the subject)
     a = fused_moe(x, q13, q2, tw, ti, config=cfg)
     b = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=cfg)
     assert a.dtype == torch.bfloat16 and torch.equal(a, b)
@@ -434,12 +434,16 @@ def test_triton_fp8_wide_gemm1(name):
     assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
 
 
-@pytest.mark.parametrize("name", ["tensor", "token", "block128", "block32"])
+@pytest.mark.parametrize("name", ["token", "block32"])
 @pytest.mark.parametrize("wide", [False, True], ids=["paired", "wide"])
 def test_triton_fp8_swap_ab(name, wide):
     # both GEMMs as w^T x^T into a transposed accumulator, scales transposed with it: the
     # reference, on 16-row blocks (one token: the direct alignment) and 32-row blocks, with an
-    # expert map; the same result as the unswapped dots within rounding
+    # expert map; the same result as the unswapped dots within rounding. One scheme per scale
+    # path of the swapped dots: per token (epilogue scales; per tensor is the same path with one
+    # scale for every row, so a row scale applied along the wrong axis shows only here) and block 32
+    # (scales per K step; two column groups per 64-wide tile, so a weight scale applied along the
+    # wrong axis shows; block 128 swapped is test_triton_fp8_block_swap_ab_auto's)
     scheme = SCHEMES[name]
     e_local = 12
     q13, q2 = _qweights(scheme, e=e_local)
@@ -473,7 +477,8 @@ def test_triton_fp8_block_swap_ab_auto(monkeypatch):
         x = _x(m)
         tw, ti = _routing(m, E, K)
         ref = moebench.reference_moe(x, q13, q2, tw, ti)
-        for bn, want in ((128, [True, True]), (64, [False, False])):
+        # (the choice is the tile's alone: the unswapped 64-wide tile once, at 13 tokens)
+        for bn, want in ((128, [True, True]), (64, [False, False]))[: 1 if m == 1 else 2]:
             seen.clear()
             out = _run("triton", "no-dpep", x, q13, q2, tw, ti, config=_cfg(scheme, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128))
             assert seen == want, (m, bn)
@@ -489,12 +494,14 @@ def test_triton_fp8_block_swap_ab_auto(monkeypatch):
     assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti, emap)) < (SWAPPED_GPU if DEV == "cuda" else TIGHT)
 
 
-@pytest.mark.parametrize("name", ["tensor", "block128", "block32"])
+@pytest.mark.parametrize("name", ["tensor", "block128"])
 @pytest.mark.parametrize("wide", [False, True], ids=["paired", "wide"])
 def test_triton_fp8_tma_weight_tiles(name, wide, monkeypatch):
     # use_tma=True: both GEMMs' fp8 weight tiles through TMA descriptors (H = 160, I = 80: 16-byte
     # rows, partial 128-wide scale groups), with an expert map and the direct alignment; the
-    # descriptors are really made, and "auto" leaves these 16- and 32-row tiles on pointer loads
+    # descriptors are really made, and "auto" leaves these 16- and 32-row tiles on pointer loads.
+    # Per-tensor scales (epilogue) and block ones (per K step; their scales load by pointer as
+    # without TMA, where block 32 is tested)
     import moebench.kernels.triton.launch as launch
 
     made = []
@@ -509,10 +516,13 @@ def test_triton_fp8_tma_weight_tiles(name, wide, monkeypatch):
         tw, ti = _routing(m, E, K)
         cfg = _cfg(scheme, BLOCK_SIZE_M=bm)
         ref = moebench.reference_moe(x, q13, q2, tw, ti, emap)
+        # "auto" (the rule, and the layer making no descriptor where it says no: at one token)
+        assert not resolve_use_tma(TritonOptions(), cfg, FP8_DTYPE), bm
         with poisoned_outputs():
             made.clear()
-            fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(wide_gemm1=wide))
-            assert made == [], "auto: no TMA for fp8 below 64-row tiles"
+            if m == 1:
+                fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(wide_gemm1=wide))
+                assert made == [], "auto: no TMA for fp8 below 64-row tiles"
             got = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(use_tma=True, wide_gemm1=wide))
             assert made == [FP8_DTYPE, FP8_DTYPE], made
         assert rel_err(got, ref) < TIGHT, (m, bm)
@@ -527,7 +537,7 @@ def test_fused_per_tensor_intermediate_is_bit_exact(act):
     m = 11
     xq, xs = quantize_rows(_x(m, act), scheme, q13.input_scale)
     tw, ti = _routing(m, E, K)
-    cfg = _cfg(scheme)
+    cfg = _cfg(scheme, BLOCK_SIZE_N=128)  # one 128-wide tile of the 72 columns per row block
     align = moe_align_block_size(ti, cfg["BLOCK_SIZE_M"], E)
     two_step = launch_gemm1(xq, q13, align, K, cfg, a_scale=xs, out_dtype=act)
     q_ref, _ = quantize_rows(two_step, scheme, q2.input_scale, row_limit=align.num_tokens_post_padded)
@@ -564,8 +574,12 @@ def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
     # GEMM1's paired walk taking two scale groups per iteration (fp8_k_groups): the reference and the
     # one-group result, with an expert map; "auto" takes two at 16-row tiles where H is a multiple
     # of 2 x BLOCK_SIZE_K and at least fp8_k_groups_min_hidden with at most half a pair per expert (a spy
-    # on the resolved choice: 4 and 8 pairs over 20 experts), one above that load (20 pairs), at
-    # 32-row tiles and below the H threshold; a forced 2 that cannot run (H = 152) is refused
+    # on the resolved choice: 4 pairs over 20 experts; 8 pairs by the rule), one above that load (20 pairs), at
+    # 32-row tiles and below the H threshold; a forced 2 that cannot run (H = 152) is refused.
+    # Each case launches "auto" and the forced other choice (the spy says which "auto" took, so the
+    # two launches are the one- and the two-group walk). Block 32 (BLOCK_SIZE_K 32): each iteration's
+    # two steps in two scale groups; block 128 (BLOCK_SIZE_K 64): both in one group. 128-wide tiles
+    # (one GEMM1 program per row block, I = 72), unswapped as the 64-wide ones "auto" leaves.
     import moebench.kernels.triton.options as opts
 
     scheme = SCHEMES[name]
@@ -575,20 +589,25 @@ def test_triton_fp8_block_two_groups_per_k_step(name, monkeypatch):
     seen = []
     real = opts.resolve_k_groups
     monkeypatch.setattr(opts, "resolve_k_groups", lambda *a: seen.append(real(*a)) or seen[-1])
-    for m, bm, want in ((1, 16, 2), (2, 16, 2), (5, 16, 1), (21, 32, 1)):
+    # 8 pairs (2 tokens): still two, by the rule itself (the layer's launches as at 4 pairs)
+    two_tokens = _cfg(scheme, BLOCK_SIZE_M=16, BLOCK_SIZE_N=128)
+    assert real(TritonOptions(fp8_k_groups_min_hidden=h), two_tokens, scheme, False, False, h, 2 * K / E) == 2
+    for m, bm, want in ((1, 16, 2), (5, 16, 1), (21, 32, 1)):
         x = _x(m, h=h)
         tw, ti = _routing(m, E, K)
-        cfg = _cfg(scheme, BLOCK_SIZE_M=bm)
+        cfg = _cfg(scheme, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=128)
         ref = moebench.reference_moe(x, q13, q2, tw, ti, emap)
+        other = 3 - want
         seen.clear()
         with poisoned_outputs():
-            auto = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups_min_hidden=h))
-            two = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups=2))
-            one = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups=1))
+            auto = fused_moe(x, q13, q2, tw, ti, emap, E, cfg,
+                             options=TritonOptions(fp8_k_groups_min_hidden=h, swap_ab=False))
+            forced = fused_moe(x, q13, q2, tw, ti, emap, E, cfg, options=TritonOptions(fp8_k_groups=other, swap_ab=False))
+        two, one = (auto, forced) if want == 2 else (forced, auto)
         # the default threshold (4096) is above this H
         seen.append(real(TritonOptions(), cfg, scheme, False, False, h, m * K / E))
-        assert seen == [want, 2, 1, 1], (m, bm)
-        assert rel_err(two, ref) < TIGHT and rel_err(auto, ref) < TIGHT, (m, bm)
+        assert seen == [want, other, 1], (m, bm)
+        assert rel_err(two, ref) < TIGHT and rel_err(one, ref) < TIGHT, (m, bm)
         assert rel_err(two, one.double()) < TIGHT, (m, bm)
     q13, q2 = _qweights(scheme)  # H = 152
     x = _x(9)

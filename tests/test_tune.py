@@ -381,15 +381,14 @@ def test_cache_guard_prunes_over_limit(tmp_path):
     assert os.environ.get("TRITON_CACHE_DIR") == saved
 
 
-@pytest.mark.parametrize("compile_workers", [0, 1])
-def test_two_worker_processes_gather_one_file(tmp_path, compile_workers):
+def test_two_worker_processes_gather_one_file(tmp_path):
     # With compile workers, each spawned tuning worker starts its own (processes spawn processes).
+    # (A worker without them is the tuning process's own path, which the in-process tunes take.)
     space = dict(TINY_SPACE, BLOCK_SIZE_M=[16], GROUP_SIZE_M=[1])
     out = T.tune(SHAPE, ParallelLayout(), TOKENS, torch.float32, "cpu", "grid", None, tmp_path / "cfg",
-                 gpus="0,1", results_dir=tmp_path / "res", space=space, reps=1, final_reps=1,
-                 compile_workers=compile_workers)
+                 gpus="0,1", results_dir=tmp_path / "res", space=space, reps=1, final_reps=1, compile_workers=1)
     assert sorted(r.worker for r in out.results) == [0, 1]
-    assert all((r.precompiled > 0) == bool(compile_workers) for r in out.results)
+    assert all(r.precompiled > 0 for r in out.results)
     assert (out.run_dir / "measurements.jsonl").exists() and (out.run_dir / "measurements.w1.jsonl").exists()
     assert_vllm_loadable(out.config_path, TOKENS)
 
@@ -477,10 +476,10 @@ def test_tune_command_dry_run_and_tiny_run(tmp_path, monkeypatch):
     assert isinstance(res.exception, MoebenchError)
     res = r.invoke(g, ["tune", *sizes, "--compile-workers", "-1"])
     assert isinstance(res.exception, MoebenchError) and "--compile-workers" in str(res.exception)
-    res = r.invoke(g, ["tune", *sizes, "--tokens", "4", "--budget", "2", "--reps", "1", "--final-reps", "1",
+    res = r.invoke(g, ["tune", *sizes, "--tokens", "2", "--budget", "2", "--reps", "1", "--final-reps", "1",
                        "--compile-workers", "1"])
     assert res.exit_code == 0, res.output
-    assert_vllm_loadable(path, [1, 4])  # entries for other token counts are kept
+    assert_vllm_loadable(path, [1, 2])  # entries for other token counts are kept
     res = r.invoke(g, ["tune", "--resume", str(tmp_path / "nowhere")])
     assert isinstance(res.exception, MoebenchError) and "tune.json" in str(res.exception)
 
