@@ -8,17 +8,21 @@ machine, first. Prints one line per kernel variant; exit status 1 on the first f
 
     python scripts/compile_sm90.py                 # not under TRITON_INTERPRET=1
     python scripts/compile_sm90.py --ptx-hashes    # + a hash of each variant's PTX
-    python scripts/compile_sm90.py --sample        # the suite's run: 78 of the 110 variants (below)
+    python scripts/compile_sm90.py --sample        # the suite's run: 69 of the 110 variants (below)
 
 --sample (tests/test_triton_compile.py) builds each weight-only scheme at one of its two tiles and
 leaves out the variants whose every compile-time branch another variant of the sample builds: the
-unquantised decode tile of section one (GEMM1 and GEMM2 at that tile build with MAPPED / TOKEN_ROWS,
-the batched pair's 16-row bf16 dots with the int8 and int4-zero-point decode tiles), GEMM1 zeroing
-alone and both GEMMs' PDL alone (the TOKEN_ROWS GEMM1 zeroes and waits, the MAPPED GEMM2 reads its
-expert from L2 under PDL), the swapped block GEMM2 and the two-groups GEMM1 without token rows (built
-with them), the unquantised wide prefill tile and GEMM2's bf16 TMA tile (built as launched, below)
-and the second softmax top-k shape. The script without --sample builds all 110: run it before and
-after a kernel change.
+unquantised decode tile of the first four-kernel group (GEMM1 and GEMM2 at that tile build with
+MAPPED / TOKEN_ROWS, the batched pair's 16-row bf16 dots with the int8 decode tile), that group's
+per-token GEMM1 (built quantising its intermediate, QUANT_OUT) and block GEMM2 (built storing pair
+rows), GEMM1 zeroing alone and both GEMMs' PDL alone (the TOKEN_ROWS GEMM1 zeroes and waits, the
+MAPPED GEMM2 reads its expert from L2 under PDL), the batched pair with int4 (its dequantisation is
+GEMM1's and GEMM2's, built with int4; int8 and mxfp4 build it in the batched kernels), the swapped
+block GEMM2 and the two-groups GEMM1 without token rows (built with them), the unquantised wide tiles
+(the wide walk as launched, below), the bf16 pair store (built with fp8 block), the bf16 TMA tiles
+(the TMA branch of both GEMMs built with fp8 block weights, GEMM2's bf16 tile as launched) and the
+second softmax top-k shape. The script without --sample builds all 110: run it before and after a
+kernel change.
 
 --ptx-hashes ends each line with a hash of the PTX without its debug information (line
 locations, their labels) and without the kernel's own name and parameter declarations: the entry
@@ -209,8 +213,10 @@ def main(argv: list[str]) -> int:
         # and read as fp8 (after the activation quantisation) by GEMM2.
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if fp8 else std_ptrs
         p2 = dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if fp8 else std_ptrs
-        print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)), p1, ("w13_desc", "x_desc")))
-        print(build(G2.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
+        if not (sample and quant["QUANT"] == 1):
+            print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)), p1, ("w13_desc", "x_desc")))
+        if not (sample and quant["QUANT"] == 2):
+            print(build(G2.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
         for name, fp8_ptrs in (("batched_silu_mul_gemm1_kernel", ("a_ptr", "w13_ptr")),
                                ("batched_gemm2_kernel", ("inter_ptr", "w2_ptr"))):
             jit = getattr(B, name)
@@ -238,6 +244,8 @@ def main(argv: list[str]) -> int:
                 print(build(*gemm1(dict(c, ZERO_OUT=True, WIDE=wide)),
                                      dict(wp, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
             print(build(G2.gemm2_weighted_sum_kernel, c, wp, ("w2_desc",)))
+            if sample and wq["WQ"] == 2:
+                continue
             for name in ("batched_silu_mul_gemm1_kernel", "batched_gemm2_kernel"):
                 jit = getattr(B, name)
                 params = arg_names(jit)
@@ -286,13 +294,14 @@ def main(argv: list[str]) -> int:
     # per half here, as launch_gemm1 passes it), and fp8 block scales
     wide_tiles = (((16, 32, 256), no_quant), ((128, 128, 64), no_quant),
                   ((64, 64, 64), dict(QUANT=2, GROUP_N=128, GROUP_K=128)))
-    for (bm, bn, bk), quant in (wide_tiles[::2] if sample else wide_tiles):
+    for (bm, bn, bk), quant in (wide_tiles[2:] if sample else wide_tiles):
         c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
                  IEEE_DOT=False, USE_TMA=False, ZERO_OUT=False, WIDE=True, **quant)
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if quant["QUANT"] else std_ptrs
         print(build(*gemm1(c), p1, ("w13_desc", "x_desc")))
     # GEMM2 storing each pair's bf16 row (pair_store) at the prefill tile, bf16 and fp8 block
-    for quant in (no_quant, dict(QUANT=2, GROUP_N=128, GROUP_K=128)):
+    for quant in ((dict(QUANT=2, GROUP_N=128, GROUP_K=128),) if sample
+                  else (no_quant, dict(QUANT=2, GROUP_N=128, GROUP_K=128))):
         c = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128 if quant["QUANT"] else 64, GROUP_SIZE_M=16,
                  TOPK=8, EVEN_K=True, UPCAST=False, IEEE_DOT=False, USE_TMA=False, PAIR_STORE=True, **quant)
         p2 = dict(std_ptrs, ws_ptr="*bf16", **(dict(inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if quant["QUANT"] else {}))
@@ -320,9 +329,9 @@ def main(argv: list[str]) -> int:
     bm, bn, bk = 128, 128, 64
     c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, TOPK=8, EVEN_K=True, UPCAST=False,
              IEEE_DOT=False, USE_TMA=True, **no_quant)
-    print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)),
-                         dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>"), ("x_desc",)))
     if not sample:
+        print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)),
+                    dict(std_ptrs, w13_desc=f"tensordesc<bf16[{bn}, {bk}]>"), ("x_desc",)))
         print(build(G2.gemm2_weighted_sum_kernel, dict(c, BLOCK_SIZE_N=2 * bn),
                     dict(std_ptrs, w2_desc=f"tensordesc<bf16[{2 * bn}, {bk}]>")))
     # fp8 block weights through TMA (use_tma: 64-row tiles) at a prefill tile: GEMM1's paired walk, GEMM2
