@@ -368,7 +368,7 @@ def test_cli_bad_combinations_exit_2(tmp_path, args, msg):
     assert len(res.stderr.strip().splitlines()) <= 2
 
 
-@pytest.mark.parametrize("world", [4])
+@pytest.mark.parametrize("world", [2, 4])
 def test_real_ranks_run_the_whole_layer(tmp_path, world):
     """Real gloo ranks run the model's layer: swigluoai with expert biases and a gated separate
     shared MLP, TP (shards, all-reduced) and EP (each rank's own tokens), checked against the
