@@ -107,7 +107,8 @@ def test_click_usage_error_is_one_line():
 
 
 def test_sweep_end_to_end(tmp_path):
-    res = moebench_inproc("sweep", *SMALL[:-2], "--tokens", "0,1,5", "--out", str(tmp_path), "--format", "csv,json,md")
+    res = moebench_inproc("sweep", *SMALL[:-2], "--tokens", "0,1,5", "--reps", "1", "--out", str(tmp_path),
+                          "--format", "csv,json,md")
     assert res.returncode == 0, res.stderr
     runs = list(tmp_path.iterdir())
     assert len(runs) == 1
@@ -136,8 +137,8 @@ def test_sweep_triton_experts_read_the_tuned_file(tmp_path, monkeypatch):
     name = "E=6,N=16,device_name=cpu.json"
     (tmp_path / "cfg" / name).write_text(json.dumps({"triton_version": "3.6.0", "3": entry, "64": entry}))
     monkeypatch.setenv("MOEBENCH_CONFIG_DIR", str(tmp_path / "cfg"))
-    res = moebench_inproc("sweep", *SMALL, "--experts", "triton,batched-triton", "--out", str(tmp_path / "out"),
-                   "--format", "csv")
+    res = moebench_inproc("sweep", *SMALL, "--experts", "triton,batched-triton", "--reps", "1",
+                          "--out", str(tmp_path / "out"), "--format", "csv")
     assert res.returncode == 0, res.stderr
     df = pd.read_csv(next((tmp_path / "out").iterdir()) / "results.csv")
     ok = df[df.status == "ok"]

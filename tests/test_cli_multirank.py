@@ -36,7 +36,7 @@ def test_ep_world_size_4_real_ranks(tmp_path):
 def test_ep_world_size_2_triton_rows_name_their_config(tmp_path):
     # real ranks (gloo): both Triton experts on their exchange, each row says which config it took
     res = moebench_inproc("sweep", *SHAPE, "--tokens", "4", "--world-size", "2", "--ep", "2",
-                   "--experts", "triton,batched-triton", "--out", str(tmp_path))
+                   "--experts", "triton,batched-triton", "--reps", "1", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     df, _ = _rows(tmp_path)
     ok = df[df.status == "ok"]
@@ -73,7 +73,7 @@ def test_simulated_ep_with_notice(tmp_path):
 def test_simulated_ep_triton_rows_name_their_config(tmp_path):
     # the rank's share runs the Triton experts (interpreter here); each row says which config it took
     res = moebench_inproc("sweep", *SHAPE, "--tokens", "4", "--ep", "4", "--experts", "triton,batched-triton",
-                   "--out", str(tmp_path))
+                   "--reps", "1", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     df, _ = _rows(tmp_path)
     ok = df[df.status == "ok"]
