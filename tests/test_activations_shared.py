@@ -372,8 +372,7 @@ def test_cli_bad_combinations_exit_2(tmp_path, args, msg):
 def test_real_ranks_run_the_whole_layer(tmp_path, world):
     """Real gloo ranks run the model's layer: swigluoai with expert biases and a gated separate
     shared MLP, TP (shards, all-reduced) and EP (each rank's own tokens), checked against the
-    float64 reference of the whole layer. (Four ranks: the code two ranks take, and ranks that
-    neither begin nor end the shards.)"""
+    float64 reference of the whole layer."""
     from moebench.layout import ParallelLayout
     from moebench.models import custom_shape
     from moebench.results import RunStore

@@ -1,6 +1,6 @@
-"""fp8 over real gloo ranks (4: the code two ranks take, and ranks between the first and the
-last): all2all-ll dispatches fp8 rows with their scales (quantised before dispatch), allgather-rs
-gathers them, against the float64 reference of the quantised weights (which emulates the scheme)."""
+"""fp8 over real gloo ranks (world sizes 2 and 4): all2all-ll dispatches fp8 rows with their scales
+(quantised before dispatch), allgather-rs gathers them, against the float64 reference of the
+quantised weights (which emulates the scheme)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def _run(ctx: RankContext) -> dict:
     return {"errs": errs, "sent": {k: sorted(v) for k, v in sent.items()}}
 
 
-@pytest.fixture(scope="module", params=[4], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def results(request):
     return request.param, spawn(_run, request.param, "cpu", timeout_s=300, total_timeout_s=900)
 

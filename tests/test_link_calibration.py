@@ -1,5 +1,4 @@
-"""env --calibrate-link's sweep and fit, on gloo ranks (4 processes; `moebench env --calibrate-link`
-on 2 is test_cli_multirank's)."""
+"""env --calibrate-link's sweep and fit, on gloo ranks (2 and 4 processes)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ def test_fit_alpha_beta_recovers_a_line():
     assert alpha >= 0 and gbps > 0
 
 
-@pytest.mark.parametrize("world", [4])
+@pytest.mark.parametrize("world", [2, 4])
 def test_calibration_on_gloo(world, tmp_path, monkeypatch):
     link, raw = measure_link(world, "cpu", reps=1, sizes=[1024, 16384], tokens=[1, 4])
     keys = {"nccl-all-reduce:all-reduce", "nccl-all-to-all:all-to-all", "nccl-all-to-all:dispatch",
