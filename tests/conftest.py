@@ -18,9 +18,11 @@ def _interpreter_patches_once_per_launch() -> None:
     """Speed only (about a quarter of an interpreted kernel's time): Triton's interpreter patches
     triton.language for a kernel's whole grid run (GridExecutor), then again at every call of a
     @triton.jit helper inside it (InterpretedFunction.__call__), which walks the modules' members
-    each time and finds the same modules already patched. Here a helper whose language modules the
-    running grid has patched skips that second walk; it runs exactly as before. Installed only on
-    the interpreter whose code is the one this was written against (else nothing changes)."""
+    each time and finds them already patched: by the grid run, or (triton.language.core, which
+    tl.zeros and the like see) by the first helper call that patched it, whose patches are never
+    undone. Here a helper whose language modules have been patched so during the running grid
+    skips that walk; it runs exactly as before. Installed only on the interpreter whose code is
+    the one this was written against (else nothing changes)."""
     import inspect
     import threading
 
@@ -43,7 +45,7 @@ def _interpreter_patches_once_per_launch() -> None:
 
     def grid(self, *args, **kwargs):
         stack = running.__dict__.setdefault("langs", [])
-        stack.append(langs_of(self.fn))  # what _patch_lang(self.fn) patches for this grid run
+        stack.append(set(langs_of(self.fn)))  # what _patch_lang(self.fn) patches for this grid run
         try:
             return grid_call(self, *args, **kwargs)
         finally:
@@ -51,7 +53,10 @@ def _interpreter_patches_once_per_launch() -> None:
 
     def device(self, *args, **kwargs):
         stack = getattr(running, "langs", None)
-        if not stack or not langs_of(self.fn) <= stack[-1]:
+        langs = langs_of(self.fn)
+        if not stack or not langs <= stack[-1]:
+            if stack:
+                stack[-1] |= langs  # device_call patches them first thing, for the rest of the run
             return device_call(self, *args, **kwargs)
         fn = self.rewrite()
         try:
