@@ -54,7 +54,7 @@ def _interpreter_patches_once_per_launch() -> None:
     def device(self, *args, **kwargs):
         stack = getattr(running, "langs", None)
         langs = langs_of(self.fn)
-        if not stack or not langs <= stack[-1]:
+        if not stack or not langs or not langs <= stack[-1]:  # (none: the interpreter's own assertion)
             if stack:
                 stack[-1] |= langs  # device_call patches them first thing, for the rest of the run
             return device_call(self, *args, **kwargs)
