@@ -231,12 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     out_dir, dev, head = script_setup(f"{args.routings} routings per point")
     head = "# " + head
     tokens = [int(t) for t in args.tokens.split(",")]
-    kernel_rows, frames = [], []
+    kernel_rows, frames, seen = [], [], {}
     for shape in args.shapes.split(","):
         e, k, h, n = shapes[shape]
         for prec in args.precisions.split(","):
             quant = BLOCK if prec == "fp8" else None
-            tables = file_tables(args.tuned, e, n, quant, args.smoke)
+            tables = seen[shape, prec] = file_tables(args.tuned, e, n, quant, args.smoke)
             if args.profile:
                 w13, w2 = make_weights(range(e), h, n, torch.bfloat16, str(dev), 0, quant=quant)
                 for m in tokens:
@@ -253,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_shard(SHAPE_NAMES.get(shape, shape), tokens, out_dir / "runs", dev, experts, quant=quant,
                              routings=args.routings, reps=20)
             frames.append(rows.assign(shape=shape, precision=prec))
-            files, tri = point_tables(pd.concat(frames, ignore_index=True), tables_by_point(frames, args, shapes),
-                                      shapes, dev, args.deepgemm)
+            files, tri = point_tables(pd.concat(frames, ignore_index=True), seen, shapes, dev, args.deepgemm)
             write_table(files, out_dir, "vllm_kernel_files", head + "; engine files in the vllm-triton experts")
             write_table(tri, out_dir, "vllm_kernel_triton",
                         head + "; moebench's triton layer vs the faster engine file in the vllm-triton experts")
@@ -273,12 +272,6 @@ def file_tables(tuned: Path | None, e: int, n: int, quant, smoke: bool) -> dict[
         return {"new": {1: small}, "vllm": {1: dict(small, BLOCK_SIZE_N=32)}, "sglang": None}
     return {"new": tuned_table(tuned, e, n, quant), "vllm": engine_table("vllm", e, n, quant),
             "sglang": engine_table("sglang", e, n, quant)}
-
-
-def tables_by_point(frames, args, shapes) -> dict[tuple[str, str], dict]:
-    """(shape, precision) -> its file tables, for the config columns."""
-    return {(sh, pr): file_tables(args.tuned, shapes[sh][0], shapes[sh][3], BLOCK if pr == "fp8" else None, args.smoke)
-            for sh, pr in {(f["shape"].iloc[0], f["precision"].iloc[0]) for f in frames if len(f)}}
 
 
 def _file_layer(col: str, table: dict | None):
