@@ -202,7 +202,7 @@ def new_run_id(command: str, label: str) -> str:
 LOCK_FILE = ".moebench.lock"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -276,7 +276,7 @@ class RunLock:
             raise MoebenchError(f"cannot lock run folder {self.folder} ({e.strerror or e})") from None
         previous = _read_holder(fd)
         if previous:
-            gone = ("is no longer running" if not _pid_alive(previous.get("pid"))
+            gone = ("is no longer running" if not pid_alive(previous.get("pid"))
                     else "no longer holds it") if previous.get("host") == platform.node() else "ended without releasing it"
             self.taken_over = f"took over the stale lock of {self.folder}: {_describe_holder(previous)} {gone}"
         me = {"pid": os.getpid(), "host": platform.node(), "command": self.command,

@@ -258,8 +258,9 @@ def test_a_second_writer_is_refused_and_a_killed_holders_lock_taken_over(tmp_pat
 # -- item 3: spawned ranks die with their parent -------------------------------------------------
 
 def _children(pid: int) -> list[int]:
-    """Rank processes of `pid` (multiprocessing spawn children), from /proc."""
-    kids = []
+    """Rank processes of `pid`, from /proc: the children of its fork server (multiprocessing's
+    forkserver, a child of `pid`), or its spawn children where ranks start that way."""
+    procs = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -268,9 +269,9 @@ def _children(pid: int) -> list[int]:
             cmd = (d / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == pid and b"spawn_main" in cmd:
-            kids.append(int(d.name))
-    return kids
+        procs[int(d.name)] = (ppid, cmd)
+    servers = {p for p, (pp, cmd) in procs.items() if pp == pid and b"forkserver" in cmd}
+    return [p for p, (pp, cmd) in procs.items() if pp in servers or (pp == pid and b"spawn_main" in cmd)]
 
 
 def _stop_all(parent, ranks: list[int]) -> None:

@@ -1,5 +1,5 @@
-"""A tune stopped by a signal leaves no worker behind: every spawned tuning process asks Linux to
-kill it with its parent (moebench.tuning.precompile.die_with_parent)."""
+"""A tune stopped by a signal leaves no worker behind: every worker process (tuning, compile, rank)
+exits with the process that started it (moebench.runtime.processes.die_with_parent)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ PARENT = textwrap.dedent("""
 """)
 CHILD = textwrap.dedent("""
     import pathlib, sys, time
-    from moebench.tuning.precompile import die_with_parent
+    from moebench.runtime.processes import die_with_parent
     def main(ready):
         die_with_parent()
         pathlib.Path(ready).touch()
@@ -40,7 +40,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
 def test_spawned_worker_dies_with_its_parent(tmp_path, sig):
     (tmp_path / "child.py").write_text(CHILD)
@@ -71,7 +70,6 @@ SPAWNER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_killed_parent_of_ranks_leaves_no_leaked_semaphore(tmp_path):
     """kill -9 of a process running ranks: the ranks die with it, and multiprocessing's resource
     tracker has nothing to warn about (rank results travel over pipes, not a semaphore-backed queue)."""

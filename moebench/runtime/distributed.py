@@ -13,20 +13,20 @@ watches its children: a rank that raises sends its error and traceback back and 
 from its exit code; in both cases the other ranks are terminated at once. A rank dies with the
 process that spawned it, even one killed with SIGKILL (it never runs on alone).
 
+Ranks start from a fork server (`moebench.runtime.processes`): a rank costs a fork, not an
+interpreter start and a torch import, and runs with the environment of its `spawn` call.
+
 Only rank 0 prints and writes files: guard output with `is_main(ctx)`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import io
 import os
 from multiprocessing import connection as mp_connection
-import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moebench.errors import MoebenchError
+from moebench.runtime.processes import start_worker, worker_context
 
 #: Environment every spawned rank gets (required on the shared GPU hosts: no NVLink multicast).
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -279,40 +279,15 @@ def _error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg}{where}" if msg else f"{type(exc).__name__}{where}"
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """End this rank as soon as the process that spawned it is gone (killed with -9 too): a rank
-    left behind would go on computing and writing into its run folder. Linux: the kernel sends
-    SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG); elsewhere a thread watches the parent pid."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # 1 = PR_SET_PDEATHSIG
-                if os.getppid() != parent_pid:  # the parent died before the signal was armed
-                    os._exit(1)
-                return
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.2)
-        os._exit(1)
-
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=watch, name="moebench-parent-watch", daemon=True).start()
-
-
 def _rank_main(
     rank: int, world_size: int, placement: Placement, port: int, timeout_s: float,
     fn: Callable[..., Any], args: tuple, results: Any, parent_pid: int | None = None,
+    environ: dict[str, str] | None = None,
 ) -> None:
-    """Body of one spawned rank: init the group, run fn(ctx, *args), report to the parent over
-    `results`, this rank's end of a pipe."""
-    if parent_pid is not None:
-        _die_with_parent(parent_pid)
-    for k, v in CHILD_ENV.items():
-        os.environ[k] = v
+    """Body of one spawned rank: take the spawning process's environment (`environ`), init the
+    group, run fn(ctx, *args), report to the parent over `results`, this rank's end of a pipe."""
+    start_worker(environ, parent_pid)
+    os.environ.update(CHILD_ENV)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
@@ -394,31 +369,22 @@ def spawn(
     reporting (its exit code) or the run exceeds total_timeout_s; the other ranks are terminated.
     """
     placement = place_ranks(world_size, device, torch.cuda.device_count() if device == "cuda" else 0, share_gpus)
-    mpctx = mp.get_context("spawn")
+    mpctx = worker_context(getattr(fn, "__module__", None))
     # one pipe per rank, not a multiprocessing Queue: a pipe holds no semaphore, so a parent
     # killed mid-run leaves nothing for multiprocessing's resource tracker to warn about
     pipes = [mpctx.Pipe(duplex=False) for _ in range(world_size)]
     port = free_port()
     procs = []
-    # Children inherit the environment at start: set the NCCL knobs for them (restored after).
-    saved = {k: os.environ.get(k) for k in CHILD_ENV}
-    os.environ.update(CHILD_ENV)
-    try:
-        for rank in range(world_size):
-            p = mpctx.Process(
-                target=_rank_main, args=(rank, world_size, placement, port, timeout_s, fn, args, pipes[rank][1],
-                                         os.getpid()),
-                name=f"moebench-rank{rank}", daemon=True,
-            )
-            p.start()
-            pipes[rank][1].close()  # the rank holds its end: its exit closes the pipe (EOF here)
-            procs.append(p)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    environ = dict(os.environ)
+    for rank in range(world_size):
+        p = mpctx.Process(
+            target=_rank_main, args=(rank, world_size, placement, port, timeout_s, fn, args, pipes[rank][1],
+                                     os.getpid(), environ),
+            name=f"moebench-rank{rank}", daemon=True,
+        )
+        p.start()
+        pipes[rank][1].close()  # the rank holds its end: its exit closes the pipe (EOF here)
+        procs.append(p)
 
     values: dict[int, Any] = {}
     failures: dict[int, RankFailedError] = {}

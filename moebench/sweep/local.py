@@ -14,7 +14,7 @@ from moebench.sweep.cases import CaseRunner
 from moebench.sweep.layer import fill_metrics, layer_args, layer_reference, layer_work, rank_layer, shared_gate
 from moebench.sweep.measure import cycling, measure
 from moebench.sweep.spec import SweepSpec
-from moebench.sweep.variants import Case, get_variant
+from moebench.sweep.variants import Case, measure_variant
 
 
 class LocalRunner(CaseRunner):
@@ -86,16 +86,12 @@ class LocalRunner(CaseRunner):
         """A registered variant of the case (moebench.sweep.variants): its call, checked where its
         output is the layer's, timed on the checked routing; its notes go to the row's extra."""
         spec = self.spec
-        variant = get_variant(row.variant)
-        case = Case(spec, m, kernel, self.args, self.lw)
-        call = variant.build(case)
-        outcome = measure(call, lambda: time_fn(call, spec.device, **spec.timing_kwargs()), dtype=spec.dtype,
-                          quant=spec.quant, **(self.references() if variant.checked else {}))
+        outcome, notes = measure_variant(row.variant, Case(spec, m, kernel, self.args, self.lw), self.references())
         outcome.fill(row)
         t = outcome.timing
         row.latency_us, row.p10_us, row.p90_us, row.timing_method = t.median_us, t.p10_us, t.p90_us, t.method
         row.config_source = kernel.experts.last_config_source or ""
-        row.extra.update(case.notes)
+        row.extra.update(notes)
         fill_metrics(row, self.flops, self.nbytes, self.ceilings)
 
     def references(self) -> dict:

@@ -51,7 +51,7 @@ from moebench.sweep.layer import (
     shared_gate,
 )
 from moebench.sweep.measure import measure
-from moebench.sweep.variants import Case, get_variant
+from moebench.sweep.variants import Case, measure_variant
 
 
 def _stand_in(pf_name: str) -> str:
@@ -374,12 +374,7 @@ def _measure_share(spec, share: _Share, pf: str, ex: str, m: int, variant: str) 
     refs = share.references(spec) if spec.check else {}
     notes: dict = {}
     if variant:
-        v = get_variant(variant)
-        case = Case(spec, m, kernel, share.args, share.lw)
-        call = v.build(case)
-        outcome = measure(call, lambda: time_fn(call, spec.device, **spec.timing_kwargs()), dtype=spec.dtype,
-                          quant=spec.quant, **(refs if v.checked else {}))
-        notes = case.notes
+        outcome, notes = measure_variant(variant, Case(spec, m, kernel, share.args, share.lw), refs)
     else:
         exo = kernel.experts
         xa, w13, w2, wts_a, ids_a, emap_a, n_exp = share.args

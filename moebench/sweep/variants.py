@@ -5,7 +5,8 @@ GEMMs on the same shapes) registers each of those calls here as a `Variant`, and
 the spec (`SweepSpec.variants`). The sweep loop runs them like pairs: one row per (tokens, pair,
 variant), with the variant's name in the row's `variant` column ("" is the layer itself), written
 by the same run folder, checked where the variant's output is the layer's, timed by the same
-measure step. Only the one-process runner times variants; the others skip them with a reason.
+measure step (`measure_variant`). The one-process runner and the simulated runner (on the busiest
+rank's share) time variants; the real-rank runner skips them with a reason.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any, Callable
 
 import torch
 
+from moebench.bench.timing import time_fn
 from moebench.errors import MoebenchError
 from moebench.kernels.layer import MoELayer
 from moebench.kernels.modular import FusedMoEKernel
+from moebench.sweep.measure import Outcome, measure
 
 
 @dataclass
@@ -77,3 +80,15 @@ def get_variant(name: str) -> Variant:
 
 def variant_names() -> list[str]:
     return sorted(_VARIANTS)
+
+
+def measure_variant(name: str, case: Case, references: dict) -> tuple[Outcome, dict]:
+    """The registered variant `name` built from `case`, checked against `references` (measure()'s
+    reference arguments) where its output is the layer's, and timed: the outcome and the notes
+    its build kept."""
+    variant = get_variant(name)
+    call = variant.build(case)
+    spec = case.spec
+    outcome = measure(call, lambda: time_fn(call, spec.device, **spec.timing_kwargs()), dtype=spec.dtype,
+                      quant=spec.quant, **(references if variant.checked else {}))
+    return outcome, case.notes

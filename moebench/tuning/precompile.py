@@ -3,7 +3,7 @@
 
 Most of a candidate's cost in a tune is compiling GEMM1 and GEMM2 for its config (PERF.md
 section 6), and the timing process compiles one config after another. A `Precompiler` keeps N
-spawned processes on the same device; for each config of a batch one of them runs the layer once,
+worker processes on the same device; for each config of a batch one of them runs the layer once,
 on inputs of the same shapes and dtypes as the timing process's, which makes Triton compile the
 kernels into its on-disk cache (TRITON_CACHE_DIR, which the tuner points at the run folder before
 the workers start, so they share it). The timing process then loads them from that cache instead
@@ -15,10 +15,7 @@ nothing) the workers only repeat work; the option is for GPUs.
 
 from __future__ import annotations
 
-import ctypes
-import multiprocessing as mp
 import os
-import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -26,26 +23,17 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from moebench.runtime.processes import start_worker, worker_context
+
 _STATE: dict[str, Any] = {}
 
 
-def die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies (prctl PR_SET_PDEATHSIG), so a tune
-    stopped by a signal (a timeout's SIGTERM, SIGKILL) leaves no worker holding the GPU; a no-op
-    elsewhere. Called first thing in every spawned tuning process."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        parent = mp.parent_process()
-        if parent is not None and os.getppid() != parent.pid:  # the parent died before the call
-            os._exit(1)
-
-
-def _init(spec_json: dict[str, Any], device: str) -> None:
-    """Worker start: the tuning settings and device; weights are built on first use."""
+def _init(spec_json: dict[str, Any], device: str, environ: dict[str, str]) -> None:
+    """Worker start: the caller's environment (its TRITON_CACHE_DIR above all), the tuning
+    settings and device; weights are built on first use."""
     from moebench.tuning.spec import TuneSpec
 
-    die_with_parent()
+    start_worker(environ)
     if torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))
     _STATE.update(spec=TuneSpec.from_json(spec_json), device=device, weights=None, bench=None)
@@ -76,15 +64,15 @@ def _compile_one(task: tuple[int, dict[str, int]]) -> str:
 
 
 class Precompiler:
-    """`workers` spawned processes on `device` that compile configs for the run `spec`
+    """`workers` worker processes on `device` that compile configs for the run `spec`
     (a moebench.tuning.spec.TuneSpec). Use as a context manager, or call `close`."""
 
     def __init__(self, spec, device: str, workers: int):
         if workers < 1:
             raise ValueError("Precompiler needs at least one worker")
         self.workers = workers
-        self._pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init,
-                                         initargs=(spec.to_json(), device))
+        self._pool = ProcessPoolExecutor(workers, mp_context=worker_context(__name__), initializer=_init,
+                                         initargs=(spec.to_json(), device, dict(os.environ)))
 
     def compile(self, tokens: int, cfgs: Sequence[Mapping[str, int]]) -> list[str]:
         """Compile every config at `tokens`; returns 'ok' or the error per config, in order.

@@ -60,9 +60,10 @@ from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
 from moebench.quant import QuantScheme
 from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
+from moebench.runtime.processes import start_worker, worker_context
 from moebench.kernels.triton import configs as C
 from moebench.tuning.files import TUNE_TOKENS_CUDA, claim_tuned_routing, merge_config_file, merge_engine_file
-from moebench.tuning.precompile import Precompiler, die_with_parent
+from moebench.tuning.precompile import Precompiler
 from moebench.tuning.search import (
     STRATEGIES,
     LayerBench,
@@ -424,8 +425,7 @@ def run_worker(
 def _worker_process(spec_json: dict[str, Any], tokens: list[int], run_dir: str, worker: int, device: str,
                     cache_limit_mb: float, compile_workers: int = 0,
                     config_path: str | None = None) -> list[dict[str, Any]]:
-    """Entry point of a spawned worker (module level, picklable arguments)."""
-    die_with_parent()
+    """Entry point of a worker process (module level, picklable arguments; `start_worker` ran first)."""
     spec = TuneSpec.from_json(spec_json)
     return [r.as_dict() for r in run_worker(spec, tokens, run_dir, worker, device, cache_limit_mb=cache_limit_mb,
                                             compile_workers=compile_workers,
@@ -652,12 +652,11 @@ def tune(
 def _run_pool(spec: TuneSpec, run_dir: Path, slots: list[int], chunks: list[list[int]], device: str,
               cache_limit_mb: float, on_tokens: Callable[[TokenResult], None] | None,
               compile_workers: int = 0, config_path: Path | None = None) -> list[TokenResult]:
-    """One spawned process per chunk (chunk i on GPU slots[i]); results gathered here."""
-    import multiprocessing as mp
-
+    """One worker process per chunk (chunk i on GPU slots[i]); results gathered here."""
     cuda = torch.device(device).type == "cuda"
     results: list[TokenResult] = []
-    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=mp.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=len(chunks), mp_context=worker_context(__name__), initializer=start_worker,
+                             initargs=(dict(os.environ),)) as pool:
         futs = {
             pool.submit(_worker_process, spec.to_json(), chunk, str(run_dir), w,
                         f"cuda:{slots[w]}" if cuda else device, cache_limit_mb, compile_workers,
