@@ -72,6 +72,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 def pytest_collection_modifyitems(config, items):
+    # tests marked slow first: with two workers the longest ones then never start last and leave
+    # one worker running them alone at the end
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -329,21 +326,19 @@ def test_read_config_shared_activation_quant(tmp_path):
     assert get_model("gpt-oss-20b").activation == "swigluoai" and get_model("deepseek-v3").quantization.block_shape == (128, 128)
 
 
-def _cli(*args, cwd):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd(), COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "moebench.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
-
-
-def test_cli_applies_quantization_config_and_runs_shared(tmp_path):
+def test_cli_applies_quantization_config_and_runs_shared(tmp_path, monkeypatch):
+    # through the CLI's entry point in this process, its console 200 columns wide
+    monkeypatch.setenv("COLUMNS", "200")
     cfg = _write_config(tmp_path / "config.json", quantization_config={"quant_method": "fp8", "weight_block_size": [32, 32]})
-    res = _cli("sweep", "--model", str(cfg), "--tokens", "2", "--experts", "triton", "--prepare-finalize", "no-dpep",
-               "--shared-experts", "fused,separate", "--reps", "1", "--out", str(tmp_path / "r"), cwd=tmp_path)
+    res = moebench_inproc("sweep", "--model", str(cfg), "--tokens", "2", "--experts", "triton", "--prepare-finalize",
+                          "no-dpep", "--shared-experts", "fused,separate", "--reps", "1", "--out", str(tmp_path / "r"),
+                          cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "applied quantization_config: fp8_w8a8 block[32,32] (from config.json; --dtype overrides)" in res.stdout
     assert "[shared fused]" in res.stdout and "[shared separate]" in res.stdout
-    res = _cli("sweep", "--model", str(cfg), "--tokens", "2", "--experts", "torch", "--prepare-finalize", "no-dpep",
-               "--dtype", "fp32", "--shared-experts", "none", "--reps", "1", "--out", str(tmp_path / "r"), cwd=tmp_path)
+    res = moebench_inproc("sweep", "--model", str(cfg), "--tokens", "2", "--experts", "torch", "--prepare-finalize",
+                          "no-dpep", "--dtype", "fp32", "--shared-experts", "none", "--reps", "1",
+                          "--out", str(tmp_path / "r"), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "not applied: --dtype fp32 given" in res.stdout
 

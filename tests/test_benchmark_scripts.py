@@ -2,12 +2,15 @@
 the cases PERF.md's tables come from: each case's smoke mode runs end to end on CPU through the
 runner, on tiny shapes under the Triton interpreter, and checks its layers against the reference."""
 
+import contextlib
 import csv
+import io
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +25,32 @@ from benchmarks import CASES
 from benchmarks.bench_common import BENCH_SHAPES, SHAPE_ALIASES, bench_shape, library_gemms, vllm_ref_us
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _here(*args: str, env: dict | None = None) -> SimpleNamespace:
+    """`python -m benchmarks ARGS` run in this process (the interpreter conftest set up, no
+    interpreter start or torch import): its exit status and what it printed, with `env` set
+    while it runs."""
+    import benchmarks.__main__ as runner
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    argv0 = sys.argv[0]
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = runner.main(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv[0] = argv0
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def _runner(*args: str, env: dict | None = None, gpu: bool = False) -> subprocess.CompletedProcess:
@@ -169,10 +198,10 @@ def test_profile_case_smoke():
     # torch.profiler's table of the layer's launches, fp8 block included; --plain: the calls alone
     # (what the `ncu` device job runs under ncu) with TritonOptions fields forced; a bad --shape or
     # --option is one line.
-    r = _runner("profile_case", "--smoke", "--tokens", "3", "--fp8-block", "--calls", "1")
+    r = _here("profile_case", "--smoke", "--tokens", "3", "--fp8-block", "--calls", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tiny M=3 no-dpep+triton fp8_w8a8 block[128,128], 1 calls" in r.stdout and "Self CPU time total" in r.stdout
-    r = _runner("profile_case", "--smoke", "--tokens", "3", "--plain", "--calls", "2", "--option", "token_rows=false",
+    r = _here("profile_case", "--smoke", "--tokens", "3", "--plain", "--calls", "2", "--option", "token_rows=false",
                 "--option", "direct_max_fill=0.5")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().endswith("tiny M=3 no-dpep+triton bf16 token_rows=false direct_max_fill=0.5: 2 calls")
@@ -182,9 +211,9 @@ def test_profile_case_smoke():
 
     assert parse_options(["token_rows=false", "pdl=auto", "direct_max_fill=0.5", "one_launch_max_pairs=0"]) == \
         TritonOptions(token_rows=False, pdl="auto", direct_max_fill=0.5, one_launch_max_pairs=0)
-    r = _runner("profile_case", "--smoke", "--option", "nope=1")
+    r = _here("profile_case", "--smoke", "--option", "nope=1")
     assert r.returncode == 2 and r.stderr.strip().startswith("error: --option 'nope=1': give NAME=VALUE with NAME one of")
-    r = _runner("profile_case", "--shape", "nope")
+    r = _here("profile_case", "--shape", "nope")
     assert r.returncode == 2 and r.stderr.strip().startswith("error: unknown shape 'nope'; pick one of mixtral,")
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -195,9 +224,9 @@ def test_no_benchmark_imports_a_private_name():
 
 
 def _smoke(case: str, tmp_path: Path, *args: str, csv_name: str | None = None) -> list[dict]:
-    """`python -m benchmarks CASE --smoke ARGS` with OUT=tmp_path; the rows of its CSV (csv_name,
-    default CASE.csv)."""
-    r = _runner(case, "--smoke", *args, env={"OUT": str(tmp_path)})
+    """`python -m benchmarks CASE --smoke ARGS` (in this process) with OUT=tmp_path; the rows of its
+    CSV (csv_name, default CASE.csv)."""
+    r = _here(case, "--smoke", *args, env={"OUT": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     return list(csv.DictReader(open(tmp_path / (csv_name or f"{case}.csv"))))
 
@@ -332,7 +361,7 @@ def test_vllm_kernel_summary_tables(tmp_path):
     first.write_text(head + "qwen3-30b-a3b,fp8,1,30,29,vllm,1.034,c,s,-\nqwen3-30b-a3b,fp8,4096,862,757,vllm,1.139,c,s,-\n"
                      "qwen3-30b-a3b,fp8,16,100,101,vllm,0.990,c,s,-\nmixtral,fp8,4096,6000,-,-,-,c,s,-\n")
     second.write_text(head + "qwen3-30b-a3b,fp8,1,28,29,vllm,0.966,c,s,-\n")
-    r = _runner("vllm_kernel", "--summary", str(first), str(second), "--ceilings", "fp8=1000", "--read-gbs", "4000")
+    r = _here("vllm_kernel", "--summary", str(first), str(second), "--ceilings", "fp8=1000", "--read-gbs", "4000")
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
     # Qwen3-30B at 16 tokens: 128 x (1 - (120/128)^16) = 82.4 experts touched, of 3 x 2048 x 768 fp8

@@ -149,11 +149,11 @@ def test_sweep_triton_experts_read_the_tuned_file(tmp_path, monkeypatch):
 
 def test_sweep_resume_skips_finished_rows(tmp_path):
     args = ["sweep", *SMALL, "--experts", "torch", "--prepare-finalize", "no-dpep"]
-    assert moebench(*args, "--out", str(tmp_path)).returncode == 0
+    assert moebench_inproc(*args, "--out", str(tmp_path)).returncode == 0
     (run,) = tmp_path.iterdir()
     lines = (run / "rows.jsonl").read_text().splitlines()
     assert len(lines) == 1
-    res = moebench(*args, "--resume", str(run))  # the same options again: accepted, nothing left to run
+    res = moebench_inproc(*args, "--resume", str(run))  # the same options again: accepted, nothing left to run
     assert res.returncode == 0, res.stderr
     assert (run / "rows.jsonl").read_text().splitlines() == lines
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from moebench.backends import prepare_finalize_names
-from test_cli import ROOT, assert_bad_input, moebench, moebench_inproc
+from test_cli import ROOT, assert_bad_input, moebench_inproc
 
 SHAPE = ["--num-experts", "6", "--topk", "2", "--hidden", "24", "--intermediate", "16"]
 TOKENS = [1, 2, 3, 4]
@@ -28,6 +28,21 @@ CUSTOM_KEYS = {(t, pf, ex) for t in TOKENS for pf in prepare_finalize_names() fo
 
 def _env(**extra):
     return dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200", **extra)
+
+
+def _here(*args):
+    """`moebench *args` through the CLI's entry point in this process, its console 200 columns wide
+    as `_env` gives a subprocess's: the commands that need no process of their own (the folder's
+    holder, the interrupted and the killed runs have theirs)."""
+    saved = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "200"
+    try:
+        return moebench_inproc(*args)
+    finally:
+        if saved is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = saved
 
 
 def _start(*args, umask=None):
@@ -94,7 +109,7 @@ def custom_sweep(tmp_path_factory):
     """One finished custom sweep (its --out folder holds the run folder alone) and that folder's
     files: the tests resume copies of the run folder, never the run itself."""
     out = tmp_path_factory.mktemp("custom") / "out"
-    res = moebench("sweep", *CUSTOM, "--out", str(out))
+    res = _here("sweep", *CUSTOM, "--out", str(out))
     assert res.returncode == 0, res.stderr
     run = _only_run(out)
     _assert_whole_custom_sweep(run)
@@ -121,7 +136,7 @@ def test_resume_alone_finishes_the_saved_custom_sweep(tmp_path, custom_sweep):
     run = _finished_custom_run(tmp_path / "out", custom_sweep)
     settings = _settings(run)
     _cut_to(run, 7)  # an interruption after the first rows
-    res = moebench("sweep", "--resume", str(run))
+    res = _here("sweep", "--resume", str(run))
     assert res.returncode == 0, res.stderr
     _assert_whole_custom_sweep(run)
     assert _settings(run) == settings  # metadata.json keeps the run's settings
@@ -152,7 +167,7 @@ def test_resume_after_a_real_ctrl_c(tmp_path):
     kept = _rows(run)
     assert 1 <= len(kept) < len(CUSTOM_KEYS)
     settings = _settings(run)
-    res = moebench("sweep", "--resume", str(run))
+    res = _here("sweep", "--resume", str(run))
     assert res.returncode == 0, res.stderr
     _assert_whole_custom_sweep(run)
     assert _rows(run)[: len(kept)] == kept
@@ -168,7 +183,7 @@ def test_resume_flags_must_repeat_the_saved_ones(tmp_path, custom_sweep):
     assert_bad_input(moebench_inproc("sweep", "--resume", str(run), "--experts", "torch", "--no-check"),
                      "--experts torch", "--no-check")
     assert (run / "rows.jsonl").read_bytes() == before  # refused before anything was written
-    res = moebench("sweep", "--resume", str(run), "--tokens", "1,2,3,4", "--experts", "torch,reference",
+    res = _here("sweep", "--resume", str(run), "--tokens", "1,2,3,4", "--experts", "torch,reference",
                    "--num-experts", "6", "--device", "cpu")
     assert res.returncode == 0, res.stderr
     _assert_whole_custom_sweep(run)
@@ -181,7 +196,7 @@ def test_resume_of_a_folder_from_before_options_were_saved(tmp_path, custom_swee
     del meta["options"]
     (run / "metadata.json").write_text(json.dumps(meta))
     _cut_to(run, 5)
-    res = moebench("sweep", "--resume", str(run))
+    res = _here("sweep", "--resume", str(run))
     assert res.returncode == 0, res.stderr
     _assert_whole_custom_sweep(run)
 
@@ -214,7 +229,7 @@ def test_resume_drops_a_torn_last_line(tmp_path, custom_sweep):
     lines = (run / "rows.jsonl").read_bytes().splitlines(keepends=True)
     _cut_to(run, 6, extra=lines[6][: len(lines[6]) // 2])  # power loss in the middle of a write
     # the options repeated: the resume runs the same sweep, only the torn line is in the way
-    res = moebench("sweep", *CUSTOM, "--resume", str(run))
+    res = _here("sweep", *CUSTOM, "--resume", str(run))
     assert res.returncode == 0, res.stderr
     assert "dropped a torn last line" in res.stderr and "rows.jsonl" in res.stderr
     _assert_whole_custom_sweep(run)  # every line parses
@@ -244,7 +259,7 @@ def test_a_second_writer_is_refused_and_a_killed_holders_lock_taken_over(tmp_pat
         if holder.poll() is None:
             holder.kill()
             holder.wait()
-    res = moebench("sweep", "--resume", str(run))
+    res = _here("sweep", "--resume", str(run))
     assert res.returncode == 0, res.stderr
     assert "took over the stale lock" in res.stderr and f"pid {holder.pid}" in res.stderr
     assert "no longer running" in res.stderr

@@ -190,7 +190,7 @@ TENSOR_FILE = "E=4,N=32,device_name=cpu,dtype=fp8_w8a8.json"
 TOKEN_FILE = "E=4,N=32,device_name=cpu,dtype=fp8_w8a8,per_channel_quant=True.json"
 
 
-def test_per_token_and_per_tensor_fp8_tunes_keep_separate_files(tmp_path):
+def test_per_token_and_per_tensor_fp8_tunes_keep_separate_files(tmp_path, monkeypatch):
     out, res = tmp_path / "cfg", tmp_path / "res"
     common = [*SIZES, "--tokens", "1", *FAST, "--dtype", "fp8_w8a8", "--out", str(out), "--results-dir", str(res)]
     r = moebench_inproc("tune", *common, cwd=tmp_path)
@@ -209,10 +209,11 @@ def test_per_token_and_per_tensor_fp8_tunes_keep_separate_files(tmp_path):
     sw = moebench_inproc("configs", "list", "--json", "--dir", str(out), cwd=tmp_path)
     listed = {x["file"]: x for x in json.loads(sw.stdout) if x["dir"] == str(out)}
     assert listed[TOKEN_FILE]["per_channel_quant"] and not listed[TENSOR_FILE]["per_channel_quant"]
+    monkeypatch.setenv("MOEBENCH_CONFIG_DIR", str(out))
     for scales, name in (("token", TOKEN_FILE), ("tensor", TENSOR_FILE)):
-        swp = _cli("sweep", *SIZES, "--tokens", "1", "--dtype", "fp8_w8a8", "--scales", scales, "--experts", "triton",
-                   "--prepare-finalize", "no-dpep", "--reps", "1", "--out", str(tmp_path / f"sweep-{scales}"), cwd=tmp_path,
-                   MOEBENCH_CONFIG_DIR=str(out))
+        swp = moebench_inproc("sweep", *SIZES, "--tokens", "1", "--dtype", "fp8_w8a8", "--scales", scales,
+                              "--experts", "triton", "--prepare-finalize", "no-dpep", "--reps", "1",
+                              "--out", str(tmp_path / f"sweep-{scales}"), cwd=tmp_path)
         assert swp.returncode == 0, swp.stderr
         (run,) = _run_dirs(tmp_path / f"sweep-{scales}")
         (row,) = [json.loads(x) for x in (run / "rows.jsonl").read_text().splitlines()]

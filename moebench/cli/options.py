@@ -16,6 +16,9 @@ from moebench.errors import MoebenchError
 
 console = Console()
 err_console = Console(stderr=True)
+# Their width follows COLUMNS (else the terminal's) at each print, not at import: the entry point
+# can run more than once in a process (`moebench.cli.main` called from Python), each time with its own.
+console.width = err_console.width = None
 
 
 # -- shared option parsing ---------------------------------------------------------------------
