@@ -2,15 +2,12 @@
 the cases PERF.md's tables come from: each case's smoke mode runs end to end on CPU through the
 runner, on tiny shapes under the Triton interpreter, and checks its layers against the reference."""
 
-import contextlib
 import csv
-import io
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,34 +20,17 @@ from moebench.kernels.triton.routing import fused_topk_softmax, topk_softmax_lau
 
 from benchmarks import CASES
 from benchmarks.bench_common import BENCH_SHAPES, SHAPE_ALIASES, bench_shape, library_gemms, vllm_ref_us
+from test_cli import run_here
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _here(*args: str, env: dict | None = None) -> SimpleNamespace:
+def _here(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m benchmarks ARGS` run in this process (the interpreter conftest set up, no
-    interpreter start or torch import): its exit status and what it printed, with `env` set
-    while it runs."""
+    interpreter start or torch import), with `env` set while it runs."""
     import benchmarks.__main__ as runner
 
-    out, err = io.StringIO(), io.StringIO()
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    argv0 = sys.argv[0]
-    os.environ.update(env or {})
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = runner.main(list(args))
-            except SystemExit as e:  # argparse's usage errors
-                rc = e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv[0] = argv0
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
+    return run_here(lambda: runner.main(list(args)), ["python -m benchmarks", *args], env=env)
 
 
 def _runner(*args: str, env: dict | None = None, gpu: bool = False) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pandas as pd
 import pytest
@@ -23,26 +24,33 @@ def moebench(*args, cwd=None, timeout=300):
                           cwd=cwd, env=env, timeout=timeout)
 
 
-def moebench_inproc(*args, cwd=None, timeout=None):
-    """`moebench *args` through its entry point (`moebench.cli.main`) in this process: the exit
-    status, stdout and stderr a user sees. An uncaught exception (what would print a traceback)
-    propagates and fails the test."""
+def run_here(entry, argv, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """A program's entry point called in this process as if started with `argv` (sys.argv while it
+    runs), `env` added to the environment and `cwd` the working directory: the exit status (its
+    return value or SystemExit's code), stdout and stderr a user sees. An uncaught exception (what
+    would print a traceback) propagates and fails the test."""
+    out, err = io.StringIO(), io.StringIO()
+    argv_before, here = sys.argv, os.getcwd()
+    sys.argv = [str(a) for a in argv]
+    try:
+        with mock.patch.dict(os.environ, env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            if cwd is not None:
+                os.chdir(cwd)
+            try:
+                code = entry() or 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv_before
+        os.chdir(here)
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+
+
+def moebench_inproc(*args, cwd=None, env=None):
+    """`moebench *args` through its entry point (`moebench.cli.main`) in this process."""
     from moebench.cli import main
 
-    out, err = io.StringIO(), io.StringIO()
-    argv, here, code = sys.argv, os.getcwd(), 0
-    sys.argv = ["moebench", *map(str, args)]
-    try:
-        if cwd is not None:
-            os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = argv
-        os.chdir(here)
-    return subprocess.CompletedProcess(["moebench", *args], code, out.getvalue(), err.getvalue())
+    return run_here(main, ["moebench", *args], env=env, cwd=cwd)
 
 
 def assert_bad_input(res, *needles):

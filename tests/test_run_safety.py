@@ -34,15 +34,7 @@ def _here(*args):
     """`moebench *args` through the CLI's entry point in this process, its console 200 columns wide
     as `_env` gives a subprocess's: the commands that need no process of their own (the folder's
     holder, the interrupted and the killed runs have theirs)."""
-    saved = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "200"
-    try:
-        return moebench_inproc(*args)
-    finally:
-        if saved is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = saved
+    return moebench_inproc(*args, env={"COLUMNS": "200"})
 
 
 def _start(*args, umask=None):

@@ -281,12 +281,11 @@ def _error_line(exc: BaseException) -> str:
 
 def _rank_main(
     rank: int, world_size: int, placement: Placement, port: int, timeout_s: float,
-    fn: Callable[..., Any], args: tuple, results: Any, parent_pid: int | None = None,
-    environ: dict[str, str] | None = None,
+    fn: Callable[..., Any], args: tuple, results: Any, environ: dict[str, str] | None = None,
 ) -> None:
     """Body of one spawned rank: take the spawning process's environment (`environ`), init the
     group, run fn(ctx, *args), report to the parent over `results`, this rank's end of a pipe."""
-    start_worker(environ, parent_pid)
+    start_worker(environ)
     os.environ.update(CHILD_ENV)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -378,8 +377,7 @@ def spawn(
     environ = dict(os.environ)
     for rank in range(world_size):
         p = mpctx.Process(
-            target=_rank_main, args=(rank, world_size, placement, port, timeout_s, fn, args, pipes[rank][1],
-                                     os.getpid(), environ),
+            target=_rank_main, args=(rank, world_size, placement, port, timeout_s, fn, args, pipes[rank][1], environ),
             name=f"moebench-rank{rank}", daemon=True,
         )
         p.start()

@@ -36,16 +36,15 @@ def worker_context(module: str | None = None):
     return ctx
 
 
-def die_with_parent(parent_pid: int | None = None) -> None:
-    """End this process as soon as `parent_pid` (default: the process that started it) is gone,
-    killed with -9 too: a worker left behind would go on holding the GPU, computing and writing
-    into a run folder. A thread waits on the parent (a pidfd where the platform has one, else a
-    poll every 0.2 s)."""
-    if parent_pid is None:
-        parent = mp.parent_process()
-        if parent is None:
-            return
-        parent_pid = parent.pid
+def die_with_parent() -> None:
+    """End this process as soon as the process that started it (multiprocessing's parent: the
+    spawner, not the fork server) is gone, killed with -9 too: a worker left behind would go on
+    holding the GPU, computing and writing into a run folder. A thread waits on the parent (a
+    pidfd where the platform has one, else a poll every 0.2 s)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+    parent_pid = parent.pid
     if not pid_alive(parent_pid):
         os._exit(1)
     try:
@@ -64,10 +63,10 @@ def die_with_parent(parent_pid: int | None = None) -> None:
     threading.Thread(target=watch, name="moebench-parent-watch", daemon=True).start()
 
 
-def start_worker(environ: dict[str, str] | None, parent_pid: int | None = None) -> None:
+def start_worker(environ: dict[str, str] | None) -> None:
     """First thing in a worker: die with the parent, take the caller's environment (`environ`,
     the caller's `dict(os.environ)` at the worker's start; None keeps this process's)."""
-    die_with_parent(parent_pid)
+    die_with_parent()
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
