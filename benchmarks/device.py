@@ -591,6 +591,10 @@ def job_vendor(c: Ctx) -> None:
     c.mb("sweep", "--model", "deepseek-v3", "--tp", "8", "--tokens", "16,256,4096", "--prepare-finalize", "no-dpep",
          "--experts", "deepgemm,triton", "--out", r, tail=25)
     c.archive("vendor_sweeps")
+    if not c.knob("SKIP_BREAKDOWN"):
+        bd = c.knob("BREAKDOWN_TOKENS", "16,64,256,1024,4096")
+        c.step("(3) DeepGEMM pairs per launch, DeepSeek-V3 TP8 and EP8 shards, fp8 block")
+        c.case("deepgemm_breakdown", "--shapes", "dsv3-tp8,dsv3-ep8", "--tokens", bd, tail=30, timeout=240)
 
 
 #: the layer_times points: PERF.md section 1's shapes through `moebench sweep` (model, its flags)
@@ -685,7 +689,7 @@ JOBS = (
         "compile workers", "SKIP_TESTS SKIP_BENCH SKIP_TUNE BENCH_ARGS COMPILE_WORKERS TESTS_S", job_reference),
     Job("vendor", "1", "8", "DeepGEMM / DeepEP installed from carried wheels (.whl-vendor), their GPU tests, EP2 "
         "sweeps with two ranks on one GPU, TP8 deepgemm vs triton", "SKIP_INSTALL SKIP_TESTS SKIP_SWEEPS TOKENS_LL "
-        "TOKENS_HT VENDOR", job_vendor),
+        "TOKENS_HT VENDOR SKIP_BREAKDOWN BREAKDOWN_TOKENS", job_vendor),
     Job("tune", "2, 3", "10", "fp8 block configs for DeepSeek-V3 EP8 / TP8, then halving vs the whole pruned grid",
         "SKIP_FP8 FP8_TOKENS GRID_POINTS", job_tune),
     Job("presets", "2", "resumable", "bf16 files for the preset layouts without one (FILL=1: vLLM's missing counts); "

@@ -89,13 +89,18 @@ class Library:
     backends: tuple[str, ...]
     package: str | None
     source: str
+    #: shared libraries its extension links against that live in another wheel's folder, where the
+    #: wheel's build machine had them: (python package holding them, its lib folder's files). They
+    #: are loaded (RTLD_GLOBAL) before the module is imported, so no LD_LIBRARY_PATH is needed.
+    preload: tuple[str, tuple[str, ...]] | None = None
 
 
 LIBRARIES: tuple[Library, ...] = (
     Library("deepgemm", "deep_gemm", ("deepgemm", "batched-deepgemm"), "tokenspeed-deepgemm",
             "github.com/deepseek-ai/DeepGEMM; README, 'Vendor libraries'"),
     Library("deepep", "deep_ep", ("deepep-ll", "deepep-ht"), "tokenspeed-deepep",
-            "github.com/deepseek-ai/DeepEP; README, 'Vendor libraries'"),
+            "github.com/deepseek-ai/DeepEP; README, 'Vendor libraries'",
+            preload=("nvidia.nvshmem", ("libnvshmem_host.so.3",))),
     Library("triton-kernels", "triton_kernels", (), None,
             "the python/triton_kernels folder of github.com/triton-lang/triton, at the revision of the installed triton"),
     Library("aiter", "aiter", ("aiter",), None, "github.com/ROCm/aiter (ROCm builds of torch only)"),
@@ -242,9 +247,38 @@ def installed(module: str) -> tuple[str, str] | None:
     return None
 
 
+def preload_libraries(module: str) -> None:
+    """Load the shared libraries library `module` declares in `preload` (found in their package's
+    lib folder) so that its extension imports without LD_LIBRARY_PATH; NVSHMEM's bootstrap plugin,
+    which NVSHMEM opens by name at its first buffer, is named by its path the same way. Nothing
+    happens where the package is not installed (the import then says what is missing)."""
+    import ctypes
+    import os
+
+    lib = next((x for x in LIBRARIES if x.module == module), None)
+    if lib is None or lib.preload is None:
+        return
+    package, files = lib.preload
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return
+    if spec is None or not spec.submodule_search_locations:
+        return
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "lib")
+    for name in files:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    plugin = os.path.join(folder, "nvshmem_bootstrap_uid.so.3")
+    if os.path.exists(plugin):
+        os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_PLUGIN", plugin)
+
+
 def import_error(module: str) -> str | None:
     """None when `module` imports in this process, else why not (one line)."""
     try:
+        preload_libraries(module)
         importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 - a broken build (missing symbol, CUDA libs) is a reason
         if isinstance(e, ImportError) and getattr(e, "name", None) == module:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,9 @@ def _deep_ep_import_error() -> str | None:
             _IMPORT_ERROR.append("deep_ep is not installed (moebench vendor install deepep)")
         else:
             try:
+                from moebench.vendor import preload_libraries
+
+                preload_libraries("deep_ep")
                 importlib.import_module("deep_ep")
                 _IMPORT_ERROR.append(None)
             except Exception as e:  # noqa: BLE001 - a broken install (missing CUDA libs, ...) is a reason
@@ -95,6 +99,12 @@ def shared_buffer(kind: str, group: Any, fits: Any, make: Any):
     return _BUFFERS[slot][1]
 
 
+def dispatch_tokens_for(tokens: int, world: int) -> int:
+    """The smallest n >= tokens with world * n a multiple of 4 (DeepEP low-latency's constraint)."""
+    step = 4 // math.gcd(world, 4)
+    return -(-max(1, tokens) // step) * step
+
+
 #: tokens per rank one low-latency call carries in a deployment: vLLM's VLLM_MOE_DP_CHUNK_SIZE
 #: default (vllm/envs.py); larger batches are dispatched in chunks of it
 DP_CHUNK = 256
@@ -138,6 +148,12 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     def default_weight_and_reduce(self) -> TopKWeightAndReduce:
         return TopKWeightAndReduceInCombine()
 
+    def dispatch_tokens(self, world: int) -> int:
+        """DeepEP's num_max_dispatch_tokens_per_rank for `world` ranks: max_tokens_per_rank rounded
+        up to the next count whose world multiple is a multiple of 4 (DeepEP's low-latency kernels
+        copy the per-rank slots 4 at a time and assert it), as a deployment's fixed chunk is."""
+        return dispatch_tokens_for(self.max_tokens_per_rank, world)
+
     def _get_buffer(self, hidden: int, num_experts: int, world: int):
         key = (hidden, num_experts, world)
         if self._buffer is None or self._buffer_key != key:
@@ -151,11 +167,12 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
                 raise UnsupportedError("deepep-ll needs a process group of >= 2 ranks (DeepEP stops a one-rank "
                                        "buffer); two ranks may share one GPU (sweep --world-size 2)")
             group = self.group if self.group is not None else dist.group.WORLD
-            need = Buffer.get_low_latency_rdma_size_hint(self.max_tokens_per_rank, hidden, world, num_experts)
+            need = Buffer.get_low_latency_rdma_size_hint(self.dispatch_tokens(world), hidden, world, num_experts)
             qps = max(1, num_experts // world)
 
             def make():
-                size = Buffer.get_low_latency_rdma_size_hint(self.buffer_tokens, hidden, world, num_experts)
+                size = Buffer.get_low_latency_rdma_size_hint(dispatch_tokens_for(self.buffer_tokens, world), hidden,
+                                                             world, num_experts)
                 return (size, qps), Buffer(group, num_nvl_bytes=0, num_rdma_bytes=max(size, need), low_latency_mode=True,
                                            num_qps_per_rank=qps)
 
@@ -164,7 +181,7 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
         return self._buffer
 
     def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map, quant=None) -> PrepareResult:
-        """x (M, H) bf16, topk_ids (M, K) -> a (E_local, max_tokens_per_rank * world, H) bf16,
+        """x (M, H) bf16, topk_ids (M, K) -> a (E_local, dispatch_tokens(world) * world, H) bf16,
         expert_num_tokens (E_local,) int32. With block `quant` (bk = 128), DeepEP quantises in
         its dispatch (use_fp8): a fp8, a_scale (E_local, T, H / 128) float32."""
         rank, world = group_rank_world(self.group)
@@ -192,7 +209,7 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
         buf = self._get_buffer(x.shape[-1], num_experts, world)
         ids = topk_ids.to(torch.int64).contiguous()
         recv_x, recv_count, handle, _event, _hook = buf.low_latency_dispatch(
-            x.contiguous(), ids, self.max_tokens_per_rank, num_experts,
+            x.contiguous(), ids, self.dispatch_tokens(world), num_experts,
             use_fp8=use_fp8, async_finish=False, return_recv_hook=False,
         )
         a_scale = None

@@ -43,6 +43,7 @@ deep_gemm is imported lazily; nothing else in moebench needs it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -170,6 +171,21 @@ def _scatter_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> No
         dst.view(torch.uint8).index_copy_(0, idx, src.view(torch.uint8))
     else:
         dst.index_copy_(0, idx, src)
+
+
+def stage(name: str):
+    """A profiler range named `deepgemm:<name>` around one step of an adapter while torch.profiler
+    records (`benchmarks deepgemm_breakdown` sums the kernels of each); nothing otherwise, so a
+    timed or graph-captured call is unchanged."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"deepgemm:{name}")
+    return contextlib.nullcontext()
+
+
+#: the steps `stage` names, in the order the adapters run them: DeepGEMM's two GEMMs and the glue
+STAGES = {"deepgemm": ("align", "gather", "gemm1", "act", "gemm2", "sum"),
+          "batched-deepgemm": ("pack", "gemm1", "act", "gemm2", "unpack")}
+GEMM_STAGES = ("gemm1", "gemm2")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,28 +322,34 @@ class DeepGemmExperts(_DeepGemmBackend):
         e, two_i, h = w13.shape
         i = two_i // 2
         dev = x.device
-        align = moe_align_block_size(ids, dg.get_mk_alignment_for_contiguous_layout(), e, prep.expert_map)
-        rows = align.sorted_token_ids.numel()
-        grouped = grouped_layout(align, local_topk_ids(ids, prep.expert_map), e, self.layout)
+        with stage("align"):
+            align = moe_align_block_size(ids, dg.get_mk_alignment_for_contiguous_layout(), e, prep.expert_map)
+            rows = align.sorted_token_ids.numel()
+            grouped = grouped_layout(align, local_topk_ids(ids, prep.expert_map), e, self.layout)
         expected_m = max(1, -(-m * k // e))  # mean rows per group: DeepGEMM's config hint
 
         # DeepGEMM's rows are independent and nothing reads a padding row's output: padding stays unset
-        a = sorted_rows(x, align, k, zero_pad=False)
-        a_scale = None
-        if fp8:
-            a_scale = sorted_rows(prep.a_scale.float(), align, k, out=empty_mn_major((rows, h // 128), dev), zero_pad=False)
+        with stage("gather"):
+            a = sorted_rows(x, align, k, zero_pad=False)
+            a_scale = None
+            if fp8:
+                a_scale = sorted_rows(prep.a_scale.float(), align, k, out=empty_mn_major((rows, h // 128), dev),
+                                      zero_pad=False)
         gate_up = torch.empty((rows, two_i), dtype=out_dtype, device=dev)
-        self._gemm(dg, a, a_scale, w13, gate_up, grouped, expected_m)
+        with stage("gemm1"):
+            self._gemm(dg, a, a_scale, w13, gate_up, grouped, expected_m)
 
         act = torch.empty((rows, i), dtype=FP8_DTYPE if fp8 else out_dtype, device=dev)
         act_scale = empty_mn_major((rows, i // 128), dev) if fp8 else None
-        silu_mul_rows(gate_up, align.num_tokens_post_padded, act, act_scale)
+        with stage("act"):
+            silu_mul_rows(gate_up, align.num_tokens_post_padded, act, act_scale)
         y = torch.empty((rows + 1, h), dtype=out_dtype, device=dev)  # the last row: zeros, for remote pairs
-        self._gemm(dg, act, act_scale, w2, y[:rows], grouped, expected_m)
-        y[rows].zero_()
-
-        out = alloc_output((m, h), out_dtype, dev)
-        return topk_sum(y, out, k, row_index=pair_rows(align, rows), weights=prep.topk_weights)
+        with stage("gemm2"):
+            self._gemm(dg, act, act_scale, w2, y[:rows], grouped, expected_m)
+        with stage("sum"):
+            y[rows].zero_()
+            out = alloc_output((m, h), out_dtype, dev)
+            return topk_sum(y, out, k, row_index=pair_rows(align, rows), weights=prep.topk_weights)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,44 +401,53 @@ class BatchedDeepGemmExperts(_DeepGemmBackend):
         tp = masked_rows_per_group(t)
         # Valid rows as flat indices of the (E, T) buffer (sink E * T) and of the padded (E + 1, T')
         # buffers (sink E * T': row 0 of the spare group after the real ones).
-        idx = masked_rows(counts, t, self.valid_bound(prep))
-        idx_p = idx if tp == t else (idx // t) * tp + idx % t
-        src = idx.clamp(max=e * t - 1)  # the sink reads some valid row; what it gets goes to a sink
-        if tp == t:
-            a_g = a.contiguous()
-            a_scale = mn_major_scales(prep.a_scale.float()) if fp8 else None
-        else:  # copy the valid rows into whole 128-row blocks per expert
-            a_full = torch.empty(((e + 1) * tp, h), dtype=a.dtype, device=dev)
-            _scatter_rows(a_full, idx_p, _gather_rows(a.reshape(e * t, h), src))
-            a_g = a_full[: e * tp].view(e, tp, h)
-            a_scale = None
-            if fp8:
-                g = prep.a_scale.shape[-1]
-                sf = empty_mn_major((e + 1, tp, g), dev)
-                sf[idx_p // tp, idx_p % tp] = prep.a_scale.float().reshape(e * t, g).index_select(0, src)
-                a_scale = sf[:e]
+        with stage("pack"):
+            idx = masked_rows(counts, t, self.valid_bound(prep))
+            idx_p = idx if tp == t else (idx // t) * tp + idx % t
+            src = idx.clamp(max=e * t - 1)  # the sink reads some valid row; what it gets goes to a sink
+            if tp == t:
+                a_g = a.contiguous()
+                a_scale = mn_major_scales(prep.a_scale.float()) if fp8 else None
+            else:  # copy the valid rows into whole 128-row blocks per expert
+                a_full = torch.empty(((e + 1) * tp, h), dtype=a.dtype, device=dev)
+                _scatter_rows(a_full, idx_p, _gather_rows(a.reshape(e * t, h), src))
+                a_g = a_full[: e * tp].view(e, tp, h)
+                a_scale = None
+                if fp8:
+                    g = prep.a_scale.shape[-1]
+                    sf = empty_mn_major((e + 1, tp, g), dev)
+                    sf[idx_p // tp, idx_p % tp] = prep.a_scale.float().reshape(e * t, g).index_select(0, src)
+                    a_scale = sf[:e]
         gate_up = torch.empty((e + 1, tp, two_i), dtype=out_dtype, device=dev)
-        if fp8:
-            dg.m_grouped_fp8_gemm_nt_masked((a_g, a_scale), (w13.q, w13.scale.contiguous()), gate_up[:e], counts, hint)
-        else:
-            dg.m_grouped_bf16_gemm_nt_masked(a_g, w13, gate_up[:e], counts, hint)
+        with stage("gemm1"):
+            if fp8:
+                dg.m_grouped_fp8_gemm_nt_masked((a_g, a_scale), (w13.q, w13.scale.contiguous()), gate_up[:e], counts,
+                                                hint)
+            else:
+                dg.m_grouped_bf16_gemm_nt_masked(a_g, w13, gate_up[:e], counts, hint)
 
         # SiLU-and-mul (and the requantisation) on the valid rows only.
-        act = silu_and_mul(gate_up.view((e + 1) * tp, two_i).index_select(0, idx_p).float()).to(out_dtype)
-        act_buf = torch.empty((e + 1, tp, i), dtype=FP8_DTYPE if fp8 else out_dtype, device=dev)
-        # The output keeps a sink row after the (E, T) rows the finalize reads.
-        out_full = alloc_output((e * t + 1, h), out_dtype, dev)
-        out = out_full[: e * t].view(e, t, h)
-        y = out if tp == t else torch.empty((e + 1, tp, h), dtype=out_dtype, device=dev)[:e]
-        if fp8:
-            q, s = _quantize(act, scheme)
-            _scatter_rows(act_buf.view((e + 1) * tp, i), idx_p, q)
-            act_scale = empty_mn_major((e + 1, tp, i // 128), dev)
-            act_scale[idx_p // tp, idx_p % tp] = s
-            dg.m_grouped_fp8_gemm_nt_masked((act_buf[:e], act_scale[:e]), (w2.q, w2.scale.contiguous()), y, counts, hint)
-        else:
-            act_buf.view((e + 1) * tp, i).index_copy_(0, idx_p, act)
-            dg.m_grouped_bf16_gemm_nt_masked(act_buf[:e], w2, y, counts, hint)
+        with stage("act"):
+            act = silu_and_mul(gate_up.view((e + 1) * tp, two_i).index_select(0, idx_p).float()).to(out_dtype)
+            act_buf = torch.empty((e + 1, tp, i), dtype=FP8_DTYPE if fp8 else out_dtype, device=dev)
+            # The output keeps a sink row after the (E, T) rows the finalize reads.
+            out_full = alloc_output((e * t + 1, h), out_dtype, dev)
+            out = out_full[: e * t].view(e, t, h)
+            y = out if tp == t else torch.empty((e + 1, tp, h), dtype=out_dtype, device=dev)[:e]
+            if fp8:
+                q, s = _quantize(act, scheme)
+                _scatter_rows(act_buf.view((e + 1) * tp, i), idx_p, q)
+                act_scale = empty_mn_major((e + 1, tp, i // 128), dev)
+                act_scale[idx_p // tp, idx_p % tp] = s
+            else:
+                act_buf.view((e + 1) * tp, i).index_copy_(0, idx_p, act)
+        with stage("gemm2"):
+            if fp8:
+                dg.m_grouped_fp8_gemm_nt_masked((act_buf[:e], act_scale[:e]), (w2.q, w2.scale.contiguous()), y, counts,
+                                                hint)
+            else:
+                dg.m_grouped_bf16_gemm_nt_masked(act_buf[:e], w2, y, counts, hint)
         if tp != t:
-            out_full.index_copy_(0, idx, y.reshape(e * tp, h).index_select(0, idx_p.clamp(max=e * tp - 1)))
+            with stage("unpack"):
+                out_full.index_copy_(0, idx, y.reshape(e * tp, h).index_select(0, idx_p.clamp(max=e * tp - 1)))
         return out
