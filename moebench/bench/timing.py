@@ -20,7 +20,8 @@ class Timing:
     method: str  # "cuda-graph", "cuda-events", "cpu-wallclock"
 
 
-def _summary(samples_us: list[float], method: str) -> Timing:
+def summarize(samples_us: list[float], method: str) -> Timing:
+    """Median, p10 and p90 of `samples_us` (the nearest sample at each quantile)."""
     s = sorted(samples_us)
     q = lambda f: s[min(len(s) - 1, int(round(f * (len(s) - 1))))]  # noqa: E731
     return Timing(statistics.median(s), q(0.10), q(0.90), len(s), method)
@@ -35,7 +36,7 @@ def time_cpu(fn: Callable[[], object], warmup: int = 1, reps: int = 5) -> Timing
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
-    return _summary(samples, "cpu-wallclock")
+    return summarize(samples, "cpu-wallclock")
 
 
 def time_cuda(
@@ -75,7 +76,7 @@ def time_cuda(
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3)
-    return _summary(samples, "cuda-events")
+    return summarize(samples, "cuda-events")
 
 
 def capture_graph(fn: Callable[[], object]) -> tuple["torch.cuda.CUDAGraph", object]:
@@ -115,7 +116,7 @@ def _time_graph(fn, reps, graph_calls, before_each) -> Timing:
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / graph_calls)
     del graph
-    return _summary(samples, "cuda-graph")
+    return summarize(samples, "cuda-graph")
 
 
 def time_fn(fn: Callable[[], object], device: str, **kw) -> Timing:

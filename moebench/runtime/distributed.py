@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from moebench.errors import MoebenchError
+from moebench.errors import MoebenchError, one_line
 from moebench.runtime.processes import start_worker, worker_context
 
 #: Environment every spawned rank gets (required on the shared GPU hosts: no NVLink multicast).
@@ -272,13 +272,6 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
-def _error_line(exc: BaseException) -> str:
-    tb = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {msg}{where}" if msg else f"{type(exc).__name__}{where}"
-
-
 def _rank_main(
     rank: int, world_size: int, placement: Placement, port: int, timeout_s: float,
     fn: Callable[..., Any], args: tuple, results: Any, environ: dict[str, str] | None = None,
@@ -307,7 +300,7 @@ def _rank_main(
         value = fn(ctx, *args)
         results.send(("ok", rank, _dumps(value)))
     except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the parent
-        results.send(("err", rank, _error_line(e), traceback.format_exc()))
+        results.send(("err", rank, one_line(e, where=True), traceback.format_exc()))
     finally:
         try:
             if dist.is_initialized():

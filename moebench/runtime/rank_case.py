@@ -18,7 +18,6 @@ Each sample is the slowest rank's time (max over ranks), so every rank gets the 
 
 from __future__ import annotations
 
-import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from moebench.bench.timing import Timing
+from moebench.bench.timing import Timing, summarize
 from moebench.errors import MoebenchError
 from moebench.kernels.modular import FusedMoEKernel, PrepareAndFinalize
 from moebench.layout import ParallelLayout
@@ -211,18 +210,9 @@ class PhaseTimer:
         out = {}
         for j, n in enumerate(names + ["total"]):
             col = t[:, j].tolist()
-            q = _summary(col, self.method)
+            q = summarize(col, self.method)
             out[n] = Timing(col[mid], q.p10_us, q.p90_us, q.reps, q.method)
         return out
-
-
-def _summary(samples_us: list[float], method: str) -> Timing:
-    s = sorted(samples_us)
-
-    def q(f: float) -> float:
-        return s[min(len(s) - 1, int(round(f * (len(s) - 1))))]
-
-    return Timing(statistics.median(s), q(0.10), q(0.90), len(s), method)
 
 
 # ---------------------------------------------------------------------------------------------

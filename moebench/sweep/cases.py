@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from moebench.backends import check_combination, get_experts_class, get_prepare_finalize_class
-from moebench.errors import MoebenchError
+from moebench.errors import MoebenchError, one_line
 from moebench.inputs import make_tokens
 from moebench.results import ResultRow, RunStore
 from moebench.routing import make_routing
@@ -162,8 +162,3 @@ def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,
     finally:
         runner.finish()
     return rows
-
-
-def one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]

@@ -41,7 +41,8 @@ def _init(spec_json: dict[str, Any], device: str, environ: dict[str, str]) -> No
 
 def _compile_one(task: tuple[int, dict[str, int]]) -> str:
     """Run the layer once with config `cfg` at `tokens`: 'ok', or the one-line error."""
-    from moebench.tuning.search import LayerWeights, _one_line
+    from moebench.errors import one_line
+    from moebench.tuning.search import LayerWeights
     from moebench.tuning.spec import layer_bench
 
     tokens, cfg = task
@@ -60,7 +61,7 @@ def _compile_one(task: tuple[int, dict[str, int]]) -> str:
             torch.cuda.synchronize()
         return "ok"
     except Exception as e:  # noqa: BLE001 - the timing process measures and records the failure
-        return _one_line(e)
+        return one_line(e)
 
 
 class Precompiler:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from moebench.bench.timing import Timing, time_cpu, time_cuda
-from moebench.errors import MoebenchError
+from moebench.errors import MoebenchError, one_line
 from moebench.inputs import make_tokens, make_weights
 from moebench.kernels.reference import reference_moe
 from moebench.backends import make_kernel
@@ -118,11 +118,6 @@ class Measurement:
         kw = {k: v for k, v in d.items() if k in names}
         kw["config"] = {k: int(kw["config"][k]) for k in TILE_KEYS}
         return cls(**kw)
-
-
-def _one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
 
 
 def default_timer(device: str, graph_calls: int = GRAPH_CALLS) -> Timer:
@@ -255,7 +250,7 @@ class LayerBench:
                     torch.cuda.synchronize()
                 except Exception:  # noqa: BLE001 - a broken context is reported by the next call
                     pass
-            m.status, m.reason = "failed", _one_line(e)
+            m.status, m.reason = "failed", one_line(e)
         finally:
             m.elapsed_s = time.perf_counter() - t0
         return m
