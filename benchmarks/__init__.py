@@ -21,6 +21,7 @@ CASES: dict[str, str] = {
     "decode_launches": "the triton layer's code paths (TritonOptions variants) A/B at decode and prefill",
     "vendor_gemms": "prefill by a vendor grouped GEMM: DeepGEMM's GEMMs alone and its layer vs triton, over the floor",
     "profile_case": "torch.profiler table of one (prepare/finalize, experts) case, or its calls for ncu",
+    "ep_model_table": "measured dispatch / combine of real-rank sweep folders beside the modeled ones of --simulate folders",
     "deepgemm_breakdown": "the DeepGEMM pairs per launch: its two grouped GEMMs vs the glue, against the glue's least bytes",
     "fp8_table": "fp8 vs bf16 table from moebench sweep result folders",
     "weight_only_table": "weight-only (int8_w8a16 / int4_w4a16 / mxfp4) vs bf16 table from sweep result folders",

@@ -437,3 +437,24 @@ def test_vendor_gemms_smoke(tmp_path):
     assert len(rows) == 1 and float(rows[0]["floor_us"]) > 0 and float(rows[0]["torch_grouped_us"]) > 0
     assert float(rows[0]["triton_err"]) < 2e-2
     assert rows[0].get("deepgemm_note") or float(rows[0]["deepgemm_err"]) < 2e-2
+
+
+def test_ep_model_table_joins_measured_and_modeled_phases(tmp_path):
+    """A simulated EP2 sweep stands in for both sides (its rows carry dispatch / combine): every
+    joined ratio is then 1; folders without a common point are refused in one line."""
+    from test_cli import moebench_inproc
+
+    mod = tmp_path / "mod"
+    r = moebench_inproc("sweep", "--num-experts", "8", "--topk", "2", "--hidden", "256", "--intermediate", "128",
+                        "--ep", "2", "--tokens", "4,16", "--reps", "1", "--prepare-finalize", "all2all-ll", "--experts", "batched-torch",
+                        "--dtype", "bf16", "--simulate", "--out", str(mod))
+    assert r.returncode == 0, r.stderr
+    r = _here("ep_model_table", str(mod), "--modeled", str(mod))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("| all2all-ll")]
+    assert len(lines) == 3, r.stdout  # two token counts, one fixed-cost line
+    for ln in lines[:2]:  # dispatch_ratio, combine_ratio: the last two cells
+        assert [float(c) for c in ln.strip(" |").split("|")[-2:]] == [1.0, 1.0], ln
+    assert "False" in lines[2]
+    r = _here("ep_model_table", str(mod), "--modeled", str(tmp_path / "none"))
+    assert r.returncode != 0
