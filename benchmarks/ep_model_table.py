@@ -4,9 +4,9 @@
 
 MEASURED_DIR: sweeps over real ranks (e.g. the vendor job's EP2 runs with two ranks on one GPU):
 their rows carry each phase timed between barriers (dispatch_us, experts_us, combine_us).
-MODELED_DIR: the same sweeps with --simulate (the communication priced by the model from its
-published points, docs/comm-model.md). Rows are joined on (prepare/finalize, experts, dtype, quant,
-tokens); each line gives the measured and modeled dispatch and combine and measured / modeled, and
+MODELED_DIR: the same points modeled (`sweep --simulate` or `compare tp-vs-ep` folders: the
+communication priced from the model's published points, docs/comm-model.md). Rows are joined on
+(prepare/finalize, dtype, quant, tokens per rank); each line gives the measured and modeled dispatch and combine and measured / modeled, and
 per transport the smallest token count's combined time against the model's (its fixed cost) with a
 flag where they differ by more than 25%. Both ranks on one GPU is not a real link: the measured
 phases hold the kernels' fixed cost (launch, barrier, DeepEP's quantisation inside dispatch) and a
@@ -24,14 +24,26 @@ import pandas as pd
 from benchmarks.bench_common import ok_rows
 from moebench.report import markdown
 
-KEYS = ["prepare_finalize", "experts", "dtype", "quant", "tokens"]
+#: rows meet on the transport, the precision and the tokens each rank sends (the experts behind a
+#: transport do not change what the model prices)
+KEYS = ["prepare_finalize", "dtype", "quant", "rank_tokens"]
 FIXED_FLAG = 0.25
+
+
+def per_rank(df: pd.DataFrame) -> pd.DataFrame:
+    """`rank_tokens` as the tokens of the first rank ("16,16" -> 16; a sweep's `tokens` are per rank
+    already, a compare's are the whole batch), `tokens` where a row has none."""
+    df = df.copy()
+    first = df["rank_tokens"].astype(str).str.split(",").str[0] if "rank_tokens" in df else None
+    df["rank_tokens"] = pd.to_numeric(first, errors="coerce") if first is not None else float("nan")
+    df["rank_tokens"] = df["rank_tokens"].fillna(df["tokens"]).astype(int)
+    return df
 
 
 def joined(measured: pd.DataFrame, modeled: pd.DataFrame) -> pd.DataFrame:
     cols = KEYS + ["dispatch_us", "combine_us"]
-    m = measured[[c for c in cols + ["device"] if c in measured]].copy()
-    s = modeled[cols].copy()
+    m = per_rank(measured)[[c for c in cols + ["experts", "device"] if c in measured or c == "rank_tokens"]].copy()
+    s = per_rank(modeled)[cols].drop_duplicates(KEYS).copy()
     df = m.merge(s, on=KEYS, suffixes=("_measured", "_modeled"))
     for op in ("dispatch", "combine"):
         df[f"{op}_ratio"] = (df[f"{op}_us_measured"] / df[f"{op}_us_modeled"]).round(2)
@@ -42,10 +54,10 @@ def fixed_costs(df: pd.DataFrame) -> pd.DataFrame:
     """Per (transport, dtype): the smallest token count's dispatch + combine, measured vs modeled."""
     rows = []
     for (pf, dtype, quant), g in df.groupby(["prepare_finalize", "dtype", "quant"], dropna=False):
-        r = g.sort_values("tokens").iloc[0]
+        r = g.sort_values("rank_tokens").iloc[0]
         meas = r["dispatch_us_measured"] + r["combine_us_measured"]
         mod = r["dispatch_us_modeled"] + r["combine_us_modeled"]
-        rows.append({"prepare_finalize": pf, "dtype": dtype, "quant": quant, "tokens": int(r["tokens"]),
+        rows.append({"prepare_finalize": pf, "dtype": dtype, "quant": quant, "rank_tokens": int(r["rank_tokens"]),
                      "measured_us": round(meas, 1), "modeled_us": round(mod, 1), "measured_over_modeled":
                      round(meas / mod, 2), "beyond_25pct": abs(meas / mod - 1) > FIXED_FLAG})
     return pd.DataFrame(rows)
