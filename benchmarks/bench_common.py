@@ -19,7 +19,7 @@ from moebench.layout import ParallelLayout
 from moebench.models import custom_shape, get_model
 from moebench.report import markdown
 from moebench.results import atomic_write_text, rows_to_frame
-from moebench.runtime.simulate import link_for
+from moebench.comm.links import link_for
 from moebench.sweep import SweepSpec, run_in_folder
 from moebench.sweep.variants import Case, Variant, register
 

@@ -80,6 +80,12 @@ def prepare_finalize_names() -> list[str]:
     return list(_discover().prepare_finalize)
 
 
+def declared_communication() -> tuple:
+    """Every operation the prepare/finalize backends declare (moebench.comm.CommOp), in registry
+    order: what the communication model is given (moebench.comm.model.CommModel.from_link)."""
+    return tuple(op for name in prepare_finalize_names() for op in get_prepare_finalize_class(name).communication)
+
+
 def import_errors() -> dict[str, str]:
     """Backend modules that could not be imported, with why (what `moebench env` reports)."""
     return dict(_discover().import_errors)

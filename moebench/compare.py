@@ -11,7 +11,7 @@ Past one node (N > gpus_per_node) TP stays inside a node: the TP layout is one T
 replica per node ("TP8x4" for 32 ranks), each computing 1/nodes of the batch; EP spans all N ranks
 (NVLink inside a node, RDMA between nodes). Each token count's answer carries the factor on the
 modeled communication at which it would flip and whether the published transports' spread covers
-the flip (moebench.robustness).
+the flip (moebench.comm.robustness).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from moebench import robustness
+from moebench.comm import robustness
 from moebench.backends import check_named_experts_quant, get_prepare_finalize_class, prepare_finalize_names
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow, RunStore
 from moebench.bench.hardware import Ceilings, datasheet_ceilings
 from moebench.errors import MoebenchError
-from moebench.runtime.comm_model import CommModel, check_world
-from moebench.runtime.simulate import DEFAULT_TARGET_GPU, nvlink_domain
+from moebench.comm.links import DEFAULT_TARGET_GPU, check_world, nvlink_domain
+from moebench.comm.model import CommModel
 from moebench.sweep import SweepSpec, check_ranks_fit, default_experts, run_multirank, run_simulated
 from moebench.sweep.driver import simulation_link
 from moebench.sweep.simulated import check_spec_for, experts_here
@@ -193,7 +193,7 @@ def run_compare(base: SweepSpec, world_size: int, store: RunStore, link, experts
                 check_ranks: bool = False, on_progress=None, gpus_per_node: int | None = None) -> CompareResult:
     """Run TP and EP layouts of `base` (shape, tokens, dtype, routing...) over `world_size` ranks.
 
-    link: a comm_model.CommModel (or a simulate.LinkProfile); gpus_per_node: node size (default:
+    link: a comm.model.CommModel (or a comm.links.LinkProfile); gpus_per_node: node size (default:
     the model's). check_ranks: also run both layouts on real gloo/NCCL ranks for correctness (their
     rows have modeled = false and CPU times; the answer uses the simulated rows only); only within
     one node."""

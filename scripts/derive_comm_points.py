@@ -1,4 +1,4 @@
-"""Re-derive the computed columns of moebench/runtime/comm_points.csv from the published ones.
+"""Re-derive the computed columns of moebench/comm/comm_points.csv from the published ones.
 
     python scripts/derive_comm_points.py           # table of each row: CSV value vs re-derived, exit 1 on a mismatch
 
@@ -131,7 +131,7 @@ def check(points, rel: float = 0.01, **mc) -> list[str]:
 
 
 def main() -> int:
-    from moebench.runtime.comm_model import load_points
+    from moebench.comm.points import load_points
 
     points = load_points()
     for p in points:

@@ -238,7 +238,7 @@ def test_simulated_tp_ep_sweep_with_shared_experts(tmp_path):
     from moebench.layout import ParallelLayout
     from moebench.models import custom_shape
     from moebench.results import RunStore
-    from moebench.runtime.simulate import link_for
+    from moebench.comm.links import link_for
     from moebench.sweep import SweepSpec, run_simulated
 
     link, _ = link_for("cpu", None, None, None)

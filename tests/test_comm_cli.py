@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import pandas as pd
 
 from test_cli import ROOT, assert_bad_input, moebench, moebench_inproc
@@ -163,3 +164,27 @@ def test_simulated_sweep_where_nothing_runs_is_refused_before_any_folder(tmp_pat
     assert_bad_input(moebench_inproc("sweep", *SHAPE, "--tokens", "1", "--ep", "2", "--simulate", "--experts", "aiter",
                                      "--out", str(out)), "no pair of --experts and --prepare-finalize can run here")
     assert not out.exists()
+
+
+def test_modeled_rows_gbps_is_their_bytes_over_their_time(tmp_path):
+    """A modeled compare row's dispatch (and combine) GB/s is its dispatch bytes over its dispatch
+    time, both in the model's count (the busiest rank's bytes on its links), and says so."""
+    res = moebench_inproc("compare", "tp-vs-ep", *SHAPE, "--world-size", "8", "--tokens", "64",
+                          "--experts", "torch,batched-torch", "--no-check", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    _, rows, _ = _summary(tmp_path)
+    ok = rows[rows.modeled & (rows.status == "ok")]
+    seen = set()
+    for pf in ("deepep-ll", "deepep-ht", "all2all-ll", "allgather-rs"):
+        mine = ok[ok.prepare_finalize == pf]
+        assert len(mine), f"no modeled row of {pf}"
+        for _, r in mine.iterrows():
+            for name in ("dispatch", "combine"):
+                nbytes, us, gbps = r[f"x_{name}_bytes"], r[f"{name}_us"], r[f"x_{name}_gbps"]
+                assert nbytes > 0 and us > 0
+                assert gbps == pytest.approx(nbytes / (us * 1e3), rel=1e-9)
+            assert r.x_comm_count == "link"
+            seen.add(pf)
+    # the bytes are the ones the model priced: dispatch + combine make up the row's comm bytes
+    for _, r in ok[ok.prepare_finalize.isin(sorted(seen))].iterrows():
+        assert r.x_dispatch_bytes + r.x_combine_bytes == pytest.approx(r.x_comm_bytes, rel=1e-9)

@@ -14,9 +14,16 @@ import torch
 
 from moebench.errors import MoebenchError
 from moebench.layout import ParallelLayout
-from moebench.robustness import add_columns, clause, flip_factor
-from moebench.runtime import comm_model as cm
-from moebench.runtime import simulate as sim
+from moebench.backends import declared_communication
+from moebench.comm import calibration as calibration_
+from moebench.comm import fit as fit_
+from moebench.comm import links as links_
+from moebench.comm import model as model_
+from moebench.comm import points as points_
+from moebench.comm import traffic as traffic_
+from moebench.comm.robustness import add_columns, clause, flip_factor
+
+OPS = declared_communication()
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -26,7 +33,7 @@ def _layer(model, pf, ids, lay, num_experts, drow, crow):
     """The modeled communication of prepare/finalize `pf` (its declaration) for routing `ids`."""
     from moebench.backends import get_prepare_finalize_class
 
-    traffic = cm.Traffic(ids, lay, num_experts, ids.shape[0], {"activations": drow, "outputs": crow}, ids.shape[1])
+    traffic = traffic_.Traffic(ids, lay, num_experts, ids.shape[0], {"activations": drow, "outputs": crow}, ids.shape[1])
     return model.price_ops(get_prepare_finalize_class(pf).communication, traffic)
 
 
@@ -34,7 +41,7 @@ def _allreduce(model, nbytes, world, transport="nccl-all-reduce"):
     """TP's all-reduce of an nbytes tensor over `world` ranks."""
     from moebench.comm import tp_allreduce
 
-    traffic = cm.Traffic(None, ParallelLayout(tp=world), 1, 1, {"activations": nbytes, "outputs": nbytes}, 1)
+    traffic = traffic_.Traffic(None, ParallelLayout(tp=world), 1, 1, {"activations": nbytes, "outputs": nbytes}, 1)
     return model.price_ops(tp_allreduce(), traffic, {"all-reduce": transport})
 
 
@@ -43,14 +50,14 @@ def _ratio_text(pairs) -> str:
 
 
 def test_every_published_point_within_20_percent():
-    fits = cm.published_fits()
-    points = cm.load_points()
+    fits = fit_.published_fits()
+    points = points_.load_points()
     assert len(points) >= 12 and sum(len(f.points) for f in fits.values()) == len(points)
-    worst, r = cm.worst_point(fits)
+    worst, r = fit_.worst_point(fits)
     print(f"\nworst published point: {worst.label()} (line {worst.line}), published / modeled = {r:.3f}")
     for key, f in sorted(fits.items()):
         print(f"  {f.describe()}: ratios {', '.join(f'{x:.2f}' for x in f.ratios)}")
-    off = cm.points_off(fits, 0.2)
+    off = fit_.points_off(fits, 0.2)
     assert not off, _ratio_text(off)
     # the ratios are the model's: recompute one fit's predictions by hand
     f = fits[("deepep-ll", "dispatch")]
@@ -60,7 +67,7 @@ def test_every_published_point_within_20_percent():
 
 
 def _rewrite(tmp_path, edit) -> Path:
-    with open(cm.POINTS_FILE, newline="") as fh:
+    with open(points_.POINTS_FILE, newline="") as fh:
         rows = list(csv.DictReader(fh))
     edit(rows)
     out = tmp_path / "points.csv"
@@ -77,15 +84,15 @@ def test_a_point_off_by_more_than_20_percent_is_caught(tmp_path):
             if r["transport"] == "deepep-ll" and r["op"] == "dispatch" and r["world_size"] == "32":
                 r["time_us"] = str(float(r["time_us"]) * 1.8)
 
-    fits = cm.fit_transports(cm.load_points(_rewrite(tmp_path, slow_ep32)))
-    off = cm.points_off(fits, 0.2)
+    fits = fit_.fit_transports(points_.load_points(_rewrite(tmp_path, slow_ep32)))
+    off = fit_.points_off(fits, 0.2)
     assert off and any(p.transport == "deepep-ll" and p.world_size == 32 for p, _ in off), _ratio_text(off)
 
 
 def test_derived_columns_follow_from_the_published_ones():
     from derive_comm_points import check
 
-    bad = check(cm.load_points(), rel=0.015, mc_tokens=1 << 13, mc_reps=4)
+    bad = check(points_.load_points(), rel=0.015, mc_tokens=1 << 13, mc_reps=4)
     assert not bad, "\n".join(bad)
 
 
@@ -99,7 +106,7 @@ def test_derived_columns_follow_from_the_published_ones():
 ])
 def test_bad_points_file(tmp_path, edit, needle):
     with pytest.raises(MoebenchError, match=needle) as e:
-        cm.load_points(_rewrite(tmp_path, edit))
+        points_.load_points(_rewrite(tmp_path, edit))
     assert "\n" not in str(e.value)
 
 
@@ -107,13 +114,13 @@ def test_link_rows_pair_rank_node():
     # 4 ranks, 2 per node, 8 experts (2 per rank); one token per rank
     lay = ParallelLayout(dp=4, enable_ep=True)
     ids = torch.tensor([[2, 3], [0, 6], [4, 5], [1, 7]])  # token r lives on rank r
-    pair = cm.ep_link_rows(ids, lay, 8, gpus_per_node=2, style="pair")
+    pair = traffic_.ep_link_rows(ids, lay, 8, gpus_per_node=2, style="pair")
     # rank 0 -> rank 1 twice (same node); rank 1 -> 0 (same node), 3 (far); rank 2 -> 2 (local);
     # rank 3 -> 0 (far), 3 (local). nvl: max(sent, recv) = [2, 2, 0, 0]; rdma: [1, 1, 0, 1]
     assert pair.nvl.tolist() == [2, 2, 0, 0] and pair.rdma.tolist() == [1, 1, 0, 1]
-    rank = cm.ep_link_rows(ids, lay, 8, gpus_per_node=4, style="rank")  # one node: rows deduplicated per rank
+    rank = traffic_.ep_link_rows(ids, lay, 8, gpus_per_node=4, style="rank")  # one node: rows deduplicated per rank
     assert rank.nvl.tolist() == [2, 2, 0, 1] and rank.rdma.tolist() == [0, 0, 0, 0]
-    node = cm.ep_link_rows(ids, lay, 8, gpus_per_node=2, style="node")
+    node = traffic_.ep_link_rows(ids, lay, 8, gpus_per_node=2, style="node")
     # RDMA: rank 1 -> node 1 (arrives at rank 3, same index), rank 3 -> node 0 (arrives at rank 1);
     # NVLink: rank 0 -> 1 and rank 1 -> 0 directly; rank 3's row for 0 is forwarded by rank 1; rank 1's
     # row for rank 3 arrives at rank 3 itself. sent [1, 2, 0, 0], received [2, 1, 0, 0]
@@ -126,7 +133,7 @@ def test_model_reproduces_deepep_ll_through_the_traffic_path():
     """The simulator's path (routing -> link rows -> fit) lands on DeepEP's EP8 / EP32 figures."""
     from moebench.routing import make_routing
 
-    model = cm.CommModel.from_link(sim.get_link("h800-nvlink"), use_measurement=False)
+    model = model_.CommModel.from_link(links_.get_link("h800-nvlink"), OPS, use_measurement=False)
     for world, d_pub, c_pub in ((8, 77, 114), (32, 155, 273)):
         _, ids = make_routing("uniform", 128 * world, 256, 8, seed=1)
         res = _layer(model, "deepep-ll", ids, ParallelLayout(dp=world, enable_ep=True), 256,
@@ -137,7 +144,7 @@ def test_model_reproduces_deepep_ll_through_the_traffic_path():
 
 
 def test_effective_bandwidth_rises_with_message_size():
-    model = cm.CommModel.from_link(sim.get_link("h200-nvlink"), use_measurement=False)
+    model = model_.CommModel.from_link(links_.get_link("h200-nvlink"), OPS, use_measurement=False)
     f = model.fit("nccl-all-reduce", "all-reduce")
     bus = [2 * 7 / 8 * s / _allreduce(model, s, 8).allreduce_us / 1e3 for s in (1e4, 1e6, 1e8, 1e10)]  # GB/s
     top = max(e for _, e in f.lines)
@@ -148,8 +155,8 @@ def test_effective_bandwidth_rises_with_message_size():
 def test_hierarchy_rdma_past_one_node():
     from moebench.routing import make_routing
 
-    base = cm.CommModel.from_link(sim.get_link("h200-nvlink"), use_measurement=False)
-    fast = cm.CommModel.from_link(sim.get_link("h200-nvlink"), rdma="rdma-800g", use_measurement=False)
+    base = model_.CommModel.from_link(links_.get_link("h200-nvlink"), OPS, use_measurement=False)
+    fast = model_.CommModel.from_link(links_.get_link("h200-nvlink"), OPS, rdma="rdma-800g", use_measurement=False)
     _, ids = make_routing("uniform", 32 * 64, 256, 8, seed=0)
     lay = ParallelLayout(dp=32, enable_ep=True)
     a = _layer(base, "all2all-ll", ids, lay, 256, 14336, 14336)
@@ -162,17 +169,17 @@ def test_hierarchy_rdma_past_one_node():
     with pytest.raises(MoebenchError, match="not a multiple of --gpus-per-node"):
         _layer(base, "all2all-ll", ids, ParallelLayout(dp=12, enable_ep=True), 256, 14336, 14336)
     with pytest.raises(MoebenchError, match="unknown RDMA link"):
-        cm.CommModel.from_link(sim.get_link("h200-nvlink"), rdma="rdma-9000g", use_measurement=False)
+        model_.CommModel.from_link(links_.get_link("h200-nvlink"), OPS, rdma="rdma-9000g", use_measurement=False)
 
 
 def test_link_profiles_of_the_issue():
     peaks = {"h100-nvlink": 450, "h200-nvlink": 450, "h20-nvlink": 450, "h800-nvlink": 200, "a100-nvlink": 300,
              "a800-nvlink": 200, "b200-nvlink": 900}
-    assert {k: cm.nvlink_gbps(k) for k in peaks} == peaks
-    assert cm.RDMA_GBPS == {"rdma-400g": 50.0, "rdma-800g": 100.0}
-    assert sim.default_link("NVIDIA H800").name == "h800-nvlink"
-    assert sim.default_link("NVIDIA B200").name == "b200-nvlink"
-    assert sim.default_link("NVIDIA H20").name == "h20-nvlink"
+    assert {k: links_.nvlink_gbps(k) for k in peaks} == peaks
+    assert links_.RDMA_GBPS == {"rdma-400g": 50.0, "rdma-800g": 100.0}
+    assert links_.default_link("NVIDIA H800").name == "h800-nvlink"
+    assert links_.default_link("NVIDIA B200").name == "b200-nvlink"
+    assert links_.default_link("NVIDIA H20").name == "h20-nvlink"
 
 
 def _calibration(path: Path, device: str, transports: dict) -> None:
@@ -188,13 +195,13 @@ def test_measured_fits_replace_the_published_ones(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEBENCH_LINK_FILE", str(f))
     _calibration(f, "NVIDIA H200", {"nccl-all-reduce": {"alpha_us": 30.0, "gbps": 100.0, "worst_ratio": 1.05},
                                     "all2all-ll:dispatch": {"alpha_us": 90.0, "gbps": 50.0, "worst_ratio": 1.1}})
-    link = sim.get_link("h200-nvlink")
-    pub = cm.CommModel.from_link(link, device_name="NVIDIA H200", use_measurement=False)
-    meas = cm.CommModel.from_link(link, device_name="NVIDIA H200")
-    other = cm.CommModel.from_link(link, device_name="NVIDIA H100")
+    link = links_.get_link("h200-nvlink")
+    pub = model_.CommModel.from_link(link, OPS, device_name="NVIDIA H200", use_measurement=False)
+    meas = model_.CommModel.from_link(link, OPS, device_name="NVIDIA H200")
+    other = model_.CommModel.from_link(link, OPS, device_name="NVIDIA H100")
     assert meas.source == "measured" and "measured on NVIDIA H200" in meas.describe()
     assert other.source == "profile" and not other.measured
-    over = cm.CommModel.from_link(sim.get_link("h200-nvlink", 100.0), device_name="NVIDIA H200")
+    over = model_.CommModel.from_link(links_.get_link("h200-nvlink", 100.0), OPS, device_name="NVIDIA H200")
     assert over.source == "override" and not over.measured and over.nvlink_gbps == 100.0  # override > measurement
     ar = _allreduce(meas, 1e6, 8)
     assert ar.allreduce_us == pytest.approx(30.0 + 2 * 7 / 8 * 1e6 / 100e3) and "measured" in ar.how
@@ -202,7 +209,7 @@ def test_measured_fits_replace_the_published_ones(tmp_path, monkeypatch):
     _, ids = make_routing("uniform", 64, 64, 4, seed=0)
     lay = ParallelLayout(dp=8, enable_ep=True)
     a, b = _layer(meas, "all2all-ll", ids, lay, 64, 1024, 1024), _layer(pub, "all2all-ll", ids, lay, 64, 1024, 1024)
-    rows = cm.ep_link_rows(ids, lay, 64, 8, "pair")
+    rows = traffic_.ep_link_rows(ids, lay, 64, 8, "pair")
     assert a.dispatch_us == pytest.approx(90.0 + rows.busiest(1032) / 50e3)
     assert a.combine_us == pytest.approx(b.combine_us)  # not measured: the published fit
     assert "measured fit" in a.how
@@ -218,7 +225,7 @@ def test_bad_measurement_file(tmp_path, transports, needle):
     f = tmp_path / "link.json"
     _calibration(f, "NVIDIA H200", transports)
     with pytest.raises(MoebenchError, match=needle) as e:
-        cm.measured_fits(f, "NVIDIA H200")
+        calibration_.measured_fits(f, "NVIDIA H200")
     assert "\n" not in str(e.value)
 
 
@@ -263,8 +270,8 @@ def test_robustness_columns_and_too_close():
 
 def test_held_out_points_are_predicted():
     """Published points kept out of the fit (other sources, sizes, world sizes): the model holds on them."""
-    fits = cm.published_fits()
-    held = cm.load_points(cm.POINTS_FILE.with_name("comm_heldout.csv"))
+    fits = fit_.published_fits()
+    held = points_.load_points(points_.POINTS_FILE.with_name("comm_heldout.csv"))
     assert len(held) >= 30 and not {p.key for p in held} - set(fits)
     ratios = [(p, p.time_us / fits[p.key].predict(p)) for p in held]
     print("\n" + "\n".join(f"  {p.label()} {p.gpu}: published / modeled {r:.2f}" for p, r in ratios))
@@ -278,24 +285,24 @@ def test_every_fitted_transport_answers_through_ask():
     asked in bytes where the source counts bytes, in tokens (routed uniformly) where it counts rows
     per (token, rank). Only DeepEP normal's EP64 points, routed group-limited, cannot be asked."""
     asked = 0
-    for (transport, op), f in sorted(cm.published_fits().items()):
+    for (transport, op), f in sorted(fit_.published_fits().items()):
         for p in f.points:
-            model = cm.CommModel.from_link(sim.get_link(p.nvlink), rdma=p.rdma or cm.DEFAULT_RDMA,
+            model = model_.CommModel.from_link(links_.get_link(p.nvlink), OPS, rdma=p.rdma or links_.DEFAULT_RDMA,
                                            gpus_per_node=p.gpus_per_node, use_measurement=False)
             if p.bytes_rule in ("ring-allreduce", "a2a-buffer", "a2a-tensor", "pairs", "ring-allreduce-nodes"):
-                res = cm.ask(model, transport, op, p.world_size, p.bytes_per_rank)
+                res = model_.ask(model, transport, op, p.world_size, p.bytes_per_rank)
             elif p.routing == "uniform":
-                res = cm.ask(model, transport, op, p.world_size, tokens=p.tokens, hidden=p.hidden, topk=p.topk,
+                res = model_.ask(model, transport, op, p.world_size, tokens=p.tokens, hidden=p.hidden, topk=p.topk,
                              experts=p.experts, dtype="fp8" if p.dtype.startswith("fp8") else "bf16")
             else:
                 continue
             asked += 1
             assert abs(p.time_us / res["time_us"] - 1) <= 0.2, (p.label(), p.line, p.time_us, res["time_us"])
-    assert asked >= len(cm.load_points()) - 2
+    assert asked >= len(points_.load_points()) - 2
 
 
 def test_custom_all_reduce_beats_nccl_at_decode_sizes_and_has_a_limit():
-    model = cm.CommModel.from_link(sim.get_link("h100-nvlink"), use_measurement=False)
+    model = model_.CommModel.from_link(links_.get_link("h100-nvlink"), OPS, use_measurement=False)
     small = 16 * 7168 * 2
     assert _allreduce(model, small, 8, "custom-all-reduce").total_us < _allreduce(model, small, 8).total_us
     with pytest.raises(MoebenchError, match="takes tensors up to 8 MiB"):
@@ -306,9 +313,9 @@ def test_nvl72_domain():
     """A GB200 rack is one NVLink domain of 72: EP64 stays on NVLink there, not over RDMA."""
     from moebench.routing import make_routing
 
-    assert sim.nvlink_domain("GB200") == 72 and sim.default_link("NVIDIA GB200").name == "gb200-nvlink"
-    rack = cm.CommModel.from_link(sim.get_link("gb200-nvlink"), gpus_per_node=72, use_measurement=False)
-    boxes = cm.CommModel.from_link(sim.get_link("b200-nvlink"), gpus_per_node=8, use_measurement=False)
+    assert links_.nvlink_domain("GB200") == 72 and links_.default_link("NVIDIA GB200").name == "gb200-nvlink"
+    rack = model_.CommModel.from_link(links_.get_link("gb200-nvlink"), OPS, gpus_per_node=72, use_measurement=False)
+    boxes = model_.CommModel.from_link(links_.get_link("b200-nvlink"), OPS, gpus_per_node=8, use_measurement=False)
     _, ids = make_routing("uniform", 64 * 32, 256, 8, seed=0)
     lay = ParallelLayout(dp=64, enable_ep=True)
     a = _layer(rack, "deepep-ll", ids, lay, 256, 7392, 14336)
@@ -321,8 +328,8 @@ def test_tp_groups_and_extrapolation_in_an_nvl72_rack():
 
     assert tp_replicas(8, 8) == 1 and tp_replicas(32, 8) == 4 and tp_replicas(72, 72) == 9  # TP8 per replica
     assert set(layouts(72, 72, 256)) == {"TP8x9", "EP72"} and set(layouts(32, 8, 8)) == {"TP8x4", "EP8x4"}
-    rack = cm.CommModel.from_link(sim.get_link("gb200-nvlink"), gpus_per_node=72, use_measurement=False)
-    box = cm.CommModel.from_link(sim.get_link("h200-nvlink"), use_measurement=False)
+    rack = model_.CommModel.from_link(links_.get_link("gb200-nvlink"), OPS, gpus_per_node=72, use_measurement=False)
+    box = model_.CommModel.from_link(links_.get_link("h200-nvlink"), OPS, use_measurement=False)
     assert rack.extrapolated(["nccl-all-to-all", "nccl-all-gather", "deepep-ll"]) == ["deepep-ll"]
     assert box.extrapolated(["nccl-all-gather", "deepep-ll", "custom-all-reduce"]) == []
 

@@ -119,3 +119,13 @@ def test_the_kernels_hold_only_the_contract_and_the_backends():
     bad = _offenders("moebench.kernels", ("moebench.cli", "moebench.tuning", "moebench.sweep", "moebench.compare",
                                           "moebench.report", "moebench.bench.metrics"))
     assert not bad, "kernels import from above them:\n" + "\n".join(bad)
+
+
+def test_the_communication_model_sits_below_the_registry():
+    """moebench.comm (links, traffic, points, fit, model, calibration, robustness) is given the
+    operations the backends declare: it never imports the registry, the sweep, the comparison,
+    the tuner or the CLI; the kernels' contract imports only its plain CommOp module."""
+    bad = _offenders("moebench.comm", ("moebench.backends", "moebench.sweep", "moebench.compare", "moebench.tuning",
+                                       "moebench.cli", "moebench.report"))
+    assert not bad, "moebench.comm imports from above it:\n" + "\n".join(bad)
+    assert import_graph()["moebench.comm"] == set(), "moebench/comm/__init__.py must stay plain data"

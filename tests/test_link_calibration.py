@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from moebench.runtime import comm_model as cm
-from moebench.runtime.link_calibration import fit_alpha_beta, measure_link
+from moebench.backends import get_prepare_finalize_class, prepare_finalize_names
+from moebench.comm import calibration as calibration_
+from moebench.comm.calibration import fit_alpha_beta, measure_link
 
 
 def test_fit_alpha_beta_recovers_a_line():
@@ -19,7 +20,7 @@ def test_fit_alpha_beta_recovers_a_line():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_calibration_on_gloo(world, tmp_path, monkeypatch):
-    link, raw = measure_link(world, "cpu", reps=1, sizes=[1024, 16384], tokens=[1, 4])
+    link, raw = measure_link(world, "cpu", {n: get_prepare_finalize_class(n) for n in prepare_finalize_names()}, reps=1, sizes=[1024, 16384], tokens=[1, 4])
     keys = {"nccl-all-reduce:all-reduce", "nccl-all-to-all:all-to-all", "nccl-all-to-all:dispatch",
             "nccl-all-to-all:combine"}  # all2all-ll's dispatch / combine, keyed by the transport it declares
     assert set(raw["transports"]) == keys
@@ -29,10 +30,10 @@ def test_calibration_on_gloo(world, tmp_path, monkeypatch):
         assert all(b > 0 and t > 0 for b, t in v["points"])
     assert link.source == "measured" and link.bandwidth_gbps == raw["transports"]["nccl-all-to-all:all-to-all"]["gbps"]
     # what the CLI writes reads back as measured fits of the CPU (never of a GPU)
-    from moebench.runtime.simulate import write_measured_link
+    from moebench.comm.links import write_measured_link
 
     f = tmp_path / "link.json"
     write_measured_link(link, f, device_name="cpu", world_size=world, **raw)
-    fits, line = cm.measured_fits(f, "cpu")
+    fits, line = calibration_.measured_fits(f, "cpu")
     assert set(fits) == keys and f"over {world} ranks" in line
-    assert cm.measured_fits(f, "NVIDIA H200") == ({}, "")
+    assert calibration_.measured_fits(f, "NVIDIA H200") == ({}, "")

@@ -7,17 +7,8 @@ import torch
 
 from moebench.bench import hardware
 from moebench.bench.hardware import Ceilings, calibrate_cpu, datasheet_ceilings, get_ceilings, save_ceilings
-from moebench.bench.metrics import (
-    combine_bytes,
-    dispatch_bytes,
-    experts_hit,
-    layer_bytes,
-    layer_flops,
-    message_bytes,
-    metrics,
-    num_messages,
-    roofline,
-)
+from moebench.bench.metrics import experts_hit, layer_bytes, layer_flops, metrics, roofline
+from moebench.comm.traffic import deepep_rows, dtype_row_bytes
 from moebench.errors import MoebenchError
 
 CEIL = Ceilings(device_name="Test GPU", mem_read_gbps=1000.0, mem_copy_gbps=800.0,
@@ -58,28 +49,26 @@ def test_roofline_and_metrics_by_hand():
 def test_deepep_bytes_match_published_figures():
     # 128 tokens, hidden 7168, top-8: DeepEP LL dispatch (FP8) 77 us ~ 98 GB/s, combine 114 us ~ 127 GB/s.
     ids = torch.stack([torch.randperm(256)[:8] for _ in range(128)])
-    assert message_bytes(7168, fp8=True) == 7168 + 56 * 4 + 16
-    d = dispatch_bytes(ids, 7168, fp8=True)
-    c = combine_bytes(ids, 7168)
-    assert d == 128 * 8 * 7408
+    assert dtype_row_bytes("fp8", 7168) == 7168 + 56 * 4
+    d = deepep_rows(ids) * dtype_row_bytes("fp8", 7168)
+    c = deepep_rows(ids) * dtype_row_bytes("bf16", 7168)
+    assert d == 128 * 8 * 7392
     assert c == 128 * 8 * 7168 * 2
     assert d / 77e-6 / 1e9 == pytest.approx(98, rel=0.02)
     assert c / 114e-6 / 1e9 == pytest.approx(127, rel=0.02)
-    assert dispatch_bytes(ids, 7168) == c  # bf16 dispatch: 2 bytes per element
 
 
 def test_per_rank_messages():
     ids = torch.tensor([[0, 1, 4], [2, 6, 7], [-1, 5, 0]])
     owner = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])  # 2 ranks
-    assert num_messages(ids) == 8
+    assert deepep_rows(ids) == 8
+    assert deepep_rows(ids, expert_owner=owner) == 8
     # token 0 -> ranks {0, 1}; token 1 -> {0, 1}; token 2 -> {1, 0} (the -1 is skipped)
-    assert num_messages(ids, per="rank", expert_owner=owner) == 6
-    assert dispatch_bytes(ids, 10, per="rank", expert_owner=owner) == 6 * 20
-    assert combine_bytes(ids, 10, per="rank", expert_owner=owner) == 6 * 20
+    assert deepep_rows(ids, per="rank", expert_owner=owner) == 6
     with pytest.raises(MoebenchError, match="expert_owner"):
-        num_messages(ids, per="rank")
+        deepep_rows(ids, per="rank")
     with pytest.raises(MoebenchError, match="per must be"):
-        num_messages(ids, per="token")
+        deepep_rows(ids, per="token")
 
 
 # -- ceilings ----------------------------------------------------------------------------------

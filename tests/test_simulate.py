@@ -9,9 +9,10 @@ import torch
 
 from moebench.errors import MoebenchError
 from moebench.layout import ParallelLayout
+from moebench.comm import links as links_
 from moebench.runtime import simulate as sim
 
-LINK = sim.LinkProfile("test", bandwidth_gbps=100.0, latency_us=2.0)  # 100 GB/s = 1e5 bytes/us
+LINK = links_.LinkProfile("test", bandwidth_gbps=100.0, latency_us=2.0)  # 100 GB/s = 1e5 bytes/us
 
 
 def test_transfer_units():
@@ -20,46 +21,46 @@ def test_transfer_units():
 
 
 def test_profiles_and_override():
-    assert sim.get_link("h100-nvlink").bandwidth_gbps == 450.0
-    assert sim.get_link("h200-nvlink").bandwidth_gbps == 450.0
-    assert sim.get_link("a100-nvlink").bandwidth_gbps == 300.0
-    assert sim.get_link("pcie-gen5").bandwidth_gbps == 50.0
-    ib = sim.get_link("ib-400g")
-    assert ib.bandwidth_gbps == 50.0 and ib.latency_us > sim.get_link("h100-nvlink").latency_us
-    o = sim.get_link("h100-nvlink", link_gbps=200.0)
+    assert links_.get_link("h100-nvlink").bandwidth_gbps == 450.0
+    assert links_.get_link("h200-nvlink").bandwidth_gbps == 450.0
+    assert links_.get_link("a100-nvlink").bandwidth_gbps == 300.0
+    assert links_.get_link("pcie-gen5").bandwidth_gbps == 50.0
+    ib = links_.get_link("ib-400g")
+    assert ib.bandwidth_gbps == 50.0 and ib.latency_us > links_.get_link("h100-nvlink").latency_us
+    o = links_.get_link("h100-nvlink", link_gbps=200.0)
     assert (o.bandwidth_gbps, o.latency_us, o.source) == (200.0, 1.5, "override")
     with pytest.raises(MoebenchError, match="unknown link profile"):
-        sim.get_link("nvlink9")
+        links_.get_link("nvlink9")
     with pytest.raises(MoebenchError):
-        sim.get_link("pcie-gen5", link_gbps=0)
+        links_.get_link("pcie-gen5", link_gbps=0)
 
 
 def test_default_link_by_device_name():
-    assert sim.default_link("NVIDIA H200").name == "h200-nvlink"
-    assert sim.default_link("NVIDIA H100 80GB HBM3").name == "h100-nvlink"
-    assert sim.default_link("NVIDIA A100-SXM4-80GB").name == "a100-nvlink"
-    assert sim.default_link("NVIDIA H100 PCIe").name == "pcie-gen5"
-    assert sim.default_link(None).name == "pcie-gen5"
+    assert links_.default_link("NVIDIA H200").name == "h200-nvlink"
+    assert links_.default_link("NVIDIA H100 80GB HBM3").name == "h100-nvlink"
+    assert links_.default_link("NVIDIA A100-SXM4-80GB").name == "a100-nvlink"
+    assert links_.default_link("NVIDIA H100 PCIe").name == "pcie-gen5"
+    assert links_.default_link(None).name == "pcie-gen5"
 
 
 def test_measured_link(tmp_path, monkeypatch):
     f = tmp_path / "link.json"
     monkeypatch.setenv("MOEBENCH_LINK_FILE", str(f))
-    assert sim.measured_link() is None
-    assert sim.choose_link("NVIDIA H200").name == "h200-nvlink"
-    sim.write_measured_link(sim.LinkProfile("nccl-8xH200", 380.0, 2.5), device_name="NVIDIA H200", world_size=8)
-    assert sim.measured_link() is None  # asked for no device: a GPU measurement does not apply
-    m = sim.measured_link(device_name="NVIDIA H200")
+    assert links_.measured_link() is None
+    assert links_.choose_link("NVIDIA H200").name == "h200-nvlink"
+    links_.write_measured_link(links_.LinkProfile("nccl-8xH200", 380.0, 2.5), device_name="NVIDIA H200", world_size=8)
+    assert links_.measured_link() is None  # asked for no device: a GPU measurement does not apply
+    m = links_.measured_link(device_name="NVIDIA H200")
     assert (m.bandwidth_gbps, m.latency_us, m.source) == (380.0, 2.5, "measured")
-    assert sim.choose_link("NVIDIA H200").source == "measured"
-    assert sim.choose_link("NVIDIA A100-SXM4-80GB").name == "a100-nvlink"  # measured elsewhere
-    over = sim.choose_link("NVIDIA H200", link_gbps=100.0)
+    assert links_.choose_link("NVIDIA H200").source == "measured"
+    assert links_.choose_link("NVIDIA A100-SXM4-80GB").name == "a100-nvlink"  # measured elsewhere
+    over = links_.choose_link("NVIDIA H200", link_gbps=100.0)
     assert (over.bandwidth_gbps, over.latency_us, over.source) == (100.0, 2.5, "override")
-    sim.write_measured_link(sim.LinkProfile("gloo", 2.0, 150.0), device_name="cpu")
-    assert sim.choose_link("NVIDIA H200").name == "h200-nvlink"  # a CPU measurement never stands in
+    links_.write_measured_link(links_.LinkProfile("gloo", 2.0, 150.0), device_name="cpu")
+    assert links_.choose_link("NVIDIA H200").name == "h200-nvlink"  # a CPU measurement never stands in
     f.write_text(json.dumps({"name": "x"}))
     with pytest.raises(MoebenchError, match="malformed"):
-        sim.measured_link()
+        links_.measured_link()
 
 
 def test_deepep_published_figure_is_pair_counting():

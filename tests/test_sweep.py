@@ -152,7 +152,7 @@ def test_registered_variants_are_rows_of_their_own(tmp_path, monkeypatch):
     saved = [json.loads(line)["variant"] for line in (tmp_path / "run" / "rows.jsonl").read_text().splitlines()]
     assert sorted(saved) == ["", "again", "unchecked", "zeros"]
     assert run_local(spec, RunStore(tmp_path / "run")) == []  # resumed: every row is there
-    from moebench.runtime.simulate import link_for
+    from moebench.comm.links import link_for
     link, _ = link_for("cpu", None, None, None)
     assert not RankRunner.runs_variants and not SimulatedRunner(link, experts_model=object()).runs_variants
     assert SimulatedRunner(link).runs_variants  # experts measured here: see the next test
@@ -180,7 +180,7 @@ def test_a_simulated_share_times_variants_once_per_case(tmp_path, monkeypatch):
     experts_us. The experts half is measured once for the case's all-reduce choices (nccl and
     custom rows differ only in the modeled all-reduce)."""
     from moebench.layout import ParallelLayout
-    from moebench.runtime.simulate import link_for
+    from moebench.comm.links import link_for
     from moebench.sweep import run_simulated
     from moebench.sweep import variants as V
 

@@ -1,4 +1,4 @@
-"""Work, bytes and roofline of an MoE layer, and DeepEP-style communication bytes.
+"""Work, bytes and roofline of an MoE layer.
 
 Layer (design.md "Timing and metrics"):
     flops = 2 * tokens * topk * 3 * H * I            (GEMM1: 2I x H, GEMM2: H x I, per (token, k))
@@ -8,16 +8,7 @@ Layer (design.md "Timing and metrics"):
           + 2 * tokens * H * dtype_bytes             (activations in and out)
     floor = max(bytes / read bandwidth, flops / matmul peak);  roofline_frac = floor / latency
 
-Dispatch/combine bytes follow DeepEP's own tests, so GB/s figures compare with its published ones:
-    low-latency mode (per="expert"): one message per (token, selected expert), ids of -1 skipped,
-        messages to the sender's own rank included;
-    normal mode (per="rank"): one message per (token, destination rank), i.e. a token going to
-        three experts of one rank is sent once;
-    message size: bf16 = hidden * 2 bytes; FP8 dispatch = hidden (e4m3 values)
-        + hidden / 128 * 4 (one fp32 scale per 128 elements) + 16 (DeepEP-LL's per-message
-        header); combine always sends bf16 (hidden * 2 bytes).
-    Example: 128 tokens, hidden 7168, top-8, FP8 dispatch in 77 us -> 7.58 MB, 98 GB/s; bf16
-    combine in 114 us -> 14.7 MB, 129 GB/s (DeepEP's published 98 / 127 GB/s).
+Communication bytes (rows each rank sends, DeepEP's count and the links') are moebench.comm.traffic's.
 """
 
 from __future__ import annotations
@@ -29,9 +20,6 @@ import torch
 
 from moebench.bench.hardware import Ceilings
 from moebench.errors import MoebenchError
-
-FP8_BLOCK = 128  # elements per fp32 scale in DeepEP's FP8 dispatch
-FP8_HEADER_BYTES = 16  # per-message metadata DeepEP's low-latency test counts
 
 
 def layer_flops(tokens: int, topk: int, hidden: int, intermediate: int) -> int:
@@ -123,70 +111,3 @@ def metrics(
     if out["floor_us"] is not None:
         out["roofline_frac"] = out["floor_us"] / latency_us
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Communication bytes (DeepEP conventions, see the module docstring).
-
-
-def packed_row_bytes(hidden: int, dtype_bytes: int, quant=None) -> int:
-    """Bytes of one token row as moebench's dispatch sends it: hidden * dtype_bytes, or with an
-    fp8 QuantScheme the payload plus one fp32 scale per group (moebench.quant.pack_rows); the
-    weight-only schemes send the unquantised rows."""
-    if quant is None or quant.weight_only:
-        return hidden * dtype_bytes
-    return hidden + 4 * quant.num_groups(hidden)
-
-
-def message_bytes(hidden: int, fp8: bool = False, dtype_bytes: int = 2) -> int:
-    """Bytes of one token message: FP8 = hidden + 4 * ceil(hidden / 128) + 16, else hidden * dtype_bytes."""
-    if fp8:
-        return hidden + 4 * math.ceil(hidden / FP8_BLOCK) + FP8_HEADER_BYTES
-    return hidden * dtype_bytes
-
-
-def num_messages(topk_ids: torch.Tensor, per: str = "expert", expert_owner: torch.Tensor | None = None) -> int:
-    """Messages one dispatch (or combine) sends for topk_ids (M, K).
-
-    per="expert": (token, selected expert) pairs, ids < 0 skipped (DeepEP low-latency).
-    per="rank":   distinct (token, destination rank) pairs; needs expert_owner (E,) (DeepEP normal).
-    """
-    valid = topk_ids >= 0
-    if per == "expert":
-        return int(valid.sum())
-    if per != "rank":
-        raise MoebenchError(f"per must be 'expert' (low-latency) or 'rank' (normal mode), got {per!r}")
-    if expert_owner is None:
-        raise MoebenchError("per='rank' counting needs expert_owner (E,): the rank owning each expert")
-    owner = expert_owner.to(device=topk_ids.device, dtype=torch.int64)
-    ranks = torch.where(valid, owner[topk_ids.clamp(min=0).to(torch.int64)], torch.full_like(topk_ids, -1, dtype=torch.int64))
-    if ranks.numel() == 0:
-        return 0
-    s = ranks.sort(dim=1).values
-    first = torch.ones_like(s, dtype=torch.bool)
-    first[:, 1:] = s[:, 1:] != s[:, :-1]
-    return int((first & (s >= 0)).sum())
-
-
-def dispatch_bytes(
-    topk_ids: torch.Tensor,
-    hidden: int,
-    fp8: bool = False,
-    dtype_bytes: int = 2,
-    per: str = "expert",
-    expert_owner: torch.Tensor | None = None,
-) -> int:
-    """Bytes one dispatch moves: messages (see `num_messages`) x `message_bytes(hidden, fp8, dtype_bytes)`.
-    bf16 dispatch counts 2 bytes per element unless fp8."""
-    return num_messages(topk_ids, per, expert_owner) * message_bytes(hidden, fp8, dtype_bytes)
-
-
-def combine_bytes(
-    topk_ids: torch.Tensor,
-    hidden: int,
-    dtype_bytes: int = 2,
-    per: str = "expert",
-    expert_owner: torch.Tensor | None = None,
-) -> int:
-    """Bytes one combine moves: messages x hidden * dtype_bytes (combine sends bf16 in DeepEP)."""
-    return num_messages(topk_ids, per, expert_owner) * hidden * dtype_bytes

@@ -39,14 +39,15 @@ GPUS = ("H100", "H200", "H800", "H20", "A100", "B200", "GB200")
 def comm(transport, op, gpu, world_size, gpus_per_node, rdma_name, size, tokens, hidden, topk, experts, dtype,
          as_json):
     """What one collective or dispatch/combine costs: modeled from published points (docs/comm-model.md)."""
-    from moebench.runtime.comm_model import CommModel, ask
-    from moebench.runtime.simulate import default_link, nvlink_domain
+    from moebench.backends import declared_communication
+    from moebench.comm.links import default_link, nvlink_domain
+    from moebench.comm.model import CommModel, ask
 
     if (size is None) == (tokens is None):
         raise MoebenchError("give exactly one of --bytes N or --tokens M")
     gpu = gpu.upper()
     gpn = gpus_per_node if gpus_per_node is not None else nvlink_domain(gpu)
-    model = CommModel.from_link(default_link(gpu), rdma=rdma_name, gpus_per_node=gpn, use_measurement=False)
+    model = CommModel.from_link(default_link(gpu), declared_communication(), rdma=rdma_name, gpus_per_node=gpn, use_measurement=False)
     res = ask(model, transport, op, world_size, size, tokens=tokens, hidden=hidden, topk=topk, experts=experts,
               dtype=dtype, gpu=gpu)
     if as_json:

@@ -111,14 +111,15 @@ def backends_table(backends: list[dict]):
 def _calibrate_link(device: str, world_size: int | None) -> str:
     import datetime
 
+    from moebench.backends import get_prepare_finalize_class, prepare_finalize_names
     from moebench.bench.hardware import device_summary
-    from moebench.runtime.link_calibration import measure_link
-    from moebench.runtime.simulate import write_measured_link
+    from moebench.comm.calibration import measure_link
+    from moebench.comm.links import write_measured_link
 
     n = world_size or (torch.cuda.device_count() if device == "cuda" else 2)
     if n < 2:
         raise MoebenchError(f"--calibrate-link needs at least 2 ranks (have {n} on {device}); the link is between GPUs")
-    link, raw = measure_link(n, device)
+    link, raw = measure_link(n, device, {name: get_prepare_finalize_class(name) for name in prepare_finalize_names()})
     name = device_summary(device).get("name") if device == "cuda" else "cpu"
     path = write_measured_link(link, device_name=name, world_size=n, device=device,
                               measured_at=datetime.datetime.now().isoformat(timespec="seconds"),

@@ -14,9 +14,10 @@ from moebench.errors import MoebenchError
 from moebench.inputs import check_fits
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow, RunStore, ensure_writable_dir, new_run_id, skip_kind
-from moebench.runtime.comm_model import CommModel, check_tp, check_world
+from moebench.comm.links import DEFAULT_TARGET_GPU, check_tp, check_world, link_for, nvlink_domain
+from moebench.backends import declared_communication
+from moebench.comm.model import CommModel
 from moebench.runtime.distributed import is_main, place_ranks, spawn
-from moebench.runtime.simulate import DEFAULT_TARGET_GPU, link_for, nvlink_domain
 from moebench.sweep.cases import cases_to_run, plan, run_cases
 from moebench.sweep.local import LocalRunner
 from moebench.sweep.ranks import SHARED_GPU_DEVICE, sweep_on_rank
@@ -176,7 +177,7 @@ def simulation_link(device: str, device_name: str | None, link_name: str | None,
     measured fits of `model_device` are used where `env --calibrate-link` wrote them. Returns the
     model and why that link."""
     link, why = link_for(device, device_name, link_name, link_gbps, requested_gpu=requested_gpu)
-    return CommModel.from_link(link, rdma=rdma_name, gpus_per_node=gpus_per_node, device_name=model_device), why
+    return CommModel.from_link(link, declared_communication(), rdma=rdma_name, gpus_per_node=gpus_per_node, device_name=model_device), why
 
 
 def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int | None = None, ctx=None,

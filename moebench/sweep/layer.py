@@ -11,6 +11,7 @@ import torch
 from moebench.activation import SILU, Activation
 from moebench.bench import metrics
 from moebench.bench.metrics import bias_bytes, expert_weight_bytes
+from moebench.comm.traffic import ep_link_rows, gbps, payload_row_bytes, row_bytes
 from moebench.errors import MoebenchError
 from moebench.inputs import make_weights
 from moebench.kernels.layer import extend_expert_map, extend_routing, fused_count
@@ -258,13 +259,15 @@ def layer_work(spec: SweepSpec, lw, args: tuple, tokens: int, shared_tokens: int
     return float(flops), float(nbytes)
 
 
-def set_comm_gbps(row, ids_full: torch.Tensor, hidden: int, el: int, world: int, quant=None) -> None:
-    """Dispatch / combine GB/s per rank, counting bytes per (token, expert) pair as DeepEP does
-    (fp8 dispatch: payload + scales + header; combine sends the activation dtype)."""
-    per_rank = {
-        "dispatch": metrics.dispatch_bytes(ids_full, hidden, fp8=quant is not None and not quant.weight_only, dtype_bytes=el) / world,
-        "combine": metrics.dispatch_bytes(ids_full, hidden, dtype_bytes=el) / world,
-    }
+def set_comm_gbps(row, ids_full: torch.Tensor, layout, num_experts: int, hidden: int, el: int, quant=None) -> None:
+    """Dispatch / combine bytes and GB/s per rank of a measured row, in DeepEP's count (one row per
+    (token, expert) pair, local pairs included, mean over ranks: moebench.comm.traffic; dispatch
+    rows in the layer's precision, combine rows in the activation dtype); x_comm_count says so."""
+    rows = ep_link_rows(ids_full, layout, num_experts, layout.ep_size, "pair")
+    world = layout.world_size
+    per_rank = {"dispatch": rows.deepep_bytes(payload_row_bytes(hidden, el, quant), world),
+                "combine": rows.deepep_bytes(row_bytes(hidden, el), world)}
     for name in ("dispatch", "combine"):
-        us = getattr(row, f"{name}_us")
-        row.extra[f"{name}_gbps"] = per_rank[name] / (us * 1e3) if us else None
+        row.extra[f"{name}_bytes"] = per_rank[name]
+        row.extra[f"{name}_gbps"] = gbps(per_rank[name], getattr(row, f"{name}_us"))
+    row.extra["comm_count"] = "deepep"

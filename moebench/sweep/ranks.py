@@ -221,7 +221,7 @@ class RankRunner(CaseRunner):
         if self.ceilings is not None:
             fill_metrics(row, flops, nbytes, self.ceilings)
         if moves_tokens:
-            set_comm_gbps(row, ids, s.hidden, spec.act_bytes, lay.world_size, spec.quant)
+            set_comm_gbps(row, ids, lay, s.num_experts, s.hidden, spec.act_bytes, spec.quant)
 
 
 class _RankProgress:

@@ -1,5 +1,5 @@
 """A simulated multi-rank sweep: one device computes one rank's share for real, the communication
-time comes from the cost model (moebench.runtime.comm_model). Rows carry modeled = true.
+time comes from the cost model (moebench.comm.model). Rows carry modeled = true.
 
 Every prepare/finalize is a candidate whether or not it runs on this machine: its communication is
 priced from what it declares (`communication`: moebench.comm), and its experts half runs here
@@ -17,7 +17,9 @@ machine without the target GPU answers) - the floor of the rank's work on that G
 the shapes alone; the correctness check then runs what this machine can run (a smaller shape, the
 activation dtype for a quantised scheme: the row says so). Each row also carries the band of
 published transports for the same kind of communication (x_comm_lo_us / x_comm_hi_us) and the bytes
-behind the time (x_comm_bytes); x_comm_transports names the transports priced and x_comm_not_run
+behind the time (x_comm_bytes); x_dispatch_bytes / x_combine_bytes and x_dispatch_gbps /
+x_combine_gbps are each column's bytes and bytes / time in the model's own count (x_comm_count
+"link": the busiest rank's bytes on its links, moebench.comm.traffic); x_comm_transports names the transports priced and x_comm_not_run
 why the prepare/finalize could not have run here ("" where it could).
 """
 
@@ -34,11 +36,13 @@ from moebench.bench.timing import Timing, time_fn
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits
 from moebench.kernels.layer import MoELayer, shared_mlp
-from moebench.backends import check_combination, get_prepare_finalize_class, make_kernel, prepare_finalize_names
+from moebench.backends import (check_combination, declared_communication, get_prepare_finalize_class, make_kernel,
+                                prepare_finalize_names)
+from moebench.comm.model import CommModel, CommResult
+from moebench.comm.traffic import Traffic, gbps, payload_row_bytes
 from moebench.kernels.token_layout import local_topk_ids
 from moebench.routing import load_imbalance
 from moebench.runtime import simulate as sim
-from moebench.runtime.comm_model import CommModel, CommResult, Traffic
 from moebench.runtime.rank_case import token_split
 from moebench.sweep.cases import CaseRunner, batch_inputs
 from moebench.sweep.layer import (
@@ -47,7 +51,6 @@ from moebench.sweep.layer import (
     layer_reference,
     outline_rank_layer,
     rank_layer,
-    set_comm_gbps,
     shared_gate,
 )
 from moebench.sweep.measure import measure
@@ -68,12 +71,13 @@ def _stand_in(pf_name: str) -> str:
 def as_comm_model(link) -> CommModel:
     """The communication model of a run: `link` itself, or the model over a LinkProfile (its
     bandwidth as the NVLink peak, published fits, 8 GPUs per node, 400 Gb/s RDMA)."""
-    return link if isinstance(link, CommModel) else CommModel.from_link(link, use_measurement=False)
+    return link if isinstance(link, CommModel) else CommModel.from_link(link, declared_communication(),
+                                                                        use_measurement=False)
 
 
 class SimulatedRunner(CaseRunner):
     """Simulated rows: one rank's share computed on this device, its communication modeled.
-    link: a CommModel, or a simulate.LinkProfile (see `as_comm_model`).
+    link: a CommModel, or a links.LinkProfile (see `as_comm_model`).
 
     experts_model: None = time the rank's experts on this device; a Ceilings (e.g. an H200
     datasheet profile) = model the experts time as the roofline floor of the rank's work on that
@@ -299,7 +303,7 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
     ops = pf_cls.communication if world > 1 else ()
 
     # The communication first (cheap): a transport that cannot carry this case skips the row.
-    drow = metrics.packed_row_bytes(s.hidden, el, spec.quant)
+    drow = payload_row_bytes(s.hidden, el, spec.quant)
     ids_cpu = inputs[3].cpu()
     traffic = Traffic(ids_cpu, lay, s.num_experts, rows=inputs[0], row_bytes={"activations": drow, "outputs": s.hidden * el},
                       topk=s.topk)
@@ -343,8 +347,11 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
     row.experts_us, row.timing_method = t.median_us, f"{t.method} (experts) + model ({link.nvlink})"
 
     row.dispatch_us, row.combine_us, row.allreduce_us = res.dispatch_us, res.combine_us, res.allreduce_us
-    if any(op.traffic != "tensor" for op in ops):
-        set_comm_gbps(row, share.ids, s.hidden, el, world, spec.quant)
+    for name in ("dispatch", "combine"):  # bytes and time of one count: the model's
+        us, moved = getattr(res, f"{name}_us"), res.column_bytes.get(name)
+        if us is not None and moved is not None:
+            row.extra[f"{name}_bytes"], row.extra[f"{name}_gbps"] = moved, gbps(moved, us)
+            row.extra["comm_count"] = "link"
     comm = res.total_us
     not_run = pf_cls.unavailable_reason("cuda", world) if pf_cls.communicates else None
     row.extra.update(comm_bytes=res.bytes, comm_lo_us=res.band_lo_us, comm_hi_us=res.band_hi_us,

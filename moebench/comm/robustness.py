@@ -12,7 +12,7 @@ slower than modeled", f < 1 "unless it runs 1/f x faster". The bandwidth that me
 communication bytes / (f * its modeled time).
 
 Each modeled row also carries a band: its communication under the fastest and the slowest
-published transport for the same traffic (moebench.runtime.comm_model). A winner whose slowest
+published transport for the same traffic (moebench.comm.model). A winner whose slowest
 case is not faster than the loser's fastest is "too close to call on modeled communication".
 """
 

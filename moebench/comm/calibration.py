@@ -10,11 +10,11 @@ fits the model's alpha + bytes / bandwidth to each (least squares on relative er
         M tokens per rank, keyed by the transport it declares, the declared calls included
 
 For the dispatch / combine pairs, bytes are the slowest rank's remote rows x row bytes under the
-sweep's uniform routing, counted by the same function the model uses (comm_model.ep_link_rows),
+sweep's uniform routing, counted by the same function the model uses (moebench.comm.traffic),
 so a fit plugs straight back into the model. Each sample is the slowest rank's time (max over
 ranks) between barriers; the median over repetitions is kept.
 
-The result goes to the file `simulate.measured_link` / `comm_model.measured_fits` read
+The result goes to the file `links.measured_link` / `measured_fits` read
 ($MOEBENCH_LINK_FILE, default results/calibration/link.json), keyed by device name: later simulated
 runs on the same GPUs use the measured fits for the NVLink part of those transports (RDMA, which
 one node cannot show, stays the published fit's). The file keeps the first calibration's keys
@@ -23,16 +23,21 @@ one node cannot show, stays the published fit's). The file keeps the first calib
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from moebench.comm.links import LinkProfile, link_file
+from moebench.errors import MoebenchError
 from moebench.layout import ParallelLayout
 from moebench.runtime.distributed import RankContext, barrier, spawn
-from moebench.runtime.simulate import LinkProfile
 
 #: message sizes (bytes per rank) of the collective sweeps
 SIZES = {"cuda": [1 << k for k in range(12, 28, 2)], "cpu": [1 << k for k in range(10, 19, 2)]}
@@ -89,11 +94,10 @@ def _collectives(ctx: RankContext, sizes: list[int], reps: int) -> dict[str, lis
     return {"nccl-all-reduce:all-reduce": ar, "nccl-all-to-all:all-to-all": a2a}
 
 
-def _dispatch_combine(ctx: RankContext, name: str, tokens: list[int], shape: dict, reps: int) -> dict:
-    """(bytes, us) of prepare and finalize of prepare/finalize `name` at each token count per rank."""
-    from moebench.backends import make_prepare_finalize
+def _dispatch_combine(ctx: RankContext, cls, tokens: list[int], shape: dict, reps: int) -> dict:
+    """(bytes, us) of prepare and finalize of prepare/finalize class `cls` at each token count per rank."""
     from moebench.routing import make_routing
-    from moebench.runtime.comm_model import ep_link_rows
+    from moebench.comm.traffic import ep_link_rows
     from moebench.runtime.rank_case import token_split
 
     w, h, k = ctx.world_size, shape["hidden"], shape["topk"]
@@ -103,7 +107,7 @@ def _dispatch_combine(ctx: RankContext, name: str, tokens: list[int], shape: dic
     emap = layout.expert_map(ctx.rank, e).to(ctx.device)
     dt = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
     el = torch.tensor([], dtype=dt).element_size()
-    pf = make_prepare_finalize(name, group=ctx.group, max_tokens_per_rank=max(tokens))
+    pf = cls(group=ctx.group, max_tokens_per_rank=max(tokens))
     wr = pf.default_weight_and_reduce()
     disp, comb = [], []
     for m in tokens:
@@ -127,14 +131,12 @@ def _dispatch_combine(ctx: RankContext, name: str, tokens: list[int], shape: dic
     return {f"{ops['dispatch'].transports[0]}:dispatch": disp, f"{ops['combine'].transports[0]}:combine": comb}
 
 
-def _measure_on_rank(ctx: RankContext, reps: int, sizes: list[int] | None, tokens: list[int] | None) -> dict:
-    from moebench.backends import get_prepare_finalize_class, prepare_finalize_names
-
+def _measure_on_rank(ctx: RankContext, reps: int, sizes: list[int] | None, tokens: list[int] | None,
+                     prepare_finalize: dict) -> dict:
     kind = "cuda" if ctx.device.type == "cuda" else "cpu"
     pts = _collectives(ctx, sizes or SIZES[kind], reps)
     skipped = {}
-    for name in prepare_finalize_names():  # every dispatch / combine that runs here, as it declares them
-        cls = get_prepare_finalize_class(name)
+    for name, cls in prepare_finalize.items():  # every dispatch / combine that runs here, as it declares them
         if not cls.communicates or {op.op for op in cls.communication} != {"dispatch", "combine"}:
             continue
         try:
@@ -142,7 +144,7 @@ def _measure_on_rank(ctx: RankContext, reps: int, sizes: list[int] | None, token
         except Exception as e:  # noqa: BLE001 - an unusable backend is a reason, not a failure
             reason = str(e)
         if reason is None:
-            pts.update(_dispatch_combine(ctx, name, [t for t in (tokens or TOKENS[kind]) if t <= 128],
+            pts.update(_dispatch_combine(ctx, cls, [t for t in (tokens or TOKENS[kind]) if t <= 128],
                                          SHAPE[kind], reps))
         else:
             skipped[name] = reason
@@ -153,13 +155,14 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def measure_link(world_size: int, device: str, reps: int = 10, sizes: list[int] | None = None,
-                 tokens: list[int] | None = None) -> tuple[LinkProfile, dict]:
-    """Spawn `world_size` ranks, sweep and fit every transport that runs here.
+def measure_link(world_size: int, device: str, prepare_finalize: dict, reps: int = 10,
+                 sizes: list[int] | None = None, tokens: list[int] | None = None) -> tuple[LinkProfile, dict]:
+    """Spawn `world_size` ranks, sweep and fit the collectives and every dispatch / combine of
+    `prepare_finalize` (name -> class, the registry's) that runs here.
 
     Returns the all-to-all fit as a LinkProfile (the first calibration's figures) and the raw
     record: {"transports": {key: {alpha_us, gbps, worst_ratio, points}}, "skipped": {name: why}}."""
-    res = spawn(_measure_on_rank, world_size, device, reps, sizes, tokens)[0]
+    res = spawn(_measure_on_rank, world_size, device, reps, sizes, tokens, prepare_finalize)[0]
     transports = {}
     for key, pts in res["points"].items():
         alpha, gbps, worst = fit_alpha_beta(pts)
@@ -169,3 +172,87 @@ def measure_link(world_size: int, device: str, reps: int = 10, sizes: list[int] 
     a2a = transports["nccl-all-to-all:all-to-all"]
     link = LinkProfile(f"measured-{backend}-{world_size}ranks", a2a["gbps"], a2a["alpha_us"], source="measured")
     return link, {"transports": transports, "skipped": res["skipped"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a calibration back (the model's measured fits)
+#: A calibration file's "transports" are keyed "<transport>:<op>" (the op as a prepare/finalize
+#: declares it: its calls included; or the transport's own collective, one call). Files of earlier
+#: calibrations used these keys:
+LEGACY_KEYS = {
+    "nccl-all-reduce": "nccl-all-reduce:all-reduce",
+    "nccl-all-to-all": "nccl-all-to-all:all-to-all",
+    "all2all-ll:dispatch": "nccl-all-to-all:dispatch",
+    "all2all-ll:combine": "nccl-all-to-all:combine",
+}
+
+
+def measured_key(key: str) -> str:
+    """A calibration key, checked: '<transport>:<op>' with an op moebench.comm knows."""
+    from moebench.comm import OPS
+
+    key = LEGACY_KEYS.get(key, key)
+    transport, _, op = key.partition(":")
+    if not transport or op not in OPS:
+        raise MoebenchError(f"unknown transport '{key}'; calibration keys are '<transport>:<op>' with op one of "
+                            f"{', '.join(OPS)}")
+    return key
+
+
+@dataclass
+class MeasuredFit:
+    """alpha + bytes / gbps over NVLink, fitted to this machine's sweep (bytes counted as the model
+    counts them: see measure_link above)."""
+
+    key: str
+    alpha_us: float
+    gbps: float
+    world_size: int
+    worst_ratio: float
+
+    def time_us(self, nvl_bytes: float) -> float:
+        return self.alpha_us + nvl_bytes / (self.gbps * 1e3)
+
+
+def measured_fits(path: str | Path | None = None, device_name: str | None = None) -> tuple[dict[str, MeasuredFit], str]:
+    """Fits of the calibration file measured on `device_name`, and a line saying what they are;
+    ({}, "") when there is no file or it was measured elsewhere. A file with missing fields or
+    negative figures is an error."""
+    p = Path(path) if path is not None else link_file()
+    if not p.is_file():
+        return {}, ""
+    try:
+        d = json.loads(p.read_text())
+    except ValueError as e:
+        raise MoebenchError(f"link measurement {p} is not JSON ({e}); delete it or re-run `moebench env --calibrate-link`")
+    if not isinstance(d, dict) or d.get("device_name") != device_name:
+        return {}, ""
+    out: dict[str, MeasuredFit] = {}
+    transports = d.get("transports")
+    if transports is None:  # a file of the first calibration: one all-to-all bandwidth and latency
+        transports = {"nccl-all-to-all": {"alpha_us": d.get("latency_us"), "gbps": d.get("bandwidth_gbps"),
+                                          "worst_ratio": 1.0}}
+    if not isinstance(transports, dict):
+        raise MoebenchError(f"link measurement {p}: 'transports' must be an object")
+    for key, v in transports.items():
+        try:
+            key = measured_key(key)
+        except MoebenchError as e:
+            raise MoebenchError(f"link measurement {p}: {e}") from None
+        vals = {}
+        for name in ("alpha_us", "gbps", "worst_ratio"):
+            x = v.get(name) if isinstance(v, dict) else None
+            if x is None:
+                raise MoebenchError(f"link measurement {p}: {key} has no '{name}'; re-run `moebench env --calibrate-link`")
+            try:
+                x = float(x)
+            except (TypeError, ValueError):
+                raise MoebenchError(f"link measurement {p}: {key} {name} is not a number: {x!r}") from None
+            if not math.isfinite(x) or x < 0 or (name == "gbps" and x == 0):
+                raise MoebenchError(f"link measurement {p}: {key} {name} must be a positive number, got {x}")
+            vals[name] = x
+        out[key] = MeasuredFit(key, vals["alpha_us"], vals["gbps"], int(d.get("world_size") or 0), vals["worst_ratio"])
+    line = (f"measured on {device_name} over {d.get('world_size')} ranks ({d.get('measured_at', 'undated')}, "
+            f"`moebench env --calibrate-link`): {', '.join(sorted(out))}")
+    return out, line
+

@@ -1,8 +1,18 @@
-"""What a prepare/finalize sends between ranks, declared as data.
+"""Communication between ranks: what a prepare/finalize sends, declared as data (this module),
+and the package that prices it:
+
+    links.py        link profiles (NVLink by GPU, PCIe, RDMA NICs), which one a run models
+    traffic.py      the rows and bytes each rank sends (one count: the model's, the GB/s columns', the metrics')
+    points.py       the published points (comm_points.csv fitted, comm_heldout.csv never fitted)
+    fit.py          the fit of each (transport, op) to its points
+    model.py        CommModel: the time of declared operations over the links; `ask` (`moebench comm`)
+    calibration.py  fits measured on this machine's GPUs (`moebench env --calibrate-link`)
+    robustness.py   the flip factor and the band of published transports behind a TP-vs-EP answer
 
 Every prepare/finalize class declares `communication`: the operations one layer pays on each
-rank, in order. The communication model (moebench.runtime.comm_model) prices them; the simulated
-runner and `moebench comm` read the same declarations, so no code asks a backend for its name.
+rank, in order. The model is given those declarations (moebench.backends.declared_communication)
+and prices them; the simulated runner and `moebench comm` read the same, so no code asks a backend
+for its name. This module imports nothing of moebench: the kernels' contract imports it.
 
     CommOp(op, transports, traffic, payload, calls, row_extra)
 
