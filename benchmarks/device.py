@@ -150,7 +150,7 @@ class Ctx:
 
     def tune_in(self, folder: Path, label: str, common: list[str], new: list[str]) -> None:
         """One resumable tune per folder: skipped when its run has a report, resumed (`tune --resume RUN
-        COMMON`) when it has a journal, else started (`tune NEW COMMON --results-dir FOLDER`)."""
+        COMMON`) when it has its settings (tune.json), else started (`tune NEW COMMON --results-dir FOLDER`)."""
         runs = sorted(p for p in folder.glob("*/") if p.is_dir()) if folder.is_dir() else []
         run = runs[0] if runs else None
         if run and (run / "report.md").is_file():

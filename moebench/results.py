@@ -348,12 +348,16 @@ class RunStore:
     dropped from the file first, so the next row starts on a line of its own (`notices` says so).
     lock: hold the folder's RunLock, one writer at a time, until `close()` or the end of the
     process; `command` names the holder (default: this process's command line).
+    rows_file: the file rows are appended to. A run whose worker processes write beside one another
+    (a tune's) gives each its own, `<stem>.jsonl` and `<stem>.w<N>.jsonl`: each store reads them all
+    (another writer's torn last line is only skipped) and writes its own.
     """
 
     def __init__(self, folder: Path, metadata: dict[str, Any] | None = None, write: bool = True,
-                 lock: bool = False, command: str | None = None):
+                 lock: bool = False, command: str | None = None, rows_file: str = "rows.jsonl"):
         self.folder = Path(folder)
         self.write = write
+        self.path = self.folder / rows_file
         self.rows: list[ResultRow] = []
         self._keys: set[tuple] = set()
         self.notices: list[str] = []
@@ -365,26 +369,10 @@ class RunStore:
             self.lock = RunLock(self.folder, command).acquire()
             if self.lock.taken_over:
                 self.notices.append(self.lock.taken_over)
-        jl = self.folder / "rows.jsonl"
-        if jl.exists():  # resume: keep what is there
-            data, repaired = _repair_tail(jl)
-            if repaired:
-                self.notices.append(repaired)
-            garbled = []
-            for number, line in enumerate(data.decode(errors="replace").splitlines(), 1):
-                if line.strip():
-                    try:
-                        row = ResultRow.from_dict(json.loads(line))
-                    except (ValueError, TypeError, AttributeError):
-                        garbled.append(number)  # a line garbled otherwise: its row is measured again
-                        continue
-                    self.rows.append(row)
-                    self._keys.add(row.key())
-            if garbled:
-                where = ", ".join(map(str, garbled[:5])) + (", ..." if len(garbled) > 5 else "")
-                self.notices.append(f"skipped {len(garbled)} garbled line{'s' if len(garbled) > 1 else ''} of {jl} "
-                                    f"(line {where}): not a result row; {'their rows are' if len(garbled) > 1 else 'its row is'} "
-                                    f"measured again")
+        stem = rows_file.split(".")[0]
+        for jl in [self.folder / f"{stem}.jsonl", *sorted(self.folder.glob(f"{stem}.w*.jsonl"))]:
+            if jl.exists():  # resume: keep what is there
+                self._read(jl, own=jl == self.path)
         if metadata is not None:
             meta = dict(metadata)
             meta.setdefault("git_revision", git_revision())
@@ -392,6 +380,31 @@ class RunStore:
             meta.setdefault("host", platform.node())
             meta.setdefault("started", _dt.datetime.now().isoformat(timespec="seconds"))
             atomic_write_text(self.folder / "metadata.json", json.dumps(meta, indent=2, default=str))
+
+    def _read(self, jl: Path, own: bool) -> None:
+        if own:
+            data, repaired = _repair_tail(jl)
+            if repaired:
+                self.notices.append(repaired)
+        else:
+            data = jl.read_bytes()
+            if not data.endswith(b"\n"):  # another writer's line in the making
+                data = data[: data.rfind(b"\n") + 1]
+        garbled = []
+        for number, line in enumerate(data.decode(errors="replace").splitlines(), 1):
+            if line.strip():
+                try:
+                    row = ResultRow.from_dict(json.loads(line))
+                except (ValueError, TypeError, AttributeError):
+                    garbled.append(number)  # a line garbled otherwise: its row is measured again
+                    continue
+                self.rows.append(row)
+                self._keys.add(row.key())
+        if garbled:
+            where = ", ".join(map(str, garbled[:5])) + (", ..." if len(garbled) > 5 else "")
+            self.notices.append(f"skipped {len(garbled)} garbled line{'s' if len(garbled) > 1 else ''} of {jl} "
+                                f"(line {where}): not a result row; {'their rows are' if len(garbled) > 1 else 'its row is'} "
+                                f"measured again")
 
     def close(self) -> None:
         """Release the folder's lock (if this store holds it)."""
@@ -420,7 +433,7 @@ class RunStore:
         self._keys.add(row.key())
         if not self.write:
             return
-        with open(self.folder / "rows.jsonl", "a") as f:
+        with open(self.path, "a") as f:
             f.write(json.dumps(row.as_dict(), default=str) + "\n")
             f.flush()
             os.fsync(f.fileno())

@@ -29,7 +29,7 @@ from moebench.tuning import tuner as T
 from moebench.cli.tune import configs as configs_group
 from moebench.kernels.triton.configs import parse_file_name as parse_config_name
 from moebench.cli.tune import tune as tune_command
-from test_tune import _journal_lines, assert_vllm_loadable
+from test_tune import _journal_lines, assert_vllm_loadable, tune_with
 
 TENSOR = QuantScheme("fp8_w8a8", "tensor")
 TOKEN = QuantScheme("fp8_w8a8", "token")
@@ -220,8 +220,8 @@ def _fast_timer(fn, reps):
 @pytest.mark.parametrize("kind", list(FP8_SPACES))
 def test_tiny_fp8_tune_end_to_end(tmp_path, monkeypatch, kind):
     scheme, space = FP8_SPACES[kind]
-    out = T.tune(TINY, ParallelLayout(), [1, 4], torch.bfloat16, "cpu", "grid", None, tmp_path / "cfg",
-                 results_dir=tmp_path / "res", space=space, timer=_fast_timer, reps=1, final_reps=1, quant=scheme)
+    out = tune_with(TINY, ParallelLayout(), [1, 4], torch.bfloat16, strategy="grid", out_dir=tmp_path / "cfg",
+                    results_dir=tmp_path / "res", space=space, timer=_fast_timer, reps=1, final_reps=1, quant=scheme)
     expected = C.config_file_name(4, 32, "cpu", "fp8_w8a8", scheme.file_block_shape)
     assert out.config_path == tmp_path / "cfg" / expected
     assert expected.endswith("dtype=fp8_w8a8,block_shape=[32,32].json" if kind == "block" else "dtype=fp8_w8a8.json")
@@ -245,10 +245,10 @@ def test_tiny_fp8_tune_end_to_end(tmp_path, monkeypatch, kind):
     assert C.lookup_config(4, 32, 4, torch.bfloat16, "cpu", folders=dirs)[1] == "default heuristic"
     # Resuming with another scheme is refused; with the same one, nothing is measured again.
     with pytest.raises(MoebenchError, match="differs from the saved one in quant"):
-        T.tune(TINY, ParallelLayout(), [1, 4], torch.bfloat16, "cpu", "grid", None, tmp_path / "cfg",
-               resume=out.run_dir, space=space, timer=_fast_timer, reps=1, final_reps=1, quant=TOKEN)
-    again = T.tune(TINY, ParallelLayout(), [1, 4], torch.bfloat16, "cpu", "grid", None, tmp_path / "cfg",
-                   resume=out.run_dir, space=space, timer=_fast_timer, reps=1, final_reps=1, quant=scheme)
+        tune_with(TINY, ParallelLayout(), [1, 4], torch.bfloat16, strategy="grid", out_dir=tmp_path / "cfg",
+                  resume=out.run_dir, space=space, timer=_fast_timer, reps=1, final_reps=1, quant=TOKEN)
+    again = tune_with(TINY, ParallelLayout(), [1, 4], torch.bfloat16, strategy="grid", out_dir=tmp_path / "cfg",
+                      resume=out.run_dir, space=space, timer=_fast_timer, reps=1, final_reps=1, quant=scheme)
     assert sum(r.measured for r in again.results) == 0
 
 
@@ -257,7 +257,7 @@ def test_fp8_tune_refuses_what_triton_cannot_run(monkeypatch):
 
     monkeypatch.setattr(TritonExperts, "supported_quant", ("block",))
     with pytest.raises(MoebenchError, match="cannot tune fp8_w8a8 per-tensor"):
-        T.tune(TINY, ParallelLayout(), [1], torch.bfloat16, "cpu", quant=TENSOR)
+        tune_with(TINY, ParallelLayout(), [1], torch.bfloat16, quant=TENSOR)
 
 
 def _group():

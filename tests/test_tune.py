@@ -3,6 +3,7 @@ resume after an interruption, the vLLM file format, and the `configs` commands."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -18,6 +19,8 @@ from moebench.errors import MoebenchError
 from moebench.layout import ParallelLayout
 from moebench.models import custom_shape, get_model
 from moebench.kernels.triton import configs as C
+from moebench.results import ResultRow
+from moebench.tuning import candidates as CA
 from moebench.tuning import files as F
 from moebench.tuning import search as S
 from moebench.tuning import space as SP
@@ -51,23 +54,45 @@ class CountingTimer:
         return time_cpu(fn, warmup=0, reps=1)
 
 
+SPEC_FIELDS = {f.name for f in dataclasses.fields(T.TuneSpec)}
+
+
+def tune_with(shape, layout, tokens, dtype, device="cpu", **kw):
+    """T.tune of the TuneSpec made of the arguments that are its fields; the others go to tune()."""
+    fields = {k: kw.pop(k) for k in list(kw) if k in SPEC_FIELDS}
+    return T.tune(T.TuneSpec(shape=shape, layout=layout, tokens=list(tokens), dtype=dtype, device=device, **fields),
+                  **kw)
+
+
 def _tune(tmp_path, timer=fast_timer, **kw):
     args = dict(strategy="halving", budget=4, out_dir=tmp_path / "cfg", results_dir=tmp_path / "res",
                 space=TINY_SPACE, timer=timer)
     args.update(kw)
-    return T.tune(SHAPE, ParallelLayout(), TOKENS, torch.float32, "cpu", **args)
+    return tune_with(SHAPE, ParallelLayout(), TOKENS, torch.float32, **args)
 
 
 def _journal_lines(run_dir: Path) -> list[dict]:
-    """Journal records of a run folder (a torn line, left by a crash mid-write, is skipped)."""
+    """The candidate rows of a run folder, each as {tokens, config, stage, status (ok / wrong /
+    failed), checked, max_rel_err, reason} (a torn line, left by a crash mid-write, is skipped)."""
     out = []
-    for p in sorted(run_dir.glob("measurements*.jsonl")):
+    for p in sorted(run_dir.glob("candidates*.jsonl")):
         for line in p.read_text().splitlines():
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+                row = ResultRow.from_dict(json.loads(line))
+            except (json.JSONDecodeError, TypeError):
                 continue
+            out.append({"tokens": row.tokens, "config": CA.config_of(row), "stage": CA.stage_of(row),
+                        "status": CA.verdict(row), "checked": row.extra["checked"], "max_rel_err": row.max_rel_err,
+                        "reason": row.reason})
     return out
+
+
+def _row(cfg, stage, reps, us) -> ResultRow:
+    """A candidate row (no kernel): `cfg` timed at `us`."""
+    row = ResultRow("tiny", 4, 2, 64, 32, 1, 1, 1, 1, 1, "no-dpep", "triton", "Standard", "fp32", "cpu", "uniform",
+                    latency_us=us, variant=CA.candidate_name(cfg, stage))
+    row.extra.update(config=dict(cfg), stage=stage, reps=reps)
+    return row
 
 
 def assert_vllm_loadable(path: Path, tokens: list[int]) -> dict:
@@ -148,11 +173,14 @@ def test_halving_finds_the_seeds_neighbour_within_budget():
     best = dict(seed, num_stages=4)
     calls: list[tuple[str, str, int]] = []
 
-    def measure(cfg, stage, reps):
+    def measure_one(cfg, stage, reps):
         calls.append((SP.key_str(cfg), stage, reps))
         dist = sum(abs(SP.SPACE[k].index(cfg[k]) - SP.SPACE[k].index(best[k])) if cfg[k] in SP.SPACE[k] else 3
                    for k in C.TILE_KEYS)
-        return S.Measurement(1, dict(cfg), stage, "ok", reps, latency_us=100.0 + 10 * dist)
+        return _row(cfg, stage, reps, 100.0 + 10 * dist)
+
+    def measure(cfgs, stage, reps):
+        return [measure_one(c, stage, reps) for c in cfgs]
 
     default = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 8, "num_warps": 4,
                "num_stages": 4}
@@ -160,8 +188,8 @@ def test_halving_finds_the_seeds_neighbour_within_budget():
         calls.clear()
         res = S.run_search("halving", space, measure, default=default, seeds=[seed], budget=32,
                            rng=random.Random(rng_seed), reps=20, final_reps=50)
-        assert res.winner.config == best and res.winner.latency_us == 100.0
-        assert res.winner.stage == "final" and res.winner.reps == 50
+        assert CA.config_of(res.winner) == best and res.winner.latency_us == 100.0
+        assert CA.stage_of(res.winner) == "final" and res.winner.extra["reps"] == 50
         assert len({c for c, st, _ in calls if st != "final"}) <= 32  # the budget: distinct configs screened
     rounds = sorted({st for _, st, _ in calls if st.startswith("halving")})
     # pool 24 -> 12 -> 6 -> 3 -> 2, then the refinement
@@ -170,7 +198,7 @@ def test_halving_finds_the_seeds_neighbour_within_budget():
     assert any(c == SP.key_str(default) for c, st, _ in calls if st == "final")  # the default competes
     grid = S.run_search("grid", space[:10], measure, default=default, reps=3, final_reps=5)
     assert len([c for c in calls[-15:] if c[1] == "grid"]) == 10
-    assert grid.winner.latency_us == min(m.latency_us for m in grid.measurements if m.stage == "final")
+    assert grid.winner.latency_us == min(m.latency_us for m in grid.measurements if CA.stage_of(m) == "final")
 
 
 def test_rivals_seed_the_search_and_compete_in_the_final_stage():
@@ -184,15 +212,15 @@ def test_rivals_seed_the_search_and_compete_in_the_final_stage():
     for rival, rival_us, wins in ((dict(space[-1]), 50.0, True), (outside, 50.0, True), (dict(space[-1]), 500.0, False)):
         calls: list[tuple[str, str]] = []
 
-        def measure(cfg, stage, reps, rival=rival, rival_us=rival_us):
-            calls.append((SP.key_str(cfg), stage))
-            us = rival_us if SP.config_key(cfg) == SP.config_key(rival) else 100.0 + SP.config_key(cfg)[2]
-            return S.Measurement(1, dict(cfg), stage, "ok", reps, latency_us=us)
+        def measure(cfgs, stage, reps, rival=rival, rival_us=rival_us):
+            calls.extend((SP.key_str(cfg), stage) for cfg in cfgs)
+            return [_row(cfg, stage, reps, rival_us if SP.config_key(cfg) == SP.config_key(rival)
+                         else 100.0 + SP.config_key(cfg)[2]) for cfg in cfgs]
 
         res = S.run_search("halving", space, measure, default=default, budget=8, rng=random.Random(0), reps=4,
                            final_reps=8, rivals=[rival])
         assert (SP.key_str(rival), "final") in calls
-        assert (res.winner.config == rival) is wins
+        assert (CA.config_of(res.winner) == rival) is wins
         assert res.winner.latency_us == min(m.latency_us for m in res.final)
 
 
@@ -236,13 +264,13 @@ def test_resume_after_kill_repeats_nothing(tmp_path):
         _tune(tmp_path, timer=killer, run_dir=run_dir)
     done = _journal_lines(run_dir)
     assert len(done) == 3 and not list((tmp_path / "cfg").glob("E=*.json"))  # no token count was finished
-    # A crash mid-write leaves a torn line: it is skipped and the next record starts a fresh line.
-    with open(run_dir / T.JOURNAL, "a") as f:
+    # A crash mid-write leaves a torn line: it is dropped and the next record starts a fresh line.
+    with open(run_dir / T.CANDIDATES, "a") as f:
         f.write('{"tokens": 4, "conf')
     again = CountingTimer()
     out = _tune(tmp_path, timer=again, resume=run_dir)
     lines = _journal_lines(run_dir)
-    assert len(lines) + 1 == len((run_dir / T.JOURNAL).read_text().splitlines())  # + the torn line
+    assert len(lines) == len((run_dir / T.CANDIDATES).read_text().splitlines())  # the torn line dropped
     keys = [(d["tokens"], SP.key_str(d["config"]), d["stage"]) for d in lines]
     assert len(keys) == len(set(keys))  # nothing measured twice
     assert again.calls == len(lines) - 3  # only the missing ones were timed
@@ -324,7 +352,7 @@ def test_tune_out_of_gpu_memory_is_one_line_with_the_run_to_resume(tmp_path, mon
 
 
 def test_failed_and_wrong_configs_are_skipped(tmp_path, monkeypatch):
-    orig_kernel, orig_call = S.LayerBench._kernel, S.LayerBench._call
+    orig_kernel, orig_call = CA.TuneRunner.kernel, CA.TuneRunner.call
 
     def kernel(self, cfg):
         if cfg["BLOCK_SIZE_M"] == 32:
@@ -335,11 +363,11 @@ def test_failed_and_wrong_configs_are_skipped(tmp_path, monkeypatch):
         out = orig_call(self, k, i)
         return out * 2 if k.experts.config["GROUP_SIZE_M"] == 16 else out
 
-    monkeypatch.setattr(S.LayerBench, "_kernel", kernel)
-    monkeypatch.setattr(S.LayerBench, "_call", call)
+    monkeypatch.setattr(CA.TuneRunner, "kernel", kernel)
+    monkeypatch.setattr(CA.TuneRunner, "call", call)
     space = dict(TINY_SPACE, BLOCK_SIZE_M=[16, 32])
-    out = T.tune(SHAPE, ParallelLayout(), [32], torch.float32, "cpu", "grid", None, tmp_path / "cfg",
-                 results_dir=tmp_path / "res", space=space, timer=fast_timer)
+    out = tune_with(SHAPE, ParallelLayout(), [32], torch.float32, strategy="grid", out_dir=tmp_path / "cfg",
+                    results_dir=tmp_path / "res", space=space, timer=fast_timer)
     (r,) = out.results
     assert r.winner == {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
                         "num_warps": 4, "num_stages": 2}
@@ -385,11 +413,11 @@ def test_two_worker_processes_gather_one_file(tmp_path):
     # With compile workers, each spawned tuning worker starts its own (processes spawn processes).
     # (A worker without them is the tuning process's own path, which the in-process tunes take.)
     space = dict(TINY_SPACE, BLOCK_SIZE_M=[16], GROUP_SIZE_M=[1])
-    out = T.tune(SHAPE, ParallelLayout(), TOKENS, torch.float32, "cpu", "grid", None, tmp_path / "cfg",
-                 gpus="0,1", results_dir=tmp_path / "res", space=space, reps=1, final_reps=1, compile_workers=1)
+    out = tune_with(SHAPE, ParallelLayout(), TOKENS, torch.float32, strategy="grid", out_dir=tmp_path / "cfg",
+                    gpus="0,1", results_dir=tmp_path / "res", space=space, reps=1, final_reps=1, compile_workers=1)
     assert sorted(r.worker for r in out.results) == [0, 1]
     assert all(r.precompiled > 0 for r in out.results)
-    assert (out.run_dir / "measurements.jsonl").exists() and (out.run_dir / "measurements.w1.jsonl").exists()
+    assert (out.run_dir / "candidates.jsonl").exists() and (out.run_dir / "candidates.w1.jsonl").exists()
     assert_vllm_loadable(out.config_path, TOKENS)
 
 
@@ -488,11 +516,12 @@ TORCHRUN_SCRIPT = """
 import os, sys, torch
 from moebench.layout import ParallelLayout
 from moebench.models import custom_shape
-from moebench.tuning.tuner import tune
+from moebench.tuning.tuner import TuneSpec, tune
 space = {"BLOCK_SIZE_M": [16], "BLOCK_SIZE_N": [64], "BLOCK_SIZE_K": [64], "GROUP_SIZE_M": [1], "num_warps": [4],
          "num_stages": [2]}
-o = tune(custom_shape(4, 2, 64, 32, name="tiny"), ParallelLayout(), [1, 4, 8], torch.float32, "cpu", "grid", None,
-         out_dir=sys.argv[1] + "/cfg", results_dir=sys.argv[1] + "/res", space=space, reps=1, final_reps=1)
+spec = TuneSpec(custom_shape(4, 2, 64, 32, name="tiny"), ParallelLayout(), [1, 4, 8], torch.float32, "cpu", "grid",
+                space=space, reps=1, final_reps=1)
+o = tune(spec, out_dir=sys.argv[1] + "/cfg", results_dir=sys.argv[1] + "/res")
 line = " ".join(map(str, ["RANK", os.environ["RANK"], o.is_main, o.config_path, sorted(r.tokens for r in o.results)]))
 open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"] + ".txt"), "w").write(line)  # ranks share stdout
 """
@@ -517,7 +546,7 @@ def test_torchrun_ranks_split_and_gather_on_rank0(tmp_path):
     assert len(lines) == 2 and lines[0].startswith("RANK 0 True") and lines[0].endswith("[1, 4, 8]"), p.stdout
     assert lines[1] == "RANK 1 False None [8]", p.stdout
     (run_dir,) = list((tmp_path / "res").iterdir())  # one folder: rank 0's name, broadcast
-    assert (run_dir / "measurements.w1.jsonl").exists()
+    assert (run_dir / "candidates.w1.jsonl").exists()
     assert_vllm_loadable(tmp_path / "cfg" / "E=4,N=32,device_name=cpu.json", [1, 4, 8])
 
 

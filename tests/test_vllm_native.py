@@ -129,6 +129,6 @@ def test_tune_kernel_vllm_times_vllm_itself_where_it_imports(tmp_path, monkeypat
     assert meta["experts"] == "vllm" and "vLLM's own fused_experts (vllm 0.0-standin)" in meta["timed"]
     assert "vLLM's own fused_experts" in (run / "report.md").read_text()
     tried = {json.dumps(c["config"], sort_keys=True) for c in calls}
-    measured = {json.dumps(json.loads(line)["config"], sort_keys=True)
-                for line in (run / "measurements.jsonl").read_text().splitlines()}
+    measured = {json.dumps(json.loads(line)["x_config"], sort_keys=True)
+                for line in (run / "candidates.jsonl").read_text().splitlines()}
     assert measured and measured <= tried  # every timed config reached vLLM through override_config

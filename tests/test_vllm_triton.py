@@ -169,7 +169,7 @@ def test_tune_kernel_end_to_end(tmp_path, monkeypatch, kernel):
 
 def test_tune_against_an_engine_file(tmp_path, monkeypatch):
     """`tune --kernel vllm --against FILE`: the file's nearest entry runs in each count's final stage
-    (journal), the winner is never slower than it, and the report and tune.json say so."""
+    (its candidate rows), the winner is never slower than it, and the report and tune.json say so."""
     monkeypatch.chdir(tmp_path)
     shipped = {1: CFG, 8: dict(CFG, BLOCK_SIZE_N=32, num_stages=3)}
     path = F.write_engine_file(tmp_path / "shipped" / "E=8,N=64,device_name=cpu.json", shipped)
@@ -179,8 +179,8 @@ def test_tune_against_an_engine_file(tmp_path, monkeypatch):
     name = f"shipped/{path.name}"
     assert f"winner / `{name}`: median" in " ".join(res.output.split())
     run = next((tmp_path / "results").glob("*-tune-*"))
-    final = [json.loads(line) for line in (run / "measurements.jsonl").read_text().splitlines()]
-    final = {(m["tokens"], SP.key_str(m["config"])) for m in final if m.get("stage") == "final"}
+    final = [json.loads(line) for line in (run / "candidates.jsonl").read_text().splitlines()]
+    final = {(m["tokens"], SP.key_str(m["x_config"])) for m in final if m.get("x_stage") == "final"}
     assert {(1, SP.key_str(shipped[1])), (6, SP.key_str(shipped[8]))} <= final  # nearest entry: 6 -> 8
     rows = {int(r["tokens"]): r for r in csv.DictReader(open(run / "report.csv"))}
     for m, entry in ((1, shipped[1]), (6, shipped[8])):

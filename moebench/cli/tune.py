@@ -76,7 +76,7 @@ TUNE_TOKENS_CPU = [1, 4]
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Folder of the vLLM-format config file [results/configs; with --resume: the run's own].")
 @click.option("--results-dir", "results_dir", type=click.Path(path_type=Path), default=Path("results"),
-              show_default=True, help="Where the run folder (journal, report) is created.")
+              show_default=True, help="Where the run folder (candidate rows, report) is created.")
 @click.option("--reps", type=int, default=None, help="Timer repetitions while screening [cuda 20, cpu 2].")
 @click.option("--final-reps", "final_reps", type=int, default=None, help="Repetitions of the final stage [cuda 50, cpu 3].")
 @click.option("--dry-run", "dry_run", is_flag=True, help="Only show the search space after pruning, per token count.")
@@ -197,20 +197,15 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         with progress:
             task = progress.add_task("tune", total=len(spec.tokens))
 
-            def on_measure(m):
-                lat = f"{m.latency_us:.1f} us" if m.latency_us is not None else m.status
-                progress.update(task, description=f"M={m.tokens} {m.stage} {T.key_str(m.config)}: {lat}")
+            def on_measure(row):
+                lat = f"{row.latency_us:.1f} us" if row.latency_us is not None else T.verdict(row)
+                progress.update(task, description=f"M={row.tokens} {row.variant}: {lat}")
 
             def on_tokens(r):
                 progress.update(task, advance=1)
 
-            outcome = T.tune(
-                spec.shape, spec.layout, spec.tokens, spec.dtype, spec.device, spec.strategy, spec.budget, out,
-                resume, gpus, run_dir=run_dir, results_dir=results_dir, seed=spec.seed, routing=spec.routing,
-                reps=spec.reps, final_reps=spec.final_reps, space=spec.space, on_measure=on_measure,
-                on_tokens=on_tokens, quant=spec.quant, compile_workers=compile_workers, down=spec.down,
-                kernel=spec.kernel, against=spec.against,
-            )
+            outcome = T.tune(spec, out_dir=out, resume=resume, gpus=gpus, run_dir=run_dir, results_dir=results_dir,
+                             on_measure=on_measure, on_tokens=on_tokens, compile_workers=compile_workers)
     except KeyboardInterrupt as stop:
         say(err_console, f"interrupted: finished measurements are kept in {run_dir} "
                          f"(continue with: moebench tune --resume {run_dir})")

@@ -36,27 +36,24 @@ def _init(spec_json: dict[str, Any], device: str, environ: dict[str, str]) -> No
     start_worker(environ)
     if torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))
-    _STATE.update(spec=TuneSpec.from_json(spec_json), device=device, weights=None, bench=None)
+    _STATE.update(spec=TuneSpec.from_json(spec_json), device=device, runner=None)
 
 
 def _compile_one(task: tuple[int, dict[str, int]]) -> str:
     """Run the layer once with config `cfg` at `tokens`: 'ok', or the one-line error."""
     from moebench.errors import one_line
-    from moebench.tuning.search import LayerWeights
-    from moebench.tuning.spec import layer_bench
+    from moebench.tuning.candidates import TuneRunner
 
     tokens, cfg = task
     spec, device = _STATE["spec"], _STATE["device"]
     try:
-        if _STATE["weights"] is None:
-            _STATE["weights"] = LayerWeights.build(spec.shape, spec.layout, spec.dtype, device, spec.seed,
-                                                   quant=spec.quant)
+        runner = _STATE["runner"]
+        if runner is None:
+            _STATE["runner"] = runner = TuneRunner(spec, device, n_routings=1)
+            runner.weights()
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()  # the build's temporaries: N workers share one GPU
-        bench = _STATE["bench"]
-        if bench is None or bench.tokens != tokens:
-            _STATE["bench"] = bench = layer_bench(spec, _STATE["weights"], tokens, device, n_routings=1)
-        bench.run_once(cfg)
+        runner.run_once(tokens, cfg)
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
         return "ok"

@@ -1,5 +1,6 @@
-"""A tuning run's settings (TuneSpec, saved in tune.json) and the layer bench they describe:
-what the tuner (moebench.tuning.tuner) and its compile workers (moebench.tuning.precompile) share."""
+"""A tuning run's settings (TuneSpec, saved in tune.json): what the tuner (moebench.tuning.tuner),
+its candidates (moebench.tuning.candidates) and its compile workers (moebench.tuning.precompile)
+share."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from moebench.kernels.triton import configs as C
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
 from moebench.quant import WEIGHT_ONLY, QuantScheme, precision_text
-from moebench.tuning.search import LayerBench, LayerWeights, Timer
 from moebench.tuning.space import dtype_bytes
 
 
@@ -168,11 +168,3 @@ def gemm1_config(spec: TuneSpec, tokens: int) -> tuple[dict[str, int], str]:
         device_name=C.device_name(spec.device), quant=spec.quant)
     return dict(cfg), src
 
-
-def layer_bench(spec: TuneSpec, weights: LayerWeights, tokens: int, device: str, timer: Timer | None = None,
-                worker: int = 0, n_routings: int | None = None) -> LayerBench:
-    """The LayerBench of `spec` at `tokens` (with GEMM1's config fixed for a `--down` run)."""
-    kw = {} if n_routings is None else {"n_routings": n_routings}
-    return LayerBench(spec.shape, weights, tokens, spec.dtype, device, spec.seed, spec.routing, timer, worker=worker,
-                      quant=spec.quant, gemm1=gemm1_config(spec, tokens)[0] if spec.down else None,
-                      kernel=spec.kernel, **kw)

@@ -3,9 +3,11 @@
 Run folder (`results/<run-id>/`, or the folder given to `resume`):
 
     tune.json                  the run's settings (what `--resume` continues) and environment
-    measurements.jsonl         journal: one line per measurement, appended and fsynced as it is
-                               made (other workers: measurements.w<N>.jsonl); a resumed run
-                               answers every (tokens, config, stage) already there from it
+    candidates.jsonl           one result row per candidate measured (moebench.tuning.candidates:
+                               config and stage in its `variant` column), appended and fsynced as
+                               it is made by the sweep loop (other workers: candidates.w<N>.jsonl);
+                               a resumed run answers every (tokens, config, stage) already there
+    .moebench.lock             one writer per run folder (moebench.results.RunLock)
     triton-cache/w<N>/         TRITON_CACHE_DIR of worker N, deleted whenever it grows over
                                `cache_limit_mb` (compiled kernels stay cached in memory)
     report.md, report.csv      per token count: winner, latency, runner-up, default heuristic's
@@ -49,6 +51,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -59,30 +62,34 @@ from moebench.errors import MoebenchError
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
 from moebench.quant import QuantScheme
-from moebench.results import atomic_write_text, ensure_writable_dir, git_revision, new_run_id
+from moebench.results import ResultRow, RunLock, RunStore, atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.runtime.processes import start_worker, worker_context
 from moebench.kernels.triton import configs as C
 from moebench.tuning.files import TUNE_TOKENS_CUDA, claim_tuned_routing, merge_config_file, merge_engine_file
 from moebench.tuning.precompile import Precompiler
-from moebench.tuning.search import (
-    STRATEGIES,
-    LayerBench,
-    LayerWeights,
-    Measurement,
+from moebench.sweep.cases import run_cases
+from moebench.tuning.candidates import (
+    Fatal,
     Timer,
-    run_search,
+    TuneRunner,
+    answered,
+    candidate_name,
+    config_of,
+    sweep_spec,
+    verdict,
 )
+from moebench.tuning.search import STRATEGIES, run_search
 from moebench.tuning.space import SPACE, Problem, PruneReport, full_space, key_str, prune, smem_limit
 from moebench.tuning.spec import (  # noqa: F401  (re-exported: the tuner's API, as before)
     TuneSpec,
     file_shape,
     gemm1_config,
-    layer_bench,
     quant_from_json,
     quant_to_json,
 )
 
-JOURNAL = "measurements.jsonl"
+#: The run folder's candidate rows (worker N: candidates.wN.jsonl), and its settings.
+CANDIDATES = "candidates.jsonl"
 SETTINGS = "tune.json"
 
 
@@ -116,74 +123,6 @@ def load_run_out_dir(run_dir: str | os.PathLike) -> Path | None:
     written before it was saved."""
     out = _load_settings(run_dir).get("out_dir")
     return Path(out) if out else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Journal
-
-
-class Journal:
-    """Append-only measurement log of a run folder, shared by its workers.
-
-    Reads every measurements*.jsonl of the folder (a line cut short by a crash is skipped);
-    writes to its own file (worker 0: measurements.jsonl, worker N: measurements.wN.jsonl),
-    one fsynced line per measurement.
-    """
-
-    def __init__(self, folder: str | os.PathLike, worker: int = 0):
-        self.folder = Path(folder)
-        self.path = self.folder / (JOURNAL if worker == 0 else f"measurements.w{worker}.jsonl")
-        self.records: dict[tuple[int, str, str], Measurement] = {}
-        self._checked: set[tuple[int, str]] = set()
-        self._verdict: dict[tuple[int, str], Measurement] = {}
-        for p in sorted(self.folder.glob("measurements*.jsonl")):
-            for line in p.read_text().splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    self._index(Measurement.from_dict(json.loads(line)))
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                    continue
-        self._fd: int | None = None
-
-    def _index(self, m: Measurement) -> None:
-        self.records[m.key()] = m
-        ck = (int(m.tokens), key_str(m.config))
-        if m.checked:
-            self._checked.add(ck)
-        if m.status in ("failed", "wrong"):
-            self._verdict.setdefault(ck, m)
-
-    def get(self, key: tuple[int, str, str]) -> Measurement | None:
-        return self.records.get(key)
-
-    def checked(self, tokens: int, cfg: Mapping[str, int]) -> bool:
-        return (int(tokens), key_str(cfg)) in self._checked
-
-    def verdict(self, tokens: int, cfg: Mapping[str, int]) -> Measurement | None:
-        """An earlier failed / wrong measurement of this config at this token count."""
-        return self._verdict.get((int(tokens), key_str(cfg)))
-
-    def append(self, m: Measurement) -> None:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            size = os.fstat(self._fd).st_size
-            if size:  # a crash may have cut the last line short: start on a fresh line
-                with open(self.path, "rb") as f:
-                    f.seek(size - 1)
-                    if f.read(1) != b"\n":
-                        os.write(self._fd, b"\n")
-        os.write(self._fd, (json.dumps(m.to_dict()) + "\n").encode())
-        os.fsync(self._fd)
-        self._index(m)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __len__(self) -> int:
-        return len(self.records)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +237,44 @@ def prune_counts(spec: TuneSpec) -> dict[int, PruneReport]:
     return {m: _space_for(spec, m) for m in spec.tokens}
 
 
+class Candidates:
+    """What a worker knows of the run's candidates: the rows of its run folder (every worker's
+    file, read when it starts: a resumed run answers each candidate already there), indexed by
+    (tokens, variant), and which configs were checked or failed at each token count."""
+
+    def __init__(self, store: RunStore):
+        self.store = store
+        self.records: dict[tuple[int, str], ResultRow] = {}
+        self._checked: set[tuple[int, str]] = set()
+        self._verdict: dict[tuple[int, str], ResultRow] = {}
+        for row in store.rows:
+            if "config" in row.extra:
+                self.index(row)
+
+    def index(self, row: ResultRow) -> None:
+        self.records[(int(row.tokens), row.variant)] = row
+        ck = (int(row.tokens), key_str(config_of(row)))
+        if row.extra.get("checked"):
+            self._checked.add(ck)
+        if verdict(row) != "ok":
+            self._verdict.setdefault(ck, row)
+
+    def get(self, tokens: int, cfg: Mapping[str, int], stage: str) -> ResultRow | None:
+        return self.records.get((int(tokens), candidate_name(cfg, stage)))
+
+    def checked(self, tokens: int, cfg: Mapping[str, int]) -> bool:
+        return (int(tokens), key_str(cfg)) in self._checked
+
+    def verdict(self, tokens: int, cfg: Mapping[str, int]) -> ResultRow | None:
+        """An earlier failed / wrong candidate of this config at this token count."""
+        return self._verdict.get((int(tokens), key_str(cfg)))
+
+
+def candidates_file(worker: int) -> str:
+    """The candidate rows file of worker N of a run folder."""
+    return CANDIDATES if worker == 0 else CANDIDATES.replace(".jsonl", f".w{worker}.jsonl")
+
+
 def run_worker(
     spec: TuneSpec,
     tokens: Sequence[int],
@@ -306,14 +283,16 @@ def run_worker(
     device: str | None = None,
     timer: Timer | None = None,
     cache_limit_mb: float = 256.0,
-    on_measure: Callable[[Measurement], None] | None = None,
+    on_measure: Callable[[ResultRow], None] | None = None,
     on_tokens: Callable[[TokenResult], None] | None = None,
     compile_workers: int = 0,
     *,
     config_path: Path | None = None,
 ) -> list[TokenResult]:
-    """Tune `tokens` (ascending) in this process on `device` (default spec.device); every
-    measurement goes to the run's journal first. Returns one TokenResult per token count.
+    """Tune `tokens` (ascending) in this process on `device` (default spec.device): each batch of
+    candidates is a run of the sweep loop (moebench.sweep.cases.run_cases) with the tuner's case
+    runner (moebench.tuning.candidates.TuneRunner), its rows appended to this worker's file of the
+    run folder as they are made. Returns one TokenResult per token count.
     compile_workers > 0: each batch of configs is first compiled by that many processes
     (moebench.tuning.precompile), then timed here. config_path: each token count's winner is
     merged into that file as soon as the count is done (`update_config_file`)."""
@@ -321,12 +300,12 @@ def run_worker(
     if torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))
     run_dir = Path(run_dir)
-    journal = Journal(run_dir, worker)
+    known = Candidates(RunStore(run_dir, rows_file=candidates_file(worker)))
     guard = TritonCacheGuard(run_dir / "triton-cache" / f"w{worker}", cache_limit_mb)
     # started after the guard has set TRITON_CACHE_DIR, which the spawned workers inherit
     pre = Precompiler(spec, device, compile_workers) if compile_workers > 0 else None
+    runner = TuneRunner(spec, device, timer, worker)
     reps, final_reps = spec.screen_reps()
-    weights: list[LayerWeights] = []
     results: list[TokenResult] = []
     prev_top: list[dict[str, int]] = []
     since_check = 0
@@ -338,11 +317,10 @@ def run_worker(
                               space_kept=len(rep.kept), pruned=rep.pruned, worker=worker)
             if spec.down:
                 res.gemm1_source = gemm1_config(spec, m_tokens)[1]
-            bench: list[LayerBench] = []
             compiled: set[str] = set()  # configs compiled at this token count (here or by `pre`)
 
             def prepare(cfgs, m_tokens=m_tokens, res=res, compiled=compiled):
-                todo = [c for c in cfgs if key_str(c) not in compiled and journal.verdict(m_tokens, c) is None]
+                todo = [c for c in cfgs if key_str(c) not in compiled and known.verdict(m_tokens, c) is None]
                 if todo:
                     guard.check()  # prune before, never between compiling a batch and timing it
                     t0 = time.perf_counter()
@@ -351,33 +329,41 @@ def run_worker(
                     res.precompiled += len(todo)
                     compiled.update(key_str(c) for c in todo)
 
-            def measure(cfg, stage, n_reps, m_tokens=m_tokens, res=res, bench=bench, compiled=compiled):
+            def measured(row, res=res):
                 nonlocal since_check
-                compiled.add(key_str(cfg))
-                key = (m_tokens, key_str(cfg), stage)
-                old = journal.get(key)
-                if old is not None:
-                    res.reused += 1
-                    old.reused = True
-                    return old
-                bad = journal.verdict(m_tokens, cfg)
-                if bad is not None:  # failed / wrong at this token count before: not again
-                    return Measurement(m_tokens, dict(cfg), stage, bad.status, reason=bad.reason, reused=True)
-                if not bench:
-                    if not weights:
-                        weights.append(LayerWeights.build(spec.shape, spec.layout, spec.dtype, device, spec.seed,
-                                                          quant=spec.quant))
-                    bench.append(layer_bench(spec, weights[0], m_tokens, device, timer, worker))
-                meas = bench[0].measure(cfg, stage, n_reps, check=not journal.checked(m_tokens, cfg))
-                journal.append(meas)
+                known.index(row)
                 res.measured += 1
                 since_check += 1
                 if since_check >= 16 and pre is None:  # with `pre`, `prepare` checks between batches
                     guard.check()
                     since_check = 0
                 if on_measure is not None:
-                    on_measure(meas)
-                return meas
+                    on_measure(row)
+
+            def measure(cfgs, stage, n_reps, m_tokens=m_tokens, res=res, compiled=compiled):
+                out: list[ResultRow | None] = []
+                runner.batch = {}
+                for cfg in cfgs:
+                    compiled.add(key_str(cfg))
+                    old = known.get(m_tokens, cfg, stage)
+                    bad = known.verdict(m_tokens, cfg) if old is None else None
+                    if old is not None:
+                        res.reused += 1
+                        out.append(old)
+                    elif bad is not None:  # failed / wrong at this token count before: not again
+                        out.append(answered(bad, cfg, stage))
+                    else:
+                        runner.batch[candidate_name(cfg, stage)] = (dict(cfg), stage, n_reps,
+                                                                    not known.checked(m_tokens, cfg))
+                        out.append(None)
+                if runner.batch:
+                    try:
+                        rows = iter(run_cases(sweep_spec(spec, m_tokens, list(runner.batch)), known.store, runner,
+                                              on_progress=measured))
+                    except Fatal as f:
+                        raise f.error from None
+                    out = [r if r is not None else next(rows) for r in out]
+                return out
 
             rng = random.Random(spec.seed * 1_000_003 + m_tokens)
             rivals = spec.rivals(m_tokens)
@@ -385,21 +371,21 @@ def run_worker(
                             rng=rng, reps=reps, final_reps=final_reps, prepare=prepare if pre is not None else None,
                             rivals=list(rivals.values()))
             ms = sr.measurements
-            res.candidates = len({key_str(m.config) for m in ms})
-            res.failed = len({key_str(m.config) for m in ms if m.status == "failed"})
-            res.wrong = len({key_str(m.config) for m in ms if m.status == "wrong"})
-            res.search_s = sum(m.elapsed_s for m in ms) + res.precompile_s
+            res.candidates = len({key_str(config_of(m)) for m in ms})
+            res.failed = len({key_str(config_of(m)) for m in ms if verdict(m) == "failed"})
+            res.wrong = len({key_str(config_of(m)) for m in ms if verdict(m) == "wrong"})
+            res.search_s = sum(m.extra.get("elapsed_s", 0.0) for m in ms) + res.precompile_s
             if sr.winner is not None:
-                res.winner, res.winner_us = dict(sr.winner.config), sr.winner.latency_us
-                prev_top = [dict(m.config) for m in sr.final[:3]]
+                res.winner, res.winner_us = config_of(sr.winner), sr.winner.latency_us
+                prev_top = [config_of(m) for m in sr.final[:3]]
             if sr.runner_up is not None:
-                res.runner_up, res.runner_up_us = dict(sr.runner_up.config), sr.runner_up.latency_us
-            dm = next((m for m in sr.final if key_str(m.config) == key_str(default)), None)
+                res.runner_up, res.runner_up_us = config_of(sr.runner_up), sr.runner_up.latency_us
+            dm = next((m for m in sr.final if key_str(config_of(m)) == key_str(default)), None)
             if dm is not None:
                 res.default_us = dm.latency_us
                 if res.winner_us:
                     res.speedup = res.default_us / res.winner_us
-            final_us = {key_str(m.config): m.latency_us for m in sr.final}
+            final_us = {key_str(config_of(m)): m.latency_us for m in sr.final}
             for name, cfg in rivals.items():
                 us = final_us.get(key_str(cfg))
                 res.against[name] = {"config": key_str(cfg), "us": us,
@@ -411,13 +397,12 @@ def run_worker(
             since_check = 0
             if on_tokens is not None:
                 on_tokens(res)
-            del bench[:]
+            runner.release()
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
     finally:
         if pre is not None:
             pre.close()
-        journal.close()
         guard.close()
     return results
 
@@ -528,61 +513,36 @@ def _validate(spec: TuneSpec, plan_only: bool = False) -> str | None:
 
 
 def tune(
-    shape: MoEShape,
-    layout: ParallelLayout,
-    tokens: Sequence[int],
-    dtype: torch.dtype,
-    device: str,
-    strategy: str = "halving",
-    budget: int | None = None,
+    spec: TuneSpec,
+    *,
     out_dir: str | os.PathLike | None = None,
     resume: str | os.PathLike | None = None,
     gpus: str | Sequence[int] | None = None,
-    *,
     run_dir: str | os.PathLike | None = None,
     results_dir: str | os.PathLike = "results",
-    seed: int = 0,
-    routing: str = "uniform",
-    reps: int | None = None,
-    final_reps: int | None = None,
-    space: Mapping[str, Sequence[int]] | None = None,
     timer: Timer | None = None,
     cache_limit_mb: float = 256.0,
-    on_measure: Callable[[Measurement], None] | None = None,
+    on_measure: Callable[[ResultRow], None] | None = None,
     on_tokens: Callable[[TokenResult], None] | None = None,
-    quant: QuantScheme | None = None,
     compile_workers: int = 0,
-    down: bool = False,
-    kernel: str = "moebench",
-    against: Mapping[str, Mapping[int, Mapping[str, int]]] | None = None,
 ) -> TuneOutcome:
-    """Tune the tile config of the `triton` experts for `shape` on rank 0 of `layout` (N = I/tp,
-    E = local experts under EP) at each token count; write the vLLM file and the report.
+    """Tune the tile config of the experts `spec` times (TuneSpec: shape, layout, token counts,
+    precision, search, kernel) on rank 0 of its layout (N = I/tp, E = local experts under EP) at
+    each token count; write the config file and the report.
 
-    strategy: grid | random | halving; budget: configs per token count for random / halving
-    (default 48). resume: an earlier run folder (its settings must match). gpus: 'all', '0,1' or
-    indices; several -> one spawned worker per GPU. timer / on_measure / on_tokens only reach an
-    in-process worker. quant: an fp8 scheme (moebench.quant.QuantScheme; `dtype` is then the
-    activation dtype, bf16): quantised weights, the `...,dtype=fp8_w8a8[,block_shape=[..]].json`
-    file (per-token scales: `...,dtype=fp8_w8a8,per_channel_quant=True.json`). compile_workers:
-    processes per tuning worker that compile each batch of configs before it is timed
-    (moebench.tuning.precompile; 0 = compile while timing). down: tune GEMM2's own config against
-    the GEMM1 config the layer looks up, and write the `..._down.json` file (SGLang's name) instead
-    of the vLLM file. kernel: "moebench" (the `triton` experts) or an engine ("vllm", "sglang": the
-    `vllm-triton` experts, the engine's file in its own folder, moebench.kernels.engine_configs).
-    against: configs to beat, name -> {tokens: config} (e.g. an engine's shipped file): at each token
-    count the nearest entry seeds the search and competes in the final stage; the report gives
-    winner / file. out_dir None: results/configs (engines: results/configs/vllm, results/configs/sglang/triton_X_Y_Z),
-    or on `resume` the folder saved in the run's
-    tune.json. The folder is checked before anything is measured and the file is updated as each
-    token count finishes. Returns the run folder, the config file (None on ranks other than 0) and
-    one TokenResult per token count.
+    resume: an earlier run folder (its settings must match; the candidates it holds are not
+    measured again). gpus: 'all', '0,1' or indices; several -> one spawned worker per GPU. timer /
+    on_measure (each candidate row measured) / on_tokens only reach an in-process worker.
+    compile_workers: processes per tuning worker that compile each batch of configs before it is
+    timed (moebench.tuning.precompile; 0 = compile while timing). out_dir None: results/configs
+    (engines: results/configs/vllm, results/configs/sglang/triton_X_Y_Z), or on `resume` the folder
+    saved in the run's tune.json. The folder is checked before anything is measured and the file
+    is updated as each token count finishes. One writer holds the run folder (results.RunLock) for
+    the whole run. Returns the run folder, the config file (None on ranks other than 0) and one
+    TokenResult per token count.
     """
-    spec = TuneSpec(shape=shape, layout=layout, tokens=sorted(set(int(t) for t in tokens)), dtype=dtype,
-                    device=device, strategy=strategy, budget=budget, seed=seed, routing=routing, reps=reps,
-                    final_reps=final_reps, space={k: list(v) for k, v in space.items()} if space else None,
-                    quant=quant, down=down, kernel=kernel,
-                    against={n: {int(t): dict(c) for t, c in tb.items()} for n, tb in against.items()} if against else None)
+    spec = dataclasses.replace(spec, tokens=sorted(set(int(t) for t in spec.tokens)))
+    shape, device = spec.shape, spec.device
     _validate(spec)
     if resume is not None:
         run_dir = Path(resume)
@@ -594,7 +554,7 @@ def tune(
         if out_dir is None:
             out_dir = load_run_out_dir(run_dir)
     config_path = config_path_for(spec, out_dir)
-    from moebench.runtime.distributed import join_torchrun, leave_torchrun
+    from moebench.runtime.distributed import join_torchrun
 
     ctx = join_torchrun()  # None outside torchrun
     main = ctx is None or ctx.rank == 0
@@ -612,8 +572,23 @@ def tune(
             dist.broadcast_object_list(box, src=0, group=ctx.group)
             run_dir = box[0]
         run_dir = Path(run_dir)
+    lock = RunLock(ensure_writable_dir(run_dir)).acquire() if main else None  # one writer per run folder
+    try:
+        return _tune_in(spec, run_dir, config_path, ctx, gpus, timer, cache_limit_mb, on_measure, on_tokens,
+                        compile_workers)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _tune_in(spec: TuneSpec, run_dir: Path, config_path: Path, ctx, gpus, timer, cache_limit_mb, on_measure,
+             on_tokens, compile_workers) -> TuneOutcome:
+    """The tune of `spec` in its run folder (locked by this process when it writes it)."""
+    from moebench.runtime.distributed import leave_torchrun
+
+    device = spec.device
+    main = ctx is None or ctx.rank == 0
     if main:
-        ensure_writable_dir(run_dir)
         if not (run_dir / SETTINGS).exists():
             from moebench.bench.hardware import device_summary
 
