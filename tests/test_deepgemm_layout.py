@@ -128,12 +128,14 @@ CASES = [  # (experts, prepare/finalize, experts kwargs)
     ("deepgemm", "no-dpep", {"layout": "psum"}),
     ("deepgemm", "no-dpep", {"layout": "indices"}),
     ("batched-deepgemm", "batched-local", {}),
+    ("batched-deepgemm", "batched-local", {"fused_act": True}),
 ]
 
 
 @pytest.mark.parametrize("quant", [None, BLOCK], ids=["bf16", "fp8-block"])
 @pytest.mark.parametrize("ep", [False, True], ids=["all-local", "ep-shard"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2].get('layout', 'masked')}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2].get('layout', 'masked')}"
+                         + ("-fused-act" if c[2].get("fused_act") else ""))
 @pytest.mark.parametrize("m", [1, 37, 128])
 def test_adapters_match_reference(monkeypatch, case, ep, quant, m):
     monkeypatch.setitem(__import__("sys").modules, "deep_gemm", fake_deep_gemm())
@@ -146,7 +148,7 @@ def test_adapters_match_reference(monkeypatch, case, ep, quant, m):
         emap[2:5] = torch.arange(3, dtype=torch.int32)
         w13, w2 = w13[2:5], w2[2:5]
     qw13, qw2 = quantize_weights(w13, w2, quant)
-    experts = DeepGemmExperts(**kw) if ex_name == "deepgemm" else BatchedDeepGemmExperts()
+    experts = DeepGemmExperts(**kw) if ex_name == "deepgemm" else BatchedDeepGemmExperts(**kw)
     kernel = FusedMoEKernel(make_prepare_finalize(pf_name), experts)
     out = kernel.apply(x, qw13, qw2, tw, ti, emap, e)
     ref = reference_moe(x, qw13, qw2, tw, ti, emap)

@@ -663,3 +663,24 @@ def test_intermediate_sentinel_rows_are_never_read(name, m, monkeypatch):
     out = fused_moe(x, q13, q2, tw, ti, None, E, _cfg(scheme), options=TritonOptions(token_rows=False))
     assert not out.isnan().any()
     assert rel_err(out, moebench.reference_moe(x, q13, q2, tw, ti)) < TIGHT
+
+
+def test_silu_mul_rows_grouped_takes_each_groups_own_rows():
+    # (E, T, 2I) with one limit per group (a masked layout's counts): rows t < counts[e] of each
+    # group, in place; fp8 scales through a 3-D MN-major layout
+    g = torch.Generator().manual_seed(3)
+    e, t, i = 3, 20, 128
+    gu = (torch.randn(e, t, 2 * i, generator=g) * 3).to(DEV, torch.bfloat16)
+    counts = torch.tensor([5, 0, 20], dtype=torch.int32, device=DEV)
+    h = (torch.nn.functional.silu(gu[..., :i].float()) * gu[..., i:].float()).bfloat16()
+    q = torch.zeros((e, t, i), dtype=FP8_DTYPE, device=DEV)
+    s = torch.empty_strided((e, t, 1), (t, 1, t), device=DEV).fill_(-1.0)
+    silu_mul_rows(gu, counts, q, s)
+    scheme = QuantScheme(scales="block", block_shape=(128, 128))
+    for j, c in enumerate(counts.tolist()):
+        if c:
+            q_ref, s_ref = quantize_activation(h[j, :c], scheme)
+            assert torch.equal(q[j, :c].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s[j, :c], s_ref)
+        assert (s[j, c:] == -1.0).all() and (q[j, c:].view(torch.uint8) == 0).all()
+    with pytest.raises(MoebenchError, match="one row limit per row group"):
+        silu_mul_rows(gu, counts[:2], q, s)

@@ -363,6 +363,12 @@ class BatchedDeepGemmExperts(_DeepGemmBackend):
     name = "batched-deepgemm"
     activation_format = ActivationFormat.BATCHED
 
+    def __init__(self, fused_act: bool = False):
+        """fused_act: SiLU-and-mul with the requantisation in one Triton launch over each expert's
+        valid rows in place (`silu_mul_rows` on the (E, T', 2I) buffer), instead of gathering the
+        valid rows, computing in torch and scattering them back (several launches and fp32 copies)."""
+        self.fused_act = fused_act
+
     def weight_and_reduce(self):
         return TopKWeightAndReduceDelegate()
 
@@ -428,19 +434,22 @@ class BatchedDeepGemmExperts(_DeepGemmBackend):
 
         # SiLU-and-mul (and the requantisation) on the valid rows only.
         with stage("act"):
-            act = silu_and_mul(gate_up.view((e + 1) * tp, two_i).index_select(0, idx_p).float()).to(out_dtype)
             act_buf = torch.empty((e + 1, tp, i), dtype=FP8_DTYPE if fp8 else out_dtype, device=dev)
             # The output keeps a sink row after the (E, T) rows the finalize reads.
             out_full = alloc_output((e * t + 1, h), out_dtype, dev)
             out = out_full[: e * t].view(e, t, h)
             y = out if tp == t else torch.empty((e + 1, tp, h), dtype=out_dtype, device=dev)[:e]
-            if fp8:
-                q, s = _quantize(act, scheme)
-                _scatter_rows(act_buf.view((e + 1) * tp, i), idx_p, q)
-                act_scale = empty_mn_major((e + 1, tp, i // 128), dev)
-                act_scale[idx_p // tp, idx_p % tp] = s
+            act_scale = empty_mn_major((e + 1, tp, i // 128), dev) if fp8 else None
+            if self.fused_act:  # in place over each expert's first counts[e] rows
+                silu_mul_rows(gate_up[:e], counts, act_buf[:e], act_scale[:e] if fp8 else None)
             else:
-                act_buf.view((e + 1) * tp, i).index_copy_(0, idx_p, act)
+                act = silu_and_mul(gate_up.view((e + 1) * tp, two_i).index_select(0, idx_p).float()).to(out_dtype)
+                if fp8:
+                    q, s = _quantize(act, scheme)
+                    _scatter_rows(act_buf.view((e + 1) * tp, i), idx_p, q)
+                    act_scale[idx_p // tp, idx_p % tp] = s
+                else:
+                    act_buf.view((e + 1) * tp, i).index_copy_(0, idx_p, act)
         with stage("gemm2"):
             if fp8:
                 dg.m_grouped_fp8_gemm_nt_masked((act_buf[:e], act_scale[:e]), (w2.q, w2.scale.contiguous()), y, counts,

@@ -260,16 +260,22 @@ def quantize_rows(
 
 
 @triton.jit
-def silu_mul_rows_kernel(gu_ptr, q_ptr, s_ptr, limit_ptr, I, stride_gm, stride_qm, stride_sm, stride_sg,
+def silu_mul_rows_kernel(gu_ptr, q_ptr, s_ptr, limit_ptr, I, stride_gg, stride_gm, stride_qg, stride_qm,
+                         stride_sgrp, stride_sm, stride_sg,
                          QUANT: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, EXACT: tl.constexpr):
-    # Program (r, g): rows r * BLOCK_M .. (those below limit_ptr[0]), columns g * GROUP .. of the
-    # intermediate. h = silu(gate) * up in fp32, rounded to bf16 (where the reference rounds it),
-    # then stored as bf16 or, QUANT, as e4m3 with one scale per row and GROUP columns.
+    # Program (r, g, e): rows r * BLOCK_M .. of row group e (those below limit_ptr[e]), columns
+    # g * GROUP .. of the intermediate. h = silu(gate) * up in fp32, rounded to bf16 (where the
+    # reference rounds it), then stored as bf16 or, QUANT, as e4m3 with one scale per row and GROUP
+    # columns.
     pid_m = tl.program_id(0)
     grp = tl.program_id(1)
-    rows_used = tl.load(limit_ptr)
+    e = tl.program_id(2).to(tl.int64)
+    rows_used = tl.load(limit_ptr + e)
     if pid_m * BLOCK_M >= rows_used:
         return
+    gu_ptr += e * stride_gg
+    q_ptr += e * stride_qg
+    s_ptr += e * stride_sgrp
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = grp * GROUP + tl.arange(0, GROUP)
     row_ok = rows < rows_used
@@ -291,22 +297,31 @@ def silu_mul_rows(gate_up: torch.Tensor, row_limit: torch.Tensor, out: torch.Ten
     """out[r] = silu(gate_up[r, :I]) * gate_up[r, I:] for rows r < row_limit[0] ((1,) int32 on the
     device; later rows stay unwritten), computed in fp32 and rounded to bf16. out (R, I): bf16, or
     float8_e4m3fn with `scale` (R, I / group) float32 (any strides) taking one dynamic scale per
-    row and `group` columns, the arithmetic of moebench.quant's block scheme. One launch, no host
-    synchronisation."""
-    r, two_i = gate_up.shape
+    row and `group` columns, the arithmetic of moebench.quant's block scheme. Grouped rows: gate_up
+    (E, T, 2I), out (E, T, I), scale (E, T, I / group) and row_limit (E,): rows t < row_limit[e] of
+    each group e (a masked layout's valid rows). One launch, no host synchronisation."""
+    grouped = gate_up.dim() == 3
+    g3, o3 = (gate_up, out) if grouped else (gate_up.unsqueeze(0), out.unsqueeze(0))
+    e, r, two_i = g3.shape
     i = two_i // 2
     quant = out.dtype == FP8_DTYPE
-    if quant and (scale is None or i % group or scale.shape != (r, i // group)):
+    if row_limit.numel() != e:
+        raise MoebenchError(f"silu_mul_rows: one row limit per row group ({e}), got {row_limit.numel()}")
+    if quant and (scale is None or i % group or tuple(scale.shape) != (tuple(out.shape[:-1]) + (i // group,))):
         raise MoebenchError(f"silu_mul_rows: fp8 output needs (rows, {i} / {group}) scales and I a multiple of {group}")
-    if out.dtype not in (FP8_DTYPE, torch.bfloat16) or out.shape != (r, i) or out.stride(1) != 1 or gate_up.stride(1) != 1:
+    if out.dtype not in (FP8_DTYPE, torch.bfloat16) or o3.shape != (e, r, i) or o3.stride(2) != 1 or g3.stride(2) != 1:
         raise MoebenchError("silu_mul_rows: gate_up (R, 2I) and out (R, I) bf16 / fp8, rows contiguous")
-    if r == 0:
+    if r == 0 or e == 0:
         return
     interpreter_compat()
-    s_arg, s_strides = (scale, scale.stride()) if quant else (out, (0, 0))
+    if quant:
+        s3 = scale if grouped else scale.unsqueeze(0)
+        s_arg, s_strides = scale, s3.stride()
+    else:
+        s_arg, s_strides = out, (0, 0, 0)
     block_m = 16
-    silu_mul_rows_kernel[(triton.cdiv(r, block_m), triton.cdiv(i, group))](
-        gate_up, out, s_arg, row_limit, i, gate_up.stride(0), out.stride(0), *s_strides,
+    silu_mul_rows_kernel[(triton.cdiv(r, block_m), triton.cdiv(i, group), e)](
+        gate_up, out, s_arg, row_limit, i, g3.stride(0), g3.stride(1), o3.stride(0), o3.stride(1), *s_strides,
         QUANT=quant, BLOCK_M=block_m, GROUP=group, EXACT=interpreting(), num_warps=4)
 
 
