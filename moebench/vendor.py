@@ -34,7 +34,9 @@ from moebench.errors import MoebenchError
 KNOWN_BUILDS_SOURCE = (
     "moebench runs on one H100 and one H200 on 2026-12-05 (torch 2.11.0+cu130, triton 3.6.0, Python 3.12, "
     "wheels installed with --no-deps); the torch pins and the CUDA runtime read off the cp312 x86_64 wheels "
-    "(METADATA's Requires-Dist, the NEEDED entries of their extension modules) the same day"
+    "(METADATA's Requires-Dist, the NEEDED entries of their extension modules) the same day; "
+    "tokenspeed-triton-kernels (pure Python) imported and its API read on a CPU machine with triton 3.6.0, 3.8.0 "
+    "and 3.9.0 on 2026-12-07"
 )
 
 
@@ -44,13 +46,17 @@ class Build:
 
     version: exact. torch: "2.11" (any 2.11.x) or "2.14.0" (that release). verdict: "works" (ran
     in moebench with that torch), "fails" (broke with it; `evidence` says how) or "pinned" (the
-    wheel requires exactly that torch; not run by moebench)."""
+    wheel requires exactly that torch; not run by moebench). A pure-Python build (its library's
+    `pure_python`) is known against a triton instead: `triton` "3.8" (any 3.8.x), `torch` "";
+    its verdict may also be "imports" (imported, and its API read by moebench, with that triton;
+    not yet run on a GPU by moebench)."""
 
     package: str
     version: str
     torch: str
     verdict: str
     evidence: str
+    triton: str = ""
 
 
 KNOWN_BUILDS: tuple[Build, ...] = (
@@ -67,6 +73,13 @@ KNOWN_BUILDS: tuple[Build, ...] = (
           "does not import: undefined symbol: ncclCommQueryProperties (torch 2.11's NCCL)"),
     Build("tokenspeed-deepep", "2.1.0.post20260810", "2.11", "fails",
           "does not import: undefined symbol: ncclCommQueryProperties (torch 2.11's NCCL)"),
+    Build("tokenspeed-triton-kernels", "1.0.0.post20260510", "", "fails",
+          "does not import: cannot import name 'is_hip_gfx1250' from 'triton.language.target_info' (CPU machine)",
+          triton="3.6"),
+    Build("tokenspeed-triton-kernels", "1.0.0.post20260510", "", "imports",
+          "imports, and moebench reads its matmul API (CPU machine; not yet run on a GPU by moebench)", triton="3.8"),
+    Build("tokenspeed-triton-kernels", "1.0.0.post20260510", "", "imports",
+          "imports, and moebench reads its matmul API (CPU machine; not yet run on a GPU by moebench)", triton="3.9"),
 )
 
 #: What every build of KNOWN_BUILDS needs besides its torch: a CUDA 13 torch (the wheels link
@@ -93,6 +106,8 @@ class Library:
     #: wheel's build machine had them: (python package holding them, its lib folder's files). They
     #: are loaded (RTLD_GLOBAL) before the module is imported, so no LD_LIBRARY_PATH is needed.
     preload: tuple[str, tuple[str, ...]] | None = None
+    #: a pure-Python wheel (py3-none-any): any machine takes it; its builds go with a triton, not a torch
+    pure_python: bool = False
 
 
 LIBRARIES: tuple[Library, ...] = (
@@ -101,8 +116,9 @@ LIBRARIES: tuple[Library, ...] = (
     Library("deepep", "deep_ep", ("deepep-ll", "deepep-ht"), "tokenspeed-deepep",
             "github.com/deepseek-ai/DeepEP; README, 'Vendor libraries'",
             preload=("nvidia.nvshmem", ("libnvshmem_host.so.3",))),
-    Library("triton-kernels", "triton_kernels", (), None,
-            "the python/triton_kernels folder of github.com/triton-lang/triton, at the revision of the installed triton"),
+    Library("triton-kernels", "triton_kernels", ("triton-kernels",), "tokenspeed-triton-kernels",
+            "the python/triton_kernels folder of github.com/triton-lang/triton, at the revision of the installed triton",
+            pure_python=True),
     Library("aiter", "aiter", ("aiter",), None, "github.com/ROCm/aiter (ROCm builds of torch only)"),
 )
 
@@ -131,6 +147,7 @@ class Here:
     system: str = "Linux"
     machine: str = "x86_64"
     hip: str | None = None
+    triton: str | None = None  # the installed triton's version (None: no triton)
 
     @classmethod
     def detect(cls) -> "Here":
@@ -138,7 +155,14 @@ class Here:
 
         return cls(torch=torch.__version__, cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None),
                    python=f"{sys.version_info.major}.{sys.version_info.minor}", system=platform.system(),
-                   machine=platform.machine())
+                   machine=platform.machine(), triton=_triton_version())
+
+
+def _triton_version() -> str | None:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def torch_release(version: str) -> tuple[int, ...]:
@@ -182,20 +206,49 @@ def platform_reason(here: Here, build: Build | None = None) -> str | None:
 def _known_text(package: str) -> str:
     parts = []
     for b in _builds(package):
-        word = {"works": "runs with", "fails": "fails with", "pinned": "requires"}[b.verdict]
-        parts.append(f"{b.version} {word} torch{'==' if b.verdict == 'pinned' else ' '}{b.torch}")
+        word = {"works": "runs with", "fails": "fails with", "pinned": "requires", "imports": "imports with"}[b.verdict]
+        against = f"triton {b.triton}" if b.triton else f"torch{'==' if b.verdict == 'pinned' else ' '}{b.torch}"
+        parts.append(f"{b.version} {word} {against}")
     return "; ".join(parts)
+
+
+def _pick_pure(lib: Library, here: Here, version: str | None) -> tuple[Build | None, str]:
+    """pick_build for a pure-Python library: any platform; its builds are known against a triton."""
+    if here.triton is None:
+        return None, f"{lib.module} runs on triton, and triton is not installed"
+    builds = [b for b in _builds(lib.package) if b.triton and torch_matches(b.triton, here.triton)]
+    if version is not None:
+        for b in builds:
+            if b.version == version and b.verdict == "fails":
+                return None, f"{b.package} {b.version} is known to fail with triton {here.triton}: {b.evidence}"
+        good = [b for b in builds if b.version == version and b.verdict in ("works", "imports")]
+        if good:
+            return good[0], f"with triton {good[0].triton}: {good[0].evidence}"
+        return (Build(lib.package, version, "", "untested", "", triton=here.triton),
+                f"asked for; not known to moebench with triton {here.triton} (known: {_known_text(lib.package)})")
+    for verdict in ("works", "imports"):
+        good = [b for b in builds if b.verdict == verdict]
+        if good:
+            return good[-1], f"with triton {good[-1].triton}: {good[-1].evidence}"
+    bad = [b for b in builds if b.verdict == "fails"]
+    why = f"; {bad[-1].version} is known to fail with it: {bad[-1].evidence}" if bad else ""
+    return None, (f"no {lib.package} build is known to go with triton {here.triton} (known: {_known_text(lib.package)})"
+                  f"{why}; install a triton it imports with, get {lib.module} from {lib.source}, or pass --version "
+                  f"to try a build")
 
 
 def pick_build(key: str, here: Here | None = None, version: str | None = None) -> tuple[Build | None, str]:
     """The build of library `key` to install with this torch, and a note (what it rests on), or
     (None, why not). `version`: a version asked for by the user instead of the pick; refused where
     it is known to fail with this torch or pinned to another one, else taken with a note that
-    moebench has not run it."""
+    moebench has not run it. A pure-Python library's builds go with the installed triton instead
+    (any platform, any torch)."""
     lib = library(key)
     if lib.package is None:
         return None, f"{lib.module} has no package-index build that moebench installs; get it from {lib.source}"
     here = here or Here.detect()
+    if lib.pure_python:
+        return _pick_pure(lib, here, version)
     builds = _builds(lib.package)
     if version is not None:
         known = [b for b in builds if b.version == version]
@@ -323,6 +376,10 @@ def _known_bad(package: str, version: str, here: Here) -> str | None:
     """Why installed build `version` of `package` does not go with this torch, where that is known."""
     for b in _builds(package):
         if b.version != version:
+            continue
+        if b.triton:
+            if b.verdict == "fails" and here.triton and torch_matches(b.triton, here.triton):
+                return f"{b.package} {b.version} is known to fail with triton {b.triton}: {b.evidence}"
             continue
         if b.verdict == "fails" and torch_matches(b.torch, here.torch):
             return f"{b.package} {b.version} is known to fail with torch {b.torch}: {b.evidence}"

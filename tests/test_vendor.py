@@ -150,7 +150,7 @@ def test_install_dry_run_prints_the_exact_command(torch_211):
     (["install", "deepep", "--version", "2.1.0.post20260810"], ["known to fail", "ncclCommQueryProperties"]),
     (["install", "deepgemm", "--version", "2.8.2.post20261020"], ["requires torch==2.14.0"]),
     (["install", "deepgemm", "--find-links", "/no/such/folder"], ["no such folder"]),
-    (["install", "triton-kernels"], ["does not install triton_kernels"]),
+    (["install", "aiter"], ["does not install aiter"]),
     (["install", "deepgem"], ["unknown vendor library"]),
     (["download", "deepep", "--dest", "w", "--platform", "win_amd64"], ["--platform"]),
     (["download", "deepep", "--dest", "w", "--torch", "2.14.0+cu130"], ["no tokenspeed-deepep build"]),
@@ -215,3 +215,50 @@ def test_install_from_a_folder_of_wheels(torch_211, tmp_path, works):
     else:
         assert res.returncode == 1, res.stdout + res.stderr
         assert "does not import" in res.stdout and "ncclCommQueryProperties" in res.stdout
+
+
+# triton_kernels: a pure-Python wheel whose builds go with a triton, not a torch
+
+def _with_triton(here: Here, triton: str | None) -> Here:
+    import dataclasses
+
+    return dataclasses.replace(here, triton=triton)
+
+
+@pytest.mark.parametrize("here", [T211, Here(torch="2.13.0+cpu", cuda=None, python="3.11")], ids=["cu130", "cpu"])
+def test_triton_kernels_build_goes_with_the_triton(here):
+    b, note = pick_build("triton-kernels", _with_triton(here, "3.8.0"))
+    assert (b.package, b.version) == ("tokenspeed-triton-kernels", "1.0.0.post20260510")
+    assert "triton 3.8" in note and "not yet run on a GPU" in note
+    b, why = pick_build("triton-kernels", _with_triton(here, "3.6.0"))
+    assert b is None and "known to go with triton 3.6.0" in why and "is_hip_gfx1250" in why
+    b, why = pick_build("triton-kernels", _with_triton(here, "3.6.0"), version="1.0.0.post20260510")
+    assert b is None and "known to fail with triton 3.6.0" in why
+    b, note = pick_build("triton-kernels", _with_triton(here, "3.10.0"), version="1.1.0")
+    assert b.version == "1.1.0" and "not known to moebench with triton 3.10.0" in note
+    b, why = pick_build("triton-kernels", _with_triton(here, None))
+    assert b is None and "triton is not installed" in why
+
+
+def test_triton_kernels_status_and_known_failure():
+    s = _status("triton-kernels", _with_triton(T211, "3.6.0"), ("tokenspeed-triton-kernels", "1.0.0.post20260510"),
+                imp="triton_kernels does not import: ImportError: cannot import name 'is_hip_gfx1250'")
+    assert not s.usable and "known to fail with triton 3.6" in s.reason and s.backends == ["triton-kernels"]
+    s = _status("triton-kernels", _with_triton(T211, "3.9.0"), None)
+    assert "moebench vendor install triton-kernels" in s.install and "tokenspeed-triton-kernels==1.0.0.post20260510" in s.install
+
+
+def test_triton_kernels_install_and_download_dry_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(vendor.Here, "detect", classmethod(lambda cls: _with_triton(T211, "3.9.0")))
+    res = moebench_inproc("vendor", "install", "triton-kernels", "--dry-run", "--find-links", str(tmp_path),
+                          "--target", str(tmp_path / "site"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0] == (f"{sys.executable} -m pip install --no-deps --no-index --find-links {tmp_path} "
+                                          f"--target {tmp_path / 'site'} tokenspeed-triton-kernels==1.0.0.post20260510")
+    res = moebench_inproc("vendor", "download", "triton-kernels", "--dest", str(tmp_path / "w"), "--python", "3.12",
+                          "--platform", "manylinux_2_28_x86_64", "--triton", "3.8.0", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0].endswith(f"-d {tmp_path / 'w'} tokenspeed-triton-kernels==1.0.0.post20260510")
+    assert "for triton 3.8.0" in res.stdout
+    assert_bad_input(moebench_inproc("vendor", "download", "triton-kernels", "--dest", str(tmp_path / "w"),
+                                     "--triton", "3.6.0", "--dry-run"), "is_hip_gfx1250")

@@ -93,8 +93,9 @@ def _torch_version() -> str | None:
 @click.option("--target", default=None, type=click.Path(file_okay=False),
               help="Install into this folder (put it on PYTHONPATH) instead of this Python's site-packages.")
 def install(name: str, version: str | None, dry_run: bool, find_links: str | None, target: str | None):
-    """Install NAME (deepgemm | deepep) from the package index: the build that goes with the torch
-    installed here, with --no-deps (torch stays as it is), then check that it imports."""
+    """Install NAME (deepgemm | deepep | triton-kernels) from the package index: the build that goes
+    with the torch (triton-kernels: the triton) installed here, with --no-deps (torch stays as it
+    is), then check that it imports."""
     from moebench.vendor import install_command, library, pick_build, shell
 
     lib = library(name)
@@ -135,6 +136,10 @@ def install(name: str, version: str | None, dry_run: bool, find_links: str | Non
                  f"backends run here.")
 
 
+def _for(lib, target) -> str:
+    return f"triton {target.triton}" if lib.pure_python else f"torch {target.torch}"
+
+
 def _cuda_of(torch_version: str) -> str | None:
     """'2.11.0+cu130' -> '13.0'; None without a +cuNNN tag."""
     m = re.search(r"\+cu(\d+)(\d)$", torch_version)
@@ -150,11 +155,13 @@ def _cuda_of(torch_version: str) -> str | None:
 @click.option("--python", "python_version", default=None, help="Its Python, e.g. 3.12 [this Python].")
 @click.option("--platform", "platform_tag", default=None,
               help="Its wheel platform [manylinux_2_28_<this machine>], e.g. manylinux_2_28_x86_64.")
+@click.option("--triton", "triton_version", default=None,
+              help="The triton of the machine the wheel is for (triton-kernels' builds go with a triton) [this triton].")
 @click.option("--version", "version", default=None, help="This build instead of the one picked for that torch.")
 @click.option("--dry-run", is_flag=True, help="Print the pip command; download nothing.")
-def download(name, dest, torch_version, cuda, python_version, platform_tag, version, dry_run):
-    """Download NAME's wheel (deepgemm | deepep) for another machine's torch, without dependencies:
-    install it there with `moebench vendor install NAME --find-links DEST`."""
+def download(name, dest, torch_version, cuda, python_version, platform_tag, triton_version, version, dry_run):
+    """Download NAME's wheel (deepgemm | deepep | triton-kernels) for another machine's torch (or
+    triton), without dependencies: install it there with `moebench vendor install NAME --find-links DEST`."""
     from moebench.vendor import Here, download_command, library, pick_build, shell
 
     lib = library(name)
@@ -169,18 +176,18 @@ def download(name, dest, torch_version, cuda, python_version, platform_tag, vers
     tv = torch_version or here.torch
     target = Here(torch=tv, cuda=cuda or _cuda_of(tv) or (here.cuda if torch_version is None else None),
                   python=python_version or here.python, system="Linux" if tag else here.system,
-                  machine=tag.group(1) if tag else here.machine)
+                  machine=tag.group(1) if tag else here.machine, triton=triton_version or here.triton)
     build, note = pick_build(lib.key, target, version=version)
     if build is None:
         raise MoebenchError(note)
     cmd = download_command(build, dest, target.python, platform_tag or f"manylinux_2_28_{target.machine}", sys.executable)
     if dry_run:
         click.echo(shell(cmd))
-        say(console, f"{build.package} {build.version} for torch {target.torch}: {note}")
+        say(console, f"{build.package} {build.version} for {_for(lib, target)}: {note}")
         return
     res = subprocess.run(cmd)
     if res.returncode != 0:
         say(console, f"pip failed (exit status {res.returncode})")
         sys.exit(1)
-    say(console, f"{build.package} {build.version} for torch {target.torch} is in {dest}; on that machine: "
+    say(console, f"{build.package} {build.version} for {_for(lib, target)} is in {dest}; on that machine: "
                  f"moebench vendor install {lib.key} --find-links {dest}")
