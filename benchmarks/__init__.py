@@ -19,6 +19,7 @@ CASES: dict[str, str] = {
     "bench_triton": "Triton experts per layer point: layer, GEMMs, alignment, routing, torch, floors, library GEMMs",
     "vllm_kernel": "engine files (new, vLLM's, SGLang's) in the vllm-triton experts; triton layer vs the best of them",
     "decode_launches": "the triton layer's code paths (TritonOptions variants) A/B at decode and prefill",
+    "peers": "every engine's experts kernel beside moebench's: ratios to the fastest peer and to the floor, targets",
     "vendor_gemms": "prefill by a vendor grouped GEMM: DeepGEMM's GEMMs alone and its layer vs triton, over the floor",
     "profile_case": "torch.profiler table of one (prepare/finalize, experts) case, or its calls for ncu",
     "ep_model_table": "measured dispatch / combine of real-rank sweep folders beside the modeled ones of --simulate folders",

@@ -13,8 +13,10 @@ import torch
 import triton
 
 import moebench
+from moebench.backends import get_experts_class
 from moebench.bench.timing import Timing, time_fn
 from moebench.errors import MoebenchError
+from moebench.kernels.modular import ActivationFormat
 from moebench.layout import ParallelLayout
 from moebench.models import custom_shape, get_model
 from moebench.report import markdown
@@ -33,7 +35,8 @@ ON_GPU = torch.cuda.is_available()
 BENCH_SHAPES = {"mixtral": ("mixtral-8x7b", "tp1"), "mixtral-tp8": ("mixtral-8x7b", "tp8"),
                 "qwen3-30b-a3b": ("qwen3-30b-a3b", "tp1"), "qwen3-235b-tp8": ("qwen3-235b-a22b", "tp8"),
                 "qwen3-next-80b-a3b": ("qwen3-next-80b-a3b", "tp1"), "dsv3-tp8": ("deepseek-v3", "tp8"),
-                "dsv3-ep8": ("deepseek-v3", "ep8"), "dsv3-ep8-local": ("deepseek-v3", "ep8-local")}
+                "dsv3-ep8": ("deepseek-v3", "ep8"), "dsv3-ep8-local": ("deepseek-v3", "ep8-local"),
+                "gpt-oss-20b": ("gpt-oss-20b", "tp1"), "gpt-oss-120b": ("gpt-oss-120b", "tp1")}
 #: Other spellings of the same shards (vllm_kernel's table names, as PERF.md's raw files hold them).
 SHAPE_ALIASES = {"deepseek-v3-tp8": "dsv3-tp8", "deepseek-v3-ep8": "dsv3-ep8-local"}
 #: --smoke shapes (E, topk, H, I, E local): small enough for the Triton interpreter on a CPU.
@@ -74,17 +77,20 @@ def vllm_ref_us(shape: str, tokens: int) -> float:
 
 def shard_spec(name: str, tokens: list[int], dev: torch.device, experts: str, variants: list[str], *,
                quant=None, routings: int = 1, reps: int | None = None, check: bool = True,
-               shapes: dict | None = None) -> tuple[SweepSpec, str, object]:
-    """The sweep of one `bench_shape` shard with `experts` behind `no-dpep`: (spec, mode, link).
+               shapes: dict | None = None, activation=None, bias: bool = False) -> tuple[SweepSpec, str, object]:
+    """The sweep of one `bench_shape` shard with `experts` behind `no-dpep` (`batched-local` for
+    BatchedExperts experts): (spec, mode, link). activation, bias: the experts' (None: silu, none).
     A shard whose experts are all local is a shape of its own, run in one process; one reached
     through an expert map (an EP rank's share of routing over every expert) is a simulated EP run
     over the TP ranks (tokens stay), the busiest rank's experts measured here. reps: timed calls
     (the sweep's default where None); on a CPU (smoke runs) one call after none to warm up."""
     e, k, h, inter, e_local = bench_shape(name)
+    batched = get_experts_class(experts).activation_format == ActivationFormat.BATCHED
     spec = SweepSpec(shape=custom_shape(e, k, h, inter, name=name), tokens=tokens, experts=[experts],
-                     prepare_finalize=["no-dpep"], dtype=torch.bfloat16, device=dev.type, quant=quant,
-                     routings=routings, reps=reps if ON_GPU else 1,
-                     warmup=None if ON_GPU else 0, variants=variants, check=check)
+                     prepare_finalize=["batched-local" if batched else "no-dpep"], dtype=torch.bfloat16,
+                     device=dev.type, quant=quant, routings=routings, reps=reps if ON_GPU else 1,
+                     warmup=None if ON_GPU else 0, variants=variants, check=check,
+                     **({"activation": activation} if activation is not None else {}), bias=bias)
     if e_local == e:
         return spec, "single", None
     ranks = e // e_local

@@ -597,6 +597,58 @@ def job_vendor(c: Ctx) -> None:
         c.case("deepgemm_breakdown", "--shapes", "dsv3-tp8,dsv3-ep8", "--tokens", bd, tail=30, timeout=240)
 
 
+PEER_COLUMNS = "triton,batched-triton,vllm-triton,deepgemm"
+
+
+def job_peers(c: Ctx) -> None:
+    """The peers table (benchmarks/peers.py) in one call: DeepGEMM and triton_kernels installed from
+    .whl-vendor; one `peers` run of the moebench columns, vllm-triton and deepgemm over every shape
+    and precision, then one of triton-kernels (bf16, mxfp4: it takes no fp8 block scales) beside
+    the triton of TK_TRITON, a triton wheel, when given (tokenspeed-triton-kernels does not import
+    with triton 3.6); their run folders kept under PEERS_DIR (.gpu-out/peers, carried: a cut-off
+    call resumes at the first unfinished shape); then the table of every finished run into
+    $OUT/peers.md."""
+    end = time.time() + float(c.knob("BUDGET_S", "510"))
+    left = lambda: int(end - time.time())  # noqa: E731
+    vendor, pdir = c.knob("VENDOR", "/tmp/moebench-vendor"), Path(c.knob("PEERS_DIR", ".gpu-out/peers"))
+    c.sh(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv"])
+    c.sh(["git", "rev-parse", "--short", "HEAD"])
+    tk_env = {"PYTHONPATH": f"{vendor}:{c.env['PYTHONPATH']}"}
+    wheel = c.knob("TK_TRITON") or next((str(p) for p in sorted(Path(".whl-vendor").glob("triton-*.whl"))), "")
+    if wheel:
+        side = c.knob("TK_TRITON_DIR", "/tmp/moebench-tk-triton")
+        c.step(f"(0) triton for the triton-kernels column: {wheel} into {side}")
+        c.sh([PY, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", side, wheel], tail=5)
+        tk_env["PYTHONPATH"] = f"{side}:{tk_env['PYTHONPATH']}"
+    if not c.knob("SKIP_INSTALL"):
+        c.step(f"(0) vendor install deepgemm, triton-kernels from .whl-vendor into {vendor}")
+        c.mb("vendor", "install", "deepgemm", "--find-links", ".whl-vendor", "--target", vendor, tail=5)
+        c.mb("vendor", "install", "triton-kernels", "--find-links", ".whl-vendor", "--target", vendor, tail=5, env=tk_env)
+    c.env["PYTHONPATH"] = f"{vendor}:{c.env['PYTHONPATH']}"
+    c.mb("vendor", "status", tail=12, env=tk_env)
+    if not c.knob("SKIP_TESTS"):
+        c.step("(1) gpu tests: the triton-kernels experts (sweeps in bf16, fp8 per-tensor, mxfp4; an EP shard)")
+        c.sh([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs", "tests/gpu/test_triton_kernels_gpu.py"],
+             tail=12, timeout=float(c.knob("TESTS_S", "120")), env=tk_env)
+    common = ["--shapes", c.knob("SHAPES", "qwen3-30b-a3b,gpt-oss-20b,mixtral,qwen3-235b-tp8,deepseek-v3-tp8,"
+                                           "deepseek-v3-ep8,gpt-oss-120b"),
+              "--tokens", c.knob("TOKENS", TOKENS6), "--routings", c.knob("ROUTINGS", "1"), "--reps", c.knob("REPS", "10")]
+    precs = c.knob("PRECISIONS", "bf16,fp8,mxfp4")
+    tk_s = int(c.knob("TK_S", "90"))
+    c.step(f"(2) peers: {c.knob('COLUMNS', PEER_COLUMNS)} ({left()}s left, {tk_s}s kept for triton-kernels)")
+    c.case("peers", *common, "--precisions", precs, "--experts", c.knob("COLUMNS", PEER_COLUMNS),
+           env={"OUT": str(pdir)}, tail=4, timeout=max(20, left() - tk_s - 15))
+    tk_precs = ",".join(p for p in precs.split(",") if p != "fp8")
+    if tk_precs and not c.knob("SKIP_TK"):
+        c.step(f"(3) peers: triton-kernels, {tk_precs} ({left()}s left)")
+        c.case("peers", *common, "--precisions", tk_precs, "--experts", "triton-kernels",
+               env=dict(tk_env, OUT=str(pdir)), tail=4, timeout=max(20, left() - 15))
+    c.step("(4) the table from every finished run")
+    c.case("peers", "--table", str(pdir / "runs"), env={"OUT": str(c.out)}, tail=2)
+    if not c.dry and (c.out / "peers.md").is_file():
+        c.say((c.out / "peers.md").read_text())
+    c.tar(c.out / "peers-state.tgz", pdir, ["."])
+
 #: the layer_times points: PERF.md section 1's shapes through `moebench sweep` (model, its flags)
 LAYER_POINTS = (
     ("mixtral-8x7b", ["--experts", "triton", "--prepare-finalize", "no-dpep"]),
@@ -690,6 +742,11 @@ JOBS = (
     Job("vendor", "1", "8", "DeepGEMM / DeepEP installed from carried wheels (.whl-vendor), their GPU tests, EP2 "
         "sweeps with two ranks on one GPU, TP8 deepgemm vs triton", "SKIP_INSTALL SKIP_TESTS SKIP_SWEEPS TOKENS_LL "
         "TOKENS_HT VENDOR SKIP_BREAKDOWN BREAKDOWN_TOKENS", job_vendor),
+    Job("peers", "1", "<= 9 per call", "every engine's experts kernel beside moebench's (triton, batched-triton, "
+        "vllm-triton with the faster engine file, deepgemm, triton-kernels) at 7 shapes x 2 precisions: ratios to the "
+        "fastest peer and to the floor, item-3 targets ($OUT/peers.md; resumable from .gpu-out/peers, carried)",
+        "SHAPES PRECISIONS COLUMNS TOKENS ROUTINGS REPS BUDGET_S TK_S TK_TRITON SKIP_TK SKIP_INSTALL SKIP_TESTS TESTS_S "
+        "PEERS_DIR VENDOR", job_peers),
     Job("tune", "2, 3", "10", "fp8 block configs for DeepSeek-V3 EP8 / TP8, then halving vs the whole pruned grid",
         "SKIP_FP8 FP8_TOKENS GRID_POINTS", job_tune),
     Job("presets", "2", "resumable", "bf16 files for the preset layouts without one (FILL=1: vLLM's missing counts); "

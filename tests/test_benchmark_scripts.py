@@ -458,3 +458,38 @@ def test_ep_model_table_joins_measured_and_modeled_phases(tmp_path):
     assert "False" in lines[2]
     r = _here("ep_model_table", str(mod), "--modeled", str(tmp_path / "none"))
     assert r.returncode != 0
+
+
+def test_peers_smoke_and_table(tmp_path):
+    """The peers case on a CPU: every column of a tiny bf16 shape through the sweep (the GPU-only
+    ones skipped rows), its table from those rows; then the table rebuilt from the run folders
+    with one peer's rows made faster and slower, so the ratios and the target follow the rows."""
+    from benchmarks.peers import COLUMNS, load_rows, peer_table
+
+    rows = _smoke("peers", tmp_path, "--shapes", "tiny", "--precisions", "bf16", "--tokens", "3", csv_name="peers.csv")
+    assert [(r["shape"], r["precision"], r["tokens"]) for r in rows] == [("tiny", "bf16", "3")]
+    (row,) = rows
+    assert row["deepgemm"] == "-" and row["triton-kernels"] == "-"  # skipped on a CPU
+    assert row["fastest_peer"] == "vllm-triton" and row["vllm-triton"].startswith("1.00 / ")
+    assert row["vllm_file"] == "vllm"  # the smoke's stand-ins: no sglang file
+    assert (tmp_path / "runs" / "tiny-bf16" / "all" / "DONE").is_file()
+    df = load_rows([tmp_path / "runs"])
+    assert set(df.experts) == set(COLUMNS) and set(df[df.experts == "triton-kernels"].status) == {"skipped"}
+    ok = df[df.status == "ok"]
+    native = ok[ok.experts.isin(["triton", "batched-triton"])].latency_us.min()
+    peer = ok.experts == "vllm-triton"
+    floor = float(ok.floor_us.median())
+    for factor, met in ((2.0, True), (0.5, False)):
+        df2 = df.copy()
+        df2.loc[df2.index[df2.status.eq("ok") & (df2.experts == "vllm-triton")], "latency_us"] = native * factor
+        t = peer_table(df2).iloc[0]
+        assert t["fastest_peer"] == "vllm-triton"
+        assert t[t["best_moebench"]] == f"{1 / factor:.2f} / {native / floor:.2f}"
+        assert (t["target"] == "no peer ran" or t["target"] == "met") if met else "vllm-triton 2.00x faster" in t["target"]
+    # the floor's factor: 1.05 at 16-256 tokens (the smoke point sits far above a CPU floor)
+    df3 = df.copy()
+    df3["tokens"] = 16
+    assert "x floor" in peer_table(df3).iloc[0]["target"]
+    assert peer.any()
+    r = _here("peers", "--table", str(tmp_path / "runs"), env={"OUT": str(tmp_path / "again")})
+    assert r.returncode == 0 and (tmp_path / "again" / "peers.md").read_text().count("| tiny | bf16 | 3 |") == 1
