@@ -4,7 +4,8 @@ them, per launch, beside the layer as the sweep times it.
     PYTHONPATH=. python -m benchmarks deepgemm_breakdown --shapes dsv3-tp8,dsv3-ep8 \
         --tokens 16,64,256,1024,4096 [--bf16] [--calls 10]
 
-For each shape, token count and pair (`no-dpep+deepgemm`, `batched-local+batched-deepgemm`):
+For each shape, token count and pair (`no-dpep+deepgemm`, `batched-local+batched-deepgemm`, the latter
+also with `fused_act`: SiLU-and-mul and the requantisation in one launch):
   - the layer as the sweep times it (CUDA-graph replays, `bench_common.timed`);
   - torch.profiler over --calls eager calls: every kernel's device time per call, each given to the
     adapter step (`moebench.kernels.deepgemm.STAGES`: the GEMMs, the alignment, gather, activation
@@ -36,7 +37,10 @@ from moebench.errors import MoebenchError
 from moebench.kernels.deepgemm import GEMM_STAGES, STAGES
 from moebench.kernels.triton.routing import fused_topk_softmax
 
-PAIRS = (("no-dpep", "deepgemm"), ("batched-local", "batched-deepgemm"))
+#: (prepare/finalize, experts, experts' arguments, label): the pairs and the glue variants timed
+PAIRS = (("no-dpep", "deepgemm", {}, "no-dpep+deepgemm"),
+         ("batched-local", "batched-deepgemm", {}, "batched-local+batched-deepgemm"),
+         ("batched-local", "batched-deepgemm", {"fused_act": True}, "batched-local+batched-deepgemm fused-act"))
 TARGET = 1.10
 
 
@@ -118,12 +122,22 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, MoebenchError) as ex:
         print(f"error: {ex}", file=sys.stderr)
         sys.exit(2)
-    if a.smoke:
-        from benchmarks.deepgemm_standin import fake_deep_gemm
+    if not a.smoke:
+        return run(a, tokens, dims_of)
+    from benchmarks.deepgemm_standin import fake_deep_gemm
 
-        sys.modules["deep_gemm"] = fake_deep_gemm()
-        dims_of = {"tiny": (8, 2, 256, 128, 8)}
-        tokens = tokens[:2]
+    held = sys.modules.get("deep_gemm")
+    sys.modules["deep_gemm"] = fake_deep_gemm()
+    try:  # the stand-in only for this run: the process may go on (tests run cases in-process)
+        return run(a, tokens[:2], {"tiny": (8, 2, 128, 128, 8)})
+    finally:
+        if held is None:
+            sys.modules.pop("deep_gemm", None)
+        else:
+            sys.modules["deep_gemm"] = held
+
+
+def run(a, tokens: list[int], dims_of: dict) -> None:
     out_dir, dev, head = script_setup("deepgemm_breakdown")
     on_gpu = dev.type == "cuda"
     fp8 = not a.bf16
@@ -136,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         for m in tokens:
             x, logits = seeded_inputs(m, h, e, torch.bfloat16, dev)
             w, ids = fused_topk_softmax(logits, k, renormalize=True)
-            for pf, ex in PAIRS:
-                kern = moebench.make_kernel(ex, pf)
+            for pf, ex, kw, label in PAIRS:
+                kern = moebench.make_kernel(ex, pf, experts_kwargs=kw or None)
 
                 def call(kern=kern):
                     return kern.apply(x, w13, w2, w, ids, expert_map=emap, num_experts=e)
@@ -150,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                 glue_us = sum(v for s, v in steps.items() if s not in GEMM_STAGES)
                 floor_glue = glue_bytes(m, k, h, inter, fp8) / (read_gbps * 1e3) if read_gbps else None
                 bound = gemm_us + floor_glue if floor_glue is not None else None
-                row = {"shape": shape, "tokens": m, "pair": f"{pf}+{ex}", "dtype": "fp8-block" if fp8 else "bf16",
+                row = {"shape": shape, "tokens": m, "pair": label, "dtype": "fp8-block" if fp8 else "bf16",
                        "layer_us": round(layer_us, 1), "kernels_us": round(gemm_us + glue_us, 1),
                        "gemms_us": round(gemm_us, 1), "glue_us": round(glue_us, 1)}
                 for s in STAGES[ex] + ("other",):
@@ -160,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
                 row["target_met"] = (layer_us <= TARGET * bound) if bound else None
                 rows.append(row)
                 for kr in kern_list:
-                    kernel_rows.append({"shape": shape, "tokens": m, "pair": f"{pf}+{ex}", **kr})
-                print(f"{shape} M={m} {pf}+{ex}: layer {layer_us:.1f} us, GEMMs {gemm_us:.1f}, glue {glue_us:.1f}"
+                    kernel_rows.append({"shape": shape, "tokens": m, "pair": label, **kr})
+                print(f"{shape} M={m} {label}: layer {layer_us:.1f} us, GEMMs {gemm_us:.1f}, glue {glue_us:.1f}"
                       + (f", least glue {floor_glue:.1f}, layer / (GEMMs + least glue) {layer_us / bound:.3f}"
                          if bound else ""), flush=True)
     df = pd.DataFrame(rows)
