@@ -623,7 +623,11 @@ def job_peers(c: Ctx) -> None:
     if not c.knob("SKIP_INSTALL"):
         c.step(f"(0) vendor install deepgemm, triton-kernels from .whl-vendor into {vendor}")
         c.mb("vendor", "install", "deepgemm", "--find-links", ".whl-vendor", "--target", vendor, tail=5)
-        c.mb("vendor", "install", "triton-kernels", "--find-links", ".whl-vendor", "--target", vendor, tail=5, env=tk_env)
+        if c.mb("vendor", "install", "triton-kernels", "--find-links", ".whl-vendor", "--target", vendor, tail=5, env=tk_env):
+            # refused (e.g. known not to import with this triton): put it there all the same, so that
+            # `env` and the column's skipped rows give the import's own error
+            c.sh([PY, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--find-links", ".whl-vendor", "--target",
+                  vendor, "tokenspeed-triton-kernels"], tail=5)
     c.env["PYTHONPATH"] = f"{vendor}:{c.env['PYTHONPATH']}"
     c.mb("vendor", "status", tail=12, env=tk_env)
     if not c.knob("SKIP_TESTS"):
