@@ -506,17 +506,26 @@ def read_hf_config(path: str) -> MoEShape:
                 cfg.setdefault("_outer_model_type", outer_type)
                 key, experts = _first(cfg, _EXPERT_KEYS)
                 break
-    if not experts:
-        mt = cfg.get("model_type", "unknown")
+    mt = cfg.get("model_type", "unknown")
+    flags = "--num-experts/--topk/--hidden/--intermediate"
+    if experts is None:
         raise MoebenchError(
             f"config file {path!r} (model_type {mt!r}) is not a Mixture-of-Experts model: it has no expert count "
-            f"({', '.join(_EXPERT_KEYS)}); use a MoE model's config or the --num-experts/--topk/--hidden/--intermediate flags"
+            f"({', '.join(_EXPERT_KEYS)}); use a MoE model's config or the {flags} flags"
+        )
+    if _is_int(experts) and experts == 0:
+        raise MoebenchError(
+            f"config file {path!r} (model_type {mt!r}): {key} is 0, so the model has no routed experts (a dense "
+            f"model) and no MoE layer to run; use a MoE model's config or the {flags} flags"
         )
 
     def need(keys: tuple[str, ...], what: str) -> int:
         k, v = _first(cfg, keys)
         if v is None:
             raise MoebenchError(f"config file {path!r} has no {what} ({', '.join(keys)}): add it or use the size flags")
+        if isinstance(v, float) and math.isfinite(v) and v == int(v) and v >= 1:
+            raise MoebenchError(f"config file {path!r}: {k} must be a positive integer, got {v:g} (a JSON number "
+                                f"with a fraction or an exponent; write it as an integer, e.g. {int(v)})")
         if not _is_int(v) or v < 1:
             raise MoebenchError(f"config file {path!r}: {k} must be a positive integer, got {v!r}")
         return v

@@ -323,8 +323,38 @@ def link_labels(df: pd.DataFrame) -> pd.Series:
     return out.where(df["modeled"].map(lambda v: bool(_flag(v))), "")
 
 
+def modeled_gpus(df: pd.DataFrame) -> pd.Series:
+    """Per row the GPU whose roofline floor is its experts time ('' where the experts time was
+    measured): the x_modeled_gpu column, or for files written before it, the row's timing method."""
+    out = df["x_modeled_gpu"] if "x_modeled_gpu" in df.columns else pd.Series(None, index=df.index, dtype=object)
+    out = out.map(lambda v: v if isinstance(v, str) else "")
+    method = df["timing_method"] if "timing_method" in df.columns else pd.Series("", index=df.index)
+    parsed = method.fillna("").astype(str).str.extract(r"^roofline model \(([^,()]+),")[0].fillna("")
+    return out.where(out != "", parsed)
+
+
+def time_sources(df: pd.DataFrame) -> pd.Series:
+    """What each row's time speaks of (the `device` setting of tables and reports): the device
+    it was measured on ('cpu', 'cuda'); '<device> + modeled comm' where its experts were measured
+    there and the communication comes from the model; '<GPU> (modeled)' where the experts time is
+    that GPU's roofline floor too. Rows of different sources never share a cell."""
+    modeled = df["modeled"].map(lambda v: bool(_flag(v)))
+    gpu = modeled_gpus(df)
+    device = df["device"].astype(str)
+    return pd.Series([d if not m else f"{g} (modeled)" if g else f"{d} + modeled comm"
+                      for d, m, g in zip(device, modeled, gpu)], index=df.index, dtype=object)
+
+
+def _check_only(df: pd.DataFrame) -> pd.Series:
+    """Rows that check correctness only (ResultRow.check_only): never results."""
+    if "check_only" not in df.columns:
+        return pd.Series(False, index=df.index)
+    return df["check_only"].map(lambda v: bool(_flag(v)))
+
+
 def settings(df: pd.DataFrame) -> pd.DataFrame:
-    """Per row: shape, layout, link, routing, dtype (with the fp8 scheme), device, modeled, pair."""
+    """Per row: shape, layout, link, routing, dtype (with the fp8 scheme), device (what the time
+    speaks of: `time_sources`), modeled, pair (with the all-reduce it assumes)."""
     s = pd.DataFrame(index=df.index)
     s["shape"] = [f"{r.model} (E={int(r.num_experts)}, topk={int(r.topk)}, H={int(r.hidden)}, I={int(r.intermediate)})"
                   for r in df.itertuples()]
@@ -332,9 +362,10 @@ def settings(df: pd.DataFrame) -> pd.DataFrame:
     s["link"] = link_labels(df) if len(df) else pd.Series(dtype=object)
     s["routing"] = df["routing"].astype(str)
     s["dtype"] = precision_labels(df) if len(df) else pd.Series(dtype=object)
-    s["device"] = df["device"].astype(str)
+    s["device"] = time_sources(df) if len(df) else pd.Series(dtype=object)
     s["modeled"] = df["modeled"].map(lambda v: bool(_flag(v)))
-    s["pair"] = df["prepare_finalize"].astype(str) + "+" + df["experts"].astype(str) + _layer_suffix(df)
+    s["pair"] = (df["prepare_finalize"].astype(str) + "+" + df["experts"].astype(str) + _allreduce_suffix(df)
+                 + _layer_suffix(df))
     return s
 
 
@@ -348,9 +379,9 @@ def _layer_suffix(df: pd.DataFrame) -> pd.Series:
     act, bias, shared = col("activation", "silu").astype(str), col("expert_bias", False), col("shared_experts", "none")
     variant = col("variant", "").astype(str)
     parts = []
-    for a, b, sh, v in zip(act, bias, shared.astype(str), variant):
+    for a, b, sh, v, chk in zip(act, bias, shared.astype(str), variant, _check_only(df)):
         bits = ([a + ("+bias" if _flag(b) else "")] if a != "silu" or _flag(b) else []) + \
-            ([f"shared {sh}"] if sh != "none" else []) + ([f"variant {v}"] if v else [])
+            ([f"shared {sh}"] if sh != "none" else []) + ([f"variant {v}"] if v else []) + (["check only"] if chk else [])
         parts.append(f" [{', '.join(bits)}]" if bits else "")
     return pd.Series(parts, index=df.index, dtype=object)
 
@@ -400,8 +431,7 @@ def label_series(df: pd.DataFrame) -> SeriesLabels:
         name = s["link"].where(s["link"] == "", s["link"] + " ") + name
     if varies["layout"]:
         name = s["layout"] + " " + name
-    if varies["modeled"]:
-        name = name + s["modeled"].map({True: " (modeled)", False: ""})
+    # measured and modeled rows differ in `device` (what their time speaks of): rows apart, never one cell
     labels["series"] = name
     common, keys = [], []
     if len(df):
@@ -411,16 +441,14 @@ def label_series(df: pd.DataFrame) -> SeriesLabels:
             if not varies[k] and first[k] and (k != "link" or (s["link"] != "").all()):
                 common.append(fmt.format(first[k]))
                 keys.append(k)
-        if not varies["modeled"] and first["modeled"]:
-            common.append("modeled")
-            keys.append("modeled")
     return SeriesLabels(labels, row_keys, common, keys)
 
 
 def _correct_ok(df: pd.DataFrame) -> pd.Series:
-    """Rows that may rank: status ok, timed, not known to be wrong."""
+    """Rows that may rank: status ok, timed, not known to be wrong, not a check only."""
     lat = _column(df, "latency_us")
-    return (df["status"] == "ok") & lat.notna() & df["correct"].map(lambda v: _flag(v) is not False)
+    return ((df["status"] == "ok") & lat.notna() & df["correct"].map(lambda v: _flag(v) is not False)
+            & ~_check_only(df))
 
 
 def _fastest(df: pd.DataFrame, lab: SeriesLabels) -> pd.Series:
@@ -576,9 +604,21 @@ def row_notes(rows: list[ResultRow]) -> list[str]:
     notes = []
     if any(r.device == "cpu" and r.latency_us is not None for r in rows):
         notes.append("CPU times are wall clock: they test correctness and plumbing, not kernel speed.")
-    if any(r.modeled for r in rows):
+    def gpu(r: ResultRow) -> str:
+        v = r.extra.get("modeled_gpu")
+        return v if isinstance(v, str) else ""
+
+    if any(r.modeled and not gpu(r) for r in rows):
         notes.append("modeled rows: the experts time is measured on this device for one rank's share; "
                      "communication comes from the cost model, not a measurement.")
+    gpus = sorted({gpu(r) for r in rows if r.modeled and gpu(r)})
+    if gpus:
+        notes.append(f"rows '{gpus[0]} (modeled)'{' and the like' if len(gpus) > 1 else ''}: the experts time is "
+                     "that GPU's roofline floor for one rank's share and the communication comes from the cost "
+                     "model; neither was measured here.")
+    if any(r.check_only for r in rows):
+        notes.append("rows marked check only: correctness checks of the modeled rows on this machine's ranks, "
+                     "at a stand-in shape; they are not results and are never ranked.")
         notes += sorted({r.reason.split("; ", 1)[-1] for r in rows if r.modeled and r.status == "ok"})
     if any(r.experts_us is not None for r in rows):
         notes.append("other = latency minus the parts shown (routing, alignment, work outside the timed parts).")
@@ -821,7 +861,8 @@ def best_table(df: pd.DataFrame) -> list[Column]:
     recs = []
     for _, g in groups:
         a = g.iloc[0]
-        b = g.iloc[1] if len(g) > 1 else None
+        others = g[g["_series"] != a["_series"]]  # the runner-up is another pair, never the winner run again
+        b = others.iloc[0] if len(others) else None
         recs.append((a, b))
     unit, k, td = _time_unit(ok["_lat"])
     cols = [Column(key, key, [str(a[f"_k_{key}"]) for a, _ in recs], right=False) for key in keys]

@@ -96,6 +96,10 @@ class ResultRow:
     #: what was timed: "" the whole layer; else a registered variant's name (moebench.sweep.variants:
     #: a part of the layer, or another way to run it, that a benchmark times beside it)
     variant: str = ""
+    #: a correctness check, not a result: compare tp-vs-ep's run on this machine's real ranks of
+    #: what its modeled rows compute, at a stand-in shape (moebench.sweep.simulated.check_spec_for).
+    #: Reports leave such rows out and never rank them.
+    check_only: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def key(self) -> tuple:
@@ -450,6 +454,15 @@ def run_files(folder: Path) -> list[Path]:
     return found
 
 
+def _command_of(folder: Path) -> str | None:
+    """The `command` of the run folder's metadata.json (None where there is none to read)."""
+    try:
+        meta = json.loads((folder / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("command") if isinstance(meta, dict) else None
+
+
 def load_rows(paths: Iterable[Path]) -> list[ResultRow]:
     """Rows from run folders (rows.jsonl, else results.json), folders holding run folders, or
     single result files."""
@@ -483,7 +496,11 @@ def load_rows(paths: Iterable[Path]) -> list[ResultRow]:
                 shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
                 raise MoebenchError(f"'{p}' is not a moebench results file: it has no {shown} column"
                                     f"{'s' if len(missing) > 1 else ''} (pass a sweep's or compare's results)")
-            rows.extend(ResultRow.from_dict(r) for r in recs)
+            found = [ResultRow.from_dict(r) for r in recs]
+            if (_command_of(p.parent) or "").startswith("compare"):  # written before check_only: measured rows = checks
+                for r in found:
+                    r.check_only = r.check_only or not r.modeled
+            rows.extend(found)
         except (json.JSONDecodeError, TypeError, ValueError) as e:
             raise MoebenchError(f"'{p}' is not a moebench results file ({e})") from None
     return rows

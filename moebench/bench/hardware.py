@@ -55,6 +55,7 @@ class Ceilings:
     mem_copy_gbps:  device copy bandwidth counting read + write bytes, GB/s (None if unknown)
     matmul_tflops:  {"bf16"|"fp16"|"fp32"|"fp8": TFLOP/s} (fp32 without TF32; fp8 = e4m3 x e4m3
                     with fp32 scales and bf16 output, torch._scaled_mm; absent where unsupported)
+    memory_gb:      the device's memory, GB (1e9 bytes; datasheet profiles; None if unknown)
     source:         "measured <date>", "datasheet" or "cpu measured <date>"
     device_type:    "cuda" (also ROCm) or "cpu"
     notes:          how the numbers were obtained
@@ -69,6 +70,7 @@ class Ceilings:
     torch_version: str = ""
     triton_version: str = ""
     notes: str = ""
+    memory_gb: float | None = None
 
     @property
     def is_gpu(self) -> bool:
@@ -149,32 +151,33 @@ def _dtype_key(dtype: str | torch.dtype) -> str:
 # ---------------------------------------------------------------------------------------------
 # Datasheet profiles (dense peaks; vendor datasheets). Patterns match torch's device name.
 
-_DATASHEETS: tuple[tuple[str, str, float, dict[str, float]], ...] = (
-    # (regex on the lower-case name, profile name, HBM GB/s, TFLOP/s); "fp8" = dense e4m3 peak
-    (r"h200", "NVIDIA H200 (SXM)", 4800.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0}),
-    (r"h100.*pcie", "NVIDIA H100 PCIe", 2000.0, {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0}),
-    (r"h100|h800", "NVIDIA H100/H800 SXM", 3350.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0}),
-    (r"\bh20\b", "NVIDIA H20", 4000.0, {"bf16": 148.0, "fp16": 148.0, "fp32": 44.0}),
-    (r"a100.*40gb", "NVIDIA A100 40GB", 1555.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
-    (r"a100.*pcie", "NVIDIA A100 80GB PCIe", 1935.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
-    (r"a100", "NVIDIA A100 80GB SXM", 2039.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+_DATASHEETS: tuple[tuple[str, str, float, dict[str, float], float], ...] = (
+    # (regex on the lower-case name, profile name, HBM GB/s, TFLOP/s, memory GB); "fp8" = dense e4m3 peak
+    (r"h200", "NVIDIA H200 (SXM)", 4800.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0}, 141.0),
+    (r"h100.*pcie", "NVIDIA H100 PCIe", 2000.0, {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0}, 80.0),
+    (r"h100|h800", "NVIDIA H100/H800 SXM", 3350.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0}, 80.0),
+    (r"\bh20\b", "NVIDIA H20", 4000.0, {"bf16": 148.0, "fp16": 148.0, "fp32": 44.0}, 96.0),
+    (r"a100.*40gb", "NVIDIA A100 40GB", 1555.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, 40.0),
+    (r"a100.*pcie", "NVIDIA A100 80GB PCIe", 1935.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, 80.0),
+    (r"a100", "NVIDIA A100 80GB SXM", 2039.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, 80.0),
     # GB200 NVL72 datasheet per GPU (rack / 72; dense = half the sparse figures it lists)
-    (r"gb200", "NVIDIA GB200 (per GPU)", 8000.0, {"bf16": 2500.0, "fp16": 2500.0, "fp32": 80.0, "fp8": 5000.0}),
-    (r"b200", "NVIDIA B200", 8000.0, {"bf16": 2250.0, "fp16": 2250.0, "fp32": 75.0, "fp8": 4500.0}),
-    (r"l40s", "NVIDIA L40S", 864.0, {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6, "fp8": 733.0}),
-    (r"mi300x", "AMD Instinct MI300X", 5300.0, {"bf16": 1307.4, "fp16": 1307.4, "fp32": 163.4, "fp8": 2614.9}),
+    (r"gb200", "NVIDIA GB200 (per GPU)", 8000.0, {"bf16": 2500.0, "fp16": 2500.0, "fp32": 80.0, "fp8": 5000.0}, 186.0),
+    (r"b200", "NVIDIA B200", 8000.0, {"bf16": 2250.0, "fp16": 2250.0, "fp32": 75.0, "fp8": 4500.0}, 180.0),
+    (r"l40s", "NVIDIA L40S", 864.0, {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6, "fp8": 733.0}, 48.0),
+    (r"mi300x", "AMD Instinct MI300X", 5300.0, {"bf16": 1307.4, "fp16": 1307.4, "fp32": 163.4, "fp8": 2614.9}, 192.0),
 )
 
 
 def datasheet_ceilings(device_name: str) -> Ceilings | None:
     """The datasheet profile whose pattern matches `device_name`, or None."""
     low = device_name.lower()
-    for pattern, profile, gbps, tflops in _DATASHEETS:
+    for pattern, profile, gbps, tflops, memory in _DATASHEETS:
         if re.search(pattern, low):
             return Ceilings(
                 device_name=device_name, mem_read_gbps=gbps, mem_copy_gbps=None, matmul_tflops=dict(tflops),
                 source="datasheet", device_type="cuda", torch_version=torch.__version__,
                 triton_version=_triton_version(), notes=f"datasheet profile {profile}: dense peaks, HBM bandwidth",
+                memory_gb=memory,
             )
     return None
 

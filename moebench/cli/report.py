@@ -48,6 +48,7 @@ def report(results, fmt, out_file, plot_path):
         atomic_write_text(out_file, table.to_csv(index=False))
     else:
         atomic_write_text(out_file, html_report(df, table, fastest, png, title))
+    checks = sum(r.check_only and r.status == "ok" for r in rows)
     if not table.empty:
         left = print_table(console, pivot_table_text(table, fastest, title))
         if table.attrs.get("repeats"):
@@ -55,4 +56,7 @@ def report(results, fmt, out_file, plot_path):
                          "the fastest is shown.", "dim")
         if left:
             say(console, f"not shown at {console.width} columns: {', '.join(left)} (the report file has them).", "dim")
+    if checks:
+        say(console, f"left out {checks} check-only row{'s' if checks > 1 else ''} (compare tp-vs-ep's correctness "
+                     "checks on this machine's ranks, at a stand-in shape): not results.", "dim")
     say(console, f"wrote {out_file}" + (f" and {plot_path}" if plot_path else ""))

@@ -402,7 +402,7 @@ def configs_list_table(rows: list[dict], roots: list[Path]) -> TextTable:
         Column("dtype", "dtype", cells(lambda r: (r["dtype"] or "-") + (" per-channel" if r["per_channel_quant"] else "")),
                right=False),
         Column("block", "block", cells(lambda r: r["block_shape"] or "-"), right=False, drop=20),
-        Column("GEMM", "GEMM", cells(lambda r: "2" if r["down"] else "1,2"), right=False, drop=60),
+        Column("GEMM", "GEMM", cells(lambda r: "2" if r["down"] else "1,2"), right=False),  # tells _down files apart
         Column("tokens", "token\ncounts", cells(lambda r: counts(r["tokens"])), name="token counts"),
         Column("routing", "tuned\nrouting", cells(lambda r: "-" if r["routing"] is None else
                                                   f"top-{r['routing']['topk']}/{r['routing']['experts']}"),
@@ -466,23 +466,36 @@ def configs_coverage(device, as_shards, as_fill, as_json):
                 missing.setdefault(r["file"], f"{r['model']}:{r['tune_flags']}")
         click.echo(";".join(missing.values()))
         return
-    t = Table(title=f"tuned bf16 configs for the presets' usual layouts on {device}")
-    for c in ("model", "layout", "E", "N", "token counts", "found in"):
-        t.add_column(c)
     full = len(files.TUNE_TOKENS_CUDA)
-    for r in rows:
-        held = full - len(r["missing_counts"])
-        t.add_row(r["model"], r["layout"], str(r["E"]), str(r["N"]),
-                  "-" if r["found"] is None else f"{held} of {full}", r["found"] or "[red]missing[/]")
-    console.print(t)
+    print_fitted(console, coverage_table(rows, device, full))
+    folders = list(dict.fromkeys(r["found"] for r in rows if r["found"] is not None))
+    if folders:
+        say(console, "found in: " + "; ".join(f"[{i}] {d}" for i, d in enumerate(folders, 1)))
     n_missing = sum(r["found"] is None for r in rows)
     n_sparse = len({r["file"] for r in rows if r["found"] is not None and r["missing_counts"]})
-    console.print(f"{len(rows) - n_missing} of {len(rows)} covered; tune the rest with "
-                  "`moebench tune --model MODEL [--tp N | --ep N]` (or `configs coverage --shards`).")
+    say(console, f"{len(rows) - n_missing} of {len(rows)} covered; tune the rest with "
+                 "`moebench tune --model MODEL [--tp N | --ep N]` (or `configs coverage --shards`).")
     if n_sparse:
-        console.print(f"{n_sparse} file(s) hold fewer than vLLM's {full} token counts: between counts the "
-                      "nearest entry was up to 1.18x slower than the default heuristic on an H200 "
-                      "(PERF.md section 2); `configs coverage --fill` prints the tunes that add them.")
+        say(console, f"{n_sparse} file(s) hold fewer than vLLM's {full} token counts: between counts the "
+                     "nearest entry was up to 1.18x slower than the default heuristic on an H200 "
+                     "(PERF.md section 2); `configs coverage --fill` prints the tunes that add them.")
+
+
+def coverage_table(rows: list[dict], device: str, full: int) -> TextTable:
+    """`configs coverage` as a TextTable: per preset layout the file's E and N, how many of the
+    `full` token counts it holds, and the folder it was found in as [its number] (the folders
+    follow the table whole, never cut)."""
+    folders = list(dict.fromkeys(r["found"] for r in rows if r["found"] is not None))
+    found = ["missing" if r["found"] is None else f"[{folders.index(r['found']) + 1}]" for r in rows]
+    return TextTable(f"tuned bf16 configs for the presets' usual layouts on {device}", [
+        Column("model", "model", [r["model"] for r in rows], right=False),
+        Column("layout", "layout", [r["layout"] for r in rows], right=False),
+        Column("E", "E", [str(r["E"]) for r in rows]),
+        Column("N", "N", [str(r["N"]) for r in rows]),
+        Column("tokens", "token counts", ["-" if r["found"] is None else f"{full - len(r['missing_counts'])} of {full}"
+                                          for r in rows]),
+        Column("found", "found in", found, right=False, styles=["red" if f == "missing" else "" for f in found]),
+    ])
 
 
 @configs.command("commit")

@@ -15,6 +15,7 @@ against the float64 reference and timed, one row per case into a run folder.
 from moebench.sweep.cases import cases_to_run, plan
 from moebench.sweep.driver import (
     RunPlan,
+    check_fits_for,
     check_ranks_fit,
     choose_mode,
     plan_run,
@@ -29,6 +30,6 @@ from moebench.sweep.driver import (
 from moebench.sweep.spec import SweepSpec, default_experts, resolve_names
 
 __all__ = [
-    "RunPlan", "SweepSpec", "cases_to_run", "check_ranks_fit", "choose_mode", "default_experts", "plan", "plan_run", "resolve_names", "run",
+    "RunPlan", "SweepSpec", "cases_to_run", "check_fits_for", "check_ranks_fit", "choose_mode", "default_experts", "plan", "plan_run", "resolve_names", "run",
     "run_in_folder", "run_local", "run_multirank", "run_simulated", "shared_gpu_note", "simulated_spec",
 ]

@@ -72,6 +72,7 @@ def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str, allreduce: str = ""
         prepare_finalize=pf, experts=ex, activation_format=fmt, dtype=spec.dtype_label,
         device=spec.device, routing=spec.routing, quant=spec.quant_label, activation=spec.activation.name,
         expert_bias=spec.bias, shared_experts=spec.shared, allreduce=allreduce, variant=variant,
+        check_only=spec.check_only,
     )
 
 

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from moebench.errors import MoebenchError
-from moebench.inputs import check_fits
+from moebench.inputs import check_fits, dtype_name
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow, RunStore, ensure_writable_dir, new_run_id, skip_kind
 from moebench.comm.links import DEFAULT_TARGET_GPU, check_tp, check_world, link_for, nvlink_domain
@@ -210,10 +210,27 @@ def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int 
 
 
 def check_fits_for(spec: SweepSpec, mode: str) -> None:
-    """The memory estimate of the busiest rank of a sweep run as `mode`, made before the run
-    folder exists (what its case runner checks again before it allocates)."""
+    """The memory check of a run, made before anything is allocated and before its folder
+    exists; the one place sweep and compare tp-vs-ep refuse a shape that cannot fit (compare: for
+    each layout's spec as it simulates it, `simulated_spec(sp, experts_model)`, mode "simulate").
+    The busiest rank of `spec` run as `mode` ("single", "spawn", "torchrun", "simulate") must fit
+    this device (what its case runner checks again before it allocates); where the experts time
+    is modeled (spec.model_experts) no weights are made here: that rank's weights must fit the
+    target GPU (`check_target_fits`). The error says how much is needed and what to do."""
     s, lay = spec.shape, spec.layout
     top = max(spec.tokens, default=0)
+    if spec.model_experts:
+        check_target_fits(spec)
+        return
+    if mode == "simulate":
+        advice = "shard it over more ranks (--tp/--ep), use a smaller shape or fewer --tokens"
+        if lay.enable_ep:
+            check_fits(len(lay.local_experts(0, s.num_experts)), s.hidden, s.intermediate,
+                       spec.batch_tokens(top, True), s.topk, spec.dtype, spec.device, advice)
+        else:
+            check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), top, s.topk, spec.dtype,
+                       spec.device, advice)
+        return
     if mode == "spawn":  # every rank at once: on a CPU they share the host's memory, on fewer GPUs than ranks a GPU
         gpus = torch.cuda.device_count() if spec.device == "cuda" else 0
         check_ranks_fit(spec, lay.world_size, "shard it differently, use --simulate, or use fewer --tokens",
@@ -225,9 +242,56 @@ def check_fits_for(spec: SweepSpec, mode: str) -> None:
         check_fits(len(lay.local_experts(0, s.num_experts)), s.hidden, s.intermediate, spec.batch_tokens(top, True),
                    s.topk, spec.dtype, spec.device)
     else:
-        tokens = top if mode == "simulate" else spec.batch_tokens(top, True)
-        check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), tokens, s.topk, spec.dtype,
-                   spec.device)
+        check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), spec.batch_tokens(top, True),
+                   s.topk, spec.dtype, spec.device)
+
+
+def check_target_fits(spec: SweepSpec) -> None:
+    """A run whose experts time is the target GPU's floor (spec.model_experts, spec.target_gpu):
+    refuse (MoebenchError, with the sizes) where the busiest rank's weights would not fit that
+    GPU's memory (its datasheet), or the batch's tokens, which are made here, this device."""
+    from moebench.bench.hardware import datasheet_ceilings
+    from moebench.bench.metrics import expert_weight_bytes
+    from moebench.inputs import available_memory
+
+    s, lay = spec.shape, spec.layout
+    el = spec.act_bytes
+    if lay.enable_ep:
+        e_local, inter = len(lay.local_experts(0, s.num_experts)), s.intermediate
+    else:
+        e_local, inter = s.num_experts, lay.intermediate_per_rank(s.intermediate)
+    weights = e_local * expert_weight_bytes(s.hidden, inter, el, spec.quant)
+    if spec.shared != "none" and s.shared_intermediate:
+        weights += 3 * s.hidden * s.shared_intermediate * el / (1 if lay.enable_ep else lay.moe_tp_size)
+    gpu = datasheet_ceilings(spec.target_gpu) if spec.target_gpu else None
+    gb = lambda b: f"{b / 1e9:.4g} GB"  # noqa: E731
+    if gpu is not None and gpu.memory_gb and weights > gpu.memory_gb * 1e9:
+        raise MoebenchError(
+            f"this shape's experts need {gb(weights)} of weights per rank ({e_local} experts of H={s.hidden}, "
+            f"I={inter} on {lay.describe()}) but one {spec.target_gpu} holds {gpu.memory_gb:g} GB; spread it over more "
+            f"ranks, use a smaller shape or quantised weights (--dtype)")
+    # made here: the whole batch's tokens (generated in fp32, then cast) and its routing
+    top = spec.batch_tokens(max(spec.tokens, default=0), True)
+    need = top * s.hidden * (4 + 2 * el) + top * s.topk * 16
+    have = available_memory(spec.device)
+    if need > 0.9 * have:
+        raise MoebenchError(f"a batch of {top} tokens of hidden size {s.hidden} needs about {gb(need)} on "
+                            f"{spec.device} but {gb(have)} is free; use fewer --tokens or a smaller shape")
+
+
+def check_quantised_runs(specs: list[SweepSpec]) -> None:
+    """Where no pair of quantised `specs` runs here but some would with the weights unquantised
+    (a checkpoint's fp8 / mxfp4 quantization_config on a CPU), refuse with that reason and what
+    to do: --dtype bf16 (the layer in the activation dtype)."""
+    quantised = [sp for sp in specs if sp.quant is not None]
+    for sp in quantised:
+        plain = replace(sp, quant=None)
+        runs = [(pf, ex) for pf, ex, reason in plan(plain) if reason is None]
+        if runs:
+            pf, ex = runs[0]
+            why = next(reason for p, e, reason in plan(sp) if (p, e) == (pf, ex))
+            raise MoebenchError(f"no experts backend runs {sp.precision} on {sp.device} here (e.g. {pf}+{ex}: {why}); "
+                                f"add --dtype {dtype_name(sp.dtype)} to run the layer unquantised, or run on a GPU")
 
 
 def check_some_pair_runs(specs: list[SweepSpec]) -> None:
@@ -235,6 +299,7 @@ def check_some_pair_runs(specs: list[SweepSpec]) -> None:
     counts the pairs by reason."""
     reasons = [reason for sp in specs for _, _, reason in plan(sp)]
     if reasons and all(reasons):
+        check_quantised_runs(specs)
         kinds: dict[str, int] = {}
         for r in reasons:
             kinds[skip_kind(r)] = kinds.get(skip_kind(r), 0) + 1

@@ -127,7 +127,7 @@ def check_spec_for(spec):
     si = i * max(1, s.shared_intermediate // s.intermediate) if s.shared_intermediate else 0
     small = replace(s, hidden=min(s.hidden, CHECK_HIDDEN), intermediate=min(s.intermediate, i),
                     shared_intermediate=min(s.shared_intermediate, si) if si else 0)
-    checked = replace(spec, shape=small, model_experts=False, reps=1, warmup=0)
+    checked = replace(spec, shape=small, model_experts=False, reps=1, warmup=0, check_only=True)
     if spec.quant is not None and (small != s or not any(experts_here(ex, checked)[0] for ex in spec.experts)):
         checked = replace(checked, quant=None)
     return checked
@@ -332,6 +332,7 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
             note = _check_modeled(runner, row, pf, ex, m)
         floor = metrics.roofline(flops, nbytes, experts_model, dtype=row.dtype)
         t = Timing(floor, floor, floor, 0, f"roofline model ({experts_model.device_name}, {experts_model.source})")
+        row.extra["modeled_gpu"] = experts_model.device_name  # the GPU the row's time speaks of
         ceilings = experts_model
     else:
         if runner.measured.get("case") != (m, pf, ex):

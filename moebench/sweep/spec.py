@@ -54,6 +54,8 @@ class SweepSpec:
     #: what each case times: "" the whole layer, other names registered variants
     #: (moebench.sweep.variants), each a row of its own
     variants: list[str] = field(default_factory=lambda: [""])
+    #: its rows check correctness only (ResultRow.check_only): a stand-in shape's check of modeled rows
+    check_only: bool = False
 
     @property
     def dtype_label(self) -> str:
