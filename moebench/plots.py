@@ -122,11 +122,14 @@ def compare_plot(summary: pd.DataFrame, crossover: int | None, title: str, path:
 
 def latency_plot(df: pd.DataFrame, title: str, path: Path) -> Path:
     """Latency vs tokens, one line per series (full setting: shape, layout, link, routing,
-    precision, device, modeled, pair; named by what differs), correct ok rows only."""
+    precision, device, modeled, pair; named by what differs), correct ok rows only (never a
+    check-only row)."""
     from moebench.report import label_series
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    ok = df[(df.status == "ok") & (df.correct == True) & df.latency_us.notna()].copy()  # noqa: E712
+    checks = (df["check_only"].fillna(False).astype(bool) if "check_only" in df.columns
+              else pd.Series(False, index=df.index))
+    ok = df[(df.status == "ok") & (df.correct == True) & df.latency_us.notna() & ~checks].copy()  # noqa: E712
     if not ok.empty:
         lab = label_series(ok)
         ok["_label"] = [" ".join(str(v) for v in rec) for rec in lab.labels[lab.row_keys + ["series"]].itertuples(index=False)]
