@@ -22,7 +22,7 @@ $OUT/runs/SHAPE-PREC/SET (DONE when finished: a later call skips it, so a cut-of
 it stopped; the triton-kernels column may run in a process of its own, beside a newer triton).
 
 The table (peers.csv / peers.md under $OUT, rebuilt after every shape; `--table` rebuilds it from
-run folders): per (shape, precision, tokens), each column's layer as "x / y": x its latency over
+run folders; peers_not_run.{csv,md}: each column that did not run at a shape and precision, why): per (shape, precision, tokens), each column's layer as "x / y": x its latency over
 the fastest peer's, y over the floor, the sweep's `floor_us` of the point (max of the bytes over
 the read ceiling and the flops over the matmul ceiling, the weights' bytes as stored: packed
 e2m1 + e8m0 for mxfp4; so the read floor where bytes bind, decode, and the compute floor where
@@ -152,6 +152,29 @@ def peer_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def reasons_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Why a column shows "-": each (column, shape, precision) that did not run, with its rows'
+    status and reason (the first token count's; one line per distinct reason)."""
+    rows = rows.copy()
+    rows["precision"] = rows.apply(precision_of, axis=1)
+    bad = rows[rows.status != "ok"]
+    out = []
+    for (col, shape, prec, status, reason), g in bad.groupby(["experts", "model", "precision", "status", "reason"],
+                                                             sort=False):
+        variants = sorted(set(g.variant.fillna("")) - {""})
+        out.append(dict(column=col + (f" ({', '.join(variants)})" if variants else ""),
+                        shape=TABLE_NAME.get(shape, shape), precision=prec, status=status,
+                        tokens=",".join(map(str, sorted(set(g.tokens.astype(int))))), reason=reason))
+    return pd.DataFrame(out, columns=["column", "shape", "precision", "status", "tokens", "reason"])
+
+
+def write_tables(rows: pd.DataFrame, out_dir: Path, head: str) -> None:
+    write_table(peer_table(rows), out_dir, "peers", head)
+    reasons = reasons_table(rows)
+    if len(reasons):
+        write_table(reasons, out_dir, "peers_not_run", head + "; the columns that did not run, and why")
+
+
 def load_rows(folders: list[Path]) -> pd.DataFrame:
     """Every row of the run folders under `folders` (their rows.jsonl)."""
     frames = [rows_to_frame(RunStore(p.parent).rows) for f in folders for p in sorted(Path(f).rglob("rows.jsonl"))]
@@ -186,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     head = f"# {head}, triton_kernels {installed_version()}"
     if args.table is not None:
-        write_table(peer_table(load_rows(args.table)), out_dir, "peers", head)
+        write_tables(load_rows(args.table), out_dir, head)
         return 0
     shapes = {k: (shard, None, precs) for k, (shard, _, precs) in SHAPES.items()}
     if args.smoke:
@@ -218,5 +241,5 @@ def main(argv: list[str] | None = None) -> int:
             run_shard(shard, tokens, folder, dev, _experts(columns, tables), quant=SCHEMES[prec], routings=args.routings,
                       reps=args.reps, activation=Activation(act) if act else None, bias=bias)
             (folder / "DONE").touch()
-            write_table(peer_table(load_rows([runs])), out_dir, "peers", head)
+            write_tables(load_rows([runs]), out_dir, head)
     return 0

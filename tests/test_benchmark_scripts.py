@@ -493,6 +493,9 @@ def test_peers_smoke_and_table(tmp_path):
     assert peer.any()
     r = _here("peers", "--table", str(tmp_path / "runs"), env={"OUT": str(tmp_path / "again")})
     assert r.returncode == 0 and (tmp_path / "again" / "peers.md").read_text().count("| tiny | bf16 | 3 |") == 1
+    why = list(csv.DictReader(open(tmp_path / "again" / "peers_not_run.csv")))
+    assert {r["column"] for r in why} >= {"deepgemm", "triton-kernels"}
+    assert all(r["status"] == "skipped" and "cpu" in r["reason"] for r in why if r["column"] != "vllm-triton (file-sglang)")
 
 
 def test_deepgemm_breakdown_smoke(tmp_path):
