@@ -262,3 +262,28 @@ def test_triton_kernels_install_and_download_dry_run(monkeypatch, tmp_path):
     assert "for triton 3.8.0" in res.stdout
     assert_bad_input(moebench_inproc("vendor", "download", "triton-kernels", "--dest", str(tmp_path / "w"),
                                      "--triton", "3.6.0", "--dry-run"), "is_hip_gfx1250")
+
+
+def test_deepep_ll_dispatch_tokens_are_what_deepep_takes():
+    """DeepEP's low-latency kernels need ranks x num_max_dispatch_tokens_per_rank a multiple of 4:
+    the adapter rounds the tokens per rank up to the next such count, never down."""
+    from moebench.dispatch.deepep_ll import DeepEPLLPrepareAndFinalize, dispatch_tokens_for
+
+    for world in (2, 3, 4, 6, 8, 16):
+        for tokens in (1, 2, 3, 5, 16, 127, 128):
+            n = dispatch_tokens_for(tokens, world)
+            assert n >= tokens and (world * n) % 4 == 0 and n - tokens < 4, (world, tokens, n)
+    assert [dispatch_tokens_for(1, w) for w in (2, 3, 4, 8)] == [2, 4, 1, 1]
+    assert DeepEPLLPrepareAndFinalize(max_tokens_per_rank=1).dispatch_tokens(2) == 2
+
+
+def test_preload_declares_nvshmem_for_deep_ep_and_is_quiet_without_it(monkeypatch):
+    from moebench import vendor
+
+    assert vendor.library("deepep").preload == ("nvidia.nvshmem", ("libnvshmem_host.so.3",))
+    loaded = []
+    monkeypatch.setattr("ctypes.CDLL", lambda path, mode=0: loaded.append(path))
+    monkeypatch.setattr(vendor.importlib.util, "find_spec", lambda name: None)
+    vendor.preload_libraries("deep_ep")  # no nvidia.nvshmem here: nothing loaded, no error
+    vendor.preload_libraries("deep_gemm")  # declares nothing
+    assert loaded == []
