@@ -266,8 +266,9 @@ def check_target_fits(spec: SweepSpec) -> None:
     gpu = datasheet_ceilings(spec.target_gpu) if spec.target_gpu else None
     gb = lambda b: f"{b / 1e9:.4g} GB"  # noqa: E731
     if gpu is not None and gpu.memory_gb and weights > gpu.memory_gb * 1e9:
+        experts = f"{e_local} expert{'s' if e_local != 1 else ''}"
         raise MoebenchError(
-            f"this shape's experts need {gb(weights)} of weights per rank ({e_local} experts of H={s.hidden}, "
+            f"this shape's experts need {gb(weights)} of weights per rank ({experts} of H={s.hidden}, "
             f"I={inter} on {lay.describe()}) but one {spec.target_gpu} holds {gpu.memory_gb:g} GB; spread it over more "
             f"ranks, use a smaller shape or quantised weights (--dtype)")
     # made here: the whole batch's tokens (generated in fp32, then cast) and its routing
