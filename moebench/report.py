@@ -335,12 +335,15 @@ def modeled_gpus(df: pd.DataFrame) -> pd.Series:
 
 def time_sources(df: pd.DataFrame) -> pd.Series:
     """What each row's time speaks of (the `device` setting of tables and reports): the device
-    it was measured on ('cpu', 'cuda'); '<device> + modeled comm' where its experts were measured
+    it was measured on ('cpu', 'cuda', or the GPU's name where the run folder gave it); '<device> + modeled comm' where its experts were measured
     there and the communication comes from the model; '<GPU> (modeled)' where the experts time is
     that GPU's roofline floor too. Rows of different sources never share a cell."""
     modeled = df["modeled"].map(lambda v: bool(_flag(v)))
     gpu = modeled_gpus(df)
     device = df["device"].astype(str)
+    if "x_device_name" in df.columns:  # the GPU a cuda row ran on (its run folder's metadata)
+        name = df["x_device_name"].map(lambda v: v if isinstance(v, str) else "")
+        device = device.where(name == "", name + device.str.removeprefix("cuda").map(lambda x: f" ({x[1:]})" if x else ""))
     return pd.Series([d if not m else f"{g} (modeled)" if g else f"{d} + modeled comm"
                       for d, m, g in zip(device, modeled, gpu)], index=df.index, dtype=object)
 

@@ -454,13 +454,28 @@ def run_files(folder: Path) -> list[Path]:
     return found
 
 
-def _command_of(folder: Path) -> str | None:
-    """The `command` of the run folder's metadata.json (None where there is none to read)."""
+def _folder_meta(folder: Path) -> dict[str, Any]:
+    """The run folder's metadata.json ({} where there is none to read)."""
     try:
         meta = json.loads((folder / "metadata.json").read_text())
     except (OSError, ValueError):
-        return None
-    return meta.get("command") if isinstance(meta, dict) else None
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _from_folder(rows: list[ResultRow], folder: Path) -> None:
+    """What a row's folder says of it: the GPU a `cuda` row ran on (x_device_name, so rows of
+    different GPUs stay apart in reports), and, in a compare folder written before `check_only`,
+    that its measured rows are checks."""
+    meta = _folder_meta(folder)
+    summary = meta.get("device_summary")
+    gpu = summary.get("name") if isinstance(summary, dict) and meta.get("device") == "cuda" else None
+    compare = str(meta.get("command") or "").startswith("compare")
+    for r in rows:
+        if isinstance(gpu, str) and gpu and r.device.startswith("cuda"):
+            r.extra.setdefault("device_name", gpu)
+        if compare:
+            r.check_only = r.check_only or not r.modeled
 
 
 def load_rows(paths: Iterable[Path]) -> list[ResultRow]:
@@ -497,9 +512,7 @@ def load_rows(paths: Iterable[Path]) -> list[ResultRow]:
                 raise MoebenchError(f"'{p}' is not a moebench results file: it has no {shown} column"
                                     f"{'s' if len(missing) > 1 else ''} (pass a sweep's or compare's results)")
             found = [ResultRow.from_dict(r) for r in recs]
-            if (_command_of(p.parent) or "").startswith("compare"):  # written before check_only: measured rows = checks
-                for r in found:
-                    r.check_only = r.check_only or not r.modeled
+            _from_folder(found, p.parent)
             rows.extend(found)
         except (json.JSONDecodeError, TypeError, ValueError) as e:
             raise MoebenchError(f"'{p}' is not a moebench results file ({e})") from None

@@ -67,6 +67,24 @@ def test_report_keeps_measured_modeled_and_devices_apart_and_leaves_compare_chec
     assert filled >= 4
 
 
+def test_report_keeps_rows_of_two_gpus_apart(tmp_path):
+    """Run folders measured on two GPU models (rows say `cuda`; their metadata names the GPU)."""
+    from moebench.results import ResultRow, RunStore
+
+    for gpu, us in (("NVIDIA H100 80GB HBM3", 30.0), ("NVIDIA H200", 20.0)):
+        store = RunStore(tmp_path / "runs" / gpu.replace(" ", "_"), metadata={
+            "command": "sweep", "device": "cuda", "device_summary": {"device": "cuda", "name": gpu}})
+        store.add(ResultRow(model="m", num_experts=8, topk=2, hidden=64, intermediate=32, tokens=16, tp=1, dp=1, ep=1,
+                            world_size=1, prepare_finalize="no-dpep", experts="triton", activation_format="Standard",
+                            dtype="bf16", device="cuda", routing="uniform", latency_us=us, correct=True))
+    res = moebench_inproc("report", str(tmp_path / "runs"), "--out", str(tmp_path / "r.md"), env={"COLUMNS": "200"})
+    assert res.returncode == 0, res.stderr
+    assert "more than one run" not in res.stdout
+    head, body = _md_table((tmp_path / "r.md").read_text())
+    assert head[0] == "device" and sorted((r[0], r[-1]) for r in body) == [
+        ("NVIDIA H100 80GB HBM3", "**30.0**"), ("NVIDIA H200", "**20.0**")]
+
+
 # -- rows a reader can tell apart ----------------------------------------------------------------
 
 def test_tp_sweep_names_the_all_reduce_and_results_md_names_another_runner_up(tmp_path):
