@@ -168,6 +168,12 @@ class MoEShape:
         """True when the router uses grouped top-k (n_group > 1)."""
         return self.n_group is not None and self.n_group > 1
 
+    @property
+    def router_groups(self) -> tuple[int, int] | None:
+        """(n_group, topk_group) where the router limits each token to its best groups, else None:
+        synthetic routing draws inside that limit (moebench.routing.make_routing `groups`)."""
+        return (self.n_group, self.topk_group) if self.grouped else None
+
     def expert_params(self) -> int:
         """Parameters of all routed experts of one layer: E * 3 * H * I."""
         return self.num_experts * 3 * self.hidden * self.intermediate

@@ -14,6 +14,12 @@ a controlled input of a benchmark:
     file:PATH  topk ids saved from a real run: .json (list of lists), .npy (no pickle) or .pt
                (weights_only); tiled or truncated to M tokens
 
+Group-limited routing (`groups=(n_group, topk_group)`, what a grouped router such as DeepSeek-V3's
+imposes): the experts split into n_group equal contiguous groups; each token keeps the topk_group
+groups holding its best draws and picks its K experts inside them (uniform, zipf and hot draw
+their keys as above; a file's ids are a real run's and are kept as they are). With one group per
+node this is node-limited routing (DeepSeek-V3 on 64 GPUs: each token reaches at most 4 nodes).
+
 Every token's K ids are distinct. Weights are a softmax over random normal logits of the chosen
 experts (so they sum to 1 per token), sorted descending along K as a router would emit them.
 Everything is drawn on the CPU from a seeded generator, so the same seed gives the same routing
@@ -224,8 +230,10 @@ def make_routing(
     seed: int | None = 0,
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
+    groups: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Synthetic routing for M = num_tokens tokens.
+    """Synthetic routing for M = num_tokens tokens; `groups` = (n_group, topk_group) limits each
+    token to its best topk_group of n_group expert groups (see the module docstring).
 
     Returns topk_weights (M, K) float32 (softmax of random logits over the K picks, descending,
     summing to 1) and topk_ids (M, K) int32 with K distinct ids per token in [0, E).
@@ -235,16 +243,21 @@ def make_routing(
     rs = parse_routing(spec)
     m, e = num_tokens, num_experts
     _check_sizes(m, e, topk)
+    if groups is not None:
+        _check_groups(groups, e, topk)
     if generator is None:
         generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
+    limit = (lambda keys: keys) if groups is None else (lambda keys: _group_limit(keys, *groups))  # noqa: E731
 
     if rs.kind == "uniform":
-        ids = _distinct_by_keys(torch.rand((m, e), generator=generator), topk)
+        ids = _distinct_by_keys(limit(torch.rand((m, e), generator=generator)), topk)
     elif rs.kind == "zipf":
         # Plackett-Luce sampling without replacement: top-K of log p + Gumbel noise.
         ranks = torch.randperm(e, generator=generator).to(torch.float32) + 1.0  # expert -> popularity rank
         logp = -float(rs.param) * torch.log(ranks)
-        ids = _distinct_by_keys(logp.unsqueeze(0) + _gumbel((m, e), generator), topk)
+        ids = _distinct_by_keys(limit(logp.unsqueeze(0) + _gumbel((m, e), generator)), topk)
+    elif rs.kind == "hot" and groups is not None:
+        ids = _hot_group_ids(float(rs.param), m, e, topk, generator, groups)
     elif rs.kind == "hot":
         ids = _hot_ids(float(rs.param), m, e, topk, generator)
     elif rs.kind == "file":
@@ -255,6 +268,40 @@ def make_routing(
     logits = torch.randn((m, topk), generator=generator)
     weights = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
     return weights.to(device=device, dtype=torch.float32), ids.to(device=device, dtype=torch.int32)
+
+
+def _check_groups(groups, e: int, topk: int) -> None:
+    n_group, topk_group = groups
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or e % n_group:
+        raise MoebenchError(f"n_group must be a positive integer dividing the number of experts {e}, got {n_group!r}")
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise MoebenchError(f"topk_group must be an integer from 1 to n_group {n_group}, got {topk_group!r}")
+    if topk > topk_group * (e // n_group):
+        raise MoebenchError(f"topk {topk} exceeds the {topk_group * (e // n_group)} experts of {topk_group} kept "
+                            f"groups of {e // n_group}")
+
+
+def _group_limit(keys: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """keys (M, E) with -inf outside each token's topk_group groups of largest best key (the
+    grouped router's rule on the draw)."""
+    m, e = keys.shape
+    grouped = keys.view(m, n_group, e // n_group)
+    keep = torch.topk(grouped.amax(dim=-1), topk_group, dim=-1).indices
+    mask = torch.zeros(m, n_group, dtype=torch.bool).scatter_(1, keep, True)
+    return keys.masked_fill(~mask.unsqueeze(-1).expand_as(grouped).reshape(m, e), float("-inf"))
+
+
+def _hot_group_ids(frac: float, m: int, e: int, topk: int, gen: torch.Generator, groups) -> torch.Tensor:
+    """`_hot_ids` under a group limit: the hot tokens' hot expert draws the largest key (its group
+    is kept), the other tokens never draw it."""
+    hot = int(torch.randint(e, (1,), generator=gen))
+    n_hot = min(m, int(round(frac * m)))
+    keys = torch.rand((m, e), generator=gen)
+    if topk < e:
+        keys[:, hot] = -1.0
+        if n_hot:
+            keys[torch.randperm(m, generator=gen)[:n_hot], hot] = 2.0
+    return _distinct_by_keys(_group_limit(keys, *groups), topk)
 
 
 def _hot_ids(frac: float, m: int, e: int, topk: int, gen: torch.Generator) -> torch.Tensor:

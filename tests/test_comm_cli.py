@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import pandas as pd
+import torch
 
 from test_cli import ROOT, assert_bad_input, moebench, moebench_inproc
 
@@ -188,3 +189,65 @@ def test_modeled_rows_gbps_is_their_bytes_over_their_time(tmp_path):
     # the bytes are the ones the model priced: dispatch + combine make up the row's comm bytes
     for _, r in ok[ok.prepare_finalize.isin(sorted(seen))].iterrows():
         assert r.x_dispatch_bytes + r.x_combine_bytes == pytest.approx(r.x_comm_bytes, rel=1e-9)
+
+
+@pytest.mark.parametrize("world", [32, 64])
+def test_compare_deepseek_v3_routes_node_limited(tmp_path, world):
+    """DeepSeek-V3's router keeps 4 of 8 expert groups per token; on 32 and 64 GPUs (nodes of 8)
+    compare's EP rows route that way, and DeepEP normal's RDMA rows (one per (token, node)) fall
+    against the same batch routed over every node."""
+    from moebench.comm.traffic import ep_link_rows
+    from moebench.layout import ParallelLayout
+    from moebench.routing import make_routing
+
+    res = moebench_inproc("compare", "tp-vs-ep", "--model", "deepseek-v3", "--world-size", str(world), "--tokens", "4096",
+                          "--no-check", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    _, rows, _ = _summary(tmp_path)
+    ht = rows[(rows.prepare_finalize == "deepep-ht") & (rows.status == "ok") & (rows.ep == world)].iloc[0]
+    layout = ParallelLayout(dp=world, enable_ep=True)
+    m = 4096  # compare's batch is the whole batch, routed with seed = tokens
+    # fp8 dispatch row with its 1x128 scales and 12 B of routing per top-k slot + bf16 combine row
+    row_bytes = (7168 + 4 * 56 + 8 * 12) + 2 * 7168
+    reach = {}
+    for name, groups in (("limited", (8, 4)), ("every node", None)):
+        _, ids = make_routing("uniform", m, 256, 8, seed=m, groups=groups)
+        node_of = layout.expert_owner(256)[ids.long()] // 8
+        reach[name] = torch.zeros(m, world // 8).scatter_(1, node_of, 1).sum(1)
+        reach[name + " rdma"] = float(ep_link_rows(ids, layout, 256, 8, "node").rdma.max() * row_bytes)
+    assert reach["limited"].max() <= 4 and reach["limited"].mean() < reach["every node"].mean()
+    assert ht.x_comm_rdma_bytes == pytest.approx(reach["limited rdma"], rel=1e-9)
+    assert reach["limited rdma"] < reach["every node rdma"] / (1.05 if world == 32 else 1.2)
+
+
+def test_comm_lines_fit_100_columns_and_name_their_points():
+    """`comm` keeps to 100 columns, names every point behind a figure (--json), says "extrapolated"
+    where no point of the size class exists, routes node-limited with --max-nodes and prices
+    DeepEP normal at --num-sms."""
+    ask = ["comm", "--transport", "deepep-ht", "--op", "dispatch", "--gpu", "H200", "--tokens", "4096", "--hidden",
+           "7168", "--topk", "8", "--num-experts", "256", "--dtype", "fp8"]
+    text = moebench_inproc(*ask, "--world-size", "64")
+    assert text.returncode == 0, text.stderr
+    assert max(len(line) for line in text.stdout.splitlines()) <= 100, text.stdout
+    assert "us (modeled) over 64 x H200" in text.stdout and "published points behind it" in text.stdout
+    runs = {}
+    for world, extra in (("64", ()), ("64", ("--max-nodes", "4")), ("8", ()), ("8", ("--num-sms", "64"))):
+        res = moebench_inproc(*ask, "--world-size", world, *extra, "--json")
+        assert res.returncode == 0, res.stderr
+        runs[(world, *extra[:1])] = json.loads(res.stdout)
+    plain, limited = runs[("64",)], runs[("64", "--max-nodes")]
+    assert limited["rdma_bytes"] < plain["rdma_bytes"] / 1.2 and limited["time_us"] < plain["time_us"]
+    assert "inside 4 of 8 nodes" in limited["bytes_how"]
+    box, sms = runs[("8",)], runs[("8", "--num-sms")]  # inside a node: NVLink-bound, as the SMs drive it
+    assert sms["time_us"] < box["time_us"] / 1.1 and "64 SMs" in sms["provenance"]["sms"]
+    assert "20 SMs" in box["provenance"]["sms"]
+    lines = {(p["file"], p["line"]) for p in plain["points"]}
+    assert len(lines) == len(plain["points"]) >= 5 and all(p["source"] for p in plain["points"])
+    # the fixed cost is borrowed from DeepEP LL: its points stand behind the figure too
+    assert any(p["point"].startswith("deepep-ll") for p in plain["points"])
+    two = json.loads(moebench_inproc("comm", "--transport", "deepep-ll", "--op", "dispatch", "--gpu", "H200",
+                                     "--world-size", "2", "--bytes", "1e6", "--json").stdout)
+    assert any("size class (2 ranks)" in e for e in two["extrapolated"])
+    assert_bad_input(moebench_inproc(*ask, "--world-size", "64", "--num-sms", "0"), "--num-sms")
+    assert_bad_input(moebench_inproc("comm", "--transport", "nccl-all-reduce", "--op", "all-reduce", "--gpu",
+                                     "H200", "--world-size", "8", "--bytes", "1e6", "--max-nodes", "2"), "--max-nodes")

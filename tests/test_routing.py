@@ -268,3 +268,21 @@ def test_imbalance_measures():
     assert counts.tolist() == [0, 0] and ratio == 1.0
     with pytest.raises(MoebenchError):
         tokens_per_expert(torch.tensor([[0, 4]]), 4)
+
+
+@pytest.mark.parametrize("spec", ["uniform", "zipf:1.2", "hot:0.5"])
+def test_group_limited_routing_keeps_each_token_in_its_groups(spec):
+    """groups=(n_group, topk_group): every token's experts lie in at most topk_group of the n_group
+    contiguous groups (DeepSeek-V3: 4 of 8), and more than one group combination occurs."""
+    _, ids = make_routing(spec, 512, 64, 6, seed=3, groups=(8, 3))
+    per_token = [set((row // 8).tolist()) for row in ids.long()]
+    assert max(len(g) for g in per_token) <= 3
+    assert len({frozenset(g) for g in per_token}) > 10
+    assert all(len(set(row.tolist())) == 6 for row in ids)
+    if spec.startswith("hot"):
+        hot = int(torch.mode(ids.reshape(-1)).values)
+        assert int((ids == hot).any(dim=1).sum()) == 256  # the hot tokens keep the hot expert's group
+    with pytest.raises(MoebenchError, match="n_group"):
+        make_routing(spec, 4, 60, 2, groups=(8, 3))
+    with pytest.raises(MoebenchError, match="exceeds"):
+        make_routing(spec, 4, 64, 9, groups=(8, 1))

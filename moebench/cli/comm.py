@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 
 import click
 
@@ -12,6 +13,9 @@ from moebench.errors import MoebenchError
 TRANSPORTS = ("nccl-all-reduce", "custom-all-reduce", "nccl-all-gather", "nccl-reduce-scatter", "nccl-all-to-all",
               "deepep-ll", "deepep-ht", "pplx")
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "dispatch", "combine")
+#: the width `comm`'s lines keep to
+WIDTH = 100
+
 GPUS = ("H100", "H200", "H800", "H20", "A100", "B200", "GB200")
 
 
@@ -35,9 +39,14 @@ GPUS = ("H100", "H200", "H800", "H20", "A100", "B200", "GB200")
 @click.option("--num-experts", "experts", type=int, default=None, help="Experts (dispatch / combine with --tokens).")
 @click.option("--dtype", default="bf16", show_default=True, type=click.Choice(("bf16", "fp8")),
               help="Row payload with --tokens (fp8: one fp32 scale per 128 values; a combine carries bf16).")
+@click.option("--max-nodes", "max_nodes", type=int, default=None,
+              help="Node-limited routing with --tokens: each token reaches at most this many nodes "
+                   "(DeepSeek-V3's router: 4).")
+@click.option("--num-sms", "num_sms", type=int, default=None,
+              help="SMs DeepEP's normal kernels run on [DeepEP's default, Buffer.num_sms = 20].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def comm(transport, op, gpu, world_size, gpus_per_node, rdma_name, size, tokens, hidden, topk, experts, dtype,
-         as_json):
+         max_nodes, num_sms, as_json):
     """What one collective or dispatch/combine costs: modeled from published points (docs/comm-model.md)."""
     from moebench.backends import declared_communication
     from moebench.comm.links import default_link, nvlink_domain
@@ -45,27 +54,48 @@ def comm(transport, op, gpu, world_size, gpus_per_node, rdma_name, size, tokens,
 
     if (size is None) == (tokens is None):
         raise MoebenchError("give exactly one of --bytes N or --tokens M")
+    if max_nodes is not None and tokens is None:
+        raise MoebenchError("--max-nodes limits how tokens are routed: give it with --tokens")
     gpu = gpu.upper()
     gpn = gpus_per_node if gpus_per_node is not None else nvlink_domain(gpu)
-    model = CommModel.from_link(default_link(gpu), declared_communication(), rdma=rdma_name, gpus_per_node=gpn, use_measurement=False)
+    model = CommModel.from_link(default_link(gpu), declared_communication(), rdma=rdma_name, gpus_per_node=gpn,
+                                use_measurement=False, num_sms=num_sms)
     res = ask(model, transport, op, world_size, size, tokens=tokens, hidden=hidden, topk=topk, experts=experts,
-              dtype=dtype, gpu=gpu)
+              dtype=dtype, gpu=gpu, max_nodes=max_nodes)
     if as_json:
         click.echo(json.dumps(res, default=float))
         return
-    say = lambda text, style="": console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
-    where = f"{world_size} x {gpu} ({model.nvlink} {model.nvlink_gbps:g} GB/s"
-    where += f", {rdma_name} between domains of {gpn})" if world_size > gpn else f", one NVLink domain of {gpn})"
-    say(f"{transport} {op} over {where}: {res['time_us']:.1f} us (modeled)", "bold")
-    say(f"bytes per rank: NVLink {res['nvlink_bytes'] / 1e6:.3f} MB, RDMA {res['rdma_bytes'] / 1e6:.3f} MB "
-        f"({res['bytes_how']})")
-    say(f"fit: {res['fit']}")
-    for k, v in res["provenance"].items():
-        say(f"  {k}: {v}", "dim")
+    for line in report_lines(res, model, rdma_name):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def report_lines(res: dict, model, rdma_name: str, width: int = WIDTH) -> list[str]:
+    """The printed answer, each line at most `width` characters (long ones wrap, indented)."""
+    world, gpn, gpu = res["world_size"], res["gpus_per_node"], res["gpu"]
+    where = f"{world} x {gpu} ({model.nvlink} {model.nvlink_gbps:g} GB/s"
+    where += f", {rdma_name} between domains of {gpn})" if world > gpn else f", one NVLink domain of {gpn})"
+    tag = "modeled, extrapolated" if res["extrapolated"] else "modeled"
+    out = [f"{res['transport']} {res['op']}: {res['time_us']:.1f} us ({tag}) over {where}",
+           f"bytes per rank: NVLink {res['nvlink_bytes'] / 1e6:.3f} MB, RDMA {res['rdma_bytes'] / 1e6:.3f} MB "
+           f"({res['bytes_how']})",
+           f"fit: {res['fit']}"]
+    out += [f"  {k}: {v}" for k, v in res["provenance"].items()]
     if res["nearest"]:
-        say("nearest published points (published / modeled):")
+        out.append("nearest published points (published / modeled):")
         for p in res["nearest"]:
-            say(f"  {p['point']}: {p['published_us']:.1f} us published, {p['modeled_us']:.1f} modeled, "
-                f"x{p['ratio']:.2f} ({p['source']}, comm_points.csv line {p['line']})")
-    for e in res["extrapolated"]:
-        say(f"extrapolated: {e}", "yellow")
+            out.append(f"  {p['point']}: {p['published_us']:.1f} us published, {p['modeled_us']:.1f} modeled, "
+                       f"x{p['ratio']:.2f} ({p['file']} line {p['line']}: {short_source(p['source'])})")
+    n = len(res["points"])
+    if n:
+        out.append(f"{n} published point{'s' if n > 1 else ''} behind it: --json lists them with their sources")
+    out += [f"extrapolated: {e}" for e in res["extrapolated"]]
+    lines = []
+    for text in out:
+        lines += textwrap.wrap(text, width, subsequent_indent="    ", break_long_words=False,
+                               break_on_hyphens=False) or [""]
+    return lines
+
+
+def short_source(source: str) -> str:
+    """A source's repository and path (or first words): what a line has room for."""
+    return source.split(" (", 1)[0].split(", ", 1)[0]

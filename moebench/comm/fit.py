@@ -58,6 +58,11 @@ class Fit:
     measured: bool = False
     alpha_rdma_us: float = 0.0
     lines: list[tuple[float, float | None]] = field(default_factory=list)
+    donors: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.transport, self.op)
 
     def __post_init__(self):
         if not self.lines:
@@ -248,6 +253,55 @@ BORROW = {
 }
 
 
+@dataclass(frozen=True)
+class SmScaling:
+    """How a transport's NVLink rate follows the SMs it runs on: 1 / rate = a + b / SMs, through
+    two published rates at two SM counts (`published`: ((sms, GB/s), (sms, GB/s))); its points were
+    taken at `points_sms`; `default_sms`: the library's own default."""
+
+    points_sms: int
+    default_sms: int
+    published: tuple[tuple[int, float], tuple[int, float]]
+    source: str
+
+    def factor(self, sms: int) -> float:
+        """The NVLink rate at `sms` SMs over the rate at the points' SM count."""
+        (s1, g1), (s2, g2) = self.published
+        b = (1 / g1 - 1 / g2) / (1 / s1 - 1 / s2)
+        a = 1 / g2 - b / s2
+        return (a + b / self.points_sms) / (a + b / sms)
+
+
+#: DeepEP's normal kernels: the published points ran at 24 SMs (DeepEP's tests: test_intranode.py /
+#: test_internode.py num_sms = 24), `Buffer.num_sms` defaults to 20 (deep_ep/buffers/legacy.py);
+#: the only published rates at two SM counts are DeepEP's SM100 EP8 NVLink figures (README.md,
+#: Performance: 643 / 726 GB/s dispatch and 675 / 740 GB/s combine at 24 / 64 SMs).
+SM_SOURCE = "deepseek-ai/DeepEP README.md (Performance: SM100 EP8 NVLink at 24 and 64 SMs)"
+SM_SCALING = {
+    ("deepep-ht", "dispatch"): SmScaling(24, 20, ((24, 643.0), (64, 726.0)), SM_SOURCE),
+    ("deepep-ht", "combine"): SmScaling(24, 20, ((24, 675.0), (64, 740.0)), SM_SOURCE),
+}
+
+
+def with_sms(fit: Fit, sms: int | None) -> Fit:
+    """`fit` at `sms` SMs (None: the library's default) where its transport's rate follows its SMs
+    (SM_SCALING): its NVLink rates scaled, and said so in its provenance; else `fit` itself."""
+    sc = SM_SCALING.get(fit.key)
+    if sc is None:
+        return fit
+    sms = sc.default_sms if sms is None else sms
+    if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
+        raise MoebenchError(f"--num-sms must be a positive integer, got {sms!r}")
+    k = sc.factor(sms)
+    if sms == sc.points_sms:
+        return fit
+    out = replace(fit, lines=[(a, None if e is None else e * k) for a, e in fit.lines],
+                  eta_nvl=None if fit.eta_nvl is None else fit.eta_nvl * k, provenance=dict(fit.provenance))
+    out.provenance["sms"] = (f"{sms} SMs: NVLink rate x{k:.3f} of the points' {sc.points_sms} (1 / rate = a + b / SMs "
+                             f"through {sc.source})")
+    return out
+
+
 def fit_transports(points: list[Point]) -> dict[tuple[str, str], Fit]:
     """One Fit per (transport, op) of `points`; parameters and transports without points are
     borrowed, and say from where."""
@@ -259,6 +313,7 @@ def fit_transports(points: list[Point]) -> dict[tuple[str, str], Fit]:
         donor = fits.get((ALPHA_DONOR.get(key[0], ""), key[1]))
         if donor is not None:
             refit = fit_group(groups[key], fixed_alpha=donor.alpha_us)
+            refit.donors["alpha"] = donor.key
             refit.provenance["alpha"] = (f"borrowed from {donor.transport} {donor.op} ({donor.alpha_us:.1f} us): "
                                          f"no published point small enough to pin it")
             fits[key] = refit
@@ -266,12 +321,14 @@ def fit_transports(points: list[Point]) -> dict[tuple[str, str], Fit]:
         donor = fits.get(donor_key)
         if key not in fits and donor is not None:
             fits[key] = replace(donor, transport=key[0], op=key[1], points=[], ratios=[],
+                                donors={k: donor_key for k in donor.provenance},
                                 provenance={k: f"borrowed from {donor.transport} {donor.op} (no published point; "
                                                f"per bus byte as nccl-tests counts it)" for k in donor.provenance})
     donor = fits.get(RDMA_DONOR)
     for fit in fits.values():
         if fit.eta_rdma is None and donor is not None and donor.eta_rdma and fit.transport not in NVLINK_ONLY:
             fit.eta_rdma = donor.eta_rdma
+            fit.donors["eta_rdma"] = donor.key
             fit.alpha_rdma_us = fit.alpha_rdma_us or donor.alpha_rdma_us
             fit.provenance["eta_rdma"] = (f"borrowed from {donor.transport} {donor.op} ({donor.eta_rdma:.2f}"
                                           f"{f', {donor.alpha_rdma_us:.1f} us per call' if donor.alpha_rdma_us else ''}): "

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moebench.comm.calibration import MeasuredFit, measured_fits
-from moebench.comm.fit import BORROW, NVLINK_ONLY, Fit, fits_table, published_fits
+from moebench.comm.fit import BORROW, NVLINK_ONLY, Fit, fits_table, published_fits, with_sms
 from moebench.comm.links import (DEFAULT_GPUS_PER_NODE, DEFAULT_RDMA, RDMA_GBPS, check_world, default_link,
                                  rdma_gbps)
 from moebench.comm.points import Point
@@ -88,13 +88,15 @@ def transport_label(transport: str) -> str:
 
 @dataclass
 class OpCost:
-    """One priced operation: its time, the busiest rank's bytes and how the time was obtained."""
+    """One priced operation: its time, the busiest rank's bytes (rdma_bytes: the most any rank
+    sends over RDMA) and how the time was obtained."""
 
     op: str
     transport: str
     us: float
     bytes: float
     how: str
+    rdma_bytes: float = 0.0
 
 
 @dataclass
@@ -112,6 +114,7 @@ class CommResult:
     combine_us: float | None = None
     allreduce_us: float | None = None
     bytes: float = 0.0
+    rdma_bytes: float = 0.0
     band_lo_us: float = 0.0
     band_hi_us: float = 0.0
     band: str = ""
@@ -146,17 +149,20 @@ class CommModel:
     measured: dict[str, MeasuredFit] = field(default_factory=dict)
     measured_line: str = ""
     styles: dict[str, str] = field(default_factory=lambda: dict(UNDECLARED_TRAFFIC))
+    num_sms: int | None = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_link(cls, link, ops, rdma: str = DEFAULT_RDMA, gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
-                  device_name: str | None = None, use_measurement: bool = True) -> "CommModel":
+                  device_name: str | None = None, use_measurement: bool = True,
+                  num_sms: int | None = None) -> "CommModel":
         """From a links.LinkProfile (`--link` / `--link-gbps` / the default for the device) and the
         operations the prepare/finalize backends declare (`ops`: moebench.comm.CommOp):
         its bandwidth is the NVLink peak (a measured profile's is an effective all-to-all figure,
         so the device's datasheet profile gives the peak then); measured fits of `device_name`
         are used where a calibration file has them, unless --link-gbps overrode the link
-        (override > measurement > profile, as links.choose_link)."""
+        (override > measurement > profile, as links.choose_link). num_sms: the SMs DeepEP's normal
+        kernels run on (None: DeepEP's default; fit.SM_SCALING)."""
         check_world(1, gpus_per_node)
         peak, source = link.bandwidth_gbps, link.source
         if link.source == "measured":
@@ -169,7 +175,7 @@ class CommModel:
             source = "measured"
         return cls(nvlink=link.name, nvlink_gbps=float(peak), rdma=rdma, rdma_gbps=rdma_gbps(rdma),
                    gpus_per_node=gpus_per_node, source=source, measured=measured, measured_line=line,
-                   styles=traffic_styles(ops))
+                   styles=traffic_styles(ops), num_sms=num_sms)
 
     def as_dict(self) -> dict:
         """Plain figures for a run's metadata."""
@@ -183,10 +189,10 @@ class CommModel:
         """The fit pricing `op` over `transport`: its own (transport, op), else the transport's one
         operation (an all-to-all transport prices a dispatch as one of its calls)."""
         if (transport, op) in self.fits:
-            return self.fits[(transport, op)]
+            return with_sms(self.fits[(transport, op)], self.num_sms)
         own = [f for (t, _), f in self.fits.items() if t == transport]
         if len(own) == 1:
-            return own[0]
+            return with_sms(own[0], self.num_sms)
         known = sorted({t for t, _ in self.fits})
         if own:
             raise MoebenchError(f"transport '{transport}' has no '{op}'; it has: {', '.join(f.op for f in own)}")
@@ -270,7 +276,7 @@ class CommModel:
             nvl, rdma = collective_bytes(op.op, world, self.gpus_per_node, size)
             us = fit.time_us(nvl, rdma, self.nvlink_gbps, self.rdma_gbps, op.calls)
             where = "NVLink" if not rdma else "NVLink and RDMA"
-            return OpCost(op.op, transport, us, bus, f"{fit.describe()} over {where}")
+            return OpCost(op.op, transport, us, bus, f"{fit.describe()} over {where}", rdma)
         style = "node" if (op.traffic == "rank" and world > self.gpus_per_node) else op.traffic
         rows = ep_link_rows(traffic.topk_ids, traffic.layout, traffic.num_experts, self.gpus_per_node, style)
         chunks = math.ceil(math.ceil(traffic.rows / world) / op.chunk) if op.chunk else 1
@@ -281,7 +287,7 @@ class CommModel:
         how = (f"{transport} {op.op} measured fit" if mfit is not None else fit.describe())
         if op.calls * chunks > 1:
             how = f"{op.calls * chunks} calls{f' ({chunks} chunks of {op.chunk} tokens per rank)' if chunks > 1 else ''}: {how}"
-        return OpCost(op.op, transport, us, rows.busiest(row), how)
+        return OpCost(op.op, transport, us, rows.busiest(row), how, float(rows.rdma.max() * row) if rows.rdma.size else 0.0)
 
     def price_ops(self, ops, traffic: Traffic, choice: dict[str, str] | None = None) -> CommResult:
         """Price a prepare/finalize's declared operations; `choice`: op -> transport where the op
@@ -296,6 +302,7 @@ class CommModel:
             parts[col] = parts.get(col, 0.0) + cost.us
             res.column_bytes[col] = res.column_bytes.get(col, 0.0) + cost.bytes
             res.bytes += cost.bytes
+            res.rdma_bytes += cost.rdma_bytes
         res.dispatch_us, res.combine_us, res.allreduce_us = (parts.get(c) for c in ("dispatch", "combine", "allreduce"))
         res.how = "; ".join(f"{c.op}: {c.how}" for c in res.costs)
         self.band(res, ops, traffic)
@@ -343,7 +350,7 @@ class CommModel:
             ops = ("all-to-all", "all-to-all") if transport == "nccl-all-to-all" else ("dispatch", "combine")
             if any((transport, op) not in self.fits for op in ops):
                 continue
-            fd, fc = self.fits[(transport, ops[0])], self.fits[(transport, ops[1])]
+            fd, fc = self.fit(transport, ops[0]), self.fit(transport, ops[1])
             if multi and not all(any(p.rdma_bytes > 0 for p in f.points) for f in (fd, fc)):
                 continue
             st = "node" if (style == "rank" and multi) else style
@@ -362,15 +369,25 @@ class CommModel:
 # One question: what does this collective or dispatch/combine cost (`moebench comm`)
 
 
+def size_class(world: int, gpus_per_node: int) -> str:
+    """The size class of a world of ranks: "2 ranks", "4 ranks", "8 ranks" inside one NVLink domain
+    (others by their count), "N nodes" past one."""
+    if world > gpus_per_node:
+        return f"{world // gpus_per_node} nodes"
+    return f"{world} ranks"
+
+
 def ask(model: "CommModel", transport: str, op: str, world: int, size: float | None = None, *,
         tokens: int | None = None, hidden: int | None = None, topk: int | None = None,
-        experts: int | None = None, dtype: str = "bf16", gpu: str = "") -> dict:
+        experts: int | None = None, dtype: str = "bf16", gpu: str = "", max_nodes: int | None = None) -> dict:
     """The modeled time of one `op` over `transport` on `world` ranks, for `size` bytes per rank
     (as nccl-tests counts them; a dispatch / combine: its rows as the source counts them, local
     pairs included) or for `tokens` per rank routed uniformly (top-`topk` of `experts`, rows of
     `hidden` in `dtype`; a combine carries bf16). Returns time_us, the bytes on each link, the fit
-    and its provenance, the published points nearest to the question with published / modeled,
-    and what is extrapolated."""
+    and its provenance, every published point behind it (`points`: its own and its donors'), the
+    nearest ones with published / modeled, and what is extrapolated (no point of this GPU's link,
+    RDMA link or size class). max_nodes: each token reaches at most this many nodes (node-limited
+    routing, as DeepSeek-V3's router; with --tokens past one node)."""
     if (transport, op) not in model.fits:
         own = sorted(o for t, o in model.fits if t == transport)
         if own:
@@ -382,7 +399,7 @@ def ask(model: "CommModel", transport: str, op: str, world: int, size: float | N
     if transport in NVLINK_ONLY and world > model.gpus_per_node:
         raise MoebenchError(f"{transport} runs inside one NVLink domain ({model.gpus_per_node} GPUs here), not over "
                             f"{world} ranks")
-    fit = model.fits[(transport, op)]
+    fit = model.fit(transport, op)
     gpn = model.gpus_per_node
     tensor = op in BUS_FACTOR
     how = ""
@@ -412,7 +429,14 @@ def ask(model: "CommModel", transport: str, op: str, world: int, size: float | N
         if not topk or not experts or topk > experts or experts % world:
             raise MoebenchError("a dispatch or combine needs --topk K and --num-experts E with K <= E and E a "
                                 f"multiple of --world-size {world}")
-        _, ids = make_routing("uniform", tokens * world, experts, topk, seed=0)
+        nodes = world // gpn if world > gpn else 1
+        groups = None
+        if max_nodes is not None:
+            if max_nodes < 1:
+                raise MoebenchError(f"--max-nodes must be a positive integer, got {max_nodes}")
+            if nodes > 1 and max_nodes < nodes:
+                groups = (nodes, max_nodes)
+        _, ids = make_routing("uniform", tokens * world, experts, topk, seed=0, groups=groups)
         style = model.style(transport)
         style = "node" if (style == "rank" and world > gpn) else style
         rows = ep_link_rows(ids, ParallelLayout(dp=world, enable_ep=True), experts, gpn, style)
@@ -421,7 +445,8 @@ def ask(model: "CommModel", transport: str, op: str, world: int, size: float | N
         i = int(np.argmax((rows.nvl + rows.rdma)))
         nvl, rdma = float(rows.nvl[i] * row), float(rows.rdma[i] * row)
         total = nvl + rdma
-        how = (f"{tokens} tokens per rank, top-{topk} of {experts} experts uniformly, {row} B rows, "
+        limit = f" inside {max_nodes} of {nodes} nodes" if groups else ""
+        how = (f"{tokens} tokens per rank, top-{topk} of {experts} experts uniformly{limit}, {row} B rows, "
                f"one row per {'(token, expert) pair' if style == 'pair' else '(token, rank)'}: busiest rank")
 
     def distance(p: Point) -> tuple:
@@ -429,24 +454,34 @@ def ask(model: "CommModel", transport: str, op: str, world: int, size: float | N
         return (p.world_size != world, p.nvlink_peak != model.nvlink_gbps, abs(math.log(max(pb, 1) / max(total, 1))))
 
     near = sorted(fit.points, key=distance)[:3]
+    behind = {}
+    for p in list(fit.points) + [p for key in dict.fromkeys(fit.donors.values()) if key in model.fits
+                                 for p in model.fits[key].points]:
+        behind.setdefault((p.transport, p.op, p.line), p)
     extrapolated = []
-    if fit.points:
-        sizes = [p.nvlink_bytes + p.rdma_bytes for p in fit.points]
-        if not any(p.nvlink_peak == model.nvlink_gbps for p in fit.points):
-            extrapolated.append(f"no published {transport} {op} point on a {model.nvlink_gbps:g} GB/s NVLink")
-        if not any(p.world_size == world for p in fit.points):
-            extrapolated.append(f"no published point at {world} ranks")
+    own = fit.points or [p for p in behind.values()]
+    if own:
+        sizes = [p.nvlink_bytes + p.rdma_bytes for p in own]
+        if not any(p.nvlink_peak == model.nvlink_gbps for p in own):
+            extrapolated.append(f"no published {transport} {op} point on a {model.nvlink_gbps:g} GB/s {model.nvlink}")
+        if not any(size_class(p.world_size, p.gpus_per_node) == size_class(world, gpn) for p in own):
+            extrapolated.append(f"no published point of its size class ({size_class(world, gpn)})")
+        if world > gpn and not any(p.rdma == model.rdma and p.rdma_bytes > 0 for p in own):
+            extrapolated.append(f"no published point over {model.rdma}")
         if total < min(sizes) / 2 or total > max(sizes) * 2:
             extrapolated.append(f"{total / 1e6:.3g} MB on the links is outside the published "
                                 f"{min(sizes) / 1e6:.3g}..{max(sizes) / 1e6:.3g} MB")
-    else:
+    if not fit.points:
         extrapolated.append(f"no published point of its own: {'; '.join(sorted(set(fit.provenance.values())))}")
     return {
         "transport": transport, "op": op, "gpu": gpu, "world_size": world, "gpus_per_node": gpn,
         "nvlink": model.nvlink, "nvlink_gbps": model.nvlink_gbps, "rdma": model.rdma if world > gpn else "",
         "time_us": us, "nvlink_bytes": nvl, "rdma_bytes": rdma, "bytes_how": how, "fit": fit.describe(),
         "provenance": dict(fit.provenance),
-        "nearest": [{"point": p.label(), "gpu": p.gpu, "source": p.source, "line": p.line, "published_us": p.time_us,
+        "points": [{"point": p.label(), "file": p.file, "line": p.line, "source": p.source}
+                   for p in sorted(behind.values(), key=lambda p: (p.transport, p.op, p.line))],
+        "nearest": [{"point": p.label(), "gpu": p.gpu, "source": p.source, "file": p.file, "line": p.line,
+                     "published_us": p.time_us,
                      "modeled_us": fit.predict(p), "ratio": p.time_us / fit.predict(p)} for p in near],
         "extrapolated": extrapolated,
     }

@@ -52,6 +52,7 @@ class Point:
     source: str
     note: str
     line: int
+    file: str = ""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -112,7 +113,7 @@ def load_points(path: str | Path | None = None) -> list[Point]:
                 topk=_num(p, i, row, "topk", int, False), experts=_num(p, i, row, "experts", int, False),
                 routing=(row.get("routing") or "").strip(), dtype=(row.get("dtype") or "").strip(),
                 bytes_how=row["bytes_how"].strip(), source=row["source"].strip(), note=(row.get("note") or "").strip(),
-                line=i,
+                line=i, file=p.name,
             )
             if pt.time_us <= 0 or pt.bytes_per_rank <= 0 or pt.calls < 1 or pt.world_size < 2:
                 raise MoebenchError(f"{p} line {i}: time_us, bytes_per_rank, calls must be positive and world_size >= 2")

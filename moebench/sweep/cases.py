@@ -117,7 +117,8 @@ def batch_inputs(spec: SweepSpec, m: int, pf: str):
     s = spec.shape
     m_full = spec.batch_tokens(m, get_prepare_finalize_class(pf).communicates)
     x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
-    wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device)
+    wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device,
+                            groups=s.router_groups)
     return m_full, x, wts, ids
 
 

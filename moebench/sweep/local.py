@@ -42,7 +42,7 @@ class LocalRunner(CaseRunner):
         spec, s, lw = self.spec, self.spec.shape, self.lw
         x = make_tokens(m, s.hidden, spec.dtype, spec.device, spec.seed + m)
         topk_weights, topk_ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m,
-                                              device=spec.device)
+                                              device=spec.device, groups=s.router_groups)
         self.m = m
         self.imbalance = load_imbalance(topk_ids, s.num_experts)
         self.gate = gate = shared_gate(spec, x, m)
@@ -110,6 +110,7 @@ def routing_variants(spec: SweepSpec, m: int, x, lw, gate=None) -> list[tuple]:
     s = spec.shape
     out = []
     for j in range(1, spec.routings):
-        w, ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m + 7919 * j, device=spec.device)
+        w, ids = make_routing(spec.routing, m, s.num_experts, s.topk, seed=spec.seed + m + 7919 * j, device=spec.device,
+                              groups=s.router_groups)
         out.append(layer_args(lw, x, w, ids, s.num_experts, gate))
     return out

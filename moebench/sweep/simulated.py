@@ -355,7 +355,7 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
             row.extra["comm_count"] = "link"
     comm = res.total_us
     not_run = pf_cls.unavailable_reason("cuda", world) if pf_cls.communicates else None
-    row.extra.update(comm_bytes=res.bytes, comm_lo_us=res.band_lo_us, comm_hi_us=res.band_hi_us,
+    row.extra.update(comm_bytes=res.bytes, comm_rdma_bytes=res.rdma_bytes, comm_lo_us=res.band_lo_us, comm_hi_us=res.band_hi_us,
                      comm_band=res.band, comm_model=res.how,
                      comm_transports=",".join(dict.fromkeys(c.transport for c in res.costs)),
                      comm_not_run=not_run or "")
