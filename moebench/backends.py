@@ -113,6 +113,34 @@ def get_prepare_finalize_class(name: str) -> type[PrepareAndFinalize]:
     return table[name]
 
 
+def experts_class(experts: "str | type[Experts]") -> type[Experts]:
+    """The experts class of a name (or the class itself: what a spec resolved when it was built)."""
+    return experts if isinstance(experts, type) else get_experts_class(experts)
+
+
+def prepare_finalize_class(pf: "str | type[PrepareAndFinalize]") -> type[PrepareAndFinalize]:
+    """The prepare/finalize class of a name (or the class itself)."""
+    return pf if isinstance(pf, type) else get_prepare_finalize_class(pf)
+
+
+def local_prepare_finalize(fmt) -> type[PrepareAndFinalize]:
+    """The first communication-free prepare/finalize (tokens kept in place) of activation format `fmt`."""
+    for cls in _discover().prepare_finalize.values():
+        if cls.activation_format == fmt and not cls.communicates:
+            return cls
+    raise MoebenchError(f"no prepare/finalize without communication lays tokens out as {fmt}")
+
+
+def stand_in(pf: "str | type[PrepareAndFinalize]") -> type[PrepareAndFinalize]:
+    """The communication-free prepare/finalize that lays tokens out as `pf` would on a rank."""
+    return local_prepare_finalize(prepare_finalize_class(pf).activation_format)
+
+
+def experts_classes() -> list[type[Experts]]:
+    """Every experts class, in listing order."""
+    return list(_discover().experts.values())
+
+
 def _dtype_name(dt: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dt, str(dt))
 
@@ -230,8 +258,8 @@ def _quant_reason(pf_cls: type[PrepareAndFinalize], ex_cls: type[Experts], devic
 
 
 def check_combination(
-    prepare_finalize: str,
-    experts: str,
+    prepare_finalize: str | type[PrepareAndFinalize],
+    experts: str | type[Experts],
     device: str,
     dtype: torch.dtype | None = None,
     world_size: int = 1,
@@ -249,10 +277,11 @@ def check_combination(
     A simulated run prices the prepare/finalize's communication from its declaration
     (comm_modeled: it need not run here, only pair with the experts and carry the precision), and
     may take the experts time from the target GPU's floor (experts_modeled: that GPU's name; the
-    experts need not run here, only run on a GPU of its maker in this precision)."""
+    experts need not run here, only run on a GPU of its maker in this precision). Either half may be
+    given as its class (what a spec resolved when it was built) or by name."""
     try:
-        pf_cls = get_prepare_finalize_class(prepare_finalize)
-        ex_cls = get_experts_class(experts)
+        pf_cls = prepare_finalize_class(prepare_finalize)
+        ex_cls = experts_class(experts)
     except UnsupportedError as e:
         return str(e)
     if pf_cls.activation_format != ex_cls.activation_format:
@@ -299,21 +328,21 @@ def check_named_experts_quant(names: list[str], quant) -> None:
                             f"use --experts {','.join(ok)} or another --dtype")
 
 
-def make_experts(name: str, **kwargs: Any) -> Experts:
-    return get_experts_class(name)(**kwargs)
+def make_experts(name: str | type[Experts], **kwargs: Any) -> Experts:
+    return experts_class(name)(**kwargs)
 
 
-def make_prepare_finalize(name: str, **kwargs: Any) -> PrepareAndFinalize:
-    return get_prepare_finalize_class(name)(**kwargs)
+def make_prepare_finalize(name: str | type[PrepareAndFinalize], **kwargs: Any) -> PrepareAndFinalize:
+    return prepare_finalize_class(name)(**kwargs)
 
 
 def make_kernel(
-    experts: str = "torch",
-    prepare_finalize: str = "no-dpep",
+    experts: str | type[Experts] = "torch",
+    prepare_finalize: str | type[PrepareAndFinalize] = "no-dpep",
     experts_kwargs: dict[str, Any] | None = None,
     prepare_finalize_kwargs: dict[str, Any] | None = None,
 ) -> FusedMoEKernel:
-    """Build the modular kernel from backend names (the same path the CLI uses).
+    """Build the modular kernel from backend names or classes (the same path the CLI uses).
 
     Raises FormatMismatchError when the halves disagree on the activation format.
     """

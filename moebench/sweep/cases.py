@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from moebench.backends import check_combination, get_experts_class, get_prepare_finalize_class
+from moebench.backends import check_combination
 from moebench.errors import MoebenchError, one_line
 from moebench.inputs import make_tokens
 from moebench.results import ResultRow, RunStore
@@ -21,11 +21,11 @@ def plan(spec: SweepSpec) -> list[tuple[str, str, str | None]]:
     for pf in spec.prepare_finalize:
         for ex in spec.experts:
             reason = check_combination(
-                pf, ex, spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep, quant=spec.quant,
+                spec.pf_classes[pf], spec.experts_classes[ex], spec.device, spec.dtype, spec.layout.world_size, spec.layout.enable_ep, quant=spec.quant,
                 activation=spec.activation, bias=spec.bias, comm_modeled=spec.model_comm,
                 experts_modeled=spec.target_gpu if spec.model_experts else None,
             )
-            if reason is None and spec.layout.dp > 1 and not get_prepare_finalize_class(pf).communicates:
+            if reason is None and spec.layout.dp > 1 and not spec.pf_classes[pf].communicates:
                 reason = (f"prepare/finalize '{pf}' keeps tokens where they are, so dp {spec.layout.dp} > 1 "
                           f"needs a token exchange: use allgather-rs or all2all-ll")
             out.append((pf, ex, reason))
@@ -37,7 +37,7 @@ def allreduce_choices(spec: SweepSpec, pf: str) -> list[str]:
     simulated run every transport its declared all-reduce can take (nccl, custom), each a row of
     its own; on real ranks the process group's; "" where there is none."""
     world = spec.layout.world_size
-    ops = [op for op in get_prepare_finalize_class(pf).communication if op.op == "all-reduce"]
+    ops = [op for op in spec.pf_classes[pf].communication if op.op == "all-reduce"]
     if not ops or world <= 1:
         return [""]
     if spec.model_comm:
@@ -62,10 +62,7 @@ def cases_to_run(spec: SweepSpec, store: RunStore | None = None, modeled: bool =
 
 def base_row(spec: SweepSpec, tokens: int, pf: str, ex: str, allreduce: str = "", variant: str = "") -> ResultRow:
     s, lay = spec.shape, spec.layout
-    try:
-        fmt = str(get_experts_class(ex).activation_format)
-    except MoebenchError:
-        fmt = "?"
+    fmt = str(spec.experts_classes[ex].activation_format)
     return ResultRow(
         model=s.name, num_experts=s.num_experts, topk=s.topk, hidden=s.hidden, intermediate=s.intermediate,
         tokens=tokens, tp=lay.tp, dp=lay.dp, ep=lay.ep_size, world_size=lay.world_size,
@@ -115,7 +112,7 @@ def batch_inputs(spec: SweepSpec, m: int, pf: str):
     from the seed): (tokens in all, x, topk_weights, topk_ids). A prepare/finalize that moves
     tokens brings `m` per rank (unless the spec's tokens are global); one that keeps them, `m`."""
     s = spec.shape
-    m_full = spec.batch_tokens(m, get_prepare_finalize_class(pf).communicates)
+    m_full = spec.batch_tokens(m, spec.pf_classes[pf].communicates)
     x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
     wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device,
                             groups=s.router_groups)

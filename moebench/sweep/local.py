@@ -59,7 +59,8 @@ class LocalRunner(CaseRunner):
     def run_case(self, row: ResultRow, m: int, pf: str, ex: str, inputs) -> None:
         spec, lw = self.spec, self.lw
         row.imbalance = self.imbalance
-        kernel = MoELayer(make_kernel(ex, pf), spec.activation, lw.bias, lw.shared_w13, lw.shared_w2, self.gate)
+        kernel = MoELayer(make_kernel(spec.experts_classes[ex], spec.pf_classes[pf]), spec.activation, lw.bias,
+                          lw.shared_w13, lw.shared_w2, self.gate)
         if row.variant:
             self.run_variant(row, m, kernel)
             return

@@ -28,7 +28,7 @@ from moebench.bench.hardware import get_ceilings
 from moebench.correctness import relative_error
 from moebench.inputs import check_fits
 from moebench.kernels.layer import MoELayer
-from moebench.backends import get_prepare_finalize_class, make_kernel
+from moebench.backends import make_kernel
 from moebench.results import RunStore
 from moebench.routing import load_imbalance
 from moebench.runtime.distributed import RankContext, all_reduce, is_main
@@ -38,11 +38,10 @@ from moebench.sweep.layer import fill_metrics, layer_reference, rank_layer, set_
 from moebench.sweep.measure import measure
 
 
-def prepare_finalize_kwargs(name: str, ctx: RankContext, layout, max_tokens_per_rank: int,
+def prepare_finalize_kwargs(cls: type, ctx: RankContext, layout, max_tokens_per_rank: int,
                             buffer_tokens: int | None = None) -> dict[str, Any]:
-    """The constructor arguments a prepare/finalize takes, from what the run knows (buffer_tokens:
-    the run's largest token count, for buffers a process sets up once)."""
-    cls = get_prepare_finalize_class(name)
+    """The constructor arguments the prepare/finalize class `cls` takes, from what the run knows
+    (buffer_tokens: the run's largest token count, for buffers a process sets up once)."""
     have = {"group": ctx.group if ctx.distributed else None, "layout": layout,
             "max_tokens_per_rank": max(1, max_tokens_per_rank),
             "buffer_tokens": max(1, buffer_tokens or max_tokens_per_rank)}
@@ -164,14 +163,15 @@ class RankRunner(CaseRunner):
     def run_case(self, row, m: int, pf: str, ex: str, inputs) -> None:
         ctx, spec = self.ctx, self.spec
         s, lay = spec.shape, spec.layout
-        moves_tokens = get_prepare_finalize_class(pf).communicates
+        moves_tokens = spec.pf_classes[pf].communicates
         m_full, x_full, wts, ids = inputs
         dev = ctx.device
         row.imbalance = load_imbalance(ids, s.num_experts)
         # A backend that fails to build or launch fails on every rank alike (inputs are identical);
         # a failure on one rank only leaves its peers in a collective, which times out and ends
         # the run with its message.
-        kernel = make_kernel(ex, pf, prepare_finalize_kwargs=prepare_finalize_kwargs(pf, ctx, lay, m, max(spec.tokens)))
+        kernel = make_kernel(spec.experts_classes[ex], spec.pf_classes[pf],
+                             prepare_finalize_kwargs=prepare_finalize_kwargs(spec.pf_classes[pf], ctx, lay, m, max(spec.tokens)))
         inp = rank_inputs(ctx, kernel.prepare_finalize, x_full, self.w13, self.w2, s.num_experts, wts, ids, lay)
         lo, hi = inp.rows
         gate = shared_gate(spec, x_full, m)

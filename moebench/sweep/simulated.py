@@ -36,8 +36,8 @@ from moebench.bench.timing import Timing, time_fn
 from moebench.errors import MoebenchError
 from moebench.inputs import check_fits
 from moebench.kernels.layer import MoELayer, shared_mlp
-from moebench.backends import (check_combination, declared_communication, get_prepare_finalize_class, make_kernel,
-                                prepare_finalize_names)
+from moebench.backends import (check_combination, declared_communication, experts_classes, local_prepare_finalize,
+                               make_kernel, stand_in)
 from moebench.comm.model import CommModel, CommResult
 from moebench.comm.traffic import Traffic, gbps, payload_row_bytes
 from moebench.kernels.token_layout import local_topk_ids
@@ -55,17 +55,6 @@ from moebench.sweep.layer import (
 )
 from moebench.sweep.measure import measure
 from moebench.sweep.variants import Case, measure_variant
-
-
-def _stand_in(pf_name: str) -> str:
-    """The communication-free prepare/finalize that lays tokens out as `pf_name` would on a rank
-    (the first one declaring the same activation format that keeps tokens in place)."""
-    fmt = get_prepare_finalize_class(pf_name).activation_format
-    for name in prepare_finalize_names():
-        cls = get_prepare_finalize_class(name)
-        if cls.activation_format == fmt and not cls.communicates:
-            return name
-    raise MoebenchError(f"no prepare/finalize without communication lays tokens out as {fmt} ({pf_name} does)")
 
 
 def as_comm_model(link) -> CommModel:
@@ -187,7 +176,7 @@ class _Share:
 
     def __init__(self, spec, pf: str, m: int, inputs, cache: dict, outline: bool):
         s, lay = spec.shape, spec.layout
-        self.moves = get_prepare_finalize_class(pf).communicates
+        self.moves = spec.pf_classes[pf].communicates
         self.m_full, x, wts, ids = inputs
         world = lay.world_size
         if lay.enable_ep:
@@ -224,11 +213,12 @@ class _Share:
             nbytes += 2 * own_tokens * s.hidden * el
         return float(flops), float(nbytes)
 
-    def kernel(self, spec, pf: str, ex: str) -> MoELayer:
-        """The rank's experts behind the communication-free prepare/finalize laying tokens out as `pf`."""
+    def kernel(self, spec, pf: str, ex_cls: type) -> MoELayer:
+        """The rank's experts (class `ex_cls`) behind the communication-free prepare/finalize laying
+        tokens out as `pf`."""
         lw = self.lw
-        return MoELayer(make_kernel(ex, _stand_in(pf)), spec.activation, lw.bias, lw.shared_w13, lw.shared_w2,
-                        self.gate, shared_rows=self.own)
+        return MoELayer(make_kernel(ex_cls, stand_in(spec.pf_classes[pf])), spec.activation, lw.bias,
+                        lw.shared_w13, lw.shared_w2, self.gate, shared_rows=self.own)
 
     def references(self, spec) -> dict:
         """measure()'s reference arguments for this share: the float64 layer on its rows (and the
@@ -251,23 +241,25 @@ class _Share:
 def experts_here(ex: str, spec) -> tuple[str | None, str]:
     """The experts this machine checks in place of `ex` under `spec`: `ex` where it runs here, else
     the first backend of the same activation format that does; (None, why) when none does."""
-    from moebench.backends import experts_names, get_experts_class
+    cls, why = _experts_here(spec.experts_classes[ex], spec)
+    return (None if cls is None else cls.name), why
 
-    stand_in = next(pf for pf in prepare_finalize_names()
-                    if get_prepare_finalize_class(pf).activation_format == get_experts_class(ex).activation_format
-                    and not get_prepare_finalize_class(pf).communicates)
 
-    def reason(name):
-        return check_combination(stand_in, name, spec.device, spec.dtype, 1, None, quant=spec.quant,
+def _experts_here(ex_cls: type, spec) -> tuple[type | None, str]:
+    """experts_here with classes: the class checked in place of `ex_cls`, and the note."""
+    fmt = ex_cls.activation_format
+    local = local_prepare_finalize(fmt)
+
+    def reason(cls):
+        return check_combination(local, cls, spec.device, spec.dtype, 1, None, quant=spec.quant,
                                  activation=spec.activation, bias=spec.bias)
 
-    why = reason(ex)
+    why = reason(ex_cls)
     if why is None:
-        return ex, ""
-    for name in experts_names():
-        if get_experts_class(name).timed and reason(name) is None and (
-                get_experts_class(name).activation_format == get_experts_class(ex).activation_format):
-            return name, f"checked with experts '{name}' ({why})"
+        return ex_cls, ""
+    for cls in experts_classes():
+        if cls.timed and cls.activation_format == fmt and reason(cls) is None:
+            return cls, f"checked with experts '{cls.name}' ({why})"
     return None, f"not checked here: {why}"
 
 
@@ -278,9 +270,9 @@ def _check_modeled(runner, row, pf: str, ex: str, m: int) -> str:
     spec, cs = runner.spec, runner.check_spec
     # prepare/finalize backends of one format that move tokens (or keep them) give the busiest rank
     # the same share behind the same stand-in: one check serves them all
-    key = (m, _stand_in(pf), get_prepare_finalize_class(pf).communicates, ex)
+    key = (m, stand_in(spec.pf_classes[pf]), spec.pf_classes[pf].communicates, ex)
     if key not in runner.check_cache:
-        name, sub = experts_here(ex, cs)
+        name, sub = _experts_here(spec.experts_classes[ex], cs)
         if name is None:
             runner.check_cache[key] = (None, None, sub)
         else:
@@ -299,7 +291,7 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
     el = spec.act_bytes
     world = lay.world_size
     row.extra["link"] = _link_label(link, world)  # the x_link column reports group by
-    pf_cls = get_prepare_finalize_class(pf)
+    pf_cls = spec.pf_classes[pf]
     ops = pf_cls.communication if world > 1 else ()
 
     # The communication first (cheap): a transport that cannot carry this case skips the row.
@@ -378,7 +370,7 @@ def _measure_share(spec, share: _Share, pf: str, ex: str, m: int, variant: str) 
     """Check and time the experts half of a case on this device: the rank's experts alone (the
     tokens laid out once, outside the timed calls), or a registered variant's call on the share.
     Returns the filled check columns, the timing, the config source and the variant's notes."""
-    kernel = share.kernel(spec, pf, ex)
+    kernel = share.kernel(spec, pf, spec.experts_classes[ex])
     refs = share.references(spec) if spec.check else {}
     notes: dict = {}
     if variant:

@@ -56,6 +56,14 @@ class SweepSpec:
     variants: list[str] = field(default_factory=lambda: [""])
     #: its rows check correctness only (ResultRow.check_only): a stand-in shape's check of modeled rows
     check_only: bool = False
+    #: the backends' classes by name, resolved once when the spec is built: every part of a run
+    #: takes them from here (an unknown name is refused now, with the valid ones)
+    experts_classes: dict = field(init=False, repr=False, compare=False)
+    pf_classes: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.experts_classes = {n: get_experts_class(n) for n in self.experts}
+        self.pf_classes = {n: get_prepare_finalize_class(n) for n in self.prepare_finalize}
 
     @property
     def dtype_label(self) -> str:

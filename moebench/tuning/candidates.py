@@ -24,11 +24,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from moebench.backends import experts_class, make_kernel, prepare_finalize_class
 from moebench.bench.timing import Timing, time_cpu, time_cuda
 from moebench.errors import MoebenchError, one_line
 from moebench.inputs import make_tokens, make_weights
+from moebench.kernels.engine_configs import engine_experts
 from moebench.kernels.reference import reference_moe
 from moebench.kernels.triton.configs import TILE_KEYS, validate_tile_config
+from moebench.kernels.vllm_triton import VllmTritonOptions
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow
 from moebench.routing import make_routing
@@ -133,6 +136,9 @@ class TuneRunner(CaseRunner):
         self.worker = worker
         self.n_routings = max(1, n_routings)
         self.batch: dict[str, tuple[dict[str, int], str, int, bool]] = {}
+        # the experts an engine's kernel is timed with where it runs here, else its structure
+        name = "triton" if spec.kernel == "moebench" else engine_experts(spec.kernel, self.device)
+        self.experts_cls, self.pf_cls = experts_class(name), prepare_finalize_class(PREPARE_FINALIZE)
         self._weights: tuple | None = None
         self._tokens: int | None = None
 
@@ -224,20 +230,13 @@ class TuneRunner(CaseRunner):
     def kernel(self, cfg: Mapping[str, int]):
         """The no-dpep kernel of the tune's experts with `cfg` (a `--down` tune: GEMM2's config,
         GEMM1's fixed)."""
-        from moebench.backends import make_kernel
-
-        spec = self.spec
-        if spec.kernel != "moebench":  # the engine's own kernel where it runs here, else its structure
-            from moebench.kernels.engine_configs import engine_experts
-            from moebench.kernels.vllm_triton import VllmTritonOptions
-
-            experts = engine_experts(spec.kernel, self.device)
+        if self.spec.kernel != "moebench":
             kw: dict[str, Any] = {"config": dict(cfg)}
-            if experts == "vllm-triton":
-                kw["options"] = VllmTritonOptions(engine=spec.kernel)
-            return make_kernel(experts=experts, prepare_finalize=PREPARE_FINALIZE, experts_kwargs=kw)
-        kw = {"config": dict(cfg)} if self._gemm1 is None else {"config": self._gemm1, "down_config": dict(cfg)}
-        return make_kernel(experts="triton", prepare_finalize=PREPARE_FINALIZE, experts_kwargs=kw)
+            if self.experts_cls.name == "vllm-triton":
+                kw["options"] = VllmTritonOptions(engine=self.spec.kernel)
+        else:
+            kw = {"config": dict(cfg)} if self._gemm1 is None else {"config": self._gemm1, "down_config": dict(cfg)}
+        return make_kernel(self.experts_cls, self.pf_cls, experts_kwargs=kw)
 
     def call(self, kernel, i: int) -> torch.Tensor:
         w13, w2, emap = self.weights()
