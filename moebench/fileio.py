@@ -5,6 +5,10 @@ through `atomic_write_text`, `atomic_write_bytes` or `atomic_write_with`. The te
 created as a plain `open()` would create it (mode 0o666 less the umask, not tempfile's 0600), so a
 tuned config put in a shared folder is readable by whoever serves the model; a file that is
 rewritten keeps the permissions it had.
+
+A disk fault (full, over quota, read-only, not writable: moebench.errors.WRITE_ERRNOS) becomes a
+one-line `WriteError` naming the file (`writing`), and the temporary file is removed: the file in
+place stays the whole one it was, or stays absent.
 """
 
 from __future__ import annotations
@@ -12,8 +16,23 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+import contextlib
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+from moebench.errors import WriteError
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Inside: an OSError of a disk fault becomes a WriteError naming `path` (others pass)."""
+    try:
+        yield
+    except OSError as e:
+        err = WriteError.from_os(e, path)
+        if err is None:
+            raise
+        raise err from None
 
 
 def _create_temp(path: Path) -> tuple[int, Path]:
@@ -31,6 +50,11 @@ def _create_temp(path: Path) -> tuple[int, Path]:
 def atomic_write_with(path: str | os.PathLike, writer: Callable[[str], object]) -> None:
     """writer(tmp_path) writes the content to a temporary file, which is then renamed onto `path`."""
     path = Path(path)
+    with writing(path):
+        _atomic_write_with(path, writer)
+
+
+def _atomic_write_with(path: Path, writer: Callable[[str], object]) -> None:
     fd, tmp = _create_temp(path)
     os.close(fd)
     try:
@@ -43,7 +67,7 @@ def atomic_write_with(path: str | os.PathLike, writer: Callable[[str], object]) 
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if tmp.exists():
+        with contextlib.suppress(OSError):
             tmp.unlink()
         raise
 
@@ -56,3 +80,25 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Binary twin of atomic_write_text."""
     atomic_write_with(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append `line` (and a line end) to the file at `path`, flushed and fsynced. Whole or not at
+    all: a write cut short (a full disk) is cut off again, so the file keeps only whole lines; a
+    disk fault is a WriteError naming the file."""
+    data = (line + "\n").encode()
+    with writing(path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)

@@ -27,7 +27,8 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from moebench.errors import MoebenchError
+from moebench.errors import MoebenchError, WriteError
+from moebench.fileio import append_line, writing
 from moebench.fileio import atomic_write_bytes, atomic_write_text, atomic_write_with  # noqa: F401  (re-exported)
 
 # The columns of design.md, in order; these names stay. Extra columns follow.
@@ -166,6 +167,9 @@ def ensure_writable_dir(path: Path) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
+        err = WriteError.from_os(e, path)
+        if err is not None:
+            raise err from None
         raise MoebenchError(
             f"cannot write to output folder '{path}' ({e.strerror or e}); pass --out with a writable folder"
         ) from None
@@ -267,6 +271,9 @@ class RunLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
         except OSError as e:
+            err = WriteError.from_os(e, self.path)
+            if err is not None:
+                raise err from None
             raise MoebenchError(f"cannot open the lock file {self.path} ({e.strerror or e})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -285,9 +292,14 @@ class RunLock:
             self.taken_over = f"took over the stale lock of {self.folder}: {_describe_holder(previous)} {gone}"
         me = {"pid": os.getpid(), "host": platform.node(), "command": self.command,
               "since": _dt.datetime.now().isoformat(timespec="seconds")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        os.fsync(fd)
+        try:
+            with writing(self.path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+                os.fsync(fd)
+        except BaseException:
+            _release_lock(fd)
+            raise
         self._finalizer = weakref.finalize(self, _release_lock, fd)
         return self
 
@@ -299,7 +311,7 @@ class RunLock:
 def _repair_tail(path: Path) -> tuple[bytes, str | None]:
     """rows.jsonl's content, its torn last line (a write cut short: no line end) removed from the
     file, or completed when it holds a whole row; plus a sentence saying what was done."""
-    with open(path, "rb+") as f:
+    with writing(path), open(path, "rb+") as f:
         data = f.read()
         if not data or data.endswith(b"\n"):
             return data, None
@@ -437,20 +449,43 @@ class RunStore:
         self._keys.add(row.key())
         if not self.write:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row.as_dict(), default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:  # whole lines only: a row cut short by a full disk is cut off again
+            append_line(self.path, json.dumps(row.as_dict(), default=str))
+        except BaseException:
+            self.rows.pop()
+            self._keys.discard(row.key())
+            raise
 
 
-def run_files(folder: Path) -> list[Path]:
+#: files that make a folder a run folder (its subfolders, such as a tune's Triton cache, are its own)
+_RUN_MARKERS = ("rows.jsonl", "results.json", "metadata.json", "tune.json")
+
+
+def run_files(folder: Path, problems: list[str] | None = None) -> list[Path]:
     """The rows file of each run folder at or below `folder` (rows.jsonl, else results.json), so
-    that a folder of run folders (`results/`) reads as all of them."""
-    found = []
-    for d in [folder, *sorted(p for p in folder.rglob("*") if p.is_dir())]:
-        f = next((c for c in (d / "rows.jsonl", d / "results.json") if c.is_file()), None)
+    that a folder of run folders (`results/`) reads as all of them. With `problems`, a run folder
+    that holds no rows (a run stopped before its first, a tune's folder) and an empty folder each
+    add a line to it."""
+    found: list[Path] = []
+
+    def walk(d: Path) -> None:
+        names = {c.name for c in d.iterdir()} if d.is_dir() else set()
+        f = next((d / n for n in ("rows.jsonl", "results.json") if (d / n).is_file()), None)
         if f is not None:
             found.append(f)
+            return
+        if any(n in names for n in _RUN_MARKERS):
+            if problems is not None:
+                what = "a tune's run folder (its report.md holds the results)" if "tune.json" in names \
+                    else "a run folder with no rows yet (stopped before its first row)"
+                problems.append(f"skipped {d}: {what}")
+            return
+        if not names and problems is not None:
+            problems.append(f"skipped {d}: an empty folder")
+        for sub in sorted(p for p in d.iterdir() if p.is_dir()):
+            walk(sub)
+
+    walk(Path(folder))
     return found
 
 
@@ -478,44 +513,64 @@ def _from_folder(rows: list[ResultRow], folder: Path) -> None:
             r.check_only = r.check_only or not r.modeled
 
 
-def load_rows(paths: Iterable[Path]) -> list[ResultRow]:
+def _read_rows_file(p: Path) -> list[ResultRow]:
+    """The rows of one results file (.jsonl, .json, .csv), with what their folder says of them; a
+    one-line MoebenchError for a file that is not one."""
+    if not p.exists():
+        raise MoebenchError(f"results path '{p}' does not exist")
+    try:
+        if p.suffix == ".jsonl":
+            recs = []
+            for number, line in enumerate(p.read_text().splitlines(), 1):
+                if line.strip():
+                    try:
+                        recs.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise MoebenchError(f"'{p}' line {number} is not a result row ({e.msg}); the rows of a "
+                                            f"run folder continued with --resume are measured again") from None
+        elif p.suffix == ".json":
+            recs = json.loads(p.read_text())
+        elif p.suffix == ".csv":
+            recs = pd.read_csv(p).to_dict("records")
+        else:
+            raise MoebenchError(f"cannot read results from '{p}': expected a folder, .jsonl, .json or .csv")
+        if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
+            raise MoebenchError(f"'{p}' is not a moebench results file: expected a list of result rows")
+        missing = sorted({c for r in recs for c in _REQUIRED_COLUMNS if c not in r})
+        if missing:
+            shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+            raise MoebenchError(f"'{p}' is not a moebench results file: it has no {shown} column"
+                                f"{'s' if len(missing) > 1 else ''} (pass a sweep's or compare's results)")
+        found = [ResultRow.from_dict(r) for r in recs]
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise MoebenchError(f"'{p}' is not a moebench results file ({e})") from None
+    _from_folder(found, p.parent)
+    return found
+
+
+def load_rows(paths: Iterable[Path], problems: list[str] | None = None) -> list[ResultRow]:
     """Rows from run folders (rows.jsonl, else results.json), folders holding run folders, or
-    single result files."""
+    single result files. Without `problems` the first file that is not a results file is a
+    MoebenchError; with it, each such file, each run folder without rows and each empty folder
+    below the folders given is one line there, and the others' rows are returned."""
     rows: list[ResultRow] = []
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = run_files(p)
-            if not found:
+            found = run_files(p, problems)
+            if not found and problems is None:
                 raise MoebenchError(f"no rows.jsonl or results.json in '{p}' or the folders below it; "
                                     f"pass a moebench results folder")
             files += found
         else:
             files.append(p)
     for p in files:
-        if not p.exists():
-            raise MoebenchError(f"results path '{p}' does not exist")
         try:
-            if p.suffix == ".jsonl":
-                recs = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-            elif p.suffix == ".json":
-                recs = json.loads(p.read_text())
-            elif p.suffix == ".csv":
-                recs = pd.read_csv(p).to_dict("records")
-            else:
-                raise MoebenchError(f"cannot read results from '{p}': expected a folder, .jsonl, .json or .csv")
-            if not isinstance(recs, list) or not all(isinstance(r, dict) for r in recs):
-                raise MoebenchError(f"'{p}' is not a moebench results file: expected a list of result rows")
-            missing = sorted({c for r in recs for c in _REQUIRED_COLUMNS if c not in r})
-            if missing:
-                shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-                raise MoebenchError(f"'{p}' is not a moebench results file: it has no {shown} column"
-                                    f"{'s' if len(missing) > 1 else ''} (pass a sweep's or compare's results)")
-            found = [ResultRow.from_dict(r) for r in recs]
-            _from_folder(found, p.parent)
-            rows.extend(found)
-        except (json.JSONDecodeError, TypeError, ValueError) as e:
-            raise MoebenchError(f"'{p}' is not a moebench results file ({e})") from None
+            rows.extend(_read_rows_file(p))
+        except MoebenchError as e:
+            if problems is None or not p.exists():
+                raise
+            problems.append(f"skipped {p.parent if p.name in ('rows.jsonl', 'results.json') else p}: {e}")
     return rows
 
 

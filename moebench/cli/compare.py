@@ -22,7 +22,7 @@ from moebench.cli.options import (
     resolve_shape,
     shape_options,
 )
-from moebench.errors import MoebenchError, interrupt_status
+from moebench.errors import MoebenchError, interrupt_status, interrupted_by
 from moebench.report import say
 
 
@@ -125,7 +125,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: the rows so far stay, exported
         kept = RunStore(folder)
         write_exports(kept, ["csv", "json", "md"])
-        say(err_console, f"interrupted: {len(kept.rows)} finished rows kept in {folder} (compare has no --resume: "
+        say(err_console, f"{interrupted_by(stop)}: {len(kept.rows)} finished rows kept in {folder} (compare has no --resume: "
                          f"run it again for the answer)")
         sys.exit(interrupt_status(stop))
     write_exports(RunStore(folder), ["csv", "json", "md"])

@@ -3,16 +3,18 @@ parsing of tokens, device, shape and precision, the progress bar and --resume's 
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 import click
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moebench.errors import MoebenchError
+from moebench.errors import MoebenchError, WriteError
 
 console = Console()
 err_console = Console(stderr=True)
@@ -233,6 +235,21 @@ def resolve_layer(shape, activation: str | None, shared: str | None, experts: li
             if why:
                 raise MoebenchError(f"{why}; choose other --experts or another --activation")
     return act, bias, modes
+
+
+@contextlib.contextmanager
+def way_on(command: str, run_folder: Callable[[], Path | None] = lambda: None,
+           settings: str = "metadata.json") -> Iterator[None]:
+    """Inside: a disk fault (WriteError) ends with what to run once it is fixed: `moebench COMMAND
+    --resume RUN` where `run_folder()` names a folder that holds its `settings` file (the run can
+    be continued), else the command again."""
+    try:
+        yield
+    except WriteError as e:
+        run = run_folder()
+        if run is not None and (Path(run) / settings).is_file():
+            raise e.then(f"continue with `moebench {command} --resume {run}`") from None
+        raise e.then("run the command again") from None
 
 
 def _progress() -> Progress:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from moebench.cli.options import console
+from moebench.cli.options import console, err_console
 from moebench.errors import MoebenchError
 
 
@@ -23,9 +23,13 @@ def report(results, fmt, out_file, plot_path):
     from moebench.plots import check_plot_file
     from moebench.results import atomic_write_text, check_output_file, load_rows
 
-    rows = load_rows(results)
-    if not rows:
+    problems: list[str] = []  # a damaged or empty folder is one line; the others are reported
+    rows = load_rows(results, problems)
+    if not rows:  # nothing to report: the first problem is the error, one line
+        load_rows(results)
         raise MoebenchError("the results hold no rows")
+    for line in problems:  # one line each, however long (soft wrap): a script can count them
+        err_console.print(f"notice: {line}", markup=False, highlight=False, soft_wrap=True)
     df = frame(rows)
     table, fastest = pivot(df)
     common = table.attrs.get("common", []) if not table.empty else []

@@ -21,6 +21,7 @@ from moebench.cli.options import (
     _resume_defaults,
     _run_options,
     check_routing,
+    way_on,
     cluster_options,
     console,
     err_console,
@@ -31,7 +32,7 @@ from moebench.cli.options import (
     resolve_shape,
     shape_options,
 )
-from moebench.errors import MoebenchError, interrupt_status
+from moebench.errors import MoebenchError, interrupt_status, interrupted_by
 from moebench.kernels.triton.configs import config_search_dirs
 from moebench.report import print_fitted, say
 
@@ -264,17 +265,20 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     prog = None if mode in ("spawn", "torchrun") else _progress()
     task = prog.add_task("sweep", total=None) if prog is not None else None
     try:
-        store = run_in_folder(specs, mode, out, resume=resume, metadata=meta, argv=sys.argv[1:],
-                              command=_command_line(), ctx=ctx, link=link, on_start=start,
-                              on_progress=tick if prog is not None else None)
+        with way_on("sweep", lambda: opened[0].folder if opened else None):
+            store = run_in_folder(specs, mode, out, resume=resume, metadata=meta, argv=sys.argv[1:],
+                                  command=_command_line(), ctx=ctx, link=link, on_start=start,
+                                  on_progress=tick if prog is not None else None)
     except KeyboardInterrupt as stop:
         if prog is not None:
             prog.stop()
-        if not opened:
+        folder = opened[0].folder if opened else getattr(stop, "run_folder", None)
+        if folder is None:
             raise
-        store = RunStore(opened[0].folder)
-        write_exports(store, fmts)
-        say(err_console, f"interrupted: {len(store.rows)} finished rows kept in {store.folder} "
+        with way_on("sweep", lambda: folder):
+            store = RunStore(folder)
+            write_exports(store, fmts)
+        say(err_console, f"{interrupted_by(stop)}: {len(store.rows)} finished rows kept in {store.folder} "
                          f"(continue with --resume {store.folder})")
         sys.exit(interrupt_status(stop))
     finally:
@@ -283,7 +287,8 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     if store is None:  # a torchrun rank other than 0: rank 0 writes and reports
         leave_torchrun(ctx)
         return
-    written = write_exports(store, fmts)
+    with way_on("sweep", lambda: store.folder):
+        written = write_exports(store, fmts)
     print_rows(store.rows, console, show_skipped=show_skipped)
     if store.rows and not any(r.status == "ok" for r in store.rows):
         hint = (" On a CPU, `TRITON_INTERPRET=1 moebench sweep ...` runs the Triton experts under the interpreter"

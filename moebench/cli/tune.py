@@ -35,8 +35,9 @@ from moebench.cli.options import (
     resolve_device,
     resolve_precision,
     resolve_shape,
+    way_on,
 )
-from moebench.errors import MoebenchError, interrupt_status
+from moebench.errors import MoebenchError, interrupt_status, interrupted_by
 from moebench.report import Column, TextTable, print_fitted, say
 from moebench.kernels.triton import configs as C
 from moebench.tuning import files
@@ -194,7 +195,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=True)
     try:
-        with progress:
+        with way_on("tune", lambda: run_dir, settings=T.SETTINGS), progress:
             task = progress.add_task("tune", total=len(spec.tokens))
 
             def on_measure(row):
@@ -207,7 +208,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
             outcome = T.tune(spec, out_dir=out, resume=resume, gpus=gpus, run_dir=run_dir, results_dir=results_dir,
                              on_measure=on_measure, on_tokens=on_tokens, compile_workers=compile_workers)
     except KeyboardInterrupt as stop:
-        say(err_console, f"interrupted: finished measurements are kept in {run_dir} "
+        say(err_console, f"{interrupted_by(stop)}: finished measurements are kept in {run_dir} "
                          f"(continue with: moebench tune --resume {run_dir})")
         sys.exit(interrupt_status(stop))
     except torch.OutOfMemoryError as e:

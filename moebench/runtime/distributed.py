@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from moebench.errors import MoebenchError, one_line
+from moebench.errors import MoebenchError, WriteError, one_line
 from moebench.runtime.processes import start_worker, worker_context
 
 #: Environment every spawned rank gets (required on the shared GPU hosts: no NVLink multicast).
@@ -51,10 +51,13 @@ class RankFailedError(MoebenchError):
     text when it reported one.
     """
 
-    def __init__(self, message: str, rank: int | None = None, traceback_text: str = ""):
+    def __init__(self, message: str, rank: int | None = None, traceback_text: str = "",
+                 write_fault: tuple[str, int] | None = None):
         super().__init__(message)
         self.rank = rank
         self.traceback = traceback_text
+        #: (path, errno) where the rank stopped on a disk fault (a WriteError): the parent raises that
+        self.write_fault = write_fault
 
 
 @dataclass
@@ -300,7 +303,8 @@ def _rank_main(
         value = fn(ctx, *args)
         results.send(("ok", rank, _dumps(value)))
     except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the parent
-        results.send(("err", rank, one_line(e, where=True), traceback.format_exc()))
+        fault = (e.path, e.errno) if isinstance(e, WriteError) else None
+        results.send(("err", rank, one_line(e, where=True), traceback.format_exc(), fault))
     finally:
         try:
             if dist.is_initialized():
@@ -395,8 +399,9 @@ def spawn(
                 if msg[0] == "ok":
                     values[msg[1]] = _loads(msg[2])
                 else:
-                    _, rank, line, tb = msg
-                    failures.setdefault(rank, RankFailedError(f"rank {rank} of {world_size} failed: {line}", rank, tb))
+                    _, rank, line, tb, fault = msg
+                    failures.setdefault(rank, RankFailedError(f"rank {rank} of {world_size} failed: {line}", rank, tb,
+                                                              fault))
             for rank, p in enumerate(procs):
                 if rank in values or rank in failures or p.exitcode is None:
                     continue
@@ -414,7 +419,10 @@ def spawn(
                 # the root cause to arrive, then report it.
                 first_failure_at = first_failure_at or now
                 if now - first_failure_at > 2.5 or len(values) + len(failures) == world_size:
-                    raise _root_cause(failures)
+                    cause = _root_cause(failures)
+                    if cause.write_fault is not None:  # a full disk is a full disk, whichever rank wrote
+                        raise WriteError(*cause.write_fault) from None
+                    raise cause
             if deadline is not None and now > deadline:
                 missing = [r for r in range(world_size) if r not in values]
                 raise RankFailedError(

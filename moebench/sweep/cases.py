@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from moebench.backends import check_combination
-from moebench.errors import MoebenchError, one_line
+from moebench.errors import WRITE_ERRNOS, MoebenchError, WriteError, one_line
 from moebench.inputs import make_tokens
 from moebench.results import ResultRow, RunStore
 from moebench.routing import make_routing
@@ -147,9 +147,13 @@ def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,
                         inputs = runner.inputs(m, pf)
                         try:
                             runner.run_case(row, m, pf, ex, inputs)
+                        except WriteError:
+                            raise  # a full disk is no failure of the pair: the run stops, resumable
                         except MoebenchError as e:
                             row.status, row.reason = "failed", str(e)
                         except Exception as e:  # any backend failure (compile error, out of resources, OOM)
+                            if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:  # a compile cache on a full disk
+                                raise WriteError.from_os(e) from None
                             if spec.device == "cuda":
                                 torch.cuda.synchronize()
                             row.status, row.reason = "failed", one_line(e)

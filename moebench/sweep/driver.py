@@ -139,13 +139,18 @@ def run_in_folder(specs: list[SweepSpec], mode: str, out: Path | str, *, resume:
     the whole sweep; rows are written as they are measured, so an interrupted or failing sweep
     keeps every finished row. Under torchrun rank 0 owns the folder and the other ranks only
     compute: they return None. on_start(store, cases): once the folder is open, with the number of
-    cases left to run. Returns the store holding every row."""
+    cases left to run. Returns the store holding every row. A KeyboardInterrupt (Ctrl-C, SIGTERM,
+    SIGHUP) while the folder opens carries it as `run_folder` (None: it holds no settings yet)."""
     if ctx is not None and not is_main(ctx):
         for sp in specs:
             run_multirank(sp, out, ctx=ctx)
         return None
     folder = Path(resume) if resume is not None else ensure_writable_dir(Path(out)) / new_run_id("sweep", specs[0].shape.name)
-    store = owner = RunStore(folder, metadata=None if resume is not None else metadata, lock=True, command=command)
+    try:
+        store = owner = RunStore(folder, metadata=None if resume is not None else metadata, lock=True, command=command)
+    except KeyboardInterrupt as stop:  # stopped as the folder opened: the caller can still name it
+        stop.run_folder = folder if (folder / "metadata.json").is_file() else None
+        raise
     try:
         if resume is not None:
             store.record_resume(list(argv))
@@ -153,6 +158,9 @@ def run_in_folder(specs: list[SweepSpec], mode: str, out: Path | str, *, resume:
             on_start(store, sum(cases_to_run(sp, store, modeled=mode == "simulate") for sp in specs))
         for sp in specs:
             store = run(sp, store, mode, link=link, ctx=ctx, on_progress=on_progress)
+    except KeyboardInterrupt as stop:
+        stop.run_folder = folder
+        raise
     finally:
         owner.close()
     return store

@@ -26,7 +26,7 @@ import torch
 
 from moebench.backends import experts_class, make_kernel, prepare_finalize_class
 from moebench.bench.timing import Timing, time_cpu, time_cuda
-from moebench.errors import MoebenchError, one_line
+from moebench.errors import WRITE_ERRNOS, MoebenchError, WriteError, one_line
 from moebench.inputs import make_tokens, make_weights
 from moebench.kernels.engine_configs import engine_experts
 from moebench.kernels.reference import reference_moe
@@ -158,11 +158,13 @@ class TuneRunner(CaseRunner):
         t0 = time.perf_counter()
         try:
             self._measure(row, cfg, reps, check)
-        except (KeyboardInterrupt, SystemExit):
-            raise
+        except (KeyboardInterrupt, SystemExit, WriteError):
+            raise  # (the sweep loop stops on a WriteError: a full disk is no config's failure)
         except MemoryError as e:
             raise Fatal(e) from e
         except Exception as e:  # noqa: BLE001 - compile errors, OutOfResources, launch failures
+            if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:  # Triton's cache on a full disk
+                raise WriteError.from_os(e) from None
             if torch.device(self.device).type == "cuda":
                 try:
                     torch.cuda.synchronize()

@@ -62,6 +62,7 @@ from moebench.errors import MoebenchError
 from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
 from moebench.quant import QuantScheme
+from moebench.fileio import writing
 from moebench.results import ResultRow, RunLock, RunStore, atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.runtime.processes import start_worker, worker_context
 from moebench.kernels.triton import configs as C
@@ -91,6 +92,8 @@ from moebench.tuning.spec import (  # noqa: F401  (re-exported: the tuner's API,
 #: The run folder's candidate rows (worker N: candidates.wN.jsonl), and its settings.
 CANDIDATES = "candidates.jsonl"
 SETTINGS = "tune.json"
+#: the lock a config file's writers take, in the file's folder (one merge at a time)
+CONFIG_LOCK = ".moebench-configs.lock"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -715,7 +718,8 @@ def update_config_file(spec: TuneSpec, path: Path, entries: Mapping[int, Mapping
                        run_dir: str | os.PathLike | None = None) -> Path:
     """Merge `entries` into the config file at `path` (moebench.tuning.files.merge_config_file:
     atomic rename, refused for a file of another scheme). With `run_dir`, under an exclusive lock
-    on a file there, so the workers of one run never drop each other's entries. An engine's file is
+    on CONFIG_LOCK in the file's folder, so neither the workers of one run nor two runs writing one
+    folder at once drop each other's entries. An engine's file is
     written in the engine's format (token keys only)."""
     if spec.kernel != "moebench":
         merge = lambda: merge_engine_file(path, entries)  # noqa: E731
@@ -725,7 +729,9 @@ def update_config_file(spec: TuneSpec, path: Path, entries: Mapping[int, Mapping
         return merge()
     import fcntl
 
-    with open(Path(run_dir) / ".config-file.lock", "a") as lock:
+    # the lock lives beside the file: two tunes writing into one folder at once never drop each
+    # other's entries (nor do the workers of one run)
+    with writing(path.parent), open(path.parent / CONFIG_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             return merge()
