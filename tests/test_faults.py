@@ -31,7 +31,6 @@ from pathlib import Path
 
 import pytest
 
-from moebench.errors import WriteError
 from test_cli import ROOT, assert_bad_input, moebench_inproc
 
 SHAPE = ["--num-experts", "6", "--topk", "2", "--hidden", "24", "--intermediate", "16"]
@@ -294,6 +293,8 @@ def test_report_and_plot_on_a_full_disk(disk, tmp_path):
 
 def test_a_quota_exceeded_is_one_line_too(tmp_path):
     """EDQUOT from a write, as a quota'd file system gives it, reads as a full disk does."""
+    from moebench.errors import WriteError
+
     err = WriteError.from_os(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), tmp_path / "rows.jsonl")
     assert str(err.then("continue")) == (f"cannot write {tmp_path / 'rows.jsonl'}: disk quota exceeded; free space "
                                          f"or raise the quota, then continue")
@@ -468,8 +469,9 @@ def test_two_tunes_into_one_folder_at_once_keep_both(tmp_path):
     both finish, the file holds both's entries, and a third writer of either run folder is refused."""
     import fcntl
 
-    from moebench.tuning.tuner import CONFIG_LOCK
+    from moebench.tuning import tuner
 
+    CONFIG_LOCK = getattr(tuner, "CONFIG_LOCK", ".moebench-configs.lock")  # the name the tunes lock
     configs, results = tmp_path / "configs", tmp_path / "tune"
     configs.mkdir()
     base = [sys.executable, "-m", "moebench.cli", "tune", "--num-experts", "4", "--topk", "2", "--hidden", "64",
