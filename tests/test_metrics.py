@@ -128,11 +128,12 @@ def test_get_ceilings_prefers_cache_then_datasheet(cache_dir, monkeypatch):
 
 
 def test_cpu_ceilings_are_measured_quickly_and_marked(cache_dir):
-    import time
+    from helpers import WorkCounter
 
-    t0 = time.perf_counter()
-    c = calibrate_cpu()
-    assert time.perf_counter() - t0 < 2.0
+    with WorkCounter() as work:  # quick = a bounded amount of work: 6 copies, sums and 512^3 matmuls, 128 MiB at most
+        c = calibrate_cpu()
+    assert all(1 <= work.count(op) <= 6 for op in ("copy_", "sum", "mm")), work.calls  # a warm-up and 5 at most
+    assert work.largest_bytes <= 128 * 2**20
     assert c.device_type == "cpu" and not c.is_gpu and c.source.startswith("cpu measured")
     assert "not GPU" in c.label
     assert c.mem_read_gbps > 0 and c.mem_copy_gbps > 0 and c.tflops("bf16") == c.matmul_tflops["fp32"] > 0
