@@ -191,7 +191,7 @@ def test_sigterm_to_a_two_rank_sweep_keeps_rows_and_says_how_to_resume(tmp_path)
         _stop_all(parent, ranks)
     assert parent.returncode == 143, err
     said = " ".join(err.split())
-    assert "interrupted:" in said and f"--resume {run}" in said, err
+    assert "interrupted by SIGTERM:" in said and f"--resume {run}" in said, err
     assert "leaked" not in err and "Traceback" not in err, err
     kept = _n_lines(run)
     assert 1 <= kept < 8

@@ -198,7 +198,7 @@ def test_per_token_and_per_tensor_fp8_tunes_keep_separate_files(tmp_path, monkey
     tensor_bytes = (out / TENSOR_FILE).read_bytes()
     r = moebench_inproc("tune", *common, "--scales", "token", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert {p.name for p in out.iterdir()} == {TENSOR_FILE, TOKEN_FILE, "tuned_routing.json"}
+    assert {p.name for p in out.iterdir() if not p.name.startswith(".")} == {TENSOR_FILE, TOKEN_FILE, "tuned_routing.json"}
     assert (out / TENSOR_FILE).read_bytes() == tensor_bytes  # the per-tensor entries are untouched
     (token_run,) = [d for d in _run_dirs(res) if json.loads((d / "tune.json").read_text())["spec"]["quant"]["scales"] == "token"]
     (report,) = csv.DictReader(io.StringIO((token_run / "report.csv").read_text()))
