@@ -188,3 +188,22 @@ def test_out_of_gpu_memory_is_one_line(monkeypatch):
 
     monkeypatch.setattr(cli_module.cli, "main", oom)
     assert_bad_input(moebench_inproc("sweep", *SMALL), "error: out of GPU memory (CUDA out of memory); free the GPU")
+
+
+def test_target_gpu_is_one_option_across_commands(tmp_path):
+    """`--target-gpu` names the modeled GPU in comm, compare and sweep; `--gpu` is the same option."""
+    comm = ["comm", "--transport", "nccl-all-reduce", "--op", "all-reduce", "--world-size", "8", "--bytes", "1e6", "--json"]
+    said = {flag: json.loads(moebench_inproc(*comm, flag, "H100").stdout) for flag in ("--target-gpu", "--gpu")}
+    assert said["--target-gpu"] == said["--gpu"] and said["--gpu"]["nvlink"] == "h100-nvlink"
+    sweep = ["sweep", "--num-experts", "8", "--topk", "2", "--hidden", "32", "--intermediate", "16", "--tokens", "2",
+             "--experts", "torch", "--device", "cpu"]
+    for flag in ("--target-gpu", "--gpu"):
+        res = moebench_inproc(*sweep, "--ep", "2", "--simulate", flag, "B200", "--out", str(tmp_path / flag),
+                              env={"COLUMNS": "400"})
+        assert res.returncode == 0, res.stderr
+        assert "link: the profile of B200 (from --target-gpu)" in res.stdout
+    assert_bad_input(moebench_inproc(*sweep, "--target-gpu", "B200", "--out", str(tmp_path / "x")), "--simulate")
+    for flag in ("--target-gpu", "--gpu"):  # compare's own refusal of an unknown GPU: the option is read either way
+        assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--num-experts", "8", "--topk", "2", "--hidden", "32",
+                                         "--intermediate", "16", "--world-size", "2", "--tokens", "2", "--no-check",
+                                         flag, "Z9000", "--out", str(tmp_path / "c")), "no datasheet profile", "Z9000")

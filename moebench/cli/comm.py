@@ -22,8 +22,8 @@ GPUS = ("H100", "H200", "H800", "H20", "A100", "B200", "GB200")
 @click.command("comm")
 @click.option("--transport", required=True, type=click.Choice(TRANSPORTS), help="The transport priced.")
 @click.option("--op", "op", required=True, type=click.Choice(OPS), help="The operation.")
-@click.option("--gpu", default="H200", show_default=True, type=click.Choice(GPUS, case_sensitive=False),
-              help="The GPUs (their NVLink).")
+@click.option("--target-gpu", "--gpu", "gpu", default="H200", show_default=True,
+              type=click.Choice(GPUS, case_sensitive=False), help="The GPUs priced (their NVLink); --gpu is the same.")
 @click.option("--world-size", type=int, required=True, help="Ranks taking part.")
 @click.option("--gpus-per-node", "gpus_per_node", type=int, default=None,
               help="GPUs per NVLink domain [8; 72 for GB200]: past it traffic goes over RDMA.")

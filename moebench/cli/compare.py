@@ -36,9 +36,9 @@ def compare():
 @click.option("--experts", "experts", default="all", show_default=True, help="Experts backends to consider.")
 @click.option("--link", "link_name", default=None, help="Link profile (h200-nvlink, a100-nvlink, pcie-gen5, ib-400g, ...).")
 @click.option("--link-gbps", type=float, default=None, help="Override the link bandwidth (GB/s per direction).")
-@click.option("--target-gpu", default=None,
-              help="Model the experts time as this GPU's roofline floor (datasheet) instead of timing it here; "
-                   "default on CPU: H200.")
+@click.option("--target-gpu", "--gpu", "target_gpu", default=None,
+              help="Model the experts time as this GPU's roofline floor (datasheet) instead of timing it here, and "
+                   "its link; default on CPU: H200 (--gpu is the same).")
 @click.option("--no-check", is_flag=True, help="Skip the reference checks (simulated share and real ranks).")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None, help="PNG file for the plots.")
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")

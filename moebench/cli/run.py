@@ -159,6 +159,9 @@ def models(as_json: bool):
 @click.option("--simulate", is_flag=True, help="Compute one rank's share on one device; model communication.")
 @click.option("--link", "link_name", default=None, help="Link profile for --simulate (h200-nvlink, a100-nvlink, pcie-gen5, ib-400g, ...).")
 @click.option("--link-gbps", type=float, default=None, help="Override the link bandwidth (GB/s per direction) for --simulate.")
+@click.option("--target-gpu", "--gpu", "target_gpu", default=None,
+              help="The GPU whose link --simulate models (H100, H200, B200, ...) [this machine's GPU; cpu: H200]; "
+                   "--gpu is the same.")
 @click.option("--format", "formats", default="csv,json,md", show_default=True, help="Exports: csv,json,md,parquet,html.")
 @click.option("--no-check", is_flag=True, help="Skip the float64 reference check.")
 @click.option("--resume", "resume", type=click.Path(path_type=Path), default=None, is_eager=True, callback=_resume_defaults,
@@ -173,7 +176,7 @@ def models(as_json: bool):
 @cluster_options
 def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, block_shape,
           scales, group_size, zero_points, activation, routing, seed, out, experts, prepare_finalize, simulate, link_name,
-          link_gbps, formats, no_check, resume, reps, routings, show_skipped, shared, gpus_per_node, rdma_name):
+          link_gbps, target_gpu, formats, no_check, resume, reps, routings, show_skipped, shared, gpus_per_node, rdma_name):
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
     from moebench.backends import prepare_finalize_names
     from moebench.layout import ParallelLayout
@@ -225,7 +228,8 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     ctx = join_torchrun()  # None outside torchrun
     dev_name = device_summary(device).get("name") if device == "cuda" else None
     run_plan = plan_run(specs, simulate=simulate, world_size=world_size, ctx=ctx, device_name=dev_name,
-                        link_name=link_name, link_gbps=link_gbps, gpus_per_node=gpus_per_node, rdma_name=rdma_name)
+                        link_name=link_name, link_gbps=link_gbps, gpus_per_node=gpus_per_node, rdma_name=rdma_name,
+                        target_gpu=target_gpu)
     mode, link, link_why = run_plan.mode, run_plan.link, run_plan.link_why
     if run_plan.notice:
         say(console, Text.assemble(("notice:", "yellow"), f" {run_plan.notice}"))

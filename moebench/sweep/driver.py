@@ -190,11 +190,12 @@ def simulation_link(device: str, device_name: str | None, link_name: str | None,
 
 def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int | None = None, ctx=None,
              device_name: str | None = None, link_name: str | None = None, link_gbps: float | None = None,
-             gpus_per_node: int | None = None, rdma_name: str = "rdma-400g") -> RunPlan:
+             gpus_per_node: int | None = None, rdma_name: str = "rdma-400g", target_gpu: str | None = None) -> RunPlan:
     """Decide how `specs` (one per shared-experts form, one layout) run here, and refuse
     (MoebenchError) what cannot, before any folder exists: a fused shared MLP on real ranks, link
     options without a simulation, a world the nodes do not divide, a run that does not fit, a run
-    none of whose pairs can run here."""
+    none of whose pairs can run here. target_gpu: the GPU whose link a simulated run models
+    (--target-gpu; default this machine's, on a CPU DEFAULT_TARGET_GPU)."""
     spec = specs[0]
     layout = spec.layout
     mode, notice = choose_mode(layout, spec.device, simulate, world_size, ctx)
@@ -203,14 +204,15 @@ def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int 
                             "the routed experts: use --shared-experts separate (or none), or add --simulate")
     run_plan = RunPlan(mode, notice)
     if mode == "simulate":
-        gpn = gpus_per_node if gpus_per_node is not None else nvlink_domain(device_name or DEFAULT_TARGET_GPU)
+        gpn = gpus_per_node if gpus_per_node is not None else nvlink_domain(target_gpu or device_name or DEFAULT_TARGET_GPU)
         check_world(layout.world_size, gpn)
         if not layout.enable_ep:
             check_tp(layout.moe_tp_size, gpn)
         run_plan.link, run_plan.link_why = simulation_link(spec.device, device_name, link_name, link_gbps, gpn,
-                                                           rdma_name, device_name)
-    elif link_gbps is not None or link_name:
-        raise MoebenchError("--link/--link-gbps only apply to simulated runs (--simulate)")
+                                                           rdma_name, target_gpu or device_name,
+                                                           requested_gpu=target_gpu)
+    elif link_gbps is not None or link_name or target_gpu:
+        raise MoebenchError("--link/--link-gbps/--target-gpu only apply to simulated runs (--simulate)")
     check_fits_for(spec, mode)
     # what cannot run here is known now (a simulated run as it plans: every transport modeled)
     check_some_pair_runs([simulated_spec(sp) if mode == "simulate" else sp for sp in specs])
