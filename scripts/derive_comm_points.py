@@ -10,6 +10,7 @@ computed from the other, and `bytes_rule` how the bytes per rank were counted:
     a2a-tensor      experts x tokens x row bytes: pplx's bench_all_to_all.py all_to_all_single tensor; (world-1)/world on NVLink
     rank-dedup      tokens x E[ranks a token reaches] x row bytes (DeepEP test_intranode.py counts recv_x rows); (world-1)/world on NVLink
     gbps-x-time     GB/s x time (both published); (world-1)/world on NVLink
+    gbps-x-time-pairs  GB/s x time (both published), split as `pairs` past one node
     node-dedup      tokens x E[nodes a token reaches] x row bytes: DeepEP test_internode.py's RDMA count (own node included);
                     the model puts all of it on RDMA (DeepEP's RDMA stage moves the own node's rows too) and 7/8 of
                     tokens x E[ranks] x row bytes on NVLink
@@ -93,6 +94,9 @@ def derive(p, mc_tokens: int = 1 << 16, mc_reps: int = 16) -> dict[str, float]:
     elif p.bytes_rule == "gbps-x-time":
         b = p.gbps * p.time_us * 1e3
         out.update(bytes_per_rank=b, nvlink_bytes=b * (w - 1) / w, rdma_bytes=0)
+    elif p.bytes_rule == "gbps-x-time-pairs":
+        b = p.gbps * p.time_us * 1e3
+        out.update(bytes_per_rank=b, nvlink_bytes=b * (min(w, gpn) - 1) / w, rdma_bytes=b * max(w - gpn, 0) / w)
     elif p.bytes_rule == "node-dedup":
         ranks, nodes_hit = reach(p, mc_tokens, mc_reps)
         nodes = w // gpn

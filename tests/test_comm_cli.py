@@ -193,6 +193,7 @@ def test_modeled_rows_gbps_is_their_bytes_over_their_time(tmp_path):
         assert r.x_dispatch_bytes + r.x_combine_bytes == pytest.approx(r.x_comm_bytes, rel=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [32, 64])
 def test_compare_deepseek_v3_routes_node_limited(tmp_path, world):
     """DeepSeek-V3's router keeps 4 of 8 expert groups per token; on 32 and 64 GPUs (nodes of 8)

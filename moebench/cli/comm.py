@@ -11,24 +11,26 @@ from moebench.cli.options import console
 from moebench.errors import MoebenchError
 
 TRANSPORTS = ("nccl-all-reduce", "custom-all-reduce", "nccl-all-gather", "nccl-reduce-scatter", "nccl-all-to-all",
-              "deepep-ll", "deepep-ht", "pplx")
+              "deepep-ll", "deepep-ht", "deepep-v2", "pplx", "mori")
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "dispatch", "combine")
 #: the width `comm`'s lines keep to
 WIDTH = 100
 
-GPUS = ("H100", "H200", "H800", "H20", "A100", "B200", "GB200")
+GPUS = ("H100", "H200", "H800", "H20", "A100", "B200", "GB200", "B300", "GB300", "MI300X", "MI325X", "MI355X")
 
 
 @click.command("comm")
 @click.option("--transport", required=True, type=click.Choice(TRANSPORTS), help="The transport priced.")
 @click.option("--op", "op", required=True, type=click.Choice(OPS), help="The operation.")
 @click.option("--target-gpu", "--gpu", "gpu", default="H200", show_default=True,
-              type=click.Choice(GPUS, case_sensitive=False), help="The GPUs priced (their NVLink); --gpu is the same.")
+              type=click.Choice(GPUS, case_sensitive=False),
+              help="The GPUs priced (their NVLink, or AMD's xGMI); --gpu is the same.")
 @click.option("--world-size", type=int, required=True, help="Ranks taking part.")
 @click.option("--gpus-per-node", "gpus_per_node", type=int, default=None,
               help="GPUs per NVLink domain [8; 72 for GB200]: past it traffic goes over RDMA.")
 @click.option("--rdma", "rdma_name", default="rdma-400g", show_default=True,
-              help="RDMA link between nodes, per GPU: rdma-400g (50 GB/s) | rdma-800g (100 GB/s).")
+              help="RDMA link between nodes, per GPU: rdma-400g (InfiniBand, 50 GB/s) | roce-400g | efa-400g (AWS EFA, "
+                          "2 x 200 Gb/s) | rdma-800g (100 GB/s, no published point).")
 @click.option("--bytes", "size", type=float, default=None,
               help="Bytes per rank as nccl-tests counts them (all-reduce: the buffer; all-gather: the gathered "
                    "buffer; reduce-scatter: the input; all-to-all: the send buffer; dispatch / combine: the rows "

@@ -149,7 +149,8 @@ shape_options = options(*MODEL_FLAGS, "--tokens", "--tp", "--dp", "--ep", "--wor
 def cluster_options(f):
     """Node size and inter-node link of a simulated cluster (sweep --simulate, compare)."""
     f = click.option("--rdma", "rdma_name", default="rdma-400g", show_default=True,
-                     help="RDMA link between nodes, per GPU: rdma-400g (50 GB/s) | rdma-800g (100 GB/s).")(f)
+                     help="RDMA link between nodes, per GPU: rdma-400g (InfiniBand, 50 GB/s) | roce-400g | efa-400g (AWS EFA, "
+                          "2 x 200 Gb/s) | rdma-800g (100 GB/s, no published point).")(f)
     f = click.option("--gpus-per-node", "gpus_per_node", type=int, default=None,
                      help="GPUs per NVLink domain [8; 72 for a GB200 NVL72 target]: past it EP traffic goes over "
                           "RDMA; TP stays inside it.")(f)

@@ -241,7 +241,7 @@ NVLINK_ONLY = {"custom-all-reduce"}
 #: Fixed costs no point can pin come from a kin transport's fit: every published point of DeepEP's
 #: normal kernels moves 60 MB or more per rank, where a fixed cost of 15 us and one of 700 us fit
 #: alike; they launch like its low-latency kernels (the same library, one kernel per op).
-ALPHA_DONOR = {"deepep-ht": "deepep-ll"}
+ALPHA_DONOR = {"deepep-ht": "deepep-ll", "deepep-v2": "deepep-ll"}
 
 
 #: Transports without points of their own, priced by another's fit: (transport, op) -> donor.
@@ -280,6 +280,9 @@ SM_SOURCE = "deepseek-ai/DeepEP README.md (Performance: SM100 EP8 NVLink at 24 a
 SM_SCALING = {
     ("deepep-ht", "dispatch"): SmScaling(24, 20, ((24, 643.0), (64, 726.0)), SM_SOURCE),
     ("deepep-ht", "combine"): SmScaling(24, 20, ((24, 675.0), (64, 740.0)), SM_SOURCE),
+    # DeepEP V2's NVLink point is its 64-SM ("Max perf") figure; V2 picks its SM count itself
+    ("deepep-v2", "dispatch"): SmScaling(64, 64, ((24, 643.0), (64, 726.0)), SM_SOURCE),
+    ("deepep-v2", "combine"): SmScaling(64, 64, ((24, 675.0), (64, 740.0)), SM_SOURCE),
 }
 
 
@@ -302,12 +305,64 @@ def with_sms(fit: Fit, sms: int | None) -> Fit:
     return out
 
 
+#: RDMA links whose published points are fitted as a factor on the transports' own RDMA fits (a
+#: share of their rate, a fixed cost per call), not into them: AWS EFA (pplx's EFA column beside
+#: its ConnectX-7 one, perplexityai/pplx-garden docs/fabric-lib.md).
+LINK_FITTED = ("efa-400g",)
+
+
+@dataclass
+class LinkFit:
+    """An RDMA link priced from the transports' fits: eta_factor x their RDMA rate, alpha_us more
+    per call over it; points: its published points, ratios: published / modeled of each."""
+
+    rdma: str
+    eta_factor: float
+    alpha_us: float
+    points: list[Point] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+
+    def apply(self, fit: Fit) -> Fit:
+        if fit.eta_rdma is None:
+            return fit
+        out = replace(fit, eta_rdma=fit.eta_rdma * self.eta_factor, alpha_rdma_us=fit.alpha_rdma_us + self.alpha_us,
+                      provenance=dict(fit.provenance))
+        out.provenance["rdma_link"] = self.describe()
+        return out
+
+    def describe(self) -> str:
+        return (f"{self.rdma}: x{self.eta_factor:.2f} of the RDMA rate, +{self.alpha_us:.1f} us per call "
+                f"(fit of {len(self.points)} published points over it)")
+
+
+def fit_links(points: list[Point], fits: dict[tuple[str, str], Fit]) -> dict[str, LinkFit]:
+    """One LinkFit per link of LINK_FITTED that `points` (over it) have, holding `fits` fixed."""
+    out = {}
+    for rdma in LINK_FITTED:
+        mine = [p for p in points if p.rdma == rdma and p.key in fits]
+        if not mine:
+            continue
+        t_pub = np.array([p.time_us for p in mine])
+
+        def loss(lx, mine=mine, t_pub=t_pub, rdma=rdma):
+            link = LinkFit(rdma, float(np.exp(lx[0])), float(np.exp(lx[1])))
+            t = np.array([link.apply(fits[p.key]).predict(p) for p in mine])
+            return float(((t / t_pub - 1.0) ** 2).sum())
+
+        best = min((_nelder_mead(loss, np.log(np.array(x0))) for x0 in ((0.8, 5.0), (0.5, 30.0))), key=loss)
+        link = LinkFit(rdma, float(np.exp(best[0])), float(np.exp(best[1])), list(mine))
+        link.ratios = [p.time_us / link.apply(fits[p.key]).predict(p) for p in mine]
+        out[rdma] = link
+    return out
+
+
 def fit_transports(points: list[Point]) -> dict[tuple[str, str], Fit]:
-    """One Fit per (transport, op) of `points`; parameters and transports without points are
-    borrowed, and say from where."""
+    """One Fit per (transport, op) of `points` (those over a LINK_FITTED link aside); parameters
+    and transports without points are borrowed, and say from where."""
     groups: dict[tuple[str, str], list[Point]] = {}
     for p in points:
-        groups.setdefault(p.key, []).append(p)
+        if p.rdma not in LINK_FITTED:
+            groups.setdefault(p.key, []).append(p)
     fits = {k: fit_group(g) for k, g in groups.items()}
     for key, fit in list(fits.items()):
         donor = fits.get((ALPHA_DONOR.get(key[0], ""), key[1]))
@@ -337,13 +392,30 @@ def fit_transports(points: list[Point]) -> dict[tuple[str, str], Fit]:
 
 
 @functools.lru_cache(maxsize=4)
-def _published(path: str) -> dict[tuple[str, str], Fit]:
-    return fit_transports(load_points(path))
+def _published(path: str) -> tuple[dict[tuple[str, str], Fit], dict[str, LinkFit]]:
+    points = load_points(path)
+    fits = fit_transports(points)
+    return fits, fit_links(points, fits)
 
 
 def published_fits(path: str | Path | None = None) -> dict[tuple[str, str], Fit]:
     """The fits of the shipped table (cached; callers must not mutate them)."""
-    return _published(str(Path(path) if path is not None else POINTS_FILE))
+    return _published(str(Path(path) if path is not None else POINTS_FILE))[0]
+
+
+def published_link_fits(path: str | Path | None = None) -> dict[str, LinkFit]:
+    """The RDMA links of LINK_FITTED fitted on the shipped table's points over them (cached)."""
+    return _published(str(Path(path) if path is not None else POINTS_FILE))[1]
+
+
+def predict(p: Point, fits: dict[tuple[str, str], Fit] | None = None,
+            links: dict[str, LinkFit] | None = None) -> float:
+    """The modeled time of point p: its (transport, op)'s fit, over its RDMA link's fit where it
+    has one (the published ones by default)."""
+    fits = published_fits() if fits is None else fits
+    links = published_link_fits() if links is None else links
+    fit = fits[p.key]
+    return (links[p.rdma].apply(fit) if p.rdma in links else fit).predict(p)
 
 
 def worst_point(fits: dict[tuple[str, str], Fit]) -> tuple[Point, float]:

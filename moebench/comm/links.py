@@ -26,12 +26,14 @@ from moebench.fileio import atomic_write_text
 @dataclass(frozen=True)
 class LinkProfile:
     """A GPU-to-GPU link: bandwidth_gbps in GB/s per direction per GPU, latency_us per message
-    step. source: "profile", "measured" or "override"."""
+    step. source: "profile", "measured" or "override"; vendor: whose GPUs it joins ("nvidia",
+    "amd"): a fit of one vendor's points never prices another's link."""
 
     name: str
     bandwidth_gbps: float
     latency_us: float
     source: str = "profile"
+    vendor: str = "nvidia"
 
     def transfer_us(self, nbytes: float) -> float:
         """Time to move nbytes over the link at full bandwidth, without latency."""
@@ -42,8 +44,11 @@ class LinkProfile:
 #: H800 / A800 (export parts) 400 bidirectional = 200; NVLink5 (B200) 1800 bidirectional = 900;
 #: GB200 NVL72: NVLink5 across the 72 GPUs of a rack (one NVLink domain, see NVLINK_DOMAIN);
 #: NVLink3 (A100) 600 bidirectional = 300; PCIe Gen5 x16 64 GB/s theoretical, ~50 practical;
-#: PCIe Gen4 x16 ~25 practical; 400 Gb/s InfiniBand (NDR) = 50 GB/s. Latencies are per-step
-#: figures of the order NCCL shows for small messages.
+#: PCIe Gen4 x16 ~25 practical; 400 Gb/s InfiniBand (NDR) = 50 GB/s. B300 / GB300: NVLink5 as
+#: B200 (1800 GB/s bidirectional per GPU). AMD xGMI (Infinity Fabric, 7 links to the 7 peers of an
+#: 8-GPU platform): MI300X 7 x 128 GB/s bidirectional = 448 per direction (16 lanes at 32 Gb/s per
+#: link); MI325X the same CDNA 3 fabric (assumed from MI300X's); MI355X 7 x 153.6 GB/s bidirectional
+#: = 537.6 per direction. Latencies are per-step figures of the order NCCL shows for small messages.
 LINK_PROFILES: dict[str, LinkProfile] = {
     p.name: p
     for p in (
@@ -53,6 +58,11 @@ LINK_PROFILES: dict[str, LinkProfile] = {
         LinkProfile("h800-nvlink", 200.0, 1.5),
         LinkProfile("b200-nvlink", 900.0, 1.5),
         LinkProfile("gb200-nvlink", 900.0, 1.5),
+        LinkProfile("b300-nvlink", 900.0, 1.5),
+        LinkProfile("gb300-nvlink", 900.0, 1.5),
+        LinkProfile("mi300x-xgmi", 448.0, 1.5, vendor="amd"),
+        LinkProfile("mi325x-xgmi", 448.0, 1.5, vendor="amd"),
+        LinkProfile("mi355x-xgmi", 537.6, 1.5, vendor="amd"),
         LinkProfile("a100-nvlink", 300.0, 2.0),
         LinkProfile("a800-nvlink", 200.0, 2.0),
         LinkProfile("pcie-gen5", 50.0, 3.0),
@@ -80,7 +90,7 @@ def override(link: LinkProfile, link_gbps: float | None) -> LinkProfile:
 
 #: GPUs one NVLink domain holds, by GPU: an HGX / DGX box of 8, a GB200 NVL72 rack of 72
 #: (NVIDIA's GB200 NVL72 datasheet: 72 GPUs in one NVLink domain).
-NVLINK_DOMAIN = {"GB200": 72}
+NVLINK_DOMAIN = {"GB200": 72, "GB300": 72}
 
 
 def nvlink_domain(gpu: str | None) -> int:
@@ -91,12 +101,15 @@ def nvlink_domain(gpu: str | None) -> int:
 def default_link(device_name: str | None) -> LinkProfile:
     """The profile for GPUs of this name (torch.cuda.get_device_name): H200 -> h200-nvlink,
     H800 -> h800-nvlink, H20 -> h20-nvlink, H100 -> h100-nvlink, B200 -> b200-nvlink,
-    A800 -> a800-nvlink, A100 -> a100-nvlink; anything else (CPU, unknown, PCIe cards) -> pcie-gen5."""
+    A800 -> a800-nvlink, A100 -> a100-nvlink, B300 / GB300 -> b300- / gb300-nvlink, MI300X / MI325X /
+    MI355X -> their xGMI; anything else (CPU, unknown, PCIe cards) -> pcie-gen5."""
     n = (device_name or "").upper()
     if "H200" in n:
         return LINK_PROFILES["h200-nvlink"]
     if "PCIE" not in n:
-        for tag, name in (("GB200", "gb200-nvlink"), ("H800", "h800-nvlink"), ("H20", "h20-nvlink"), ("H100", "h100-nvlink"),
+        for tag, name in (("GB300", "gb300-nvlink"), ("B300", "b300-nvlink"), ("MI300X", "mi300x-xgmi"),
+                          ("MI325X", "mi325x-xgmi"), ("MI355X", "mi355x-xgmi"),
+                          ("GB200", "gb200-nvlink"), ("H800", "h800-nvlink"), ("H20", "h20-nvlink"), ("H100", "h100-nvlink"),
                           ("GH200", "h100-nvlink"), ("B200", "b200-nvlink"), ("A800", "a800-nvlink"),
                           ("A100", "a100-nvlink")):
             if tag in n:
@@ -181,7 +194,18 @@ def link_for(device: str, local_name: str | None = None, link_name: str | None =
 
 
 #: RDMA links between nodes: GB/s per direction per GPU (one NIC per GPU). 400 Gb/s = 50 GB/s.
-RDMA_GBPS: dict[str, float] = {"rdma-400g": 50.0, "rdma-800g": 100.0}
+#: rdma-400g: InfiniBand NDR (ConnectX-7); roce-400g: 400 Gb/s RoCE (OCI's GB200 racks);
+#: efa-400g: AWS EFA, 400 Gb/s per GPU (2 x 200 Gb/s, p5en's 3200 Gb/s over 8 GPUs), priced by
+#: the RDMA fits scaled to EFA's published points (moebench.comm.fit.LINK_FITS);
+#: rdma-800g: ConnectX-8 800 Gb/s (no published point: said extrapolated).
+RDMA_GBPS: dict[str, float] = {"rdma-400g": 50.0, "roce-400g": 50.0, "efa-400g": 50.0, "rdma-800g": 100.0}
+
+#: RDMA links people ask for that no published point backs: refused, with why.
+RDMA_REFUSED = {
+    "rdma-200g": "no published point of any transport over 200 Gb/s NICs",
+    "efa-200g": "no published point over one 200 Gb/s EFA NIC per GPU (pplx's EFA figures use two: efa-400g)",
+    "roce-200g": "no published point of any transport over 200 Gb/s RoCE",
+}
 DEFAULT_RDMA = "rdma-400g"
 DEFAULT_GPUS_PER_NODE = 8
 
@@ -194,6 +218,8 @@ def nvlink_gbps(name: str) -> float:
 
 
 def rdma_gbps(name: str) -> float:
+    if name in RDMA_REFUSED:
+        raise MoebenchError(f"RDMA link '{name}' is not modeled: {RDMA_REFUSED[name]}; modeled: {', '.join(RDMA_GBPS)}")
     if name not in RDMA_GBPS:
         raise MoebenchError(f"unknown RDMA link '{name}'; known: {', '.join(RDMA_GBPS)}")
     return RDMA_GBPS[name]

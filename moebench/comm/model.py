@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moebench.comm.calibration import MeasuredFit, measured_fits
-from moebench.comm.fit import BORROW, NVLINK_ONLY, Fit, fits_table, published_fits, with_sms
-from moebench.comm.links import (DEFAULT_GPUS_PER_NODE, DEFAULT_RDMA, RDMA_GBPS, check_world, default_link,
-                                 rdma_gbps)
+from moebench.comm.fit import (BORROW, NVLINK_ONLY, Fit, LinkFit, fits_table, published_fits, published_link_fits,
+                               with_sms)
+from moebench.comm.fit import predict as point_us
+from moebench.comm.links import (DEFAULT_GPUS_PER_NODE, DEFAULT_RDMA, LINK_PROFILES, RDMA_GBPS, check_world,
+                                 default_link, rdma_gbps)
 from moebench.comm.points import Point
 from moebench.comm.traffic import (BUS_FACTOR, LinkRows, Traffic, collective_bytes, dtype_row_bytes,
                                    ep_link_rows)
@@ -50,7 +52,7 @@ from moebench.layout import ParallelLayout
 
 #: how rows of a dispatch / combine travel for transports no prepare/finalize declares
 #: (pplx is published, not run by moebench)
-UNDECLARED_TRAFFIC = {"pplx": "pair", "pplx-kernels": "pair"}
+UNDECLARED_TRAFFIC = {"pplx": "pair", "pplx-kernels": "pair", "mori": "pair", "deepep-v2": "rank"}
 
 
 def traffic_styles(ops) -> dict[str, str]:
@@ -150,6 +152,7 @@ class CommModel:
     measured_line: str = ""
     styles: dict[str, str] = field(default_factory=lambda: dict(UNDECLARED_TRAFFIC))
     num_sms: int | None = None
+    links: dict[str, LinkFit] = field(default_factory=published_link_fits)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -189,14 +192,43 @@ class CommModel:
         """The fit pricing `op` over `transport`: its own (transport, op), else the transport's one
         operation (an all-to-all transport prices a dispatch as one of its calls)."""
         if (transport, op) in self.fits:
-            return with_sms(self.fits[(transport, op)], self.num_sms)
+            return self._priced(self.fits[(transport, op)])
         own = [f for (t, _), f in self.fits.items() if t == transport]
         if len(own) == 1:
-            return with_sms(own[0], self.num_sms)
+            return self._priced(own[0])
         known = sorted({t for t, _ in self.fits})
         if own:
             raise MoebenchError(f"transport '{transport}' has no '{op}'; it has: {', '.join(f.op for f in own)}")
         raise MoebenchError(f"unknown transport '{transport}'; known: {', '.join(known)}")
+
+    @property
+    def vendor(self) -> str:
+        """Whose GPUs the intra-node link joins ("nvidia", "amd"; a measured link: its GPU's)."""
+        prof = LINK_PROFILES.get(self.nvlink)
+        return prof.vendor if prof is not None else "nvidia"
+
+    def points_behind(self, fit: Fit) -> list:
+        """Every published point `fit` stands on: its own, its donors', its RDMA link's of it."""
+        pts = list(fit.points)
+        for key in dict.fromkeys(fit.donors.values()):
+            if key in self.fits:
+                pts += self.fits[key].points
+        link = self.links.get(self.rdma)
+        if link is not None:
+            pts += [p for p in link.points if p.key == fit.key]
+        return pts
+
+    def _priced(self, fit: Fit) -> Fit:
+        """`fit` on these links: refused where no point of it is on this vendor's GPUs; at
+        num_sms SMs where its transport follows its SMs; over a fitted RDMA link's figures."""
+        pts = self.points_behind(fit)
+        if pts and not any(LINK_PROFILES[p.nvlink].vendor == self.vendor for p in pts):
+            vendors = sorted({LINK_PROFILES[p.nvlink].vendor for p in pts})
+            raise MoebenchError(f"{fit.transport} {fit.op} has no published point on {self.vendor.upper()} GPUs "
+                                f"({self.nvlink}; its points are {', '.join(v.upper() for v in vendors)}): not modeled")
+        fit = with_sms(fit, self.num_sms)
+        link = self.links.get(self.rdma)
+        return link.apply(fit) if link is not None else fit
 
     def style(self, transport: str) -> str:
         """'pair' or 'rank': how `transport` moves the rows of a dispatch / combine (as declared)."""
@@ -455,11 +487,14 @@ def ask(model: "CommModel", transport: str, op: str, world: int, size: float | N
 
     near = sorted(fit.points, key=distance)[:3]
     behind = {}
-    for p in list(fit.points) + [p for key in dict.fromkeys(fit.donors.values()) if key in model.fits
-                                 for p in model.fits[key].points]:
-        behind.setdefault((p.transport, p.op, p.line), p)
+    for p in model.points_behind(fit):
+        behind.setdefault((p.file, p.line), p)
+    link = model.links.get(model.rdma)
+    if link is not None and world > gpn:
+        for p in link.points:
+            behind.setdefault((p.file, p.line), p)
     extrapolated = []
-    own = fit.points or [p for p in behind.values()]
+    own = [p for p in model.points_behind(fit) if p.key == fit.key] or list(behind.values())
     if own:
         sizes = [p.nvlink_bytes + p.rdma_bytes for p in own]
         if not any(p.nvlink_peak == model.nvlink_gbps for p in own):
@@ -481,8 +516,8 @@ def ask(model: "CommModel", transport: str, op: str, world: int, size: float | N
         "points": [{"point": p.label(), "file": p.file, "line": p.line, "source": p.source}
                    for p in sorted(behind.values(), key=lambda p: (p.transport, p.op, p.line))],
         "nearest": [{"point": p.label(), "gpu": p.gpu, "source": p.source, "file": p.file, "line": p.line,
-                     "published_us": p.time_us,
-                     "modeled_us": fit.predict(p), "ratio": p.time_us / fit.predict(p)} for p in near],
+                     "published_us": p.time_us, "modeled_us": point_us(p, model.fits, model.links),
+                     "ratio": p.time_us / point_us(p, model.fits, model.links)} for p in near],
         "extrapolated": extrapolated,
     }
 

@@ -179,13 +179,14 @@ class RunPlan:
 
 def simulation_link(device: str, device_name: str | None, link_name: str | None, link_gbps: float | None,
                     gpus_per_node: int, rdma_name: str, model_device: str | None,
-                    requested_gpu: str | None = None) -> tuple[CommModel, str]:
+                    requested_gpu: str | None = None, num_sms: int | None = None) -> tuple[CommModel, str]:
     """The communication model of a simulated run over --link (else the target GPU's link, as
     `link_for` chooses) with `gpus_per_node` GPUs per NVLink domain and `rdma_name` between them;
-    measured fits of `model_device` are used where `env --calibrate-link` wrote them. Returns the
-    model and why that link."""
+    measured fits of `model_device` are used where `env --calibrate-link` wrote them; num_sms: the
+    SMs DeepEP's normal kernels run on (None: DeepEP's default). Returns the model and why that link."""
     link, why = link_for(device, device_name, link_name, link_gbps, requested_gpu=requested_gpu)
-    return CommModel.from_link(link, declared_communication(), rdma=rdma_name, gpus_per_node=gpus_per_node, device_name=model_device), why
+    return CommModel.from_link(link, declared_communication(), rdma=rdma_name, gpus_per_node=gpus_per_node,
+                               device_name=model_device, num_sms=num_sms), why
 
 
 def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int | None = None, ctx=None,
