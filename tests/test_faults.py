@@ -152,7 +152,27 @@ def _as_nobody(fn, *args):
 
 
 def _env(**extra):
-    return dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200", **extra)
+    # one torch thread: the shapes are tiny, and idle threads spinning would only cost CPU
+    return dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200", OMP_NUM_THREADS="1", **extra)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread while a resume runs in this process (the shapes are tiny; idle threads
+    would spin)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _resume(run: Path):
+    with _one_thread():
+        return moebench_inproc("sweep", "--resume", str(run))
 
 
 def _one_line(res, returncode: int, *needles: str) -> str:
@@ -196,10 +216,13 @@ def _assert_exports_whole(run: Path, n_rows: int) -> None:
 
 # -- a full disk ---------------------------------------------------------------------------------
 
-def _sweep_on_a_full_disk(out: Path, fsize: int | None = None):
+def _sweep_on_a_full_disk(out: Path, fsize: int | None = None, ranks: int = 1):
     args = ["sweep", *ONE_PAIR, "--tokens", TEN, "--reps", "1", "--out", str(out)]
+    if ranks > 1:  # rank 0 writes the rows; the fault reaches the parent as what it is
+        args += ["--world-size", str(ranks), "--tp", str(ranks)]
     if fsize is None:
-        return moebench_inproc(*args)
+        with _one_thread():
+            return moebench_inproc(*args)
 
     def limit():  # a write past the limit fails with EFBIG instead of killing the process
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -209,26 +232,26 @@ def _sweep_on_a_full_disk(out: Path, fsize: int | None = None):
                           env=_env(), preexec_fn=limit, timeout=HANG_S)
 
 
-@pytest.mark.parametrize("fills_at,size_kb", [("rows.jsonl", 12), ("results.json", 20)],
-                         ids=["while-measuring", "while-exporting"])
-def test_a_sweep_on_a_full_disk_says_one_line_and_resumes_whole(tmp_path, fills_at, size_kb):
+@pytest.mark.parametrize("fills_at,size_kb,ranks", [("rows.jsonl", 12, 1), ("results.json", 20, 1), ("rows.jsonl", 12, 2)],
+                         ids=["while-measuring", "while-exporting", "two-ranks"])
+def test_a_sweep_on_a_full_disk_says_one_line_and_resumes_whole(tmp_path, fills_at, size_kb, ranks):
     if _tmpfs_unavailable() is None:
         d = Disk(tmp_path)
         try:
             out = d.mount("disk", size_kb) / "out"
-            res = _sweep_on_a_full_disk(out)
+            res = _sweep_on_a_full_disk(out, ranks=ranks)
             _check_full_disk_run(res, out, fills_at)
             d.remount(out.parent, "size=4m")  # the user frees space
             _check_resumed_after_a_full_disk(_only_run(out))
         finally:
             d.close()
-    elif fills_at == "rows.jsonl":  # no tmpfs here: a file size limit fails the rows file's writes
+    elif fills_at == "rows.jsonl" and ranks == 1:  # no tmpfs here: a file size limit fails the rows file's writes
         out = tmp_path / "out"
         res = _sweep_on_a_full_disk(out, fsize=4096)
         _check_full_disk_run(res, out, fills_at, "file size limit exceeded")
         _check_resumed_after_a_full_disk(_only_run(out))
     else:
-        pytest.skip(f"{_tmpfs_unavailable()}; a file size limit cannot fill a disk while the exports are written")
+        pytest.skip(f"{_tmpfs_unavailable()}; a file size limit in this process would limit the suite's own files")
 
 
 def _check_full_disk_run(res, out: Path, fills_at: str, reason: str = "no space left on the device") -> None:
@@ -247,7 +270,7 @@ def _check_full_disk_run(res, out: Path, fills_at: str, reason: str = "no space 
 
 def _check_resumed_after_a_full_disk(run: Path) -> None:
     kept = _rows(run)
-    res = moebench_inproc("sweep", "--resume", str(run))
+    res = _resume(run)
     assert res.returncode == 0, res.stderr
     rows = _rows(run)
     assert rows[: len(kept)] == kept  # no finished row lost or measured again
@@ -261,7 +284,8 @@ def test_a_tune_on_a_full_disk_says_one_line_and_resumes(disk, tmp_path):
     results = disk.mount("disk", 8) / "tune"  # its settings fit, not all that follows
     args = ["tune", "--num-experts", "4", "--topk", "2", "--hidden", "64", "--intermediate", "32", "--device", "cpu",
             "--tokens", "1", "--budget", "2", "--reps", "1", "--final-reps", "1", "--out", str(tmp_path / "configs")]
-    res = moebench_inproc(*args, "--results-dir", str(results))
+    with _one_thread():
+        res = moebench_inproc(*args, "--results-dir", str(results))
     run = _only_run(results)
     _one_line(res, 2, "error: cannot write", str(run), "no space left on the device",
               f"moebench tune --resume {run}")
@@ -270,7 +294,8 @@ def test_a_tune_on_a_full_disk_says_one_line_and_resumes(disk, tmp_path):
         for line in lines[:-1]:
             json.loads(line)
     disk.remount(results.parent, "size=4m")
-    res = moebench_inproc("tune", "--resume", str(run))
+    with _one_thread():
+        res = moebench_inproc("tune", "--resume", str(run))
     assert res.returncode == 0, res.stderr
     table = json.loads((tmp_path / "configs" / "E=4,N=32,device_name=cpu.json").read_text())
     assert set(table) == {"1", "triton_version"}
@@ -400,9 +425,25 @@ def _n_rows(out: Path) -> int:
 
 
 SIGNALS = {"kill": (signal.SIGKILL, -9), "term": (signal.SIGTERM, 143), "hup": (signal.SIGHUP, 129)}
-# rows of some tenths of a second each: a signal after the first row still finds work left
-WORLDS = {1: ["--tokens", "1,2,3,4", "--reps", "40"],
-          2: ["--tokens", "1,2,3,4", "--reps", "20", "--world-size", "2", "--tp", "2"]}
+# four rows of some hundredths of a second each (one torch thread)
+WORLDS = {1: ["--tokens", "1,2,3,4", "--reps", "400"],
+          2: ["--tokens", "1,2,3,4", "--reps", "100", "--world-size", "2", "--tp", "2"]}
+
+
+def _random_point(out: Path, proc, rng: random.Random) -> str:
+    """Wait for a random point of the sweep writing `out`: after 0, 1 or 2 of its 4 rows (0: the
+    folder just made, ranks maybe still starting), then a random part of a row's time; a point
+    found by progress, not by the clock, so that rows are left on a fast machine too."""
+    after = rng.choice([0, 1, 2])
+    _wait(lambda: out.exists() and any((r / "metadata.json").exists() for r in out.iterdir()), "the run folder", proc)
+    seen = [time.monotonic()]
+    while len(seen) <= after:
+        _wait(lambda: _n_rows(out) >= len(seen), f"{len(seen)} finished rows", proc)
+        seen.append(time.monotonic())
+    row_s = seen[-1] - seen[-2] if after == 2 else 0.03  # the second row's time (the first pays the start-up)
+    pause = rng.uniform(0, 0.8) * row_s
+    time.sleep(pause)
+    return f"after {after} rows and {pause * 1e3:.0f} ms"
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=["one-process", "two-ranks"])
@@ -410,19 +451,14 @@ WORLDS = {1: ["--tokens", "1,2,3,4", "--reps", "40"],
 def test_a_signal_at_a_random_point_loses_no_row(tmp_path, how, world):
     sig, status = SIGNALS[how]
     seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
     out, tag = tmp_path / "out", uuid.uuid4().hex
     cmd = [sys.executable, "-m", "moebench.cli", "sweep", *ONE_PAIR, *WORLDS[world], "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(MOEBENCH_FAULT_TAG=tag))
     try:
-        # a random point: after 0 or 1 finished rows (0: ranks may still be starting), then a random pause
-        after = rng.choice([0, 1])
-        _wait(lambda: out.exists() and any((r / "metadata.json").exists() for r in out.iterdir()),
-              "the run folder", proc)
-        _wait(lambda: _n_rows(out) >= after, f"{after} finished rows", proc)
-        time.sleep(rng.uniform(0, 0.3))
-        assert proc.poll() is None, f"seed {seed}: the sweep finished before the signal"
+        point = _random_point(out, proc, random.Random(seed))
+        where = f"seed {seed}, {how} {point}"
+        assert proc.poll() is None, f"{where}: the sweep finished before the signal"
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=HANG_S)
     finally:
@@ -430,7 +466,7 @@ def test_a_signal_at_a_random_point_loses_no_row(tmp_path, how, world):
             proc.kill()
             proc.wait()
     run = _only_run(out)
-    assert proc.returncode == status, (seed, proc.returncode, err[-2000:])
+    assert proc.returncode == status, (where, proc.returncode, err[-2000:])
     if sig != signal.SIGKILL:  # stopped as on Ctrl-C: the rows so far exported, the way on said
         assert "Traceback" not in err, err
         assert f"--resume {run}" in " ".join(err.split()), err
@@ -439,15 +475,15 @@ def test_a_signal_at_a_random_point_loses_no_row(tmp_path, how, world):
     deadline = time.monotonic() + 30  # ranks and the fork server go with the sweep (die_with_parent)
     while _tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _tagged(tag), f"seed {seed}: processes outlived the {how}ed sweep: {_tagged(tag)}"
+    assert not _tagged(tag), f"{where}: processes outlived the {how}ed sweep: {_tagged(tag)}"
     data = (run / "rows.jsonl").read_bytes() if (run / "rows.jsonl").exists() else b""
     kept = [json.loads(line) for line in data.splitlines(keepends=True) if line.endswith(b"\n")]
-    res = moebench_inproc("sweep", "--resume", str(run))
-    assert res.returncode == 0, (seed, res.stderr)
+    res = _resume(run)
+    assert res.returncode == 0, (where, res.stderr)
     rows = _rows(run)
-    assert len(set(_keys(rows))) == len(rows), f"seed {seed}: a row twice"
-    assert sorted(r["tokens"] for r in rows) == [1, 2, 3, 4], f"seed {seed}"
-    assert all(r in rows for r in kept), f"seed {seed}: a finished row was lost or changed"
+    assert len(set(_keys(rows))) == len(rows), f"{where}: a row twice"
+    assert sorted(r["tokens"] for r in rows) == [1, 2, 3, 4], f"{where}"
+    assert all(r in rows for r in kept), f"{where}: a finished row was lost or changed"
     assert all(r["status"] == "ok" and r["correct"] for r in rows)
     _assert_exports_whole(run, 4)
 
