@@ -47,7 +47,8 @@ import argparse
 import pandas as pd
 
 import moebench
-from moebench.kernels.triton.configs import TILE_KEYS, heuristic_config
+from moebench.kernels.triton.configs import heuristic_config
+from moebench.kernels.tuned_files import TILE_KEYS
 from moebench.kernels.triton.experts import select_config
 from moebench.kernels.triton.options import TritonOptions, wants_direct_align
 from moebench.sweep.variants import Case, Variant, register

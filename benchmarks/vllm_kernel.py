@@ -56,15 +56,15 @@ import torch
 from benchmarks.bench_common import bench_shape, run_shard, script_setup, write_rows, write_table
 from moebench.errors import MoebenchError
 from moebench.inputs import make_weights
-from moebench.kernels.engine_configs import engine_file_name
-from moebench.kernels.triton.configs import (TILE_KEYS, config_search_dirs, device_name, layer_config,
-                                             load_config_file, nearest_entry)
+from moebench.kernels.tuned_files import engine_file_name
+from moebench.kernels.triton.configs import layer_config
+from moebench.kernels.tuned_files import TILE_KEYS, config_search_dirs, device_name, load_config_file, nearest_entry
 from moebench.kernels.triton.experts import fused_moe
 from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.kernels.vllm_triton import vllm_fused_experts
 from moebench.quant import QuantScheme
 from moebench.sweep.variants import Case, Variant, register
-from moebench.tuning.files import write_engine_file
+from moebench.kernels.tuned_files import write_engine_file
 
 #: name: (E, topk, H, I per rank) of a bench_common shard, the engines' file being E=..,N=I. The first
 #: four are the tuned files' shapes (the default); mixtral (TP1) and deepseek-v3-ep8 (one EP8 rank's 32

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from moebench.tuning.files import write_config_file
+from moebench.kernels.tuned_files import write_config_file
 from moebench.tuning.space import from_key
 
 _KEY = re.compile(r"^M(\d+),N(\d+),K(\d+),G(\d+),w(\d+),s(\d+)$")

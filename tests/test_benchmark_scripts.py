@@ -15,7 +15,8 @@ import torch
 import moebench
 from moebench.results import RunStore
 from moebench.errors import MoebenchError
-from moebench.kernels.triton.configs import TILE_KEYS, heuristic_config
+from moebench.kernels.triton.configs import heuristic_config
+from moebench.kernels.tuned_files import TILE_KEYS
 from moebench.kernels.triton.routing import fused_topk_softmax, topk_softmax_launch
 
 from benchmarks import CASES
@@ -368,7 +369,7 @@ def test_vllm_kernel_writes_the_shipped_files_tune_against_reads(tmp_path):
     a `tune --against` file, entries as recorded."""
     from benchmarks.vllm_kernel import BLOCK, engine_table, main
     from moebench.cli.tune import against_tables
-    from moebench.kernels.engine_configs import engine_file_name
+    from moebench.kernels.tuned_files import engine_file_name
 
     assert main(["--write-files", str(tmp_path)]) == 0
     vllm_dsv3 = tmp_path / "vllm" / engine_file_name("vllm", 256, 256, "NVIDIA_H200", BLOCK)

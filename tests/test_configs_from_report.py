@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moebench.kernels.triton.configs import load_config_file
+from moebench.kernels.tuned_files import load_config_file
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = """# moebench tune: deepseek-v3 (E=256, topk=8, H=7168, I=2048), EP8 (dp 8 x tp 1)

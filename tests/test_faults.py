@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from test_cli import ROOT, assert_bad_input, moebench_inproc
+from moebench.kernels import tuned_files as TF
 
 SHAPE = ["--num-experts", "6", "--topk", "2", "--hidden", "24", "--intermediate", "16"]
 ONE_PAIR = [*SHAPE, "--experts", "torch", "--prepare-finalize", "no-dpep", "--device", "cpu"]
@@ -329,8 +330,6 @@ def test_a_quota_exceeded_is_one_line_too(tmp_path):
 # -- a read-only or unwritable folder ------------------------------------------------------------
 
 def test_read_only_folders(disk, tmp_path, monkeypatch):
-    from moebench.kernels.triton import configs as C
-
     out = tmp_path / "out"
     assert moebench_inproc("sweep", *ONE_PAIR, "--tokens", "1,2", "--reps", "1", "--out", str(out)).returncode == 0
     ro = disk.mount("ro", 64)
@@ -346,7 +345,7 @@ def test_read_only_folders(disk, tmp_path, monkeypatch):
                               "--device", "cpu", "--tokens", "1", "--out", str(ro), "--results-dir",
                               str(tmp_path / "tune")), 2, str(ro), "read-only file system")
     tuned = _tuned_files(tmp_path / "tuned", 1)
-    monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", ro)
+    monkeypatch.setattr(TF, "PACKAGE_CONFIG_DIR", ro)
     _one_line(moebench_inproc("configs", "commit", "--allow-cpu", *map(str, tuned)), 2,
               f"cannot write {ro}", "read-only file system")
     assert {p: p.read_bytes() for p in ro.rglob("*") if p.is_file()} == before
@@ -358,8 +357,6 @@ def test_unwritable_folders_as_a_user(tmp_path):
     reason = _other_user_unavailable()
     if reason:
         pytest.skip(reason)
-    from moebench.kernels.triton import configs as C
-
     shared = Path(tempfile.mkdtemp(prefix="moebench-faults-"))  # below /tmp: a path any user can walk
     try:
         shared.chmod(0o755)
@@ -372,7 +369,7 @@ def test_unwritable_folders_as_a_user(tmp_path):
             theirs.chmod(0o555)
 
         def as_user(*args):
-            C.PACKAGE_CONFIG_DIR = theirs
+            TF.PACKAGE_CONFIG_DIR = theirs
             return moebench_inproc(*args, env={"MOEBENCH_CACHE_DIR": str(cache)}, cwd=shared)
 
         run = functools.partial(_as_nobody, as_user) if os.geteuid() == 0 else as_user
@@ -552,12 +549,10 @@ GOOD = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_
 
 
 def _tuned_files(folder: Path, n: int, m: int = 1) -> list[Path]:
-    from moebench.tuning import files as F
-
     paths = []
     for i in range(n):
-        p = F.write_config_file(folder / f"E={4 + i},N=32,device_name=cpu.json", {m: GOOD}, triton_version="3.6.0")
-        F.write_tuned_routing(p, (4 + i, 2))
+        p = TF.write_config_file(folder / f"E={4 + i},N=32,device_name=cpu.json", {m: GOOD}, triton_version="3.6.0")
+        TF.write_tuned_routing(p, (4 + i, 2))
         paths.append(p)
     return paths
 
@@ -565,9 +560,7 @@ def _tuned_files(folder: Path, n: int, m: int = 1) -> list[Path]:
 def _commit_killed_after(pkg: str, files: list[str], renames: int) -> None:
     """In a forked child: `configs commit` into `pkg`, killed with SIGKILL right after its
     `renames`-th file was renamed into place."""
-    from moebench.kernels.triton import configs as C
-
-    C.PACKAGE_CONFIG_DIR = Path(pkg)
+    TF.PACKAGE_CONFIG_DIR = Path(pkg)
     real, done = os.replace, [0]
 
     def replace(src, dst, *a, **kw):
@@ -581,12 +574,11 @@ def _commit_killed_after(pkg: str, files: list[str], renames: int) -> None:
 
 
 def test_configs_commit_killed_between_its_files_leaves_whole_files(tmp_path, monkeypatch):
-    from moebench.kernels.triton import configs as C
-
     new = _tuned_files(tmp_path / "tuned", 3, m=8)
     pkg = tmp_path / "pkg"
-    old = _tuned_files(pkg, 1, m=1)[0]  # an older file of the first one, replaced by the commit
-    before = {p.name: p.read_bytes() for p in pkg.iterdir()}
+    shipped = pkg / "moebench"  # the package's folder of moebench's kernel
+    old = _tuned_files(shipped, 1, m=1)[0]  # an older file of the first one, replaced by the commit
+    before = {p.name: p.read_bytes() for p in shipped.iterdir()}
     renames = random.Random().randint(1, 5)  # each file: itself, then tuned_routing.json
     pid = os.fork()
     if pid == 0:
@@ -596,21 +588,21 @@ def test_configs_commit_killed_between_its_files_leaves_whole_files(tmp_path, mo
             os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL, f"the commit was not killed after {renames} renames"
-    for p in pkg.iterdir():  # each file whole: the old one or the new one, nothing cut short
+    for p in shipped.iterdir():  # each file whole: the old one or the new one, nothing cut short
         src = tmp_path / "tuned" / p.name
         whole = {before.get(p.name), src.read_bytes() if src.exists() else None} - {None}
         if p.name == "tuned_routing.json":
             json.loads(p.read_text())
         else:
             assert p.read_bytes() in whole, p.name
-    _no_temporaries(pkg)
+    _no_temporaries(shipped)
     assert old.exists()
-    monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", pkg)  # the commit again: every file in
+    monkeypatch.setattr(TF, "PACKAGE_CONFIG_DIR", pkg)  # the commit again: every file in
     res = moebench_inproc("configs", "commit", "--allow-cpu", *map(str, new))
     assert res.returncode == 0, res.stderr
     for p in new:
-        assert (pkg / p.name).read_bytes() == p.read_bytes()
-    assert set(json.loads((pkg / "tuned_routing.json").read_text())) == {p.name for p in new}
+        assert (shipped / p.name).read_bytes() == p.read_bytes()
+    assert set(json.loads((shipped / "tuned_routing.json").read_text())) == {p.name for p in new}
 
 
 # -- report over damaged folders ----------------------------------------------------------------

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from test_cli import ROOT, assert_bad_input, moebench, moebench_inproc
+from moebench.kernels import tuned_files as TF
 
 TINY = ["--num-experts", "4", "--topk", "2", "--hidden", "64", "--intermediate", "64"]
 TINY_SWEEP = [*TINY, "--tokens", "1", "--experts", "torch", "--prepare-finalize", "no-dpep", "--device", "cpu"]
@@ -400,16 +401,13 @@ def test_report_plot_must_be_a_png_and_a_csv_must_be_a_results_file(tmp_path):
 
 
 def test_configs_commit_refuses_a_cpu_tuned_file(tmp_path, monkeypatch):
-    from moebench.kernels.triton import configs as C
-    from moebench.tuning import files as F
-
-    monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
+    monkeypatch.setattr(TF, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
     entry = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=3)
-    cpu = F.write_config_file(tmp_path / "E=4,N=64,device_name=cpu.json", {1: entry})
+    cpu = TF.write_config_file(tmp_path / "E=4,N=64,device_name=cpu.json", {1: entry})
     assert_bad_input(moebench_inproc("configs", "commit", cpu), "tuned on a CPU", "--allow-cpu")
     assert not (tmp_path / "pkg").exists()
     res = moebench_inproc("configs", "commit", "--allow-cpu", cpu)
-    assert res.returncode == 0 and (tmp_path / "pkg" / cpu.name).is_file(), res.stderr
+    assert res.returncode == 0 and (tmp_path / "pkg" / "moebench" / cpu.name).is_file(), res.stderr
 
 
 # -- setup.sh says what it is doing ---------------------------------------------------------------

@@ -27,9 +27,10 @@ from moebench.kernels.triton import configs as C
 from moebench.tuning import space as SP
 from moebench.tuning import tuner as T
 from moebench.cli.tune import configs as configs_group
-from moebench.kernels.triton.configs import parse_file_name as parse_config_name
+from moebench.kernels.tuned_files import parse_file_name as parse_config_name
 from moebench.cli.tune import tune as tune_command
 from test_tune import _journal_lines, assert_vllm_loadable, tune_with
+from moebench.kernels import tuned_files as TF
 
 TENSOR = QuantScheme("fp8_w8a8", "tensor")
 TOKEN = QuantScheme("fp8_w8a8", "token")
@@ -222,7 +223,7 @@ def test_tiny_fp8_tune_end_to_end(tmp_path, monkeypatch, kind):
     scheme, space = FP8_SPACES[kind]
     out = tune_with(TINY, ParallelLayout(), [1, 4], torch.bfloat16, strategy="grid", out_dir=tmp_path / "cfg",
                     results_dir=tmp_path / "res", space=space, timer=_fast_timer, reps=1, final_reps=1, quant=scheme)
-    expected = C.config_file_name(4, 32, "cpu", "fp8_w8a8", scheme.file_block_shape)
+    expected = TF.config_file_name(4, 32, "cpu", "fp8_w8a8", scheme.file_block_shape)
     assert out.config_path == tmp_path / "cfg" / expected
     assert expected.endswith("dtype=fp8_w8a8,block_shape=[32,32].json" if kind == "block" else "dtype=fp8_w8a8.json")
     raw = assert_vllm_loadable(out.config_path, [1, 4])
@@ -238,8 +239,8 @@ def test_tiny_fp8_tune_end_to_end(tmp_path, monkeypatch, kind):
     assert T.load_run_spec(out.run_dir).quant == scheme
     assert "fp8_w8a8" in (out.run_dir / "report.md").read_text()
     # The run-time lookup finds the file by scheme; an unquantised lookup does not.
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path / "cfg"))
-    dirs = C.config_search_dirs()
+    monkeypatch.setenv(TF.ENV_CONFIG_DIR, str(tmp_path / "cfg"))
+    dirs = TF.config_search_dirs()
     cfg, src = C.lookup_config(4, 32, 4, torch.bfloat16, "cpu", folders=dirs, quant=scheme)
     assert src.startswith(str(out.config_path)) and dict(cfg) == raw["4"]
     assert C.lookup_config(4, 32, 4, torch.bfloat16, "cpu", folders=dirs)[1] == "default heuristic"
@@ -271,7 +272,7 @@ def test_tune_cli_fp8(tmp_path, monkeypatch):
     """--dtype fp8_w8a8 [--block-shape] [--scales] on `tune`; `configs` list/show/diff/commit of
     the fp8 file names."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
+    monkeypatch.delenv(TF.ENV_CONFIG_DIR, raising=False)
     g, r = _group(), CliRunner()
     res = r.invoke(g, ["tune", "--model", "qwen3-30b-a3b", "--device", "cpu", "--tokens", "64", "--dtype", "fp8_w8a8",
                        "--block-shape", "128,128", "--dry-run"])
@@ -293,9 +294,9 @@ def test_tune_cli_fp8(tmp_path, monkeypatch):
     assert res.exit_code == 0 and "identical" in res.output
     res = r.invoke(g, ["configs", "show", "4,32", "--device", "cpu", "--block-shape", "64,64"])
     assert isinstance(res.exception, MoebenchError) and "--dtype fp8_w8a8" in str(res.exception)
-    monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
+    monkeypatch.setattr(TF, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
     res = r.invoke(g, ["configs", "commit", "--allow-cpu", str(tmp_path / "results" / "configs" / name)])
-    assert res.exit_code == 0 and "added" in res.output and (tmp_path / "pkg" / name).is_file()
+    assert res.exit_code == 0 and "added" in res.output and (tmp_path / "pkg" / "moebench" / name).is_file()
     # One-line errors for impossible combinations.
     for bad, needle in ((["--dtype", "fp8_w8a8", "--scales", "block"], "--block-shape"),
                         (["--dtype", "bf16", "--block-shape", "128,128"], "fp8_w8a8 only"),

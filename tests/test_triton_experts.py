@@ -55,6 +55,7 @@ from moebench.kernels.triton.common import pdl_launch_args
 from moebench.kernels.triton.routing import fused_topk_softmax
 from moebench.quant import QuantScheme
 from moebench.tuning import files as F
+from moebench.kernels import tuned_files as TF
 
 H, I, E, K = 72, 40, 20, 4
 CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
@@ -706,11 +707,11 @@ def test_gemm2_with_its_own_config_matches_reference(tmp_path, monkeypatch):
     with pytest.raises(MoebenchError, match="BLOCK_SIZE_M must equal"):
         TritonExperts(config=CFG, down_config=dict(down, BLOCK_SIZE_M=32))
     # the lookup: GEMM1's file and GEMM2's `_down` file in $MOEBENCH_CONFIG_DIR (this device's name)
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.setenv(TF.ENV_CONFIG_DIR, str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    dev = C.device_name(w2.device)
-    F.write_config_file(tmp_path / C.config_file_name(E, I, dev), {1: CFG})
-    F.write_config_file(tmp_path / C.config_file_name(E, I, dev, down=True), {1: dict(down, USE_TMA=False)})
+    dev = TF.device_name(w2.device)
+    TF.write_config_file(tmp_path / TF.config_file_name(E, I, dev), {1: CFG})
+    TF.write_config_file(tmp_path / TF.config_file_name(E, I, dev, down=True), {1: dict(down, USE_TMA=False)})
     kernel = moebench.make_kernel("triton", "no-dpep")
     out = kernel.apply(x, w13, w2, tw, ti, num_experts=E)
     assert rel_err(out, ref) < TOL[dtype]
@@ -783,10 +784,10 @@ def test_batched_config_lookup(tmp_path, monkeypatch):
     # P/F's num_tokens: the sorted-token kernel's key for the same load), whatever the buffer's
     # rows per expert; another shape, or no token count, falls back to the batched heuristic
     # (BLOCK_SIZE_M capped at 64); an explicit config wins over all.
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.setenv(TF.ENV_CONFIG_DIR, str(tmp_path))
     monkeypatch.chdir(tmp_path)
     small, big = dict(CFG, num_stages=3), dict(CFG, BLOCK_SIZE_M=128, BLOCK_SIZE_N=128)
-    F.write_config_file(tmp_path / C.config_file_name(8, 768, "cpu"), {4: small, 256: big})
+    TF.write_config_file(tmp_path / TF.config_file_name(8, 768, "cpu"), {4: small, 256: big})
     exp = BatchedTritonExperts()
     assert exp.config_for(2048, 8, 768, 2048, torch.bfloat16, device_type="cpu", tokens=6) == small
     assert exp.last_config_source.endswith("E=8,N=768,device_name=cpu.json[4]")
@@ -810,21 +811,21 @@ def test_apply_looks_nothing_up_after_the_first_call(tmp_path, monkeypatch, expe
     # The lookup's folders are resolved when the experts are built and each file is read once per
     # process: after the first call, apply() neither reads the environment again nor touches a
     # config folder, and runs with the same tuned entry.
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.setenv(TF.ENV_CONFIG_DIR, str(tmp_path))
     monkeypatch.chdir(tmp_path)
     dtype, m = torch.float32, 6
     w13, w2 = _weights(E, dtype)
     tw, ti = _routing(m, E, K)
     x = _x(m, dtype)
     ref = moebench.reference_moe(x, w13, w2, tw, ti)
-    path = F.write_config_file(tmp_path / C.config_file_name(E, I, C.device_name(DEV)), {4: CFG})
+    path = TF.write_config_file(tmp_path / TF.config_file_name(E, I, TF.device_name(DEV)), {4: CFG})
     kernel = moebench.make_kernel(experts, pf)
     with poisoned_outputs():
         kernel.apply(x, w13, w2, tw, ti)
     source = kernel.experts.last_config_source
     assert source == f"{path}[4]"
 
-    watched = (tmp_path, C.PACKAGE_CONFIG_DIR)
+    watched = (tmp_path, TF.PACKAGE_CONFIG_DIR)
     touched: list[Path] = []
     for name in ("stat", "is_file", "is_dir", "exists"):
         real = getattr(Path, name)
@@ -835,15 +836,15 @@ def test_apply_looks_nothing_up_after_the_first_call(tmp_path, monkeypatch, expe
             return _real(self, *a, **kw)
 
         monkeypatch.setattr(Path, name, spy)
-    monkeypatch.delenv(C.ENV_CONFIG_DIR)  # a lookup that read it again would find no file
+    monkeypatch.delenv(TF.ENV_CONFIG_DIR)  # a lookup that read it again would find no file
     monkeypatch.setattr(X, "config_search_dirs", lambda: pytest.fail("the lookup's folders were resolved again"))
-    before = C.found_table.cache_info()
+    before = TF.find.cache_info()
     with poisoned_outputs():
         out = kernel.apply(x, w13, w2, tw, ti)
     assert rel_err(out, ref) < TOL[dtype]
     assert kernel.experts.last_config_source == source
     assert touched == []
-    after = C.found_table.cache_info()
+    after = TF.find.cache_info()
     assert after.misses == before.misses and after.hits > before.hits
 
 

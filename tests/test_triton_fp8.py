@@ -20,13 +20,14 @@ from moebench.inputs import make_weights
 from moebench.kernels.modular import poisoned_outputs
 from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.batched import batched_moe
-from moebench.kernels.triton.configs import device_name, fit_to_quant_block
+from moebench.kernels.triton.configs import fit_to_quant_block
+from moebench.kernels.tuned_files import device_name
 from moebench.kernels.triton.experts import BatchedTritonExperts, TritonExperts, fused_moe
 from moebench.kernels.triton.launch import launch_gemm1
 from moebench.kernels.triton.options import TritonOptions, resolve_use_tma
 from moebench.kernels.triton.quant import check_block_config, quantize_rows, silu_mul_rows
 from moebench.quant import FP8_DTYPE, QuantScheme, quantize_activation, quantize_weights
-from moebench.tuning import files as F
+from moebench.kernels import tuned_files as TF
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, E, K = 152, 72, 20, 4
@@ -338,7 +339,7 @@ def test_triton_fp8_config_lookup_uses_scheme_file(tmp_path, monkeypatch, expert
 
     entry = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     name = f"E={e},N={i},device_name={device_name(DEV)},dtype=fp8_w8a8,block_shape=[32,32].json"
-    F.write_config_file(tmp_path / name, {8: entry})  # a write makes this process's lookup look again
+    TF.write_config_file(tmp_path / name, {8: entry})  # a write makes this process's lookup look again
     with poisoned_outputs():
         out = kernel.apply(x, q13, q2, tw, ti)
     assert experts.last_config_source.endswith(f"{name}[8]")

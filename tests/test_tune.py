@@ -21,14 +21,14 @@ from moebench.models import custom_shape, get_model
 from moebench.kernels.triton import configs as C
 from moebench.results import ResultRow
 from moebench.tuning import candidates as CA
-from moebench.tuning import files as F
 from moebench.tuning import search as S
 from moebench.tuning import space as SP
 from moebench.tuning import tuner as T
 from moebench.cli.tune import configs as configs_group
-from moebench.kernels.triton.configs import parse_file_name as parse_config_name
+from moebench.kernels.tuned_files import parse_file_name as parse_config_name
 from moebench.tuning.files import diff_tables
 from moebench.cli.tune import tune as tune_command
+from moebench.kernels import tuned_files as TF
 
 SHAPE = custom_shape(4, 2, 64, 32, name="tiny")
 TINY_SPACE = {"BLOCK_SIZE_M": [16, 32], "BLOCK_SIZE_N": [64], "BLOCK_SIZE_K": [64], "GROUP_SIZE_M": [1, 16],
@@ -103,7 +103,7 @@ def assert_vllm_loadable(path: Path, tokens: list[int]) -> dict:
     assert sorted(int(k) for k in raw) == tokens
     for k, entry in raw.items():
         assert isinstance(k, str) and k == str(int(k))
-        assert set(entry) == set(C.TILE_KEYS) and all(type(v) is int for v in entry.values())
+        assert set(entry) == set(TF.TILE_KEYS) and all(type(v) is int for v in entry.values())
     assert parse_config_name(path.name) is not None
     return raw
 
@@ -134,7 +134,7 @@ def test_prune_counts_and_reasons(model, tokens):
     seen = set()
     for c in rep.kept:
         if c["GROUP_SIZE_M"] >= p.max_blocks(c["BLOCK_SIZE_M"]):
-            rest = tuple(c[k] for k in C.TILE_KEYS if k != "GROUP_SIZE_M")
+            rest = tuple(c[k] for k in TF.TILE_KEYS if k != "GROUP_SIZE_M")
             assert rest not in seen
             seen.add(rest)
     if tokens == 1:  # decode: only BLOCK_SIZE_M 16 can win, and G16/32/64 are the same schedule
@@ -176,7 +176,7 @@ def test_halving_finds_the_seeds_neighbour_within_budget():
     def measure_one(cfg, stage, reps):
         calls.append((SP.key_str(cfg), stage, reps))
         dist = sum(abs(SP.SPACE[k].index(cfg[k]) - SP.SPACE[k].index(best[k])) if cfg[k] in SP.SPACE[k] else 3
-                   for k in C.TILE_KEYS)
+                   for k in TF.TILE_KEYS)
         return _row(cfg, stage, reps, 100.0 + 10 * dist)
 
     def measure(cfgs, stage, reps):
@@ -234,7 +234,7 @@ def test_tiny_tune_end_to_end(tmp_path):
     raw = assert_vllm_loadable(out.config_path, TOKENS)
     assert out.config_path.parent == tmp_path / "cfg"
     assert out.config_path.name == "E=4,N=32,device_name=cpu.json"
-    loaded = C.load_config_file(out.config_path)
+    loaded = TF.load_config_file(out.config_path)
     for r in out.results:
         assert r.winner == dict(loaded[r.tokens]) == raw[str(r.tokens)]
         assert r.winner_us > 0 and r.default_us > 0 and r.speedup == pytest.approx(r.default_us / r.winner_us)
@@ -437,13 +437,13 @@ GOOD = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE
 
 def test_configs_list_show_diff_commit(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
+    monkeypatch.delenv(TF.ENV_CONFIG_DIR, raising=False)
     pkg = tmp_path / "pkg_configs"
-    monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", pkg)
-    a = F.write_config_file(tmp_path / "results" / "configs" / "E=8,N=64,device_name=cpu.json",
+    monkeypatch.setattr(TF, "PACKAGE_CONFIG_DIR", pkg)
+    a = TF.write_config_file(tmp_path / "results" / "configs" / "E=8,N=64,device_name=cpu.json",
                             {1: GOOD, 16: GOOD}, triton_version="3.6.0")
     other = dict(GOOD, BLOCK_SIZE_N=128, num_warps=8)
-    b = F.write_config_file(tmp_path / "b" / "E=8,N=64,device_name=cpu.json", {1: GOOD, 16: other, 64: GOOD})
+    b = TF.write_config_file(tmp_path / "b" / "E=8,N=64,device_name=cpu.json", {1: GOOD, 16: other, 64: GOOD})
     r = CliRunner()
     g = _group()
 
@@ -457,26 +457,26 @@ def test_configs_list_show_diff_commit(tmp_path, monkeypatch):
     res = r.invoke(g, ["configs", "show", str(b)])
     assert res.exit_code == 0 and "64" in res.output
 
-    assert diff_tables(C.load_config_file(a), C.load_config_file(b)) == [
+    assert diff_tables(TF.load_config_file(a), TF.load_config_file(b)) == [
         (16, "BLOCK_SIZE_N 64->128; num_warps 4->8"), (64, "only in B")]
     res = r.invoke(g, ["configs", "diff", str(a), str(b)])
     assert res.exit_code == 0 and "only in B" in res.output and "num_warps 4->8" in res.output
 
     res = r.invoke(g, ["configs", "commit", "--allow-cpu", str(b)])
     assert res.exit_code == 0 and "added" in res.output
-    assert C.load_config_file(pkg / b.name) == C.load_config_file(b)
-    assert C.tuned_routing(pkg / b.name) is None  # b's folder records no routing: none committed
-    F.write_tuned_routing(b, (64, 2))  # ...now it does: the routing goes with the file
+    assert TF.load_config_file(pkg / "moebench" / b.name) == TF.load_config_file(b)  # the kernel's folder
+    assert TF.tuned_routing(pkg / "moebench" / b.name) is None  # b's folder records no routing: none committed
+    TF.write_tuned_routing(b, (64, 2))  # ...now it does: the routing goes with the file
     res = r.invoke(g, ["configs", "commit", "--allow-cpu", str(b)])
-    assert "unchanged" in res.output and C.tuned_routing(pkg / b.name) == (64, 2)
+    assert "unchanged" in res.output and TF.tuned_routing(pkg / "moebench" / b.name) == (64, 2)
     rows = json.loads(r.invoke(g, ["configs", "list", "--json", "--dir", str(pkg)]).output)
-    assert [x["routing"] for x in rows if x["dir"] == str(pkg)] == [{"experts": 64, "topk": 2}]
+    assert [x["routing"] for x in rows if x["dir"] == str(pkg / "moebench")] == [{"experts": 64, "topk": 2}]
 
     bad = tmp_path / "E=8,N=64,device_name=X.json"
     bad.write_text(json.dumps({"1": dict(GOOD, BLOCK_SIZE_N=48)}))
     res = r.invoke(g, ["configs", "commit", str(bad)])
     assert isinstance(res.exception, MoebenchError) and "power of two" in str(res.exception)
-    assert not (pkg / bad.name).exists()
+    assert not (pkg / "moebench" / bad.name).exists()
     res = r.invoke(g, ["configs", "commit", str(tmp_path / "b")])
     assert isinstance(res.exception, MoebenchError)
     res = r.invoke(g, ["configs", "show", "9,9", "--device", "cpu"])
@@ -494,7 +494,7 @@ def test_tune_command_dry_run_and_tiny_run(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     path = tmp_path / "results" / "configs" / "E=4,N=32,device_name=cpu.json"
     assert_vllm_loadable(path, [1])
-    assert C.tuned_routing(path) == (4, 2)  # what its token keys mean: top-2 over 4 experts
+    assert TF.tuned_routing(path) == (4, 2)  # what its token keys mean: top-2 over 4 experts
     res = r.invoke(g, ["configs", "list", "--json"])
     listed = [x for x in json.loads(res.output) if x["E"] == 4 and x["N"] == 32]  # the package ships others
     assert [x["tokens"] for x in listed] == [[1]]
@@ -554,9 +554,9 @@ def test_configs_coverage_of_the_presets_usual_layouts(tmp_path, monkeypatch):
     # Every preset's deploy layouts map to the (E, N) file one rank looks up; a file in
     # $MOEBENCH_CONFIG_DIR covers its shard, and --shards lists each missing file once.
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path / "mine"))
-    F.write_config_file(tmp_path / "mine" / "E=32,N=2048,device_name=NVIDIA_H200.json", {1: GOOD})
+    monkeypatch.setattr(TF, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
+    monkeypatch.setenv(TF.ENV_CONFIG_DIR, str(tmp_path / "mine"))
+    TF.write_config_file(tmp_path / "mine" / "E=32,N=2048,device_name=NVIDIA_H200.json", {1: GOOD})
     g, r = _group(), CliRunner()
     res = r.invoke(g, ["configs", "coverage", "--json"])
     assert res.exit_code == 0, res.output
@@ -590,14 +590,14 @@ def test_deploy_layout_names():
 def test_down_tune_writes_sglang_down_file_against_gemm1s_config(tmp_path, monkeypatch):
     # GEMM1's file first (found by the lookup through $MOEBENCH_CONFIG_DIR), then `--down`: GEMM2's
     # configs searched at GEMM1's BLOCK_SIZE_M with GEMM1's config fixed, written as `_down.json`.
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path / "cfg"))
+    monkeypatch.setenv(TF.ENV_CONFIG_DIR, str(tmp_path / "cfg"))
     monkeypatch.chdir(tmp_path)
     up = _tune(tmp_path)
-    gemm1 = C.load_config_file(up.config_path)
+    gemm1 = TF.load_config_file(up.config_path)
     space = dict(TINY_SPACE, BLOCK_SIZE_N=[32, 64], BLOCK_SIZE_K=[32, 64])
     out = _tune(tmp_path, down=True, space=space)
     assert out.config_path == tmp_path / "cfg" / "E=4,N=32,device_name=cpu_down.json"
-    down = C.load_config_file(out.config_path)
+    down = TF.load_config_file(out.config_path)
     assert parse_config_name(out.config_path.name)["down"]
     for r in out.results:
         assert r.default == dict(gemm1[r.tokens])  # the baseline: GEMM2 with GEMM1's config
@@ -609,7 +609,7 @@ def test_down_tune_writes_sglang_down_file_against_gemm1s_config(tmp_path, monke
     assert json.loads((out.run_dir / "tune.json").read_text())["spec"]["down"] is True
     # what the layer then uses: both files
     cfg2, src = C.lookup_down_config(4, 32, 1, gemm1[1], torch.float32, device_name="cpu",
-                                     folders=C.config_search_dirs())
+                                     folders=TF.config_search_dirs())
     assert cfg2 == down[1] and src.endswith("_down.json[1]")
     # a --down resume of a run that was not one is refused (the settings differ)
     with pytest.raises(MoebenchError, match="down"):
@@ -618,7 +618,7 @@ def test_down_tune_writes_sglang_down_file_against_gemm1s_config(tmp_path, monke
 
 def test_tune_command_down_flag(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
+    monkeypatch.delenv(TF.ENV_CONFIG_DIR, raising=False)
     g, r = _group(), CliRunner()
     sizes = ["--num-experts", "4", "--topk", "2", "--hidden", "64", "--intermediate", "32", "--device", "cpu"]
     res = r.invoke(g, ["tune", *sizes, "--tokens", "1", "--down", "--dry-run"])
@@ -631,17 +631,17 @@ def test_tune_command_down_flag(tmp_path, monkeypatch):
     path = tmp_path / "results" / "configs" / "E=4,N=32,device_name=cpu_down.json"
     # no GEMM1 file: GEMM1 runs the default heuristic, and the down entry has its BLOCK_SIZE_M
     heur = C.default_config(1, 4, 32, 64, 2, torch.float32)
-    assert C.load_config_file(path)[1]["BLOCK_SIZE_M"] == heur["BLOCK_SIZE_M"]
+    assert TF.load_config_file(path)[1]["BLOCK_SIZE_M"] == heur["BLOCK_SIZE_M"]
     res = r.invoke(g, ["configs", "list", "--json"])
     assert [x["down"] for x in json.loads(res.output) if x["E"] == 4 and x["N"] == 32] == [True]
 
 
 def test_configs_show_down(tmp_path, monkeypatch):
-    monkeypatch.setenv(C.ENV_CONFIG_DIR, str(tmp_path))
+    monkeypatch.setenv(TF.ENV_CONFIG_DIR, str(tmp_path))
     monkeypatch.chdir(tmp_path)
     entry = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1, "num_warps": 4,
              "num_stages": 5, "USE_TMA": False}
-    F.write_config_file(tmp_path / "E=4,N=32,device_name=cpu_down.json", {1: entry})
+    TF.write_config_file(tmp_path / "E=4,N=32,device_name=cpu_down.json", {1: entry})
     g, r = _group(), CliRunner()
     res = r.invoke(g, ["configs", "show", "4,32", "--device", "cpu", "--down", "--json"])
     assert res.exit_code == 0, res.output

@@ -17,8 +17,8 @@ import pytest
 from moebench.errors import MoebenchError
 from moebench.quant import QuantScheme
 from moebench.kernels.triton import configs as C
-from moebench.tuning import files as F
 from test_cli import ROOT, assert_bad_input, moebench_inproc
+from moebench.kernels import tuned_files as TF
 
 SIZES = ["--num-experts", "4", "--topk", "2", "--hidden", "64", "--intermediate", "32", "--device", "cpu"]
 FAST = ["--budget", "2", "--reps", "1", "--final-reps", "1"]
@@ -68,7 +68,7 @@ def test_resume_writes_to_the_runs_saved_out_folder(tmp_path):
     elsewhere.mkdir()
     again = moebench_inproc("tune", "--resume", str(run), cwd=elsewhere)
     assert again.returncode == 0, again.stderr
-    assert C.load_config_file(out / FILE).keys() == {1}
+    assert TF.load_config_file(out / FILE).keys() == {1}
     assert not (elsewhere / "results").exists()  # not ./results/configs of wherever it was resumed
     assert str(out / FILE) in again.stdout.replace("\n", "")
 
@@ -85,7 +85,7 @@ def test_config_file_is_updated_as_each_token_count_finishes(tmp_path):
             time.sleep(0.02)
         assert (out / FILE).exists(), proc.communicate()
         # written while the later token count was still being searched
-        assert C.load_config_file(out / FILE).keys() == {1}
+        assert TF.load_config_file(out / FILE).keys() == {1}
         assert proc.poll() is None
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
@@ -94,11 +94,11 @@ def test_config_file_is_updated_as_each_token_count_finishes(tmp_path):
             proc.kill()
             proc.communicate()
     assert proc.returncode == 130, err
-    assert 1 in C.load_config_file(out / FILE)  # an interrupted run keeps its finished winners
+    assert 1 in TF.load_config_file(out / FILE)  # an interrupted run keeps its finished winners
     (run,) = _run_dirs(res)
     done = moebench_inproc("tune", "--resume", str(run), cwd=tmp_path / "res")
     assert done.returncode == 0, done.stderr
-    assert C.load_config_file(out / FILE).keys() == {1, 2}
+    assert TF.load_config_file(out / FILE).keys() == {1, 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def test_per_token_and_per_tensor_fp8_tunes_keep_separate_files(tmp_path, monkey
     (token_run,) = [d for d in _run_dirs(res) if json.loads((d / "tune.json").read_text())["spec"]["quant"]["scales"] == "token"]
     (report,) = csv.DictReader(io.StringIO((token_run / "report.csv").read_text()))
     winner = report["winner"]
-    entry = C.load_config_file(out / TOKEN_FILE)[1]
+    entry = TF.load_config_file(out / TOKEN_FILE)[1]
     assert winner == "M{BLOCK_SIZE_M},N{BLOCK_SIZE_N},K{BLOCK_SIZE_K},G{GROUP_SIZE_M},w{num_warps},s{num_stages}".format(**entry)
     # The triton experts look the per-token file up for per-token scales (and only for them).
     sw = moebench_inproc("configs", "list", "--json", "--dir", str(out), cwd=tmp_path)
@@ -223,16 +223,16 @@ def test_per_token_and_per_tensor_fp8_tunes_keep_separate_files(tmp_path, monkey
 def test_entries_of_another_scheme_are_not_merged_into_a_file(tmp_path):
     cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     token = QuantScheme("fp8_w8a8", "token")
-    F.write_config_file(tmp_path / TENSOR_FILE, {1: cfg})
+    TF.write_config_file(tmp_path / TENSOR_FILE, {1: cfg})
     before = (tmp_path / TENSOR_FILE).read_bytes()
     with pytest.raises(MoebenchError, match="refusing to merge fp8_w8a8 per-token entries"):
-        F.merge_config_file(tmp_path / TENSOR_FILE, {4: cfg}, quant=token)
+        TF.merge_config_file(tmp_path / TENSOR_FILE, {4: cfg}, quant=token)
     with pytest.raises(MoebenchError, match="refusing to merge unquantised entries"):
-        F.merge_config_file(tmp_path / TOKEN_FILE, {4: cfg})
+        TF.merge_config_file(tmp_path / TOKEN_FILE, {4: cfg})
     assert (tmp_path / TENSOR_FILE).read_bytes() == before
-    F.merge_config_file(tmp_path / TOKEN_FILE, {4: cfg}, quant=token)
-    F.merge_config_file(tmp_path / TOKEN_FILE, {1: cfg}, quant=token)
-    assert C.load_config_file(tmp_path / TOKEN_FILE).keys() == {1, 4}
+    TF.merge_config_file(tmp_path / TOKEN_FILE, {4: cfg}, quant=token)
+    TF.merge_config_file(tmp_path / TOKEN_FILE, {1: cfg}, quant=token)
+    assert TF.load_config_file(tmp_path / TOKEN_FILE).keys() == {1, 4}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def test_configs_list_sorts_by_e_then_n_as_numbers(tmp_path):
     cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     d = tmp_path / "mine"
     for e, n in ((128, 64), (16, 1024), (8, 512), (16, 96), (8, 64)):
-        F.write_config_file(d / C.config_file_name(e, n, "cpu"), {1: cfg})
+        TF.write_config_file(d / TF.config_file_name(e, n, "cpu"), {1: cfg})
     r = moebench_inproc("configs", "list", "--json", "--dir", str(d), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)

@@ -21,7 +21,6 @@ from moebench.errors import MoebenchError
 from moebench.inputs import make_weights
 from moebench.kernels import engine_configs as EC
 from moebench.kernels.reference import silu_and_mul
-from moebench.kernels.triton import configs as C
 from moebench.kernels.vllm_triton import (
     VllmTritonExperts,
     VllmTritonOptions,
@@ -32,9 +31,9 @@ from moebench.kernels.vllm_triton import (
 )
 from moebench.quant import QuantScheme, as_float, fake_quant, scheme_of
 from moebench.routing import make_routing
-from moebench.tuning import files as F
 from moebench.tuning import space as SP
 from test_cli import moebench_inproc
+from moebench.kernels import tuned_files as TF
 
 BLOCK = QuantScheme("fp8_w8a8", "block", (128, 128))
 CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
@@ -115,17 +114,17 @@ def test_expert_map_zeroes_remote_blocks():
 
 def test_through_make_kernel_and_lookup(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(C.ENV_CONFIG_DIR, raising=False)
+    monkeypatch.delenv(TF.ENV_CONFIG_DIR, raising=False)
     x, w13, w2, tw, ids = _problem(8, 2, 200, 64, 5, torch.bfloat16, BLOCK)
     ex = VllmTritonExperts()
     cfg = ex.config_for(5, w2, 8, torch.bfloat16)
     assert cfg == EC.vllm_default_config(5, 8, BLOCK) and "default" in ex.last_config_source
-    name = EC.engine_file_name("vllm", 8, 64, "cpu", BLOCK)
+    name = TF.engine_file_name("vllm", 8, 64, "cpu", BLOCK)
     assert name == "E=8,N=64,device_name=cpu,dtype=fp8_w8a8,block_shape=[128,128].json"
-    assert EC.engine_file_name("sglang", 8, 64, "cpu", BLOCK).endswith("block_shape=[128, 128].json")
-    assert EC.engine_device_name("vllm", "NVIDIA H200 NVL") == "NVIDIA_H200"
+    assert TF.engine_file_name("sglang", 8, 64, "cpu", BLOCK).endswith("block_shape=[128, 128].json")
+    assert TF.engine_device_name("vllm", "NVIDIA H200 NVL") == "NVIDIA_H200"
     small = dict(CFG, BLOCK_SIZE_N=32)
-    F.write_engine_file(tmp_path / "results" / "configs" / "vllm" / name, {1: CFG, 16: small})
+    TF.write_engine_file(tmp_path / "results" / "configs" / "vllm" / name, {1: CFG, 16: small})
     assert ex.config_for(9, w2, 8, torch.bfloat16) == small  # nearest key: 16
     assert ex.config_for(8, w2, 8, torch.bfloat16) == CFG  # 8 is nearer 1 than 16
     k = moebench.make_kernel(experts="vllm-triton", prepare_finalize="no-dpep")
@@ -152,10 +151,10 @@ def test_tune_kernel_end_to_end(tmp_path, monkeypatch, kernel):
     assert res.exit_code == 0, res.output
     folder = tmp_path / "results" / "configs" / kernel
     if kernel == "sglang":
-        folder = folder / EC.triton_folder()
+        folder = folder / TF.triton_folder()
     path = folder / "E=8,N=64,device_name=cpu.json"
     raw = json.loads(path.read_text())
-    assert list(raw) == ["2"] and set(raw["2"]) == set(C.TILE_KEYS)  # exactly as the engines read it
+    assert list(raw) == ["2"] and set(raw["2"]) == set(TF.TILE_KEYS)  # exactly as the engines read it
     assert not list((tmp_path / "results" / "configs").glob("*.json"))  # nothing beside moebench's own files
     run = next((tmp_path / "results").glob("*-tune-*"))
     meta = json.loads((run / "metadata.json").read_text())
@@ -172,7 +171,7 @@ def test_tune_against_an_engine_file(tmp_path, monkeypatch):
     (its candidate rows), the winner is never slower than it, and the report and tune.json say so."""
     monkeypatch.chdir(tmp_path)
     shipped = {1: CFG, 8: dict(CFG, BLOCK_SIZE_N=32, num_stages=3)}
-    path = F.write_engine_file(tmp_path / "shipped" / "E=8,N=64,device_name=cpu.json", shipped)
+    path = TF.write_engine_file(tmp_path / "shipped" / "E=8,N=64,device_name=cpu.json", shipped)
     res = CliRunner().invoke(_group(), ["tune", *SIZES, "--kernel", "vllm", "--tokens", "1,6", "--search", "random",
                                         "--budget", "1", "--reps", "1", "--final-reps", "1", "--against", str(path)])
     assert res.exit_code == 0, res.output
@@ -197,9 +196,9 @@ def test_tune_against_an_engine_file(tmp_path, monkeypatch):
 
 def test_configs_commit_kernel_folders(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(C, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
-    v = F.write_engine_file(tmp_path / "a" / EC.engine_file_name("vllm", 8, 64, "NVIDIA_H200", BLOCK), {1: CFG})
-    s = F.write_engine_file(tmp_path / "b" / "triton_3_4_0" / EC.engine_file_name("sglang", 8, 64, "NVIDIA_H200", BLOCK),
+    monkeypatch.setattr(TF, "PACKAGE_CONFIG_DIR", tmp_path / "pkg")
+    v = TF.write_engine_file(tmp_path / "a" / TF.engine_file_name("vllm", 8, 64, "NVIDIA_H200", BLOCK), {1: CFG})
+    s = TF.write_engine_file(tmp_path / "b" / "triton_3_4_0" / TF.engine_file_name("sglang", 8, 64, "NVIDIA_H200", BLOCK),
                              {1: CFG})
     g, r = _group(), CliRunner()
     res = r.invoke(g, ["configs", "commit", "--kernel", "vllm", str(v)])
@@ -209,7 +208,7 @@ def test_configs_commit_kernel_folders(tmp_path, monkeypatch):
     assert res.exit_code == 0 and (tmp_path / "pkg" / "sglang" / "triton_3_4_0" / s.name).is_file()
     res = r.invoke(g, ["configs", "commit", "--kernel", "sglang", str(v)])  # vLLM's name in SGLang's folder
     assert isinstance(res.exception, MoebenchError) and "SGLang's" in str(res.exception)
-    moe = F.write_config_file(tmp_path / "c" / "E=8,N=64,device_name=cpu.json", {1: CFG})  # has triton_version
+    moe = TF.write_config_file(tmp_path / "c" / "E=8,N=64,device_name=cpu.json", {1: CFG})  # has triton_version
     res = r.invoke(g, ["configs", "commit", "--kernel", "vllm", str(moe)])
     assert isinstance(res.exception, MoebenchError) and "token counts" in str(res.exception)
 

@@ -31,9 +31,9 @@ from moebench.quant import (
     quantize_weight,
     unpack_nibbles,
 )
-from moebench.tuning import files as F
 from moebench.tuning.space import WQ_GROUP_REASON, Problem, prune_reason
 from tests.test_cli import assert_bad_input, moebench_inproc
+from moebench.kernels import tuned_files as TF
 
 #: The kernels' own error against the reference of the very weights they dot: bf16 rounding of the
 #: intermediate and the output only (observed 3-7e-3); a wrong nibble, scale or zero is >= 5e-2.
@@ -242,8 +242,8 @@ def test_expert_weight_bytes_by_hand():
 
 def test_config_file_names():
     def name(q):
-        return C.config_file_name(8, 512, "NVIDIA_H200", *C.name_parts(torch.bfloat16, q),
-                                  per_channel_quant=C.per_channel_quant(q))
+        return TF.config_file_name(8, 512, "NVIDIA_H200", *TF.name_parts(torch.bfloat16, q),
+                                  per_channel_quant=TF.per_channel_quant(q))
 
     assert name(SCHEMES["int8"]) == "E=8,N=512,device_name=NVIDIA_H200,dtype=int8_w8a16.json"
     for k in ("int4-g32", "int4-g128", "int4-g64-zp"):
@@ -252,16 +252,16 @@ def test_config_file_names():
     assert name(None) == "E=8,N=512,device_name=NVIDIA_H200.json"
     assert name(QuantScheme("fp8_w8a8", "block", (128, 128))) == \
         "E=8,N=512,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
-    assert C.file_scheme("E=8,N=512,device_name=NVIDIA_H200,dtype=int4_w4a16.json") == "int4_w4a16"
+    assert TF.file_scheme("E=8,N=512,device_name=NVIDIA_H200,dtype=int4_w4a16.json") == "int4_w4a16"
 
 
 def test_merge_refuses_another_scheme(tmp_path):
     entry = {1: dict(CFG_SMALL_K)}
-    p = F.merge_config_file(tmp_path / "E=4,N=72,device_name=cpu,dtype=int4_w4a16.json", entry,
+    p = TF.merge_config_file(tmp_path / "E=4,N=72,device_name=cpu,dtype=int4_w4a16.json", entry,
                             torch.bfloat16, SCHEMES["int4-g64-zp"])
-    assert C.load_config_file(p)[1]["BLOCK_SIZE_K"] == 32
+    assert TF.load_config_file(p)[1]["BLOCK_SIZE_K"] == 32
     with pytest.raises(MoebenchError, match="refusing"):
-        F.merge_config_file(tmp_path / "E=4,N=72,device_name=cpu,dtype=mxfp4.json", entry, torch.bfloat16,
+        TF.merge_config_file(tmp_path / "E=4,N=72,device_name=cpu,dtype=mxfp4.json", entry, torch.bfloat16,
                             SCHEMES["int8"])
 
 

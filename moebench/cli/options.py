@@ -212,8 +212,8 @@ def parse_shared_modes(value: str | None, has_shared: bool) -> list[str]:
 
 
 def check_kernel(kernel: str) -> str:
-    """`--kernel` of `tune` / `configs commit`: moebench's own, or an engine's (engine_configs.KERNELS)."""
-    from moebench.kernels.engine_configs import KERNELS
+    """`--kernel` of `tune` / `configs commit`: moebench's own, or an engine's (tuned_files.KERNELS)."""
+    from moebench.kernels.tuned_files import KERNELS
 
     if kernel not in KERNELS:
         raise MoebenchError(f"unknown --kernel '{kernel}'; use one of {', '.join(KERNELS)}")

@@ -33,7 +33,7 @@ from moebench.cli.options import (
     shape_options,
 )
 from moebench.errors import MoebenchError, interrupt_status, interrupted_by
-from moebench.kernels.triton.configs import config_search_dirs
+from moebench.kernels.tuned_files import config_search_dirs
 from moebench.report import print_fitted, say
 
 

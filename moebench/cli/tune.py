@@ -39,9 +39,9 @@ from moebench.cli.options import (
 )
 from moebench.errors import MoebenchError, interrupt_status, interrupted_by
 from moebench.report import Column, TextTable, print_fitted, say
-from moebench.kernels.triton import configs as C
 from moebench.tuning import files
 from moebench.tuning.files import commit_files as files_commit
+from moebench.kernels import tuned_files as TF
 
 TUNE_TOKENS_CPU = [1, 4]
 
@@ -159,7 +159,7 @@ def tune(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, dev
         )
         run_dir = Path(results_dir) / new_run_id("tune", spec.shape.name)
     check_routing(spec.routing, spec.shape)
-    C.config_search_dirs()  # a MOEBENCH_CONFIG_DIR that is no folder is refused before any work
+    TF.config_search_dirs()  # a MOEBENCH_CONFIG_DIR that is no folder is refused before any work
     spec.tokens = sorted(set(spec.tokens))
     cannot_run = T._validate(spec, plan_only=dry_run)
     if not dry_run:  # before any folder or file exists: a refused tune writes nothing
@@ -246,7 +246,7 @@ def against_tables(paths) -> dict[str, dict[int, dict[str, int]]] | None:
         name = f"{p.parent.name}/{p.name}" if p.parent.name else p.name
         if name in tables:
             raise MoebenchError(f"--against {p}: {name} is given twice; give each file once")
-        tables[name] = {t: dict(c) for t, c in C.load_config_file(p).items()}
+        tables[name] = {t: dict(c) for t, c in TF.load_config_file(p).items()}
     return tables
 
 
@@ -282,16 +282,16 @@ def _resolve_file(arg: str, device: str | None, dtype: str | None, block_shape: 
             raise MoebenchError(f"config file {arg!r} does not exist")
         raise MoebenchError(f"{arg!r} is neither a config file nor 'E,N' (e.g. 8,14336)")
     e, n = int(m[1]), int(m[2])
-    dev = device or C.current_device_name()
-    found = C.find_config_file(e, n, dev, dtype, list(bs) if bs else None, down=down)
+    dev = device or TF.current_device_name()
+    found = TF.find_config_file(e, n, dev, dtype, list(bs) if bs else None, down=down)
     if found is None:
-        name = C.config_file_name(e, n, dev, dtype, list(bs) if bs else None, down=down)
-        raise MoebenchError(f"no {name} in {', '.join(str(d) for d in C.config_search_dirs())}")
+        name = TF.config_file_name(e, n, dev, dtype, list(bs) if bs else None, down=down)
+        raise MoebenchError(f"no {name} in {', '.join(str(d) for d in TF.config_search_dirs())}")
     return found
 
 
 def _cfg_text(cfg) -> str:
-    return "/".join(str(cfg[k]) for k in C.TILE_KEYS)
+    return "/".join(str(cfg[k]) for k in TF.TILE_KEYS)
 
 
 @configs.command("list")
@@ -299,33 +299,30 @@ def _cfg_text(cfg) -> str:
 @click.option("--json", "as_json", is_flag=True)
 def configs_list(dirs, as_json):
     """Config files along the lookup order ($MOEBENCH_CONFIG_DIR, results/configs, moebench/configs),
-    with the kernel each is for: moebench (the folder itself), vllm (its vllm/), sglang (its
-    sglang/triton_X_Y_Z/)."""
-    from moebench.kernels import engine_configs as EC
-
+    with the kernel each is for: moebench (the folder itself; the package's moebench/), vllm (its
+    vllm/), sglang (its sglang/triton_X_Y_Z/)."""
     rows = []
     seen: set[Path] = set()
     roots: list[Path] = []  # the folders listed, in lookup order
-    for order, d in enumerate([*C.config_search_dirs(), *map(Path, dirs)]):
+    for order, d in enumerate([*TF.config_search_dirs(), *map(Path, dirs)]):
         if not d.is_dir() or d.resolve() in seen:
             continue
         seen.add(d.resolve())
         roots.append(d)
-        # moebench's files in the root, the engines' in vllm/ and sglang/triton_X_Y_Z/
-        found = [("moebench", d, f) for f in d.glob("*.json")]
-        found += [("vllm", d / "vllm", f) for f in (d / "vllm").glob("*.json")]
-        found += [("sglang", f.parent, f) for f in (d / "sglang").glob("triton_*/*.json")]
+        # each kernel's files in its folders of this root (tuned_files.kernel_dirs)
+        found = [(kernel, folder, f) for kernel in TF.KERNELS for folder in TF.kernel_dirs(kernel, (d,))
+                 for f in folder.glob("*.json")]
         for kernel, folder, f in found:
-            parts = C.parse_file_name(f.name)
+            parts = TF.parse_file_name(f.name)
             if parts is None:
                 continue
             try:
-                table = C.load_config_file(f) if kernel == "moebench" else EC.load_engine_file(f)
+                table = TF.read(kernel, f)
                 toks, status = list(table), "ok"
             except MoebenchError as e:
                 toks, status = [], f"invalid: {e}"
             try:
-                routing = C.tuned_routing(f) if kernel == "moebench" else None
+                routing = TF.tuned_routing(f) if kernel == "moebench" else None
             except MoebenchError as e:
                 routing, status = None, f"invalid: {e}"
             rows.append({"dir": str(folder), "root": len(roots), "file": f.name, "kernel": kernel, **parts, "tokens": toks,
@@ -342,7 +339,7 @@ def configs_list(dirs, as_json):
         click.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        say(console, "no tuned-config files in " + ", ".join(str(d) for d in C.config_search_dirs()))
+        say(console, "no tuned-config files in " + ", ".join(str(d) for d in TF.config_search_dirs()))
         return
     print_fitted(console, configs_list_table(rows, roots))
     say(console, "folders, the first holding a file wins at lookup: " + "; ".join(
@@ -364,11 +361,11 @@ def configs_list(dirs, as_json):
 def configs_show(target, device, dtype, block_shape, down, as_json):
     """One file's entries: TARGET is a path or E,N (looked up for this device)."""
     path = _resolve_file(target, device, dtype, block_shape, down)
-    table = C.load_config_file(path)
+    table = TF.load_config_file(path)
     if as_json:
         click.echo(json.dumps({str(k): dict(v) for k, v in table.items()}, indent=2))
         return
-    keys = C.TILE_KEYS + tuple(k for k in C.DOWN_KEYS if any(k in cfg for cfg in table.values()))
+    keys = TF.TILE_KEYS + tuple(k for k in TF.DOWN_KEYS if any(k in cfg for cfg in table.values()))
     cols = [Column("tokens", "tokens", [str(m) for m in table])]
     cols += [Column(k, SHORT_KEYS.get(k, k), [str(cfg.get(k, "-")) for cfg in table.values()]) for k in keys]
     say(console, str(path))
@@ -421,7 +418,7 @@ def configs_list_table(rows: list[dict], roots: list[Path]) -> TextTable:
 def configs_diff(a, b, device, dtype, block_shape):
     """Per token count, which fields differ between two files (paths or E,N)."""
     pa, pb = _resolve_file(a, device, dtype, block_shape), _resolve_file(b, device, dtype, block_shape)
-    diffs = files.diff_tables(C.load_config_file(pa), C.load_config_file(pb))
+    diffs = files.diff_tables(TF.load_config_file(pa), TF.load_config_file(pb))
     say(console, f"A = {pa}\nB = {pb}")
     if not diffs:
         console.print("identical entries")

@@ -31,7 +31,7 @@ import torch
 
 from moebench.errors import MoebenchError
 from moebench.kernels.modular import ActivationFormat, Experts, PrepareResult, TopKWeightAndReduceNoOp
-from moebench.kernels.triton.configs import TILE_KEYS, validate_tile_config
+from moebench.kernels.tuned_files import TILE_KEYS, validate_tile_config
 from moebench.quant import FP8_DTYPE, scheme_of
 
 #: vLLM's fused-MoE package (its public entry points live here)

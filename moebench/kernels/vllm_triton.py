@@ -48,7 +48,8 @@ import triton
 import triton.language as tl
 
 from moebench.errors import MoebenchError
-from moebench.kernels.engine_configs import ENGINES, engine_config
+from moebench.kernels.engine_configs import engine_config
+from moebench.kernels.tuned_files import ENGINES
 from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
@@ -58,7 +59,7 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.triton.align import moe_align_block_size
 from moebench.kernels.triton.common import grouped_tile
-from moebench.kernels.triton.configs import config_search_dirs, device_name, validate_tile_config
+from moebench.kernels.tuned_files import config_search_dirs, device_name, validate_tile_config
 from moebench.kernels.triton.env import interpreter_compat, interpreting, triton_unavailable_reason
 from moebench.kernels.triton.launch import topk_sum
 from moebench.kernels.triton.quant import quantize_rows
@@ -72,7 +73,7 @@ PER_PAIR_SPARSITY = 4
 class VllmTritonOptions:
     """Code paths of the vllm-triton experts.
 
-    engine: "vllm" | "sglang": whose config files the lookup reads (`engine_configs`) and whose
+    engine: "vllm" | "sglang": whose config files the lookup reads (`tuned_files`) and whose
             swap-AB rule "auto" applies.
     per_pair: "auto" (vLLM's rule: no expert_map and M*K*4 <= E), True or False.
     swap_ab: fp8 block GEMMs only. False (vLLM's kernel), True, or "auto" (SGLang's rule: an SM90

@@ -30,7 +30,7 @@ from moebench.errors import WRITE_ERRNOS, MoebenchError, WriteError, one_line
 from moebench.inputs import make_tokens, make_weights
 from moebench.kernels.engine_configs import engine_experts
 from moebench.kernels.reference import reference_moe
-from moebench.kernels.triton.configs import TILE_KEYS, validate_tile_config
+from moebench.kernels.tuned_files import TILE_KEYS, validate_tile_config
 from moebench.kernels.vllm_triton import VllmTritonOptions
 from moebench.layout import ParallelLayout
 from moebench.results import ResultRow

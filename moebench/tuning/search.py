@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 from moebench.errors import MoebenchError
-from moebench.kernels.triton.configs import TILE_KEYS, TileConfig
+from moebench.kernels.tuned_files import TILE_KEYS, TileConfig
 from moebench.results import ResultRow
 from moebench.tuning.candidates import config_of, is_ok
 from moebench.tuning.space import config_key, neighbours

@@ -44,7 +44,7 @@ from typing import Iterable, Mapping
 import torch
 
 from moebench.kernels.triton.align import max_padded_size
-from moebench.kernels.triton.configs import TILE_KEYS, TileConfig
+from moebench.kernels.tuned_files import TILE_KEYS, TileConfig
 
 #: Values per parameter, in order (the order `neighbours` steps along).
 SPACE: dict[str, tuple[int, ...]] = {

@@ -15,6 +15,7 @@ from moebench.layout import ParallelLayout
 from moebench.models import MoEShape
 from moebench.quant import WEIGHT_ONLY, QuantScheme, precision_text
 from moebench.tuning.space import dtype_bytes
+from moebench.kernels import tuned_files as TF
 
 
 @dataclass
@@ -119,7 +120,7 @@ class TuneSpec:
 
     def rivals(self, tokens: int) -> dict[str, dict[str, int]]:
         """Each --against file's entry at `tokens` (its nearest key, as the engines look it up)."""
-        return {name: dict(C.nearest_entry(table, tokens)[1]) for name, table in (self.against or {}).items()}
+        return {name: dict(TF.nearest_entry(table, tokens)[1]) for name, table in (self.against or {}).items()}
 
     def screen_reps(self) -> tuple[int, int]:
         cuda = torch.device(self.device).type == "cuda"
@@ -164,7 +165,7 @@ def gemm1_config(spec: TuneSpec, tokens: int) -> tuple[dict[str, int], str]:
     GEMM2 against."""
     cfg, src = C.layer_config(
         tokens, local_experts=spec.local_experts, inter=spec.inter_per_rank, hidden=spec.shape.hidden,
-        topk=spec.shape.topk, num_experts=spec.shape.num_experts, dtype=spec.dtype, folders=C.config_search_dirs(),
-        device_name=C.device_name(spec.device), quant=spec.quant)
+        topk=spec.shape.topk, num_experts=spec.shape.num_experts, dtype=spec.dtype, folders=TF.config_search_dirs(),
+        device_name=TF.device_name(spec.device), quant=spec.quant)
     return dict(cfg), src
 

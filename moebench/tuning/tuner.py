@@ -18,7 +18,7 @@ Run folder (`results/<run-id>/`, or the folder given to `resume`):
 `kernel` (TuneSpec.kernel): "moebench" tunes the `triton` experts and writes moebench's file;
 "vllm" / "sglang" tune the `vllm-triton` experts (the engines' own kernel structure) and write
 the engine's file, by default into results/configs/vllm/ or results/configs/sglang/triton_X_Y_Z/
-(moebench.kernels.engine_configs), never next to moebench's files.
+(the store: moebench.kernels.tuned_files), never next to moebench's files.
 
 The config file goes to `out_dir` (default `results/configs/`, the second folder of the lookup
 order; a resumed run keeps the folder saved in its tune.json) as `E={E_local},N={I/tp},device_name=...json`
@@ -66,7 +66,7 @@ from moebench.fileio import writing
 from moebench.results import ResultRow, RunLock, RunStore, atomic_write_text, ensure_writable_dir, git_revision, new_run_id
 from moebench.runtime.processes import start_worker, worker_context
 from moebench.kernels.triton import configs as C
-from moebench.tuning.files import TUNE_TOKENS_CUDA, claim_tuned_routing, merge_config_file, merge_engine_file
+from moebench.tuning.files import TUNE_TOKENS_CUDA
 from moebench.tuning.precompile import Precompiler
 from moebench.sweep.cases import run_cases
 from moebench.tuning.candidates import (
@@ -88,6 +88,7 @@ from moebench.tuning.spec import (  # noqa: F401  (re-exported: the tuner's API,
     quant_from_json,
     quant_to_json,
 )
+from moebench.kernels import tuned_files as TF
 
 #: The run folder's candidate rows (worker N: candidates.wN.jsonl), and its settings.
 CANDIDATES = "candidates.jsonl"
@@ -492,7 +493,7 @@ def _validate(spec: TuneSpec, plan_only: bool = False) -> str | None:
         for k, vals in spec.space.items():
             if k not in SPACE or not vals:
                 raise MoebenchError(f"search space: unknown parameter or empty list {k!r}")
-    from moebench.kernels.engine_configs import KERNELS
+    from moebench.kernels.tuned_files import KERNELS
     from moebench.backends import check_combination
 
     if spec.kernel not in KERNELS:
@@ -564,7 +565,7 @@ def tune(
     if main:  # before the first measurement: a folder the file cannot go to fails now, not after the search
         ensure_writable_dir(config_path.parent)
         if spec.kernel == "moebench":  # the routing the file's token keys will mean (configs module docstring)
-            claim_tuned_routing(config_path, shape.num_experts, shape.topk)
+            TF.claim_tuned_routing(config_path, shape.num_experts, shape.topk)
     if resume is None:
         if run_dir is None and main:
             run_dir = ensure_writable_dir(Path(results_dir)) / new_run_id("tune", shape.name)
@@ -696,35 +697,22 @@ def deploy_layout(name: str) -> tuple[ParallelLayout, str]:
 
 
 def config_path_for(spec: TuneSpec, out_dir: str | os.PathLike | None = None, device_name: str | None = None) -> Path:
-    """Where the vLLM file goes: out_dir (default results/configs) / E=..,N=..,device_name=..
-    [,dtype=fp8_w8a8[,block_shape=[bn,bk]]][,per_channel_quant=True][_down].json (`_down`: a --down
-    run; per_channel_quant: per-token scales; both SGLang's names). An engine's kernel: its own
-    name, by default in results/configs/<engine>[/triton_X_Y_Z] (moebench.kernels.engine_configs).
-    device_name: the name's device part (default: the device's own name)."""
-    device_name = device_name or C.device_name(spec.device)
-    if spec.kernel != "moebench":
-        from moebench.kernels import engine_configs as EC
-
-        folder = Path(out_dir) if out_dir is not None else EC.default_out_dir(spec.kernel)
-        return folder / EC.engine_file_name(spec.kernel, spec.local_experts, spec.inter_per_rank, device_name,
-                                            spec.quant)
-    folder = Path(out_dir) if out_dir is not None else Path("results") / "configs"
-    name = C.config_file_name(spec.local_experts, spec.inter_per_rank, device_name, *C.name_parts(spec.dtype, spec.quant), down=spec.down,
-                              per_channel_quant=C.per_channel_quant(spec.quant))
-    return folder / name
+    """Where the tuned file goes: out_dir (default: the kernel's folder under results/configs,
+    `tuned_files.default_out_dir`) / the name the kernel's lookup reads (`tuned_files.file_name`:
+    moebench's E=..,N=..,device_name=..[,dtype=..][,block_shape=[bn,bk]][,per_channel_quant=True][_down].json,
+    an engine's own). device_name: the name's device part (default: the device's own name)."""
+    folder = Path(out_dir) if out_dir is not None else TF.default_out_dir(spec.kernel)
+    return folder / TF.file_name(spec.kernel, spec.local_experts, spec.inter_per_rank,
+                                 device_name or TF.device_name(spec.device), spec.dtype, spec.quant, spec.down)
 
 
 def update_config_file(spec: TuneSpec, path: Path, entries: Mapping[int, Mapping[str, int]],
                        run_dir: str | os.PathLike | None = None) -> Path:
-    """Merge `entries` into the config file at `path` (moebench.tuning.files.merge_config_file:
-    atomic rename, refused for a file of another scheme). With `run_dir`, under an exclusive lock
-    on CONFIG_LOCK in the file's folder, so neither the workers of one run nor two runs writing one
-    folder at once drop each other's entries. An engine's file is
-    written in the engine's format (token keys only)."""
-    if spec.kernel != "moebench":
-        merge = lambda: merge_engine_file(path, entries)  # noqa: E731
-    else:
-        merge = lambda: merge_config_file(path, entries, spec.dtype, spec.quant)  # noqa: E731
+    """Merge `entries` into the config file at `path` in the kernel's format (`tuned_files.merge`:
+    atomic rename; moebench's refused for a file of another scheme). With `run_dir`, under an
+    exclusive lock on CONFIG_LOCK in the file's folder, so neither the workers of one run nor two
+    runs writing one folder at once drop each other's entries."""
+    merge = lambda: TF.merge(spec.kernel, path, entries, spec.dtype, spec.quant)  # noqa: E731
     if run_dir is None:
         return merge()
     import fcntl
@@ -805,7 +793,7 @@ def write_report(run_dir: Path, spec: TuneSpec, results: Sequence[TokenResult], 
         + ("" if spec.kernel == "moebench" else f"; the file is for {spec.kernel}'s fused-MoE Triton kernel, "
            "not for moebench's `triton` experts"),
         f"- E={spec.local_experts} local experts, N={spec.inter_per_rank}, dtype {spec.precision}, "
-        f"device {C.device_name(spec.device)}, search `{spec.strategy}`, budget {spec.budget or 'auto (5% of the pruned space, 6-48 configs)'}",
+        f"device {TF.device_name(spec.device)}, search `{spec.strategy}`, budget {spec.budget or 'auto (5% of the pruned space, 6-48 configs)'}",
         *(["- GEMM2's own configs (`--down`): each token count's search keeps GEMM1's config fixed (column "
             "`default`, which GEMM2 also runs with when there is no `_down.json` file; from: "
             + "; ".join(sorted({r.gemm1_source for r in results if r.gemm1_source})) + ") and varies GEMM2's, "
@@ -845,7 +833,7 @@ def write_metadata(run_dir: Path, spec: TuneSpec, config_path: Path | None) -> P
 
     meta = {"command": "tune", "kernel": spec.kernel, "experts": spec.experts, "timed": spec.timed_text,
             "config_file": str(Path(config_path).resolve()) if config_path else None, "triton_version": triton.__version__,
-            "torch_version": torch.__version__, "device": C.device_name(spec.device), "precision": spec.precision,
+            "torch_version": torch.__version__, "device": TF.device_name(spec.device), "precision": spec.precision,
             "git_revision": git_revision(), "spec": spec.to_json()}
     p = Path(run_dir) / "metadata.json"
     atomic_write_text(p, json.dumps(meta, indent=2, default=str) + "\n")
@@ -884,9 +872,9 @@ def deploy_coverage(device_name: str) -> list[dict]:
         for name in shape.deploy:
             layout, flags = deploy_layout(name)
             e, n = file_shape(shape, layout)
-            found = C.find_config_file(e, n, device_name)
-            counts = sorted(C.load_config_file(found)) if found else []
+            found = TF.find_config_file(e, n, device_name)
+            counts = sorted(TF.load_config_file(found)) if found else []
             rows.append({"model": shape.name, "layout": name, "tune_flags": flags, "E": e, "N": n,
-                         "file": C.config_file_name(e, n, device_name), "found": str(found.parent) if found else None,
+                         "file": TF.config_file_name(e, n, device_name), "found": str(found.parent) if found else None,
                          "token_counts": counts, "missing_counts": [t for t in TUNE_TOKENS_CUDA if t not in counts]})
     return rows

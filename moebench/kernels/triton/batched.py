@@ -40,7 +40,8 @@ from moebench.kernels.triton.common import (
     scale_ptrs,
     scaled_mma,
 )
-from moebench.kernels.triton.configs import TileConfig, default_config
+from moebench.kernels.triton.configs import default_config
+from moebench.kernels.tuned_files import TileConfig
 from moebench.kernels.triton.env import interpreter_compat, interpreting
 from moebench.kernels.triton.options import TritonOptions
 from moebench.kernels.triton.quant import check_block_config, gemm_scales, quantize_rows

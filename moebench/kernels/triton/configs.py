@@ -1,380 +1,46 @@
-"""Tuned tile configs for the Triton experts, in the files vLLM reads; the lookup and the default heuristic.
+"""The tile config the Triton experts run with: the lookup of a layer's tuned file in the store
+(moebench.kernels.tuned_files: names, folders, reading, the routing a file was tuned under) and
+the default heuristic without one.
 
-File name (as vLLM's and SGLang's `get_config_file_name`):
-
-    E={E},N={N},device_name={device}[,dtype={dtype}][,block_shape=[{bn},{bk}]][,per_channel_quant=True].json
-
-E = experts on this rank (w2.shape[0]), N = intermediate size per rank (w2.shape[2]), device =
-`torch.cuda.get_device_name()` with spaces as underscores ("cpu" without CUDA). The dtype part is
-only there for quantised kernels ("fp8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4"); fp32/fp16/bf16
-files carry none. int4_w4a16 files carry no group size (vLLM's names): one file per layer whatever
-the group; mxfp4 has no vLLM fused_moe file name, moebench writes `,dtype=mxfp4`. fp8 with
-per-token activation x per-channel weight scales (`--scales token`) adds SGLang's
-`,per_channel_quant=True`, so its entries never share a file with the per-tensor ones.
-
-Content: {"<tokens>": {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
-"num_stages"}, ..., "triton_version": "3.6.0"}. A folder of such files can be handed to vLLM as
-VLLM_TUNED_CONFIG_FOLDER.
-
-GEMM2 (down projection) configs, as SGLang reads them: the same name with `_down` before `.json`
-(`E=..,N=..,device_name=..[,dtype=..][,block_shape=[..]]_down.json`), the same token keys and
-entries, each with the BLOCK_SIZE_M of the GEMM1 file's entry at that token count (both GEMMs run
-on one alignment), optionally "USE_TMA" (bool: GEMM2 loads its w2 tiles through TMA or not; its A
-tiles, the intermediate, are always pointer loads; without the key GEMM2 follows GEMM1's TMA
-choice, `options.resolve_use_tma`). Without a `_down` file, or where its nearest entry has another
-BLOCK_SIZE_M than GEMM1's config, GEMM2 runs with GEMM1's config, as vLLM does (the experts'
-config source says which). `moebench tune --down` writes them.
+GEMM2 (down projection) configs: the `_down.json` file next to GEMM1's (same E, N, device, dtype),
+entries with the BLOCK_SIZE_M of the GEMM1 file's entry at that token count (both GEMMs run on one
+alignment), optionally "USE_TMA" (GEMM2 loads its w2 tiles through TMA or not; without the key GEMM2
+follows GEMM1's TMA choice, `options.resolve_use_tma`). Without a `_down` file, or where its nearest
+entry has another BLOCK_SIZE_M than GEMM1's config, GEMM2 runs with GEMM1's config, as vLLM does
+(the experts' config source says which). `moebench tune --down` writes them.
 
 Lookup order at run time: $MOEBENCH_CONFIG_DIR, then results/configs/ (relative to the current
-directory), then the package's moebench/configs/, resolved when the experts are built
+directory), then the package's moebench/configs/moebench/, resolved when the experts are built
 (`config_search_dirs`). The first folder holding the file wins; inside it the entry with the
-nearest token count wins (ties go to the smaller count). Each file is read once per process
-(`found_table`). Without a file, `default_config` (a documented heuristic) decides.
-
-The routing a file was tuned under. A token key means a load of pairs per local expert only under
-the routing of its tune: E=32,N=2048 tuned for DeepSeek-V3's EP8 shard (top-8 over 256 experts,
-about M local pairs at M tokens) holds tiles for 8x fewer pairs than a layer routing top-8 over the
-same 32 experts (vLLM's tuner) has. vLLM's files cannot say which (token keys only), so each config
-folder may hold `tuned_routing.json`, {file name: {"experts": E, "topk": K}} (tokens routed top-K
-over E experts), which `moebench tune` fills for the files it writes. The lookup then reads the
-file's keys as that routing's load: M tokens of a layer routing top-k over n experts are looked up
-as M x (k / n) / (K / E) tokens. A file without an entry is read as tokens (vLLM's meaning).
+nearest token count wins (ties go to the smaller count), its key read by the routing the file was
+tuned under. Each file is read once per process (`tuned_files.find`). Without a file,
+`default_config` (a documented heuristic) decides.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import functools
-import json
-import os
-import re
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, Mapping, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from moebench.errors import MoebenchError
-
-TILE_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
-_POW2_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps")
-PACKAGE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-ENV_CONFIG_DIR = "MOEBENCH_CONFIG_DIR"
-#: Keys a GEMM2 (`_down`) entry may add to TILE_KEYS (SGLang's).
-DOWN_KEYS = ("USE_TMA",)
-
-
-class TileConfig(TypedDict):
-    """One launch config of the fused MoE kernel (vLLM's keys; a GEMM2 entry may also hold
-    USE_TMA, see DOWN_KEYS)."""
-
-    BLOCK_SIZE_M: int
-    BLOCK_SIZE_N: int
-    BLOCK_SIZE_K: int
-    GROUP_SIZE_M: int
-    num_warps: int
-    num_stages: int
-
-
-# ---------------------------------------------------------------------------------------------
-# Names
-
+from moebench.kernels.tuned_files import (
+    TileConfig,
+    config_file_name,
+    current_device_name,
+    find,
+    name_parts,
+    nearest_entry,
+    per_channel_quant,
+    routed_tokens,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from moebench.quant import QuantScheme
 
 
-def device_name(device: torch.device | str | None = None) -> str:
-    """The device part of a config file name: CUDA device name with spaces as underscores, or
-    "cpu" when there is no CUDA device (or a CPU device is asked for)."""
-    dev = torch.device(device) if device is not None else None
-    if (dev is None or dev.type == "cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(dev).replace(" ", "_")
-    return "cpu"
-
-
-current_device_name = device_name  # alias for functions whose parameter is called device_name
-
-
-def dtype_tag(dtype: torch.dtype | str | None) -> str | None:
-    """The `dtype=` part of a file name. Unquantised floating types have none (as in vLLM)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return None
-    return str(dtype) or None
-
-
-def config_file_name(
-    E: int,
-    N: int,
-    device_name: str,
-    dtype: torch.dtype | str | None = None,
-    block_shape: list[int] | tuple[int, int] | None = None,
-    down: bool = False,
-    *,
-    per_channel_quant: bool = False,
-) -> str:
-    """`E={E},N={N},device_name={device_name}[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json`
-    (down: GEMM2's file; per_channel_quant: fp8 per-token x per-channel scales; both SGLang's names)."""
-    name = device_name.replace(" ", "_")
-    tag = dtype_tag(dtype)
-    parts = f"E={E},N={N},device_name={name}"
-    if tag:
-        parts += f",dtype={tag}"
-    if block_shape:
-        parts += ",block_shape=[" + ",".join(str(int(b)) for b in block_shape) + "]"
-    if per_channel_quant:
-        parts += ",per_channel_quant=True"
-    return parts + ("_down" if down else "") + ".json"
-
-
-def name_parts(dtype: torch.dtype | str | None, quant: "QuantScheme | None") -> tuple:
-    """(dtype tag, block_shape) of a file name: the scheme's name and (fp8) scale block when quant
-    is given, else (dtype, None). The per-channel part: `per_channel_quant(quant)`. Weight-only
-    schemes name no block_shape (vLLM's int4_w4a16 block_shape [0, group] drops out of its name:
-    `,dtype=int4_w4a16.json` whatever the group size or zero points; `,dtype=int8_w8a16.json`);
-    mxfp4, which vLLM's fused_moe files do not name, is `,dtype=mxfp4.json`."""
-    if quant is not None:
-        return quant.name, quant.file_block_shape
-    return dtype, None
-
-
-def per_channel_quant(quant: "QuantScheme | None") -> bool:
-    """Whether a file name carries `,per_channel_quant=True`: fp8 per-token activation x
-    per-channel weight scales (SGLang's per_channel_quant)."""
-    return quant is not None and not quant.weight_only and quant.scales == "token"
-
-
-def scheme_text(dtype_tag_: str | None, block_shape: list[int] | tuple[int, ...] | None, per_channel: bool) -> str:
-    """'unquantised', 'fp8_w8a8 per-tensor', 'fp8_w8a8 per-token' or 'fp8_w8a8 block[128,128]':
-    the scheme a file name stands for (from its dtype, block_shape and per_channel_quant parts)."""
-    if not dtype_tag_:
-        return "unquantised"
-    from moebench.quant import WEIGHT_ONLY
-
-    if dtype_tag_ in WEIGHT_ONLY:
-        return dtype_tag_
-    if block_shape:
-        return f"{dtype_tag_} block[{','.join(str(int(b)) for b in block_shape)}]"
-    return f"{dtype_tag_} {'per-token' if per_channel else 'per-tensor'}"
-
-
-_NAME_RE = re.compile(
-    r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<device>[^,]+?)"
-    r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=\[(?P<block>[\d, ]*)\])?(?P<pc>,per_channel_quant=True)?"
-    r"(?P<down>_down)?\.json$"
-)
-
-
-def parse_file_name(name: str | os.PathLike) -> dict[str, Any] | None:
-    """'E=8,N=14336,device_name=NVIDIA_H200[,dtype=..][,block_shape=[..]][,per_channel_quant=True][_down].json'
-    -> {"E", "N", "device", "dtype", "block_shape" ('128,128' or None), "per_channel_quant", "down"},
-    or None when the name is not a tuned-config file name."""
-    m = _NAME_RE.match(Path(name).name)
-    if not m:
-        return None
-    return {"E": int(m["E"]), "N": int(m["N"]), "device": m["device"], "dtype": m["dtype"],
-            "block_shape": m["block"].replace(" ", "") if m["block"] is not None else None,
-            "per_channel_quant": m["pc"] is not None, "down": m["down"] is not None}
-
-
-def file_scheme(path: str | os.PathLike) -> str | None:
-    """The scheme a tuned-config file's name stands for (`scheme_text`); None for other names."""
-    parts = parse_file_name(path)
-    if parts is None:
-        return None
-    block = [int(b) for b in parts["block_shape"].split(",") if b] if parts["block_shape"] else None
-    return scheme_text(parts["dtype"], block, parts["per_channel_quant"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading
-
-
-def validate_tile_config(cfg: Any, where: str = "config", down: bool = False) -> TileConfig:
-    """Check one entry: a dict with the six keys, positive ints, block sizes and warps powers of two.
-    Extra keys are rejected (vLLM passes the entry to its kernel as keyword arguments), except
-    "USE_TMA" (a bool) in a GEMM2 (`down`) entry, which is kept."""
-    if not isinstance(cfg, Mapping):
-        raise MoebenchError(f"{where}: expected an object with {', '.join(TILE_KEYS)}, got {type(cfg).__name__}")
-    missing = [k for k in TILE_KEYS if k not in cfg]
-    if missing:
-        raise MoebenchError(f"{where}: missing {', '.join(missing)}")
-    allowed = TILE_KEYS + (DOWN_KEYS if down else ())
-    extra = [k for k in cfg if k not in allowed]
-    if extra:
-        raise MoebenchError(f"{where}: unknown key(s) {', '.join(map(str, extra))}; allowed: {', '.join(allowed)}")
-    out = {}
-    for k in TILE_KEYS:
-        v = cfg[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise MoebenchError(f"{where}: {k} must be a positive integer, got {v!r}")
-        if k in _POW2_KEYS and v & (v - 1):
-            raise MoebenchError(f"{where}: {k} must be a power of two, got {v}")
-        out[k] = v
-    if "USE_TMA" in cfg:
-        if not isinstance(cfg["USE_TMA"], bool):
-            raise MoebenchError(f"{where}: USE_TMA must be true or false, got {cfg['USE_TMA']!r}")
-        out["USE_TMA"] = cfg["USE_TMA"]
-    return TileConfig(**out)  # type: ignore[typeddict-item]
-
-
-def is_down_file(path: str | os.PathLike) -> bool:
-    """Whether `path` names a GEMM2 config file (`..._down.json`)."""
-    return Path(path).name.endswith("_down.json")
-
-
-def load_config_file(path: str | os.PathLike) -> dict[int, TileConfig]:
-    """Read and validate a tuned-config file -> {tokens: TileConfig}. "triton_version" is skipped;
-    entries of a `_down.json` file may hold USE_TMA.
-
-    Raises MoebenchError (naming the file and the entry) when the file is unreadable, not JSON,
-    has a non-integer token key, a bad entry, or no entries at all.
-    """
-    p = Path(path)
-    try:
-        raw = json.loads(p.read_text())
-    except OSError as e:
-        raise MoebenchError(f"cannot read config file {p}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise MoebenchError(f"config file {p} is not valid JSON: {e.msg} (line {e.lineno})") from None
-    if not isinstance(raw, dict):
-        raise MoebenchError(f"config file {p}: expected a JSON object of token counts, got {type(raw).__name__}")
-    table: dict[int, TileConfig] = {}
-    for key, val in raw.items():
-        if key == "triton_version":
-            continue
-        try:
-            tokens = int(key)
-        except ValueError:
-            raise MoebenchError(f"config file {p}: key {key!r} is not a token count") from None
-        if tokens < 1:
-            raise MoebenchError(f"config file {p}: token count {tokens} must be positive")
-        table[tokens] = validate_tile_config(val, f"config file {p}, entry {key!r}", down=is_down_file(p))
-    if not table:
-        raise MoebenchError(f"config file {p} has no token-count entries")
-    return dict(sorted(table.items()))
-
-
-#: In a config folder: the routing each file there was tuned under (module docstring).
-ROUTING_FILE = "tuned_routing.json"
-
-
-def read_tuned_routing(folder: str | os.PathLike) -> dict[str, dict[str, int]]:
-    """{file name: {"experts": E, "topk": K}} of a config folder's ROUTING_FILE ({} without one).
-    Raises MoebenchError for a file that is not that."""
-    p = Path(folder) / ROUTING_FILE
-    try:
-        st = p.stat()  # one system call per lookup: the experts look a file up at every call
-    except OSError:
-        return {}
-    key = (str(p), st.st_mtime_ns, st.st_size)
-    if key not in _ROUTING_CACHE:
-        try:
-            doc = json.loads(p.read_text())
-            table = {str(name): {"experts": int(r["experts"]), "topk": int(r["topk"])} for name, r in doc.items()}
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise MoebenchError(f"{p}: not a tuned-routing file ({{file name: {{\"experts\": E, \"topk\": K}}}}): "
-                                f"{e}; fix or delete it") from None
-        if any(r["experts"] < 1 or not 1 <= r["topk"] <= r["experts"] for r in table.values()):
-            raise MoebenchError(f"{p}: an entry with topk outside 1..experts; fix or delete it")
-        _ROUTING_CACHE[key] = table
-    return _ROUTING_CACHE[key]
-
-
-def tuned_routing(path: str | os.PathLike) -> tuple[int, int] | None:
-    """(experts, topk) the config file at `path` was tuned under, None where its folder does not say."""
-    p = Path(path)
-    r = read_tuned_routing(p.parent).get(p.name)
-    return None if r is None else (r["experts"], r["topk"])
-
-
-def file_tokens(path: str | os.PathLike, M: int, topk: int | None, num_experts: int | None) -> int:
-    """The token key of the file at `path` that M tokens of a layer routing top-`topk` over
-    `num_experts` experts correspond to: the same pairs per local expert under the file's tuned
-    routing (module docstring); M itself where the routing of either is unknown."""
-    return routed_tokens(tuned_routing(path), M, topk, num_experts)
-
-
-def routed_tokens(routing: tuple[int, int] | None, M: int, topk: int | None, num_experts: int | None) -> int:
-    """`file_tokens` for a file tuned under `routing` ((experts, topk), None: unknown)."""
-    if routing is None or not topk or not num_experts:
-        return M
-    experts, k = routing
-    return max(1, round(M * topk * experts / (num_experts * k)))
-
-
-_ROUTING_CACHE: dict[tuple[str, int, int], dict[str, dict[str, int]]] = {}
-
-
-# ---------------------------------------------------------------------------------------------
-# Lookup
-
-
-def config_search_dirs() -> tuple[Path, ...]:
-    """The lookup's folders, in order, as they are now: $MOEBENCH_CONFIG_DIR (if set), results/configs
-    (from the current directory), moebench/configs. Whoever builds experts resolves them once and
-    passes them to the lookup; a MOEBENCH_CONFIG_DIR that is no folder is refused here."""
-    dirs = []
-    env = os.environ.get(ENV_CONFIG_DIR)
-    if env:
-        if not Path(env).is_dir():
-            what = "is a file, not a folder" if Path(env).exists() else "does not exist"
-            raise MoebenchError(f"{ENV_CONFIG_DIR}={env} {what}: point it at a folder of tuned configs, or unset it")
-        dirs.append(Path(env))
-    dirs.append(Path.cwd() / "results" / "configs")
-    dirs.append(PACKAGE_CONFIG_DIR)
-    return tuple(dirs)
-
-
-def find_config_file(
-    E: int, N: int, device_name: str, dtype: torch.dtype | str | None = None, block_shape: list[int] | None = None,
-    down: bool = False, *, per_channel_quant: bool = False, folders: tuple[Path, ...] | None = None,
-) -> Path | None:
-    """The first existing file for (E, N, device, dtype[, block_shape][, per_channel_quant][, down]) along
-    `folders` (None: `config_search_dirs()` now), looked for now (not cached: for tools that list files)."""
-    name = config_file_name(E, N, device_name, dtype, block_shape, down, per_channel_quant=per_channel_quant)
-    for d in config_search_dirs() if folders is None else folders:
-        p = d / name
-        if p.is_file():
-            return p
-    return None
-
-
-class FoundTable(NamedTuple):
-    """A tuned file the lookup found: its path, its entries and the routing its folder records."""
-
-    path: Path
-    table: Mapping[int, TileConfig]
-    routing: tuple[int, int] | None
-
-
-@functools.lru_cache(maxsize=1024)
-def found_table(folders: tuple[Path, ...], name: str) -> FoundTable | None:
-    """The first file called `name` along `folders`, read and validated, or None. Cached: the
-    experts' lookup reads each (folders, file name) once per process, so a steady-state call does
-    no file-system work; `clear_lookup_cache` forgets what was read (moebench.tuning.files calls
-    it after each write)."""
-    for d in folders:
-        p = d / name
-        if p.is_file():
-            return FoundTable(p, MappingProxyType(load_config_file(p)), tuned_routing(p))
-    return None
-
-
-def clear_lookup_cache() -> None:
-    """Forget the files the lookup has read (and not found): the next lookup looks again."""
-    found_table.cache_clear()
-
-
 def _as_tokens(M: int, mk: int) -> str:
     return "" if mk == M else f" (its routing's load at {mk} tokens, here {M})"
-
-
-def nearest_entry(table: Mapping[int, TileConfig], M: int) -> tuple[int, TileConfig]:
-    """The entry whose token count is nearest to M (ties: the smaller count)."""
-    key = min(table, key=lambda t: (abs(t - M), t))
-    return key, table[key]
 
 
 def lookup_config(
@@ -392,8 +58,8 @@ def lookup_config(
     default: TileConfig | None = None,
 ) -> tuple[TileConfig, str]:
     """Tile config for M tokens of an (E local experts, N = intermediate per rank) layer, from the
-    first file along `folders` (`config_search_dirs()` as resolved when the experts were built;
-    the file is read once: `found_table`).
+    first file under the config roots `folders` (`config_search_dirs()` as resolved when the
+    experts were built; the file is read once: `tuned_files.find`).
 
     quant: an fp8 scheme: the file is `...,dtype=fp8_w8a8[,block_shape=[bn,bk]].json` (vLLM's
     name; per-token scales: `...,dtype=fp8_w8a8,per_channel_quant=True.json`, SGLang's) and the
@@ -409,7 +75,7 @@ def lookup_config(
     """
     dev = device_name if device_name is not None else current_device_name()
     tag, block = name_parts(dtype, quant)
-    found = found_table(folders, config_file_name(E, N, dev, tag, block, per_channel_quant=per_channel_quant(quant)))
+    found = find("moebench", folders, config_file_name(E, N, dev, tag, block, per_channel_quant=per_channel_quant(quant)))
     if found is not None:
         mk = routed_tokens(found.routing, M, topk, num_experts_global or E)
         key, cfg = nearest_entry(found.table, mk)
@@ -474,8 +140,8 @@ def lookup_down_config(
     alignment; the reason names the entry, and shows in the experts' config source)."""
     dev = device_name if device_name is not None else current_device_name()
     tag, block = name_parts(dtype, quant)
-    found = found_table(folders, config_file_name(E, N, dev, tag, block, down=True,
-                                                  per_channel_quant=per_channel_quant(quant)))
+    found = find("moebench", folders, config_file_name(E, N, dev, tag, block, down=True,
+                                                       per_channel_quant=per_channel_quant(quant)))
     if found is None:
         return None, "GEMM1's config"
     mk = routed_tokens(found.routing, M, topk, num_experts_global or E)

@@ -51,16 +51,8 @@ from moebench.kernels.modular import (
 )
 from moebench.kernels.triton.align import align_pairs
 from moebench.kernels.triton.batched import batched_default_config, batched_moe, mean_rows
-from moebench.kernels.triton.configs import (
-    TileConfig,
-    config_search_dirs,
-    device_name,
-    layer_config,
-    lookup_config,
-    lookup_down_config,
-    quant_default,
-    validate_tile_config,
-)
+from moebench.kernels.triton.configs import layer_config, lookup_config, lookup_down_config, quant_default
+from moebench.kernels.tuned_files import TileConfig, config_search_dirs, device_name, validate_tile_config
 from moebench.kernels.triton.env import triton_unavailable_reason
 from moebench.kernels.triton.launch import fused_moe_gemms
 from moebench.kernels.triton.options import TritonOptions, plan_layer, resolve_pdl
