@@ -59,6 +59,12 @@ class Fit:
     alpha_rdma_us: float = 0.0
     lines: list[tuple[float, float | None]] = field(default_factory=list)
     donors: dict[str, tuple[str, str]] = field(default_factory=dict)
+    by_world: dict[int, "Fit"] = field(default_factory=dict)
+
+    def for_world(self, world: int, gpus_per_node: int) -> "Fit":
+        """The fit of `world` ranks inside one domain where published points of that size have
+        one of their own (WORLD_CLASS_POINTS), else this one."""
+        return self.by_world.get(world, self) if world <= gpus_per_node else self
 
     @property
     def key(self) -> tuple[str, str]:
@@ -86,7 +92,8 @@ class Fit:
         return best
 
     def predict(self, pt: Point) -> float:
-        return self.time_us(pt.nvlink_bytes, pt.rdma_bytes, pt.nvlink_peak, pt.rdma_peak, pt.calls)
+        fit = self.for_world(pt.world_size, pt.gpus_per_node)
+        return fit.time_us(pt.nvlink_bytes, pt.rdma_bytes, pt.nvlink_peak, pt.rdma_peak, pt.calls)
 
     @property
     def worst_ratio(self) -> float:
@@ -356,14 +363,50 @@ def fit_links(points: list[Point], fits: dict[tuple[str, str], Fit]) -> dict[str
     return out
 
 
+#: Published points of one world size below REFERENCE_WORLD inside one NVLink domain make a fit of
+#: their own (fixed cost and bandwidth lines of that size: NCCL's ring and the custom all-reduce
+#: change algorithm and step count with the ranks) once there are this many; the main fit is
+#: then made of the other sizes' points.
+WORLD_CLASS_POINTS = 3
+REFERENCE_WORLD = 8
+
+
+def _world_classes(group: list[Point]) -> tuple[list[Point], dict[int, list[Point]]]:
+    by: dict[int, list[Point]] = {}
+    for p in group:
+        if p.world_size < REFERENCE_WORLD and p.world_size <= p.gpus_per_node and not p.rdma_bytes:
+            by.setdefault(p.world_size, []).append(p)
+    classes = {w: pts for w, pts in by.items() if len(pts) >= WORLD_CLASS_POINTS}
+    inside = {id(p) for pts in classes.values() for p in pts}
+    return [p for p in group if id(p) not in inside], classes
+
+
 def fit_transports(points: list[Point]) -> dict[tuple[str, str], Fit]:
-    """One Fit per (transport, op) of `points` (those over a LINK_FITTED link aside); parameters
-    and transports without points are borrowed, and say from where."""
+    """One Fit per (transport, op) of `points` (those over a LINK_FITTED link aside), with fits
+    of its own for world sizes that have enough points (`_world_classes`); parameters and
+    transports without points are borrowed, and say from where."""
     groups: dict[tuple[str, str], list[Point]] = {}
     for p in points:
         if p.rdma not in LINK_FITTED:
             groups.setdefault(p.key, []).append(p)
-    fits = {k: fit_group(g) for k, g in groups.items()}
+    classes: dict[tuple[str, str], dict[int, Fit]] = {}
+    for key in list(groups):
+        rest, cls = _world_classes(groups[key])
+        for world, pts in sorted(cls.items()):
+            sub = fit_group(pts)
+            if sub.alpha_pinned:  # large messages alone leave a size's fixed cost to the main fit
+                classes.setdefault(key, {})[world] = sub
+            else:
+                rest += pts
+        groups[key] = rest
+    fits = {k: fit_group(g) for k, g in groups.items() if g}
+    for key, cls in classes.items():
+        for world, sub in sorted(cls.items()):
+            sub.provenance = {k: f"{v} at {world} ranks" for k, v in sub.provenance.items()}
+            if key in fits:
+                fits[key].by_world[world] = sub
+            else:  # only this size is published: it stands for the others too, and says so
+                fits[key] = sub
     for key, fit in list(fits.items()):
         donor = fits.get((ALPHA_DONOR.get(key[0], ""), key[1]))
         if donor is not None:
@@ -375,10 +418,14 @@ def fit_transports(points: list[Point]) -> dict[tuple[str, str], Fit]:
     for key, donor_key in BORROW.items():
         donor = fits.get(donor_key)
         if key not in fits and donor is not None:
-            fits[key] = replace(donor, transport=key[0], op=key[1], points=[], ratios=[],
-                                donors={k: donor_key for k in donor.provenance},
-                                provenance={k: f"borrowed from {donor.transport} {donor.op} (no published point; "
-                                               f"per bus byte as nccl-tests counts it)" for k in donor.provenance})
+            def borrowed(fit: Fit, where: str = "") -> Fit:
+                return replace(fit, transport=key[0], op=key[1], points=[], ratios=[], by_world={},
+                               donors={k: donor_key for k in fit.provenance},
+                               provenance={k: f"borrowed from {donor.transport} {donor.op}{where} (no published point; "
+                                              f"per bus byte as nccl-tests counts it)" for k in fit.provenance})
+
+            fits[key] = borrowed(donor)
+            fits[key].by_world = {w: borrowed(g, f" at {w} ranks") for w, g in donor.by_world.items()}
     donor = fits.get(RDMA_DONOR)
     for fit in fits.values():
         if fit.eta_rdma is None and donor is not None and donor.eta_rdma and fit.transport not in NVLINK_ONLY:
@@ -420,13 +467,14 @@ def predict(p: Point, fits: dict[tuple[str, str], Fit] | None = None,
 
 def worst_point(fits: dict[tuple[str, str], Fit]) -> tuple[Point, float]:
     """The point whose published / modeled ratio is furthest from 1, and that ratio."""
-    pairs = [(p, r) for f in fits.values() for p, r in zip(f.points, f.ratios)]
+    pairs = [(p, r) for f in fits.values() for g in (f, *f.by_world.values()) for p, r in zip(g.points, g.ratios)]
     return max(pairs, key=lambda pr: max(pr[1], 1 / pr[1]))
 
 
 def points_off(fits: dict[tuple[str, str], Fit], tolerance: float = 0.2) -> list[tuple[Point, float]]:
     """Points the model misses by more than `tolerance` (published / modeled outside 1 +- tol)."""
-    return [(p, r) for f in fits.values() for p, r in zip(f.points, f.ratios) if abs(r - 1.0) > tolerance]
+    return [(p, r) for f in fits.values() for g in (f, *f.by_world.values()) for p, r in zip(g.points, g.ratios)
+            if abs(r - 1.0) > tolerance]
 
 
 

@@ -188,14 +188,15 @@ class CommModel:
                 "fits": fits_table(self.fits)}
 
     # -- helpers -----------------------------------------------------------------------------
-    def fit(self, transport: str, op: str) -> Fit:
-        """The fit pricing `op` over `transport`: its own (transport, op), else the transport's one
-        operation (an all-to-all transport prices a dispatch as one of its calls)."""
+    def fit(self, transport: str, op: str, world: int = 0) -> Fit:
+        """The fit pricing `op` over `transport` (on `world` ranks: the fit of that size where its
+        published points have one): its own (transport, op), else the transport's one operation
+        (an all-to-all transport prices a dispatch as one of its calls)."""
         if (transport, op) in self.fits:
-            return self._priced(self.fits[(transport, op)])
+            return self._priced(self.fits[(transport, op)].for_world(world, self.gpus_per_node))
         own = [f for (t, _), f in self.fits.items() if t == transport]
         if len(own) == 1:
-            return self._priced(own[0])
+            return self._priced(own[0].for_world(world, self.gpus_per_node))
         known = sorted({t for t, _ in self.fits})
         if own:
             raise MoebenchError(f"transport '{transport}' has no '{op}'; it has: {', '.join(f.op for f in own)}")
@@ -288,7 +289,7 @@ class CommModel:
         """The modeled time of one declared operation (moebench.comm.CommOp) over `transport`."""
         world = traffic.layout.world_size if op.traffic == "tensor" else traffic.layout.ep_size
         check_world(world, self.gpus_per_node)
-        fit = self.fit(transport, op.op)
+        fit = self.fit(transport, op.op, world)
         row = traffic.row_bytes[op.payload] + op.row_extra + traffic.topk * op.topk_extra
         mfit, whole = self._measured(transport, op.op, fit)
         if op.traffic == "tensor":
@@ -360,7 +361,8 @@ class CommModel:
             res.band_lo_us, res.band_hi_us = min(vals), max(vals)
             res.band = ", ".join(f"{k} {v:.0f} us" for k, v in sorted(members.items(), key=lambda kv: kv[1]))
             return res
-        ratios = [r for c in res.costs if c.us for r in self.fit(c.transport, c.op).ratios] or [1.0]
+        world = traffic.layout.world_size
+        ratios = [r for c in res.costs if c.us for r in self.fit(c.transport, c.op, world).ratios] or [1.0]
         lo, hi = min(min(ratios), 1.0), max(max(ratios), 1.0)
         res.band_lo_us, res.band_hi_us = res.total_us * lo, res.total_us * hi
         names = sorted({c.transport for c in res.costs})
@@ -431,7 +433,7 @@ def ask(model: "CommModel", transport: str, op: str, world: int, size: float | N
     if transport in NVLINK_ONLY and world > model.gpus_per_node:
         raise MoebenchError(f"{transport} runs inside one NVLink domain ({model.gpus_per_node} GPUs here), not over "
                             f"{world} ranks")
-    fit = model.fit(transport, op)
+    fit = model.fit(transport, op, world)
     gpn = model.gpus_per_node
     tensor = op in BUS_FACTOR
     how = ""
