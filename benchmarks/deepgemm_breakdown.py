@@ -17,7 +17,17 @@ also with `fused_act`: SiLU-and-mul and the requantisation in one launch):
     ceiling: the least time any glue around DeepGEMM's two GEMMs can take;
   - target: the layer within 1.10x of (GEMMs + that least glue time).
 Writes deepgemm_breakdown.csv (one row per point and pair), deepgemm_kernels.csv (one row per
-kernel) and deepgemm_breakdown.md to $OUT. --smoke: a tiny shape on the CPU with the torch stand-in
+kernel) and deepgemm_breakdown.md to $OUT.
+
+    PYTHONPATH=. python -m benchmarks deepgemm_breakdown --padding --gpu H100   # any machine, no GEMM
+
+--padding: what DeepGEMM's row alignment costs at each point, from the routing alone (modeled, with
+the --gpu datasheet's peaks): the rows its contiguous layout computes (every local expert's rows
+rounded up to 128) and its masked layout (rounded up to 64, its smallest BLOCK_M) against the pairs,
+the compute those rows take at the fp8 (bf16 with --bf16) peak, and the experts' weights read at the
+HBM peak: where the padded compute passes the weight read, the alignment, not the bytes, sets
+DeepGEMM's time, and a kernel that computes the pairs alone can be faster. Writes
+deepgemm_padding.csv / .md. --smoke: a tiny shape on the CPU with the torch stand-in
 for deep_gemm (`deepgemm_standin`), the glue under the Triton interpreter: checks the script, times
 nothing.
 """
@@ -51,6 +61,45 @@ def glue_bytes(m: int, topk: int, h: int, inter: int, fp8: bool) -> int:
     pairs = m * topk
     act = pairs * inter * (1 + 4 / 128) if fp8 else pairs * inter * 2
     return int(m * h * 2 + pairs * 2 * inter * 2 + act + pairs * h * 2 + m * h * 2)
+
+
+def padding_rows(ids: torch.Tensor, e_local: int, align: int) -> tuple[int, int]:
+    """(local experts hit, rows a layout aligning each expert's rows to `align` computes) for
+    routing `ids` (M, K) over global experts, the first `e_local` of them local."""
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat[flat < e_local], minlength=e_local)
+    return int((counts > 0).sum()), int(((counts + align - 1) // align * align).sum())
+
+
+def padding_table(a, tokens: list[int], dims_of: dict, gpu: str) -> pd.DataFrame:
+    from moebench.bench.hardware import datasheet_ceilings
+
+    c = datasheet_ceilings(gpu)
+    if c is None:
+        raise MoebenchError(f"--gpu {gpu}: no datasheet profile (e.g. H100, H200, B200)")
+    fp8 = not a.bf16
+    tflops = c.matmul_tflops["fp8" if fp8 else "bf16"]
+    rows = []
+    for shape, (e, k, h, inter, e_local) in dims_of.items():
+        for m in tokens:
+            g = torch.Generator().manual_seed(m)
+            logits = torch.randn(m, e, generator=g)
+            ids = torch.softmax(logits, -1).topk(k, -1).indices
+            pairs = int((ids < e_local).sum())
+            hit, contiguous = padding_rows(ids, e_local, 128)
+            _, masked = padding_rows(ids, e_local, 64)
+            flops_per_row = 2 * 3 * h * inter
+            read_us = hit * 3 * h * inter * (1 if fp8 else 2) / (c.mem_read_gbps * 1e3)
+            rows.append({"shape": shape, "tokens": m, "pairs": pairs, "experts_hit": hit,
+                         "contiguous_rows": contiguous, "masked_rows": masked,
+                         "padding_x": round(contiguous / max(1, pairs), 1),
+                         "padded_compute_us": round(contiguous * flops_per_row / (tflops * 1e6), 1),
+                         "masked_compute_us": round(masked * flops_per_row / (tflops * 1e6), 1),
+                         "pairs_compute_us": round(pairs * flops_per_row / (tflops * 1e6), 1),
+                         "weights_read_us": round(read_us, 1)})
+    df = pd.DataFrame(rows)
+    df["alignment_bound"] = df["padded_compute_us"] > df["weights_read_us"]
+    return df
 
 
 def _step_of(event, parents: dict) -> str | None:
@@ -113,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 weights (default: fp8 with 128x128 block scales)")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--reps", type=int, default=30, help="graph replays of the layer's timing")
+    ap.add_argument("--padding", action="store_true", help="the alignment's cost from the routing alone (modeled)")
+    ap.add_argument("--gpu", default="H100", help="datasheet for --padding")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
     try:
@@ -122,6 +173,17 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, MoebenchError) as ex:
         print(f"error: {ex}", file=sys.stderr)
         sys.exit(2)
+    if a.padding:
+        out_dir = script_setup("deepgemm_breakdown --padding")[0]
+        try:
+            df = padding_table(a, tokens, dims_of, a.gpu)
+        except MoebenchError as ex:
+            print(f"error: {ex}", file=sys.stderr)
+            sys.exit(2)
+        write_table(df, out_dir, "deepgemm_padding",
+                    f"# modeled from the routing and the {a.gpu} datasheet ({'fp8' if not a.bf16 else 'bf16'} peak, "
+                    "HBM peak): DeepGEMM's row alignment (contiguous: 128 rows per expert; masked: 64) vs the pairs")
+        return None
     if not a.smoke:
         return run(a, tokens, dims_of)
     from benchmarks.deepgemm_standin import fake_deep_gemm

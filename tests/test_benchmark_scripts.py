@@ -513,3 +513,20 @@ def test_deepgemm_breakdown_smoke(tmp_path):
         assert all(float(r[f"{s}_us"]) > 0 for s in ("pack", "gemm1", "act", "gemm2"))
     assert float(contiguous["gemms_us"]) == pytest.approx(float(contiguous["gemm1_us"]) + float(contiguous["gemm2_us"]), abs=0.2)
     assert (tmp_path / "deepgemm_breakdown.md").exists() and (tmp_path / "deepgemm_kernels.csv").exists()
+
+
+def test_deepgemm_padding_counts_the_alignment_rows(tmp_path):
+    """--padding (modeled, no GEMM): each local expert's rows rounded up to 128 (64 masked); a
+    routing's rows counted by hand agree."""
+    from benchmarks.deepgemm_breakdown import padding_rows
+
+    ids = torch.tensor([[0, 1], [0, 5], [1, 2]])  # experts 0-3 local: 0 x2, 1 x2, 2 x1; 5 is remote
+    assert padding_rows(ids, 4, 128) == (3, 384) and padding_rows(ids, 4, 64) == (3, 192)
+    r = _here("deepgemm_breakdown", "--padding", "--shapes", "dsv3-ep8", "--tokens", "16,4096", env={"OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader(open(tmp_path / "deepgemm_padding.csv")))
+    assert [int(x["tokens"]) for x in rows] == [16, 4096]
+    assert all(int(x["contiguous_rows"]) % 128 == 0 and int(x["contiguous_rows"]) >= int(x["pairs"]) for x in rows)
+    assert float(rows[0]["padding_x"]) > float(rows[1]["padding_x"])  # few rows per expert: mostly padding
+    bad = _here("deepgemm_breakdown", "--padding", "--gpu", "nope", env={"OUT": str(tmp_path)})
+    assert bad.returncode == 2 and "datasheet" in bad.stderr
