@@ -126,7 +126,9 @@ def install(name: str, version: str | None, dry_run: bool, find_links: str | Non
     env = dict(os.environ)
     if target:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(target), env.get("PYTHONPATH")) if p)
-    check = subprocess.run([sys.executable, "-c", f"import {lib.module}"], capture_output=True, text=True, env=env)
+    # the import as moebench makes it: the libraries the module declares (NVSHMEM's for deep_ep) loaded first
+    probe = f"from moebench.vendor import preload_libraries; preload_libraries({lib.module!r}); import {lib.module}"
+    check = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     if check.returncode != 0:
         last = (check.stderr.strip().splitlines() or [f"exit status {check.returncode}"])[-1]
         say(console, f"{build.package} {build.version} installed, but {lib.module} does not import: {last}")
