@@ -24,8 +24,14 @@ class ParallelLayout:
     tp: int = 1
     dp: int = 1
     enable_ep: bool = False
+    #: with expert parallelism, ranks sharing each expert's intermediate size (TensorRT-LLM's
+    #: moe_tp_size under --ep_size): ep = world / expert_tp. Simulated runs only.
+    expert_tp: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.expert_tp, int) or self.expert_tp < 1 or self.world_size % self.expert_tp \
+                or (self.expert_tp > 1 and not self.enable_ep):
+            raise MoebenchError(f"expert TP {self.expert_tp!r} must divide the world {self.world_size} under EP")
         for name in ("tp", "dp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -67,11 +73,11 @@ class ParallelLayout:
 
     @property
     def ep_size(self) -> int:
-        return self.world_size if self.enable_ep else 1
+        return self.world_size // self.expert_tp if self.enable_ep else 1
 
     @property
     def moe_tp_size(self) -> int:
-        return 1 if self.enable_ep else self.world_size
+        return self.expert_tp if self.enable_ep else self.world_size
 
     @property
     def use_all2all(self) -> bool:
@@ -79,7 +85,8 @@ class ParallelLayout:
 
     def describe(self) -> str:
         if self.enable_ep:
-            return f"EP{self.ep_size} (dp {self.dp} x tp {self.tp})"
+            inner = f", experts TP{self.expert_tp}" if self.expert_tp > 1 else ""
+            return f"EP{self.ep_size} (dp {self.dp} x tp {self.tp}{inner})"
         if self.world_size == 1:
             return "single rank"
         return f"TP{self.moe_tp_size}" + (f" (dp {self.dp} x tp {self.tp})" if self.dp > 1 else "")
@@ -132,6 +139,8 @@ class ParallelLayout:
         [r*I', (r+1)*I'). EP: whole experts of this rank.
         """
         e, two_i, _ = w13.shape
+        if self.expert_tp > 1:
+            raise MoebenchError("experts split by expert and within each expert run simulated only (--simulate)")
         if self.enable_ep:
             local = self.local_experts(rank, e)
             return w13[local.start : local.stop].contiguous(), w2[local.start : local.stop].contiguous()

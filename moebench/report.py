@@ -671,42 +671,58 @@ def _allreduce_suffix(df: pd.DataFrame) -> pd.Series:
 
 
 def compare_table(summary: pd.DataFrame, title: str) -> TextTable:
-    """compare tp-vs-ep's summary: per token count and layout the best pair, its breakdown with
-    the remainder as 'other', the total (* = the faster layout), rank imbalance, checked."""
+    """compare tp-vs-ep's summary: per token count and candidate layout the transport it runs over,
+    its breakdown (experts, communication, the remainder as 'other'), the total (* = the fastest
+    layout that fits and that an engine runs), the one-sided flip factor, the batch it holds."""
     df = summary.reset_index(drop=True)
     lat = _column(df, "latency_us")
     parts = {name: _column(df, f"{name}_us") for name, _ in _PARTS}
-    present = [name for name, _ in _PARTS if parts[name].notna().any()]
     unit, k, td = _time_unit(lat)
+    via = []
+    for _, r in df.iterrows():
+        if str(r.get("kind", "")) == "dp-ep" or r.get("dispatch_us") == r.get("dispatch_us") and r.get("dispatch_us") is not None:
+            via.append(str(r.prepare_finalize))
+        else:
+            via.append(f"{r.allreduce} AR" if isinstance(r.get("allreduce"), str) and r.allreduce else str(r.prepare_finalize))
     cols = [Column("tokens", "batch\ntokens", [str(int(t)) for t in df["tokens"]]),
             Column("layout", "layout", list(df["layout"].astype(str)), right=False),
-            Column("pair", "best pair", list(df["prepare_finalize"].astype(str) + "+" + df["experts"].astype(str)
-                                             + _allreduce_suffix(df)),
-                   right=False)]
-    comm = [n for n in present if n != "experts"]
-    split = len(comm) >= 2
-    for name, header in _PARTS:
-        if name in present:
-            grouping = dict(group="split", drop=50) if split and name != "experts" else {}
-            cols.append(Column(name, f"{header}\n{unit}", num_cells(parts[name] * k, td), **grouping))
-    if split:
-        total = sum(parts[n].fillna(0.0) for n in comm).where(pd.concat([parts[n] for n in comm], axis=1).notna().any(axis=1))
-        cols.append(Column("comm", f"comm\n{unit}", num_cells(total * k, td), fallback_for="split"))
-    if present:
-        cols.append(Column("other", f"other\n{unit}", num_cells(_other(lat, [parts[n] for n in present]) * k, td)))
+            Column("via", "via", via, right=False),
+            Column("pair", "experts", list(df["experts"].astype(str)), right=False, drop=70)]
+    cols.append(Column("experts", f"experts\n{unit}", num_cells(parts["experts"] * k, td)))
+    comm = _column(df, "comm_us")
+    cols.append(Column("comm", f"comm\n{unit}", num_cells(comm * k, td)))
+    other = _other(_column(df, "latency_serial_us") if "latency_serial_us" in df.columns else lat,
+                   [parts[n] for n, _ in _PARTS if parts[n].notna().any()])
+    cols.append(Column("other", f"other\n{unit}", num_cells(other * k, td), drop=45))
     win = df["winner"].map(lambda v: bool(_flag(v))) if "winner" in df.columns else pd.Series(False, index=df.index)
-    cols.append(Column("total", f"total\n{unit}", [c + ("*" if w else " ") for c, w in zip(num_cells(lat * k, td), win)],
+    ovl = df["overlap"].eq("two-batch") if "overlap" in df.columns else pd.Series(False, index=df.index)
+    cols.append(Column("total", f"total\n{unit}", [c + ("*" if w else ("~" if o else " ")) for c, w, o in
+                                                   zip(num_cells(lat * k, td), win, ovl)],
                        styles=["bold green" if w else "" for w in win]))
+    if "overlap" in df.columns:
+        cols.append(Column("ovl", "ovl", ["2b" if o else "" for o in ovl], right=False, drop=50))
     if "latency_lo_us" in df.columns and "latency_hi_us" in df.columns:
         lo, hi = _column(df, "latency_lo_us") * k, _column(df, "latency_hi_us") * k
-        cols.append(Column("band", f"band\n{unit}", [f"{a}-{b}" for a, b in zip(num_cells(lo, td), num_cells(hi, td))],
-                           drop=55))
+        cols.append(Column("band", f"band\n{unit}", ["" if pd.isna(a) else f"{a}-{b}" for a, b in
+                                                     zip(num_cells(lo, td), num_cells(hi, td))], drop=55))
     if "comm_flip_factor" in df.columns:
         flips = _column(df, "comm_flip_factor")
         close = df["too_close"].map(lambda v: bool(_flag(v))) if "too_close" in df.columns else pd.Series(False, index=df.index)
         cells = ["never" if f == float("inf") else ("-" if pd.isna(f) else f"{f:.2f}") for f in flips]
         cols.append(Column("flip", "flip\nx", [c + (" close" if t and w else "") for c, t, w in zip(cells, close, win)],
                            styles=["yellow" if t and w else "" for t, w in zip(close, win)]))
+    if "fits" in df.columns:
+        held = []
+        for _, r in df.iterrows():
+            if r.get("fits") is False:
+                held.append("no fit")
+            elif not bool(r.get("deployable", True)):
+                held.append("no engine")
+            elif r.get("sequences") is not None and r.get("sequences") == r.get("sequences"):
+                held.append(str(int(r.sequences)))
+            else:
+                held.append("-")
+        cols.append(Column("holds", "holds", held))
     if "rank_imbalance" in df.columns:
         cols.append(Column("imb", "rank\nimb.", num_cells(_column(df, "rank_imbalance"), 2), drop=60))
     if "checked_on_ranks" in df.columns:

@@ -143,6 +143,8 @@ def _dtype_key(dtype: str | torch.dtype) -> str:
         d = d[len("torch."):]
     if d.startswith("float8") or d.startswith("fp8"):
         return "fp8"
+    if d == "nvfp4":
+        return "fp4"  # 4-bit weights and activations: the 4-bit tensor-core rate
     if d in ("int8_w8a16", "int4_w4a16", "mxfp4"):
         return "bf16"  # weight-only: dequantised tiles, 16-bit dots
     return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(d, d)
@@ -151,35 +153,98 @@ def _dtype_key(dtype: str | torch.dtype) -> str:
 # ---------------------------------------------------------------------------------------------
 # Datasheet profiles (dense peaks; vendor datasheets). Patterns match torch's device name.
 
-_DATASHEETS: tuple[tuple[str, str, float, dict[str, float], float], ...] = (
-    # (regex on the lower-case name, profile name, HBM GB/s, TFLOP/s, memory GB); "fp8" = dense e4m3 peak
-    (r"h200", "NVIDIA H200 (SXM)", 4800.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0}, 141.0),
-    (r"h100.*pcie", "NVIDIA H100 PCIe", 2000.0, {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0}, 80.0),
-    (r"h100|h800", "NVIDIA H100/H800 SXM", 3350.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0}, 80.0),
-    (r"\bh20\b", "NVIDIA H20", 4000.0, {"bf16": 148.0, "fp16": 148.0, "fp32": 44.0}, 96.0),
-    (r"a100.*40gb", "NVIDIA A100 40GB", 1555.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, 40.0),
-    (r"a100.*pcie", "NVIDIA A100 80GB PCIe", 1935.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, 80.0),
-    (r"a100", "NVIDIA A100 80GB SXM", 2039.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, 80.0),
-    # GB200 NVL72 datasheet per GPU (rack / 72; dense = half the sparse figures it lists)
-    (r"gb200", "NVIDIA GB200 (per GPU)", 8000.0, {"bf16": 2500.0, "fp16": 2500.0, "fp32": 80.0, "fp8": 5000.0}, 186.0),
-    (r"b200", "NVIDIA B200", 8000.0, {"bf16": 2250.0, "fp16": 2250.0, "fp32": 75.0, "fp8": 4500.0}, 180.0),
-    (r"l40s", "NVIDIA L40S", 864.0, {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6, "fp8": 733.0}, 48.0),
-    (r"mi300x", "AMD Instinct MI300X", 5300.0, {"bf16": 1307.4, "fp16": 1307.4, "fp32": 163.4, "fp8": 2614.9}, 192.0),
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """A GPU a modeled run can speak of: its datasheet (HBM GB/s, dense TFLOP/s by dtype: "fp8" =
+    e4m3, "fp4" = the 4-bit tensor-core rate, NVFP4 / MXFP4), its memory (GiB, as the driver
+    reports about the datasheet's GB), its own GPU-to-GPU link (a link profile's name, None where
+    moebench has no profile of it), GPUs per NVLink domain, and where the figures come from."""
+
+    pattern: str
+    profile: str
+    hbm_gbps: float
+    tflops: dict
+    memory_gib: float | None
+    link: str | None
+    domain: int
+    source: str
+
+
+_NV = "NVIDIA datasheet"
+#: Per-GPU Blackwell figures: NVIDIA's HGX B200 / HGX B300 / GB200 NVL72 / GB300 NVL72 datasheets
+#: (a rack's or a board's figures divided by its GPUs; dense = half the sparse figures listed), as
+#: tabulated at https://verda.com/blog/gb300-nvl72-architecture and
+#: https://glennklockwood.com/garden/processors/B300.
+_BLACKWELL = "NVIDIA {} datasheet, per GPU (https://verda.com/blog/gb300-nvl72-architecture)"
+GPU_TARGETS: tuple[GpuTarget, ...] = (
+    GpuTarget(r"h200", "NVIDIA H200 (SXM)", 4800.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
+              141.0, "h200-nvlink", 8, f"{_NV} H200 SXM"),
+    GpuTarget(r"h100.*pcie", "NVIDIA H100 PCIe", 2000.0, {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+              80.0, "pcie-gen5", 8, f"{_NV} H100 PCIe"),
+    GpuTarget(r"h800", "NVIDIA H800 SXM", 3350.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
+              80.0, "h800-nvlink", 8, f"{_NV} H800 SXM (H100 SXM compute, 400 GB/s NVLink)"),
+    GpuTarget(r"h100", "NVIDIA H100 SXM", 3350.0, {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
+              80.0, "h100-nvlink", 8, f"{_NV} H100 SXM"),
+    GpuTarget(r"\bh20\b", "NVIDIA H20", 4000.0, {"bf16": 148.0, "fp16": 148.0, "fp32": 44.0},
+              96.0, "h20-nvlink", 8, f"{_NV} H20"),
+    GpuTarget(r"a100.*40gb", "NVIDIA A100 40GB", 1555.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+              40.0, "a100-nvlink", 8, f"{_NV} A100"),
+    GpuTarget(r"a100.*pcie", "NVIDIA A100 80GB PCIe", 1935.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+              80.0, "pcie-gen4", 8, f"{_NV} A100"),
+    GpuTarget(r"a100", "NVIDIA A100 80GB SXM", 2039.0, {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+              80.0, "a100-nvlink", 8, f"{_NV} A100"),
+    GpuTarget(r"gb300", "NVIDIA GB300 (per GPU)", 8000.0,
+              {"bf16": 2500.0, "fp16": 2500.0, "fp32": 80.0, "fp8": 5000.0, "fp4": 15000.0},
+              288.0, "gb300-nvlink", 72, _BLACKWELL.format("GB300 NVL72")),
+    GpuTarget(r"gb200", "NVIDIA GB200 (per GPU)", 8000.0,
+              {"bf16": 2500.0, "fp16": 2500.0, "fp32": 80.0, "fp8": 5000.0, "fp4": 10000.0},
+              186.0, "gb200-nvlink", 72, _BLACKWELL.format("GB200 NVL72")),
+    GpuTarget(r"b300", "NVIDIA B300 (HGX)", 8000.0,
+              {"bf16": 2250.0, "fp16": 2250.0, "fp32": 75.0, "fp8": 4500.0, "fp4": 13125.0},
+              288.0, "b300-nvlink", 8, _BLACKWELL.format("HGX B300")
+              + "; https://glennklockwood.com/garden/processors/B300"),
+    GpuTarget(r"b200", "NVIDIA B200", 8000.0,
+              {"bf16": 2250.0, "fp16": 2250.0, "fp32": 75.0, "fp8": 4500.0, "fp4": 9000.0},
+              180.0, "b200-nvlink", 8, _BLACKWELL.format("HGX B200")),
+    GpuTarget(r"l40s", "NVIDIA L40S", 864.0, {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6, "fp8": 733.0},
+              48.0, "pcie-gen4", 8, f"{_NV} L40S"),
+    GpuTarget(r"mi300x", "AMD Instinct MI300X", 5300.0, {"bf16": 1307.4, "fp16": 1307.4, "fp32": 163.4, "fp8": 2614.9},
+              192.0, "mi300x-xgmi", 8, "AMD Instinct MI300X datasheet"),
+    GpuTarget(r"mi325x", "AMD Instinct MI325X", 6000.0, {"bf16": 1307.4, "fp16": 1307.4, "fp32": 163.4, "fp8": 2614.9},
+              256.0, "mi325x-xgmi", 8,
+              "AMD Instinct MI325X datasheet (as listed at https://awesomeagents.ai/hardware/amd-mi325x)"),
+    GpuTarget(r"mi355x", "AMD Instinct MI355X", 8000.0,
+              {"bf16": 2516.6, "fp16": 2516.6, "fp32": 157.3, "fp8": 5033.2, "fp4": 10066.3},
+              288.0, "mi355x-xgmi", 8,
+              "AMD Instinct MI355X datasheet (CDNA 4: 288 GB HBM3E, 8 TB/s; "
+              "https://boston-uk-l.azurewebsites.net/blog/2025/08/14/amd-instinct-mi355x.aspx)"),
 )
+
+
+def gpu_target(device_name: str | None) -> GpuTarget | None:
+    """The GPU target whose pattern matches `device_name` (torch's name or a short one: "H200",
+    "MI355X", "GB300"), or None."""
+    low = (device_name or "").lower()
+    return next((t for t in GPU_TARGETS if re.search(t.pattern, low)), None) if low else None
+
+
+def target_names() -> str:
+    """The short names --target-gpu takes, for error messages."""
+    return "H200, H100, H800, H20, A100, B200, B300, GB200, GB300, L40S, MI300X, MI325X, MI355X"
 
 
 def datasheet_ceilings(device_name: str) -> Ceilings | None:
     """The datasheet profile whose pattern matches `device_name`, or None."""
-    low = device_name.lower()
-    for pattern, profile, gbps, tflops, memory in _DATASHEETS:
-        if re.search(pattern, low):
-            return Ceilings(
-                device_name=device_name, mem_read_gbps=gbps, mem_copy_gbps=None, matmul_tflops=dict(tflops),
-                source="datasheet", device_type="cuda", torch_version=torch.__version__,
-                triton_version=_triton_version(), notes=f"datasheet profile {profile}: dense peaks, HBM bandwidth",
-                memory_gb=memory,
-            )
-    return None
+    t = gpu_target(device_name)
+    if t is None:
+        return None
+    return Ceilings(
+        device_name=device_name, mem_read_gbps=t.hbm_gbps, mem_copy_gbps=None, matmul_tflops=dict(t.tflops),
+        source="datasheet", device_type="cuda", torch_version=torch.__version__,
+        triton_version=_triton_version(), notes=f"datasheet profile {t.profile}: dense peaks, HBM bandwidth ({t.source})",
+        memory_gb=t.memory_gib,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

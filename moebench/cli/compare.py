@@ -44,11 +44,17 @@ def compare():
 @click.option("--reps", type=int, default=None, help="Timed repetitions per row.")
 @click.option("--shared-experts", "shared", default=None,
               help="Shared experts in both layouts: fused | separate | none [separate where the model has them].")
+@click.option("--context", type=int, default=4096, show_default=True,
+              help="Tokens per sequence the batch each layout holds is counted at (KV cache left per rank).")
+@click.option("--overlap", type=click.Choice(["engine", "none", "two-batch"]), default="engine", show_default=True,
+              help="Micro-batch overlap of dispatch/combine with the experts (SGLang's two-batch, vLLM's dual-batch "
+                   "overlap); engine: what each layout's recommended engine flags do.")
 @cluster_options
 def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype,
              block_shape, scales, group_size, zero_points, activation, routing, seed, out, experts, link_name, link_gbps,
-             target_gpu, no_check, plot_path, reps, shared, gpus_per_node, rdma_name):
-    """TP (all-reduce) vs EP (dispatch/combine) over --world-size ranks: breakdown, crossover, advice."""
+             target_gpu, no_check, plot_path, reps, shared, context, overlap, gpus_per_node, rdma_name):
+    """Every layout engines deploy over --world-size GPUs (TP, TP+EP, DP+EP per transport, EP x TP, TP across
+    nodes): fit, batch held, breakdown, crossover, the answer and its launch flags."""
     from moebench.bench.hardware import device_summary
     from moebench.compare import layouts, plan_compare, run_compare, write_summary
     from moebench.plots import compare_plot
@@ -79,7 +85,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         check_plot_file(plot_path)
     cmp = plan_compare(spec, world_size, experts_given=experts not in (None, "", "all"), target_gpu=target_gpu,
                        device_name=device_summary(device).get("name"), link_name=link_name, link_gbps=link_gbps,
-                       gpus_per_node=gpus_per_node, rdma_name=rdma_name)
+                       gpus_per_node=gpus_per_node, rdma_name=rdma_name, context=context, overlap=overlap)
     spec, link, link_why, experts_model = cmp.spec, cmp.link, cmp.link_why, cmp.experts_model
     gpus_per_node, check_ranks, dev_name = cmp.gpus_per_node, cmp.check_ranks, cmp.measured_on
     folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)
@@ -119,7 +125,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
                         for s in layout_specs(spec, world_size, gpus_per_node).values())
             task = prog.add_task("compare", total=total)
             result = run_compare(spec, world_size, store, link, experts_model=experts_model,
-                                 check_ranks=check_ranks, gpus_per_node=gpus_per_node,
+                                 check_ranks=check_ranks, gpus_per_node=gpus_per_node, plan=cmp,
                                  on_progress=lambda r: r.status == "skipped" or prog.update(
                                      task, advance=1, description=f"M={r.tokens} {r.prepare_finalize}+{r.experts}"))
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: the rows so far stay, exported
@@ -132,26 +138,36 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     if result.summary.empty:  # no answer: say why in one line, keep the rows, exit non-zero
         raise MoebenchError(f"{result.recommendation}; every row is in {folder}")
     written = write_summary(result, folder)
-    _print_compare(result, world_size, link)
+    _print_compare(result, world_size, link, cmp)
     if not result.summary.empty:
-        names = " vs ".join(layouts(world_size, gpus_per_node, shape.num_experts))
-        png = compare_plot(result.summary, result.crossover, f"{shape.name}: {names} ({how})",
+        names = ", ".join(dict.fromkeys(result.summary.layout))
+        shown = result.summary[result.summary.eligible.astype(bool)]
+        png = compare_plot(shown.assign(layout=shown.candidate), result.crossover, f"{shape.name}: {names} ({how})",
                            plot_path or folder / "compare.png")
         written.append(png)
     say(console, f"wrote {', '.join(str(p) for p in written)}")
 
 
-def _print_compare(result, n: int, link=None) -> None:
+def _print_compare(result, n: int, link=None, plan=None) -> None:
     from moebench.report import compare_table, print_table, say
 
     if result.summary.empty:
         say(console, result.recommendation, "bold")
         return
-    left = print_table(console, compare_table(result.summary, "TP vs EP (simulated: experts of one rank + modeled communication)"))
+    left = print_table(console, compare_table(result.summary, "Layouts (simulated: experts of one rank + modeled "
+                                                               "communication)"))
     say(console, result.recommendation, "bold")
-    notes = ["* = the faster layout at that token count; other = total minus the parts shown; band = the layer "
-             "under the fastest and the slowest published transport for this link; flip x = the factor on the "
-             "modeled communication at which the winner would flip (close: the band covers it, too close to call)."]
+    for line in _flag_lines(result.summary):
+        say(console, line)
+    ctx = f" at {plan.context} tokens per sequence" if plan is not None else ""
+    notes = ["* = the fastest layout that fits and that an engine runs; holds = sequences one replica holds"
+             f"{ctx} (KV cache left per rank after the weights, {_reserve()} of memory kept free), no fit = its "
+             "weights do not fit, no engine = no engine ships its transport; other = total minus the parts shown; "
+             "ovl = two-batch overlap applied; flip x = how many times faster than modeled a losing layout's own "
+             "communication must run to win, for the winner how many times slower its own may run before the "
+             "runner-up wins (close: the published transports' band covers the margin)."]
+    if plan is not None and plan.fit_note:
+        notes.append(plan.fit_note + ".")
     if left:
         notes.append(f"not shown at {console.width} columns: {', '.join(left)} (compare.csv holds every column).")
     rows = [r for r in result.rows if r.modeled and r.status == "ok"]
@@ -166,6 +182,23 @@ def _print_compare(result, n: int, link=None) -> None:
                          f"(their fitted efficiency times its peak; docs/comm-model.md).")
     for note in notes:
         say(console, note, "dim")
+
+
+def _reserve() -> str:
+    from moebench.footprint import RESERVE
+
+    return f"{RESERVE:.0%}"
+
+
+def _flag_lines(summary) -> list[str]:
+    """The launch flags of every layout that fits and that an engine runs, per engine."""
+    lines = []
+    for _, w in summary[summary.eligible.astype(bool)].drop_duplicates("candidate").iterrows():
+        name = f"{w.layout} over {w.prepare_finalize}" if w.kind == "dp-ep" else w.layout
+        eng = [f"{e} {w[col]}" for e, col in (("vLLM", "vllm"), ("SGLang", "sglang"), ("TRT-LLM", "trt_llm"))
+               if isinstance(w[col], str) and w[col]]
+        lines.append(f"  {name}: " + " | ".join(eng))
+    return ["launch flags:"] + lines if lines else []
 
 
 # compare counts the whole batch, not tokens per rank as sweep does: its own words for --tokens

@@ -38,7 +38,9 @@ def flip_factor(experts_w: float, comm_w: float, experts_l: float, comm_l: float
 
 
 def comm_name(layout: str) -> str:
-    return "the all-reduce" if layout.startswith("TP") else "dispatch+combine"
+    """What a layout's communication is: DP+EP (and EP) layouts dispatch and combine; the others
+    (TP, TP+EP, EP x TP: tokens replicated) all-reduce."""
+    return "dispatch+combine" if layout.startswith(("DP", "EP")) and "/" not in layout else "the all-reduce"
 
 
 def add_columns(df: pd.DataFrame, rows: dict) -> pd.DataFrame:

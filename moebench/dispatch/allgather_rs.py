@@ -50,6 +50,7 @@ class AllGatherReduceScatterPrepareAndFinalize(PrepareAndFinalize):
     needs_expert_parallel = True
     #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
     communicates = True
+    engine_flags = {"vllm": "--all2all-backend allgather_reducescatter", "sglang": ""}
     #: all-gather of the tokens with their routing (int64 id + fp32 weight per slot), then
     #: reduce-scatter of the partial outputs
     communication = (

@@ -58,6 +58,9 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
     min_world_size = 2
     needs_expert_parallel = True
     communicates = True
+    engine_flags = {"vllm": "--all2all-backend deepep_high_throughput",
+                    "sglang": "--moe-a2a-backend deepep --deepep-mode normal"}
+    overlaps = True
     #: one row per (token, remote rank) each way, with the token's routing on the way out
     #: (int64 id + fp32 weight per slot)
     communication = (

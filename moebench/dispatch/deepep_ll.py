@@ -118,6 +118,9 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     needs_expert_parallel = True
     #: moves tokens between ranks (the rank-case runner gives each rank its own token slice)
     communicates = True
+    engine_flags = {"vllm": "--all2all-backend deepep_low_latency",
+                    "sglang": "--moe-a2a-backend deepep --deepep-mode low_latency"}
+    overlaps = True
     #: one row per (token, expert) pair each way: fp8 with 1x128 scales out where the layer is fp8
     #: (use_fp8), the activation dtype back; a buffer of DP_CHUNK tokens per rank per call
     communication = (

@@ -18,6 +18,8 @@ from moebench.kernels.modular import (
 class NoDPEPPrepareAndFinalize(PrepareAndFinalize):
     name = "no-dpep"
     activation_format = ActivationFormat.STANDARD
+    # the TP path: every engine's default (tokens replicated, an all-reduce after the experts)
+    engine_flags = {"vllm": "", "sglang": "", "trt-llm": ""}
 
     def default_weight_and_reduce(self) -> TopKWeightAndReduce:
         return TopKWeightAndReduceContiguous()

@@ -204,6 +204,12 @@ class PrepareAndFinalize(ABC):
     #: communication model prices these, whether or not the backend can run on this machine.
     #: Tokens that stay put (TP) pay the all-reduce of the output when tp > 1.
     communication: ClassVar[tuple[CommOp, ...]] = tp_allreduce()
+    #: How engines deploy it, for each engine that runs it: engine -> the flags that select it
+    #: ("" = the engine's default); {} = no engine runs it (a layout over it is never recommended).
+    engine_flags: ClassVar[dict[str, str]] = {}
+    #: Engines overlap its dispatch / combine with the other micro-batch's experts (SGLang's
+    #: two-batch overlap, vLLM's dual-batch overlap) and recommend it for this transport.
+    overlaps: ClassVar[bool] = False
     #: fp8 scale kinds (moebench.quant.SCALES) prepare can quantise activations with, before
     #: any dispatch (so fp8 travels); () = it cannot quantise.
     supported_quant: ClassVar[tuple[str, ...]] = SCALES

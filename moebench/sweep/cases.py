@@ -107,13 +107,14 @@ class CaseRunner:
         """After the last case."""
 
 
-def batch_inputs(spec: SweepSpec, m: int, pf: str):
+def batch_inputs(spec: SweepSpec, m: int, pf: str, tokens: bool = True):
     """The whole batch of a multi-rank case of `m` tokens through `pf` (identical on every rank,
     from the seed): (tokens in all, x, topk_weights, topk_ids). A prepare/finalize that moves
-    tokens brings `m` per rank (unless the spec's tokens are global); one that keeps them, `m`."""
+    tokens brings `m` per rank (unless the spec's tokens are global); one that keeps them, `m`.
+    tokens=False: x is None (a modeled experts time needs the routing alone)."""
     s = spec.shape
     m_full = spec.batch_tokens(m, spec.pf_classes[pf].communicates)
-    x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m)
+    x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m) if tokens else None
     wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device,
                             groups=s.router_groups)
     return m_full, x, wts, ids

@@ -191,12 +191,15 @@ def simulation_link(device: str, device_name: str | None, link_name: str | None,
 
 def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int | None = None, ctx=None,
              device_name: str | None = None, link_name: str | None = None, link_gbps: float | None = None,
-             gpus_per_node: int | None = None, rdma_name: str = "rdma-400g", target_gpu: str | None = None) -> RunPlan:
+             gpus_per_node: int | None = None, rdma_name: str = "rdma-400g", target_gpu: str | None = None,
+             tp_across_nodes: bool = False, model_device: str | None = None) -> RunPlan:
     """Decide how `specs` (one per shared-experts form, one layout) run here, and refuse
     (MoebenchError) what cannot, before any folder exists: a fused shared MLP on real ranks, link
     options without a simulation, a world the nodes do not divide, a run that does not fit, a run
     none of whose pairs can run here. target_gpu: the GPU whose link a simulated run models
-    (--target-gpu; default this machine's, on a CPU DEFAULT_TARGET_GPU)."""
+    (--target-gpu; default this machine's, on a CPU DEFAULT_TARGET_GPU). tp_across_nodes: a TP
+    group may span nodes (its all-reduce over NVLink and RDMA: compare's TP16 on two nodes);
+    model_device: the GPU whose measured link fits stand in (default: the target's)."""
     spec = specs[0]
     layout = spec.layout
     mode, notice = choose_mode(layout, spec.device, simulate, world_size, ctx)
@@ -207,16 +210,16 @@ def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int 
     if mode == "simulate":
         gpn = gpus_per_node if gpus_per_node is not None else nvlink_domain(target_gpu or device_name or DEFAULT_TARGET_GPU)
         check_world(layout.world_size, gpn)
-        if not layout.enable_ep:
+        if not layout.enable_ep and not tp_across_nodes:
             check_tp(layout.moe_tp_size, gpn)
         run_plan.link, run_plan.link_why = simulation_link(spec.device, device_name, link_name, link_gbps, gpn,
-                                                           rdma_name, target_gpu or device_name,
+                                                           rdma_name, model_device or target_gpu or device_name,
                                                            requested_gpu=target_gpu)
     elif link_gbps is not None or link_name or target_gpu:
         raise MoebenchError("--link/--link-gbps/--target-gpu only apply to simulated runs (--simulate)")
     check_fits_for(spec, mode)
     # what cannot run here is known now (a simulated run as it plans: every transport modeled)
-    check_some_pair_runs([simulated_spec(sp) if mode == "simulate" else sp for sp in specs])
+    check_some_pair_runs([simulated_spec(sp) if mode == "simulate" and not sp.model_comm else sp for sp in specs])
     return run_plan
 
 
@@ -260,10 +263,9 @@ def check_fits_for(spec: SweepSpec, mode: str) -> None:
 def check_target_fits(spec: SweepSpec) -> None:
     """A run whose experts time is the target GPU's floor (spec.model_experts, spec.target_gpu):
     refuse (MoebenchError, with the sizes) where the busiest rank's weights would not fit that
-    GPU's memory (its datasheet), or the batch's tokens, which are made here, this device."""
+    GPU's memory (its datasheet), or the batch's routing, which is made here, this device."""
     from moebench.bench.hardware import datasheet_ceilings
     from moebench.bench.metrics import expert_weight_bytes
-    from moebench.inputs import available_memory
 
     s, lay = spec.shape, spec.layout
     el = spec.act_bytes
@@ -282,13 +284,8 @@ def check_target_fits(spec: SweepSpec) -> None:
             f"this shape's experts need {gb(weights)} of weights per rank ({experts} of H={s.hidden}, "
             f"I={inter} on {lay.describe()}) but one {spec.target_gpu} holds {gpu.memory_gb:g} GB; spread it over more "
             f"ranks, use a smaller shape or quantised weights (--dtype)")
-    # made here: the whole batch's tokens (generated in fp32, then cast) and its routing
-    top = spec.batch_tokens(max(spec.tokens, default=0), True)
-    need = top * s.hidden * (4 + 2 * el) + top * s.topk * 16
-    have = available_memory(spec.device)
-    if need > 0.9 * have:
-        raise MoebenchError(f"a batch of {top} tokens of hidden size {s.hidden} needs about {gb(need)} on "
-                            f"{spec.device} but {gb(have)} is free; use fewer --tokens or a smaller shape")
+    # made here: the batch's routing alone (no tokens and no weights: the runner outlines them)
+    check_routing_fits(spec, max(spec.tokens, default=0))
 
 
 def check_quantised_runs(specs: list[SweepSpec]) -> None:
@@ -304,6 +301,20 @@ def check_quantised_runs(specs: list[SweepSpec]) -> None:
             why = next(reason for p, e, reason in plan(sp) if (p, e) == (pf, ex))
             raise MoebenchError(f"no experts backend runs {sp.precision} on {sp.device} here (e.g. {pf}+{ex}: {why}); "
                                 f"add --dtype {dtype_name(sp.dtype)} to run the layer unquantised, or run on a GPU")
+
+
+def check_routing_fits(spec: SweepSpec, tokens: int) -> None:
+    """A run whose experts time is modeled makes only the batch's routing (its logits, top-k ids
+    and weights, the busiest rank's share): refuse a batch whose routing would not fit here."""
+    from moebench.inputs import available_memory
+
+    s = spec.shape
+    m = spec.batch_tokens(tokens, spec.layout.use_all2all)
+    need = m * s.num_experts * 4 * 3 + m * s.topk * 8 * 6
+    have = available_memory(spec.device)
+    if need > 0.9 * have:
+        raise MoebenchError(f"the routing of {m} tokens over {s.num_experts} experts needs about {need / 2**30:.1f} GiB "
+                            f"here but {have / 2**30:.1f} GiB is free; use fewer --tokens")
 
 
 def check_some_pair_runs(specs: list[SweepSpec]) -> None:

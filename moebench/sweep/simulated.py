@@ -94,6 +94,9 @@ class SimulatedRunner(CaseRunner):
         self.check_spec = check_spec_for(spec) if self.experts_model is not None and spec.check else None
 
     def inputs(self, m: int, pf: str):
+        if self.experts_model is not None:  # a modeled experts time needs the routing, not the tokens
+            m_full, _, wts, ids = batch_inputs(self.spec, m, pf, tokens=False)
+            return m_full, torch.empty((m_full, self.spec.shape.hidden), device="meta", dtype=self.spec.dtype), wts, ids
         return batch_inputs(self.spec, m, pf)
 
     def run_case(self, row, m: int, pf: str, ex: str, inputs) -> None:
@@ -143,15 +146,16 @@ def _weights(spec, rank: int, cache: dict, moves_tokens: bool, outline: bool = F
     if key not in cache:
         cache.clear()
         shared_shard = (0, 1) if moves_tokens else (rank, lay.world_size)
-        if lay.enable_ep:
-            experts, tp_rank, tp_size = lay.local_experts(rank, s.num_experts), 0, 1
+        if lay.enable_ep:  # whole experts, or (expert TP) this rank's slice of each
+            experts, tp_rank, tp_size = lay.local_experts(rank, s.num_experts), 0, lay.moe_tp_size
         else:
             experts, tp_rank, tp_size = range(s.num_experts), rank, lay.moe_tp_size
         if outline:
             cache[key] = outline_rank_layer(s, experts, tp_rank, tp_size, spec.bias, spec.shared, shared_shard)
             return cache[key]
         if lay.enable_ep:
-            check_fits(len(experts), s.hidden, s.intermediate, spec.batch_tokens(max(spec.tokens), True), s.topk,
+            check_fits(len(experts), s.hidden, lay.intermediate_per_rank(s.intermediate),
+                       spec.batch_tokens(max(spec.tokens), True), s.topk,
                        spec.dtype, spec.device)
         else:
             check_fits(s.num_experts, s.hidden, lay.intermediate_per_rank(s.intermediate), max(spec.tokens),
@@ -187,7 +191,7 @@ class _Share:
         self.lw = _weights(spec, self.rank, cache, self.moves, outline)
         self.split = token_split(self.m_full, world) if self.moves else [(0, m)] * world
         self.own = slice(*self.split[self.rank]) if self.moves else slice(None)
-        self.gate = shared_gate(spec, x, m)
+        self.gate = None if outline else shared_gate(spec, x, m)  # a gate's values change no work
         owner = None
         if self.moves:
             owner = torch.cat([torch.full((b - a,), r, dtype=torch.int64)
@@ -197,21 +201,24 @@ class _Share:
                                group=self.rank if self.moves else 0, groups=world if self.moves else 1,
                                token_group=owner)
 
-    def work(self, spec) -> tuple[float, float]:
-        """(flops, bytes) of the rank's experts work (the experts it hits, its shared MLP)."""
+    def work(self, spec) -> tuple[float, float, float]:
+        """(flops, bytes, activation bytes) of the rank's experts work (the experts it hits, its
+        shared MLP); the activation bytes are the part of the bytes that scales with the tokens."""
         s, el = spec.shape, spec.act_bytes
         local = local_topk_ids(self.args[4], self.args[5])
         pairs = int((local >= 0).sum())
         i_r = self.lw.w2.shape[-1]
         flops = metrics.layer_flops(pairs, 1, s.hidden, i_r)
         hit = int(torch.unique(local[local >= 0]).numel())
-        nbytes = hit * metrics.expert_weight_bytes(s.hidden, i_r, el, spec.quant) + 2 * pairs * s.hidden * el
+        act = 2 * pairs * s.hidden * el
+        nbytes = hit * metrics.expert_weight_bytes(s.hidden, i_r, el, spec.quant) + act
         nbytes += layer_bytes_extra(self.lw, s, hit, el, spec.quant)
         if self.lw.shared_w13 is not None:
             own_tokens = self.x[self.own].shape[0]
             flops += metrics.shared_flops(own_tokens, s.hidden, self.lw.shared_w2.shape[-1])
             nbytes += 2 * own_tokens * s.hidden * el
-        return float(flops), float(nbytes)
+            act += 2 * own_tokens * s.hidden * el
+        return float(flops), float(nbytes), float(act)
 
     def kernel(self, spec, pf: str, ex_cls: type) -> MoELayer:
         """The rank's experts (class `ex_cls`) behind the communication-free prepare/finalize laying
@@ -316,7 +323,7 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
         row.rank_imbalance = 1.0
     row.extra["simulated_rank"] = share.rank
     row.rank_tokens = ",".join(str(b - a) for a, b in share.split)
-    flops, nbytes = share.work(spec)
+    flops, nbytes, act_bytes = share.work(spec)
     note = ""
     ceilings = runner.ceilings
     if experts_model is not None:
@@ -325,6 +332,8 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
         floor = metrics.roofline(flops, nbytes, experts_model, dtype=row.dtype)
         t = Timing(floor, floor, floor, 0, f"roofline model ({experts_model.device_name}, {experts_model.source})")
         row.extra["modeled_gpu"] = experts_model.device_name  # the GPU the row's time speaks of
+        # half the batch reads the same weights: what one micro-batch of a two-batch overlap costs
+        row.extra["experts_half_us"] = metrics.roofline(flops / 2, nbytes - act_bytes / 2, experts_model, dtype=row.dtype)
         ceilings = experts_model
     else:
         if runner.measured.get("case") != (m, pf, ex):
