@@ -1,11 +1,12 @@
-"""The flip factor per token count of compare tp-vs-ep run folders, as one Markdown table.
+"""The answer per token count of compare tp-vs-ep run folders, as one Markdown table.
 
     python -m benchmarks flip_table results/<run>/ [more run folders]
 
-Per comparison and token count: the winner (or "too close"), both layouts' latency and modeled
-communication, comm_flip_factor (the factor on both layouts' modeled communication at which the
-winner flips; inf = never) and comm_flip_gbps (the bandwidth of the deciding layout's
-communication at the flip), then the recommendation line.
+Per comparison and token count: the winner among the layouts that fit and that an engine runs (or
+"too close"), its latency, the overlap it runs with and the sequences it holds; the runner-up with
+its latency; the one-sided flip factors (how many times faster than modeled the runner-up's own
+communication must run to win; how many times slower the winner's may run); the layouts that do
+not fit; then the recommendation line.
 """
 
 from __future__ import annotations
@@ -24,23 +25,33 @@ def _transport(r) -> str:
     return f"{r.prepare_finalize} ({ar} AR)" if isinstance(ar, str) and ar else str(r.prepare_finalize)
 
 
+def _f(v) -> str:
+    return "never" if v == math.inf else ("-" if pd.isna(v) else f"{v:.2f}")
+
+
+def _name(r) -> str:
+    return f"{r.layout} {r.prepare_finalize}" if str(r.get("kind", "")) == "dp-ep" else f"{r.layout} ({_transport(r)})"
+
+
 def table(folder: Path) -> str:
     s = pd.read_csv(folder / "compare.csv")
     meta = json.loads((folder / "metadata.json").read_text()) if (folder / "metadata.json").is_file() else {}
     name = f"{meta.get('shape', {}).get('name', folder.name)}, {meta.get('world_size', '?')} ranks"
-    lines = [f"### {name}", "", "| tokens | answer | latency us (layouts) | comm us (layouts) | communication | flip factor "
-             "| flip GB/s |", "|---|---|---|---|---|---|---|"]
-    for t, g in s.groupby("tokens"):
+    lines = [f"### {name}", "", "| tokens | answer | us | overlap | holds | runner-up | us | flip x runner-up "
+             "| flip x answer | no fit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    elig = s[s.eligible] if "eligible" in s.columns else s
+    for t, g in elig.groupby("tokens"):
         g = g.sort_values("latency_us")
         w = g.iloc[0]
-        answer = "too close" if bool(w.get("too_close", False)) and len(g) > 1 else w.layout
-        f = w.comm_flip_factor
-        ftxt = "never" if f == math.inf else ("-" if pd.isna(f) else f"{f:.2f} ({w.comm_flip_by})")
-        gb = "-" if pd.isna(w.comm_flip_gbps) else f"{w.comm_flip_gbps:.3g}"
-        lat = ", ".join(f"{r.layout} {r.latency_us:.0f}" for _, r in g.iterrows())
-        comm = ", ".join(f"{r.layout} {r.comm_us:.0f}" for _, r in g.iterrows())
-        how = ", ".join(f"{r.layout} {_transport(r)}" for _, r in g.iterrows())
-        lines.append(f"| {t} | {answer} | {lat} | {comm} | {how} | {ftxt} | {gb} |")
+        r = g.iloc[1] if len(g) > 1 else None
+        answer = f"too close ({_name(w)})" if bool(w.get("too_close", False)) and r is not None else _name(w)
+        held = "-" if pd.isna(w.get("sequences", float("nan"))) else str(int(w.sequences))
+        nofit = sorted(set(s[(s.tokens == t) & (s.get("fits", True) == False)].layout)) if "fits" in s.columns else []  # noqa: E712
+        ru = "-" if r is None else _name(r)
+        ru_us = "-" if r is None else f"{r.latency_us:.0f}"
+        rf = "-" if r is None else f"{_f(r.comm_flip_factor)} ({r.comm_flip_by or '-'})"
+        lines.append(f"| {t} | {answer} | {w.latency_us:.0f} | {w.get('overlap', 'none')} | {held} | {ru} | {ru_us} | "
+                     f"{rf} | {_f(w.comm_flip_factor)} | {', '.join(nofit) or '-'} |")
     md = folder / "compare.md"
     if md.is_file():
         lines += ["", md.read_text().split("\n\n")[0]]

@@ -422,6 +422,10 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
     rows_of = {(rec.tokens, rec.candidate): best[(rec.tokens, rec.candidate)] for rec in elig.itertuples()}
     elig = elig.rename(columns={"candidate": "_c", "layout": "_l"}).assign(layout=elig.candidate.values)
     robustness.add_columns(elig, rows_of)
+    for t, g in elig.groupby("tokens"):  # the same communication on both sides moves both alike: no band between them
+        g = g.sort_values("latency_us")
+        if len(g) > 1 and math.isclose(float(g.iloc[0].comm_us), float(g.iloc[1].comm_us), rel_tol=1e-6):
+            elig.loc[g.index, "too_close"] = False
     flip_columns(elig)
     elig = elig.drop(columns=["layout"]).rename(columns={"_c": "candidate", "_l": "layout"})
     df = df.merge(elig[["tokens", "candidate"] + [c for c in elig.columns if c not in df.columns]],
@@ -438,8 +442,12 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
             crossover = int(t)
             break
     if decisive.empty:
+        t = winners.index[-1]
+        w, r = winners.loc[t], _runner_up(df, t, winners.loc[t].candidate)
+        fastest = "" if r is None else (f"; fastest {display(w)} ({w.latency_us:.0f} vs {r.latency_us:.0f} us for "
+                                        f"{display(r)} at {t} tokens){flip_clause(df, t)}")
         rec = (f"{robustness.TOO_CLOSE} at every token count ({order_text(winners.index)}): the layouts' bands "
-               f"between the fastest and the slowest published transport for this link overlap")
+               f"between the fastest and the slowest published transport for this link overlap{fastest}")
     else:
         scope = "every token count where the answer is clear" if len(decisive) < len(winners) else None
         rec = _recommend(df, decisive, crossover, world_size, scope) + robustness.close_line(df[df.eligible])

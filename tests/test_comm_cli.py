@@ -23,24 +23,26 @@ def _summary(out_dir):
 
 
 def test_compare_past_one_node(tmp_path):
-    """32 ranks in nodes of 8: TP is one TP8 replica per node on a quarter of the batch, EP spans all 32."""
+    """32 ranks in nodes of 8: TP is one TP8 replica per node on a quarter of the batch (or TP16 over two
+    nodes, its all-reduce over RDMA), DP+EP spans all 32."""
     summaries = {}
     for rdma in ("rdma-400g", "rdma-800g"):
         out = tmp_path / rdma
         res = moebench_inproc("compare", "tp-vs-ep", *SHAPE, "--world-size", "32", "--tokens", "32,1024", "--rdma", rdma,
                        "--experts", "torch,batched-torch", "--no-check", "--out", str(out))
         assert res.returncode == 0, res.stderr
-        assert "TP8x4" in res.stdout and "EP32" in res.stdout and "one TP replica per node" in res.stdout
+        assert "TP8x4" in res.stdout and "DP32+EP32" in res.stdout and "one TP replica per node" in res.stdout
         summary, rows, run = _summary(out)
         summaries[rdma] = summary
-        assert set(summary.layout) == {"TP8x4", "EP32"} and set(summary.tokens) == {32, 1024}
+        assert {"TP8x4", "DP32+EP32", "TP16x2", "TP8+EP8x4"} <= set(summary.layout) and set(summary.tokens) == {32, 1024}
         tp = summary[summary.layout == "TP8x4"].set_index("tokens")
         # the TP8 replica of a 1024-token batch computes 256 tokens: its row is the 256-token TP8 row
-        tp_rows = rows[(rows.tp == 8) & rows.modeled & (rows.status == "ok")]
+        tp_rows = rows[(rows.tp == 8) & (rows.ep == 1) & rows.modeled & (rows.status == "ok")]
         assert set(tp_rows.tokens) == {8, 256}
         assert tp.loc[1024, "latency_us"] in set(tp_rows[tp_rows.tokens == 256].latency_us)
-        assert (tp.replicas == 4).all()
-        assert summary.comm_flip_factor.notna().all() and (summary.comm_flip_factor > 0).all()
+        assert (tp.replicas == 4).all() and (summary[summary.layout == "TP16x2"].replicas == 2).all()
+        elig = summary[summary.eligible]
+        assert elig.comm_flip_factor.notna().all() and (elig.comm_flip_factor > 0).all()
         text = (run / "compare.md").read_text()
         assert ("wins" in text) or ("too close to call" in text)
         # the device script's table of flip factors reads the run folder
@@ -48,11 +50,13 @@ def test_compare_past_one_node(tmp_path):
                                env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
         assert table.returncode == 0, table.stderr
         assert "| 32 |" in table.stdout and "| 1024 |" in table.stdout and "flip factor" in table.stdout
-    slow, fast = (summaries[k].set_index(["tokens", "layout"]) for k in ("rdma-400g", "rdma-800g"))
-    ep = [(t, "EP32") for t in (32, 1024)]
-    assert (fast.loc[ep, "comm_us"] < slow.loc[ep, "comm_us"]).all()  # EP32 crosses nodes over RDMA
+    slow, fast = (summaries[k].set_index(["tokens", "candidate"]) for k in ("rdma-400g", "rdma-800g"))
+    ep = [(t, "DP32+EP32 allgather-rs") for t in (32, 1024)]
+    assert (fast.loc[ep, "comm_us"] < slow.loc[ep, "comm_us"]).all()  # DP32+EP32 crosses nodes over RDMA
+    across = [(t, "TP16x2") for t in (32, 1024)]
+    assert (fast.loc[across, "comm_us"] < slow.loc[across, "comm_us"]).all()  # so does TP16's all-reduce
     tp = [(t, "TP8x4") for t in (32, 1024)]
-    assert np.allclose(fast.loc[tp, "comm_us"], slow.loc[tp, "comm_us"])  # TP stays inside a node
+    assert np.allclose(fast.loc[tp, "comm_us"], slow.loc[tp, "comm_us"])  # TP8 stays inside a node
 
 
 def test_compare_uses_a_measured_fit_and_says_so(tmp_path):
@@ -159,7 +163,8 @@ def test_presets_answer_on_a_cpu_in_their_shipped_precision(tmp_path):
         precision = {"deepseek-v3": "fp8_w8a8", "gpt-oss-120b": "mxfp4"}.get(model, "bf16")
         assert precision in set(ok.dtype) and "wins" in (run / "compare.md").read_text()
         if model == "mixtral-8x22b":  # 8 experts on 32 ranks: one EP8 group per replica, as TP8 per node
-            assert set(summary.layout) == {"TP8x4", "EP8x4"} and (summary.replicas == 4).all()
+            assert {"TP8x4", "DP8+EP8x4", "TP8+EP8x4"} <= set(summary.layout)
+            assert (summary[summary.layout.isin(["TP8x4", "DP8+EP8x4"])].replicas == 4).all()
 
 
 def test_simulated_sweep_where_nothing_runs_is_refused_before_any_folder(tmp_path):

@@ -197,7 +197,7 @@ def _flag_lines(summary) -> list[str]:
         name = f"{w.layout} over {w.prepare_finalize}" if w.kind == "dp-ep" else w.layout
         eng = [f"{e} {w[col]}" for e, col in (("vLLM", "vllm"), ("SGLang", "sglang"), ("TRT-LLM", "trt_llm"))
                if isinstance(w[col], str) and w[col]]
-        lines.append(f"  {name}: " + " | ".join(eng))
+        lines.append(f"{name}: " + " | ".join(eng))
     return ["launch flags:"] + lines if lines else []
 
 

@@ -115,9 +115,16 @@ def batch_inputs(spec: SweepSpec, m: int, pf: str, tokens: bool = True):
     s = spec.shape
     m_full = spec.batch_tokens(m, spec.pf_classes[pf].communicates)
     x = make_tokens(m_full, s.hidden, spec.dtype, spec.device, spec.seed + m) if tokens else None
-    wts, ids = make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m, device=spec.device,
-                            groups=s.router_groups)
+    key = (spec.routing, m_full, s.num_experts, s.topk, spec.seed + m, spec.device, s.router_groups)
+    if _ROUTING[0] != key or spec.routing.startswith("file:"):  # the layouts of one comparison route the same batch
+        _ROUTING[:] = [key, make_routing(spec.routing, m_full, s.num_experts, s.topk, seed=spec.seed + m,
+                                         device=spec.device, groups=s.router_groups)]
+    wts, ids = _ROUTING[1]
     return m_full, x, wts, ids
+
+
+#: The last batch's routing (key, (topk_weights, topk_ids)): read-only to every caller.
+_ROUTING: list = [None, None]
 
 
 def run_cases(spec: SweepSpec, store: RunStore, runner: CaseRunner,
