@@ -49,7 +49,8 @@ def table(folder: Path) -> str:
         nofit = sorted(set(s[(s.tokens == t) & (s.get("fits", True) == False)].layout)) if "fits" in s.columns else []  # noqa: E712
         ru = "-" if r is None else _name(r)
         ru_us = "-" if r is None else f"{r.latency_us:.0f}"
-        rf = "-" if r is None else f"{_f(r.comm_flip_factor)} ({r.comm_flip_by or '-'})"
+        rf = "-" if r is None else _f(r.comm_flip_factor) + (f" ({r.comm_flip_by})" if isinstance(r.comm_flip_by, str)
+                                                             and r.comm_flip_by else "")
         lines.append(f"| {t} | {answer} | {w.latency_us:.0f} | {w.get('overlap', 'none')} | {held} | {ru} | {ru_us} | "
                      f"{rf} | {_f(w.comm_flip_factor)} | {', '.join(nofit) or '-'} |")
     md = folder / "compare.md"

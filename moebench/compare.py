@@ -165,6 +165,8 @@ class ComparePlan:
     overlap: str = "engine"
     gpu: str | None = None
     fit_note: str = ""
+    #: candidates the sweep's planner refused here (spec_key -> why): not run, named in the output
+    dropped: dict = field(default_factory=dict)
 
 
 def fit_candidates(spec: SweepSpec, cands, memory_gib: float, context: int) -> dict:
@@ -249,12 +251,20 @@ def plan_compare(spec: SweepSpec, world_size: int, *, experts_given: bool, targe
         link_name = target.link
     by_key = {spec_key(c): c for c in cands}
     specs = layout_specs(spec, world_size, gpus_per_node)
-    run_plan = None
-    for key, sp in specs.items():
-        run_plan = plan_run([simulated_spec(sp, experts_model)], simulate=True, device_name=measured_on,
-                            link_name=link_name, link_gbps=link_gbps, gpus_per_node=gpus_per_node, rdma_name=rdma_name,
-                            tp_across_nodes=True, model_device=device_name if device == "cuda" and target_gpu is None
-                            else measured_on)
+    run_plan, dropped, first = None, {}, None
+    for key, sp in specs.items():  # the sweep's planner decides how each candidate runs here
+        try:
+            run_plan = plan_run([simulated_spec(sp, experts_model)], simulate=True, device_name=measured_on,
+                                link_name=link_name, link_gbps=link_gbps, gpus_per_node=gpus_per_node,
+                                rdma_name=rdma_name, tp_across_nodes=True,
+                                model_device=device_name if device == "cuda" and target_gpu is None else measured_on)
+        except MoebenchError as e:  # e.g. no named experts backend takes this transport's format
+            dropped[key] = str(e)
+            first = first or e
+    if run_plan is None:
+        raise first
+    for key in dropped:
+        by_key.pop(key)
     link, why = run_plan.link, run_plan.link_why
     if target_gpu is not None and link_name == target.link and link_gbps is None:
         why = f"the profile of {target.profile}'s own link ({link_name}, from --target-gpu); change with --link / --link-gbps"
@@ -262,13 +272,13 @@ def plan_compare(spec: SweepSpec, world_size: int, *, experts_given: bool, targe
                    and shape.num_experts >= world_size)
     if check_ranks:  # all ranks of each layout at once on this host: refuse before anything is written
         for key, sp in specs.items():
-            if by_key[key].kind in ("ep-tp",) or by_key[key].replicas > 1:
+            if key not in by_key or by_key[key].kind == "ep-tp" or by_key[key].replicas > 1:
                 continue
             check_ranks_fit(check_spec_for(sp) if experts_model is not None else sp, world_size,
                             "the real-rank check of compare tp-vs-ep does not fit this machine: use --no-check (the "
                             "simulated check still runs), a smaller shape or fewer --tokens")
     return ComparePlan(spec, gpus_per_node, link, why, experts_model, measured_on, check_ranks, fits, by_key, context,
-                       overlap, gpu, fit_note)
+                       overlap, gpu, fit_note, dropped)
 
 
 def known_link(name: str) -> bool:
@@ -287,7 +297,7 @@ def run_compare(base: SweepSpec, world_size: int, store: RunStore, link, experts
     for correctness (their rows have modeled = false and CPU times; the answer uses the simulated
     rows only). plan: the ComparePlan (fits, overlap, context) the summary reports."""
     gpn = gpus_per_node if gpus_per_node is not None else getattr(link, "gpus_per_node", None)
-    specs = layout_specs(base, world_size, gpn)
+    specs = layout_specs(base, world_size, gpn, keep=set(plan.candidates) if plan is not None else None)
     cands = {spec_key(c): c for c in candidate_list(world_size, gpn, base.shape)}
     for spec in specs.values():
         run_simulated(spec, store, link, on_progress=on_progress, experts_model=experts_model)
@@ -406,7 +416,9 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
             "checked_on_ranks": checked.get((tokens_, key, r.prepare_finalize)),
             "timing": r.timing_method, "experts_source": r.extra.get("experts_source", ""),
             "fits": None if f is None else f.fits, "weights_gib": None if f is None else f.weights / footprint.GiB,
-            "sequences": None if f is None else f.sequences, "deployable": deployable,
+            # sequences all the GPUs hold: one replica's times the replicas
+            "sequences": None if f is None or f.sequences is None else f.sequences * replicas(lname),
+            "deployable": deployable,
             "vllm": flags.get("vllm", ""), "sglang": flags.get("sglang", ""), "trt_llm": flags.get("trt-llm", ""),
         })
     df = pd.DataFrame(recs)
@@ -481,7 +493,7 @@ def flip_columns(df: pd.DataFrame) -> pd.DataFrame:
             if i == w.name:
                 if len(g) < 2 or comm <= 0:
                     continue
-                f = (float(g.iloc[1].latency_us) - fixed) / comm
+                f = (float(_opponent(g, w, key="layout").latency_us) - fixed) / comm
                 scaled = comm * f
             else:
                 room = float(w.latency_us) - fixed
@@ -494,6 +506,18 @@ def flip_columns(df: pd.DataFrame) -> pd.DataFrame:
             if r.get("comm_bytes"):
                 df.at[i, "comm_flip_gbps"] = float(r.comm_bytes) / scaled / 1e3
     return df
+
+
+def _comm_kind(rec) -> str:
+    return "dispatch+combine" if rec.kind == "dp-ep" else "all-reduce"
+
+
+def _opponent(g: pd.DataFrame, w, key: str = "candidate"):
+    """The layout the answer is weighed against: the fastest other one whose communication is of
+    the other kind (all-reduce vs dispatch+combine), else the fastest other one."""
+    others = g[g[key] != w[key]].sort_values("latency_us")
+    other_kind = others[[_comm_kind(r) != _comm_kind(w) for r in others.itertuples()]]
+    return (other_kind if not other_kind.empty else others).iloc[0]
 
 
 def _holds_more(df: pd.DataFrame, winners: pd.DataFrame, context: int | None) -> str:
@@ -525,8 +549,12 @@ def display(rec) -> str:
 
 
 def _runner_up(df: pd.DataFrame, t: int, winner_key: str):
-    g = df[(df.tokens == t) & df.eligible & (df.candidate != winner_key)]
-    return None if g.empty else g.loc[g.latency_us.idxmin()]
+    """The layout the winner at `t` is weighed against (`_opponent`), None where it is alone."""
+    g = df[(df.tokens == t) & df.eligible]
+    w = g[g.candidate == winner_key]
+    if w.empty or len(g) < 2:
+        return None
+    return _opponent(g, w.iloc[0])
 
 
 def flip_clause(df: pd.DataFrame, t: int) -> str:
@@ -536,7 +564,7 @@ def flip_clause(df: pd.DataFrame, t: int) -> str:
     if len(g) < 2:
         return ""
     w = g.loc[g.latency_us.idxmin()]
-    r = _runner_up(df, t, w.candidate)
+    r = _opponent(g, w)
     parts = []
     f = float(r.comm_flip_factor)
     if math.isfinite(f):

@@ -249,8 +249,8 @@ def test_compare_table_fits_and_shows_other(ep_runs):
     _, compare, _ = ep_runs
     assert_fits(compare.stdout)
     heads, rows = parse_table(compare.stdout)
-    assert heads[:3] == ["batch tokens", "layout", "best pair"] and any(h.startswith("other ") for h in heads)
-    assert {r[1] for r in rows} == {"TP2", "EP2"} and len(rows) == 4
+    assert heads[:3] == ["batch tokens", "layout", "via"] and any(h.startswith("other ") for h in heads)
+    assert {r[1] for r in rows} == {"TP2", "TP2+EP2", "DP2+EP2"}
     total = next(i for i, h in enumerate(heads) if h.startswith("total"))
     assert sum(r[total].endswith("*") for r in rows) == 2  # one faster layout per token count
 

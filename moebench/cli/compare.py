@@ -122,7 +122,7 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
     try:
         with _progress() as prog:  # counts the simulated cases that run (skipped pairs are not counted)
             total = sum(cases_to_run(simulated_spec(s, experts_model), store, modeled=True)
-                        for s in layout_specs(spec, world_size, gpus_per_node).values())
+                        for s in layout_specs(spec, world_size, gpus_per_node, keep=set(cmp.candidates)).values())
             task = prog.add_task("compare", total=total)
             result = run_compare(spec, world_size, store, link, experts_model=experts_model,
                                  check_ranks=check_ranks, gpus_per_node=gpus_per_node, plan=cmp,
@@ -160,7 +160,7 @@ def _print_compare(result, n: int, link=None, plan=None) -> None:
     for line in _flag_lines(result.summary):
         say(console, line)
     ctx = f" at {plan.context} tokens per sequence" if plan is not None else ""
-    notes = ["* = the fastest layout that fits and that an engine runs; holds = sequences one replica holds"
+    notes = ["* = the fastest layout that fits and that an engine runs; holds = sequences the GPUs hold"
              f"{ctx} (KV cache left per rank after the weights, {_reserve()} of memory kept free), no fit = its "
              "weights do not fit, no engine = no engine ships its transport; other = total minus the parts shown; "
              "ovl = two-batch overlap applied; flip x = how many times faster than modeled a losing layout's own "
@@ -168,6 +168,8 @@ def _print_compare(result, n: int, link=None, plan=None) -> None:
              "runner-up wins (close: the published transports' band covers the margin)."]
     if plan is not None and plan.fit_note:
         notes.append(plan.fit_note + ".")
+    if plan is not None and plan.dropped:
+        notes.append("not priced: " + "; ".join(f"{k} ({v})" for k, v in plan.dropped.items()) + ".")
     if left:
         notes.append(f"not shown at {console.width} columns: {', '.join(left)} (compare.csv holds every column).")
     rows = [r for r in result.rows if r.modeled and r.status == "ok"]
