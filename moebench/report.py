@@ -693,7 +693,7 @@ def compare_table(summary: pd.DataFrame, title: str) -> TextTable:
     cols.append(Column("comm", f"comm\n{unit}", num_cells(comm * k, td)))
     other = _other(_column(df, "latency_serial_us") if "latency_serial_us" in df.columns else lat,
                    [parts[n] for n, _ in _PARTS if parts[n].notna().any()])
-    cols.append(Column("other", f"other\n{unit}", num_cells(other * k, td), drop=45))
+    cols.append(Column("other", f"other\n{unit}", num_cells(other * k, td), drop=35))
     win = df["winner"].map(lambda v: bool(_flag(v))) if "winner" in df.columns else pd.Series(False, index=df.index)
     ovl = df["overlap"].eq("two-batch") if "overlap" in df.columns else pd.Series(False, index=df.index)
     cols.append(Column("total", f"total\n{unit}", [c + ("*" if w else ("~" if o else " ")) for c, w, o in
