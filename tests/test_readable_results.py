@@ -27,6 +27,8 @@ def _md_table(text: str) -> tuple[list[str], list[list[str]]]:
 # -- report: one source per cell, compare's checks left out -------------------------------------
 
 def test_report_keeps_measured_modeled_and_devices_apart_and_leaves_compare_checks_out(tmp_path):
+    from moebench.report import layout_label
+
     runs = tmp_path / "runs"
     env = {"COLUMNS": "200"}
     res = moebench_inproc("compare", "tp-vs-ep", *SHAPE, "--tokens", "4", "--world-size", "2", "--out", str(runs),
@@ -59,10 +61,10 @@ def test_report_keeps_measured_modeled_and_devices_apart_and_leaves_compare_chec
             if not cell:
                 continue
             filled += 1
-            pair = name.split(" ", 1)[1]  # "TP2 no-dpep+torch (custom AR)" -> the pair and its all-reduce
+            # "TP2 no-dpep+torch (custom AR)", "EP2 (dp1xtp2) no-dpep+torch (custom AR)": layout, pair, all-reduce
             mine = [r for r in source[rec[0]] if r["status"] == "ok" and
-                    f"{r['prepare_finalize']}+{r['experts']}" + (f" ({r['allreduce']} AR)" if r["allreduce"] else "")
-                    == pair]
+                    layout_label(r["tp"], r["dp"], r["ep"], r["world_size"]) + " " + f"{r['prepare_finalize']}+"
+                    f"{r['experts']}" + (f" ({r['allreduce']} AR)" if r["allreduce"] else "") == name]
             assert [f"{r['latency_us']:.1f}" for r in mine] == [cell.strip("*")], (rec[0], name, cell)
     assert filled >= 4
 
