@@ -5,6 +5,7 @@ refusals of shapes and checkpoints that come before any work, with the reason an
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,8 +113,7 @@ def test_configs_list_shows_the_gemm_and_coverage_cuts_no_cell():
     lines = res.stdout.splitlines()
     rule = next(i for i, x in enumerate(lines) if x.startswith("--"))
     assert "GEMM" in lines[rule - 1].split(), lines[rule - 1]
-    table = lines[rule + 1:next(i for i, x in enumerate(lines) if x.startswith("folders,"))]
-    table = [x for x in table if not x.startswith("not shown")]
+    table = [x for x in lines[rule + 1:] if x.startswith("[")]  # a row per file: its folder, [n]
     assert len(table) == len(set(table)), "rows a reader cannot tell apart"
     assert {x.split()[-4] for x in table} >= {"1,2", "2"}  # moebench's _down files show as GEMM2's
     assert max(map(len, lines)) <= 80
@@ -122,7 +122,7 @@ def test_configs_list_shows_the_gemm_and_coverage_cuts_no_cell():
     assert res.returncode == 0, res.stderr
     assert "…" not in res.stdout and max(map(len, res.stdout.splitlines())) <= 80
     folder = re.search(r"found in: \[1\] (\S+)", res.stdout)
-    assert folder and (folder.group(1).endswith("moebench/configs")), res.stdout  # the folder whole
+    assert folder and Path(folder.group(1)).is_dir(), res.stdout  # the folder whole
     assert re.search(r"^mixtral-8x7b\s+tp8\s+8\s+1792\s+\d+ of 18\s+\[1\]$", res.stdout, re.M), res.stdout
 
 
