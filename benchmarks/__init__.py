@@ -27,5 +27,6 @@ CASES: dict[str, str] = {
     "fp8_table": "fp8 vs bf16 table from moebench sweep result folders",
     "weight_only_table": "weight-only (int8_w8a16 / int4_w4a16 / mxfp4) vs bf16 table from sweep result folders",
     "flip_table": "flip factor per token count of compare tp-vs-ep run folders",
+    "kernel_table": "moebench's measured experts times as the table modeled rows read (from sweep folders or PERF raw files)",
     "shared_table": "shared experts (fused / separate / none) and activations from sweep folders, vs the floor",
 }

@@ -720,6 +720,45 @@ def layer_times_table(runs: Path):
     return table.round({"new": 1, "base": 1})
 
 
+#: the kernel_times shards: moebench's triton / batched-triton experts on the presets' ranks, through
+#: `moebench sweep` (simulated where the shard is one rank's: its experts measured here)
+KERNEL_TIME_POINTS = (
+    ("mixtral-8x7b", ["--experts", "triton", "--prepare-finalize", "no-dpep"]),
+    ("mixtral-8x7b", ["--tp", "8", "--experts", "triton", "--prepare-finalize", "no-dpep"]),
+    ("qwen3-30b-a3b", ["--experts", "triton", "--prepare-finalize", "no-dpep"]),
+    ("qwen3-235b-a22b", ["--tp", "8", "--experts", "triton", "--prepare-finalize", "no-dpep"]),
+    ("deepseek-v3", ["--tp", "8", "--dtype", "bf16", "--shared-experts", "none", "--experts", "triton",
+                     "--prepare-finalize", "no-dpep"]),
+    ("deepseek-v3", ["--tp", "8", *FP8_BLOCK, "--shared-experts", "none", "--experts", "triton",
+                     "--prepare-finalize", "no-dpep"]),
+    ("deepseek-v3", ["--ep", "8", "--simulate", *FP8_BLOCK, "--shared-experts", "none", "--experts", "triton",
+                     "--prepare-finalize", "allgather-rs"]),
+    ("deepseek-v3", ["--ep", "8", "--simulate", "--dtype", "bf16", "--shared-experts", "none", "--experts", "triton",
+                     "--prepare-finalize", "allgather-rs"]),
+)
+
+
+def job_kernel_times(c: Ctx) -> None:
+    """moebench's measured experts times for compare's modeled rows (moebench/bench/kernel_times):
+    the KERNEL_TIME_POINTS sweeps, then `kernel_table` over their folders into
+    $OUT/kernel_times/<gpu>.csv, the file to ship in moebench/bench/kernel_times/."""
+    c.sh(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv"])
+    runs = c.results / "kernel_times"
+    for model, flags in KERNEL_TIME_POINTS:
+        c.step(f"sweep {model} {' '.join(flags)}")
+        c.mb("sweep", "--model", model, *flags, "--tokens", c.knob("TOKENS", "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"),
+             "--routings", "4", "--out", str(runs), "--format", "csv", tail=3, timeout=600)
+    c.step("kernel_table")
+    gpu = "gpu"
+    if not c.dry:
+        import torch
+
+        gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+    folders = [str(p) for p in sorted(runs.glob("*/"))] if not c.dry else [f"{runs}/*/"]
+    c.case("kernel_table", *folders, "--out", str(c.out / "kernel_times" / f"{gpu}.csv"), tail=2)
+    c.tar(c.out / "kernel_times_runs.tgz", c.results, ["kernel_times"])
+
+
 @dataclass(frozen=True)
 class Job:
     name: str
@@ -767,6 +806,9 @@ JOBS = (
         "TOK SKIP_TESTS", job_weight_only),
     Job("shared_experts", "3", "1.5", "DeepSeek-V3 TP8 shared experts fused / separate / none, gpt-oss-20b swigluoai "
         "vs silu, shared_table", "TOK", job_shared_experts),
+    Job("kernel_times", "4", "6", "the measured experts times compare's modeled rows read: sweeps of the presets' "
+        "ranks (triton, bf16 / fp8 block), kernel_table -> $OUT/kernel_times/<gpu>.csv (ship it in "
+        "moebench/bench/kernel_times/)", "TOKENS", job_kernel_times),
     Job("compare_flip", "4", "3", "compare tp-vs-ep for four presets at 8 and 32 ranks, flip_table ($OUT/flip.md)",
         "MODELS WORLDS EXPERTS TOKENS REPS EXTRA", job_compare_flip),
     Job("sweeps", "4, 5", "4", "ceilings, a real sweep, simulated TP8 / EP8 sweeps and tp-vs-ep, GPU tests",

@@ -465,10 +465,28 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
         rec = _recommend(df, decisive, crossover, world_size, scope) + robustness.close_line(df[df.eligible])
         rec += _holds_more(df, decisive, plan.context if plan is not None else None)
 
+    rec += _floor_caveat(df, winners)
     out_of = sorted(set(df[df.fits.map(lambda v: v is False)].layout))
     if out_of:
         rec += f"; {', '.join(out_of)} do{'es' if len(out_of) == 1 else ''} not fit"
     return CompareResult(df, crossover, rec, rows)
+
+
+def _floor_caveat(df: pd.DataFrame, winners: pd.DataFrame) -> str:
+    """'; at 1024 tokens EP4/TP2's experts time is the roofline floor (no measured table of its
+    shard) against measured times of TP8, ...: a lower bound, not a like-for-like margin' where a
+    winner's experts are priced at the floor and other layouts' from measured tables."""
+    if "experts_source" not in df.columns:
+        return ""
+    for t, w in winners.iterrows():
+        if not str(w.experts_source).startswith("roofline"):
+            continue
+        g = df[(df.tokens == t) & df.eligible & df.experts_source.astype(str).str.startswith("measured")]
+        if not g.empty:
+            names = ", ".join(dict.fromkeys(g.layout))
+            return (f"; at {t} tokens {display(w)}'s experts time is the roofline floor (no measured table of its "
+                    f"shard) against measured times of {names}: a lower bound, not a like-for-like margin")
+    return ""
 
 
 def flip_columns(df: pd.DataFrame) -> pd.DataFrame:

@@ -173,3 +173,57 @@ def test_whole_model_sizes_match_the_published_totals():
                  "deepseek-v2-lite": 15.7e9, "olmoe-1b-7b": 6.9e9, "dbrx": 132e9, "qwen2-moe-a2.7b": 14.3e9}
     for name, total in published.items():
         assert total_params(get_model(name), PRESET_SIZES[name]) == pytest.approx(total, rel=0.02), name
+
+
+def test_measured_kernel_tables_price_the_shards_they_cover(tmp_path):
+    """The shipped table is what `kernel_table` makes of PERF.md's raw vllm_kernel files; a modeled row
+    of a covered shard takes its interpolated time and says so, any other the floor."""
+    import math
+
+    from benchmarks import kernel_table
+    from moebench.bench import kernel_tables
+
+    out = tmp_path / "h200.csv"
+    assert kernel_table.main(["--vllm-kernel", "docs/perf/vllm_kernel_triton-2026-12-03.csv",
+                              "docs/perf/vllm_kernel_triton_more-2026-12-03.csv", "--gpu", "NVIDIA H200", "--date",
+                              "2026-12-03", "--revision", "5eea1de", "--out", str(out)]) == 0
+    shipped = kernel_tables.SHIPPED / "h200-2026-12-03.csv"
+    assert out.read_text() == shipped.read_text()
+    t = pd.read_csv(shipped)
+    dsv3 = t[(t.experts == 256) & (t.intermediate == 256) & (t.precision == "bf16")].set_index("tokens").experts_us
+    a, b = dsv3.loc[64], dsv3.loc[96]  # rows per expert 2 and 3: log-log between them
+    us, src = kernel_tables.lookup("H200", 256, 7168, 256, 8, "bf16", 2.5)
+    assert us == pytest.approx(math.exp(math.log(a) + math.log(2.5 / 2) / math.log(3 / 2) * math.log(b / a)))
+    assert "5eea1de" in src and "2026-12-03" in src
+    assert kernel_tables.lookup("H100", 256, 7168, 256, 8, "bf16", 2.5) is None  # another GPU
+    assert kernel_tables.lookup("H200", 256, 7168, 256, 8, "bf16", 1e6) is None  # past the measured range
+    res, s, _ = _run(tmp_path, "--model", "deepseek-v3", "--world-size", "8", "--tokens", "64")
+    by = s.set_index("candidate")
+    assert by.loc["TP8", "experts_source"].startswith("measured table h200-2026-12-03.csv")
+    assert by.loc["TP8", "experts_us"] > by.loc["TP8", "floor_us"]
+    assert by.loc["EP2/TP4", "experts_source"].startswith("roofline floor")
+
+
+def test_the_kernel_times_job_makes_a_table_from_gpu_sweep_folders(tmp_path):
+    from benchmarks import kernel_table
+    from moebench.results import ResultRow, RunStore
+
+    store = RunStore(tmp_path / "run", metadata={"device_summary": {"name": "NVIDIA H200"},
+                                                 "git_revision": "abc1234", "started": "2026-12-07T01:00:00"})
+    for tokens, us in ((16, 40.0), (64, 80.0)):
+        store.add(ResultRow(model="m", num_experts=8, topk=2, hidden=64, intermediate=32, tokens=tokens, tp=1, dp=1,
+                            ep=1, world_size=1, prepare_finalize="no-dpep", experts="triton",
+                            activation_format="Standard", dtype="bf16", device="cuda", routing="uniform",
+                            latency_us=us, correct=True, status="ok"))
+    store.close()
+    from moebench.report import write_exports
+
+    write_exports(RunStore(tmp_path / "run"), ["csv"])
+    out = tmp_path / "t.csv"
+    assert kernel_table.main([str(tmp_path / "run"), "--out", str(out)]) == 0
+    t = pd.read_csv(out)
+    assert list(t.rows_per_expert) == [4.0, 16.0] and list(t.experts_us) == [40.0, 80.0]
+    assert set(t.revision) == {"abc1234"} and set(t.date) == {"2026-12-07"} and set(t.gpu) == {"NVIDIA H200"}
+    from benchmarks.device import JOBS
+
+    assert any(j.name == "kernel_times" for j in JOBS)

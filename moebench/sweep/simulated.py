@@ -30,7 +30,7 @@ from dataclasses import replace
 import torch
 
 from moebench.activation import SILU
-from moebench.bench import metrics
+from moebench.bench import kernel_tables, metrics
 from moebench.bench.hardware import get_ceilings
 from moebench.bench.timing import Timing, time_fn
 from moebench.errors import MoebenchError
@@ -220,6 +220,18 @@ class _Share:
             act += 2 * own_tokens * s.hidden * el
         return float(flops), float(nbytes), float(act)
 
+    def routed(self, spec) -> tuple[int, int, float, float]:
+        """(pairs, local experts, flops, bytes) of the routed experts alone (no shared MLP, no
+        biases): what a measured kernel table's shard covers."""
+        s, el = spec.shape, spec.act_bytes
+        local = local_topk_ids(self.args[4], self.args[5])
+        pairs = int((local >= 0).sum())
+        i_r = self.lw.w2.shape[-1]
+        hit = int(torch.unique(local[local >= 0]).numel())
+        e_local = self.lw.w13.shape[0] - self.lw.num_fused
+        return (pairs, e_local, float(metrics.layer_flops(pairs, 1, s.hidden, i_r)),
+                float(hit * metrics.expert_weight_bytes(s.hidden, i_r, el, spec.quant) + 2 * pairs * s.hidden * el))
+
     def kernel(self, spec, pf: str, ex_cls: type) -> MoELayer:
         """The rank's experts (class `ex_cls`) behind the communication-free prepare/finalize laying
         tokens out as `pf`."""
@@ -333,7 +345,18 @@ def _simulate_case(runner, row, pf, ex, m, inputs) -> None:
         t = Timing(floor, floor, floor, 0, f"roofline model ({experts_model.device_name}, {experts_model.source})")
         row.extra["modeled_gpu"] = experts_model.device_name  # the GPU the row's time speaks of
         # half the batch reads the same weights: what one micro-batch of a two-batch overlap costs
-        row.extra["experts_half_us"] = metrics.roofline(flops / 2, nbytes - act_bytes / 2, experts_model, dtype=row.dtype)
+        half = metrics.roofline(flops / 2, nbytes - act_bytes / 2, experts_model, dtype=row.dtype)
+        # moebench's own measured times of this shard on that GPU, where a shipped table covers it
+        pairs, e_local, rflops, rbytes = share.routed(spec)
+        found = kernel_tables.lookup(experts_model.device_name, e_local, s.hidden, share.lw.w2.shape[-1], s.topk,
+                                     kernel_tables.precision_key(row.dtype, row.quant), pairs / max(e_local, 1))
+        row.extra["experts_source"] = "roofline floor (no measured table covers this shard)"
+        if found is not None:
+            us = found[0] + floor - metrics.roofline(rflops, rbytes, experts_model, dtype=row.dtype)
+            t = Timing(us, us, us, 0, found[1])
+            half *= us / floor
+            row.extra["experts_source"] = found[1]
+        row.extra["experts_half_us"] = half
         ceilings = experts_model
     else:
         if runner.measured.get("case") != (m, pf, ex):
