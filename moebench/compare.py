@@ -427,7 +427,12 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
         top = f": {why.most_common(1)[0][0]} ({why.most_common(1)[0][1]} of {len(rows)} rows)" if why else ""
         return CompareResult(df, None, f"no layout could be priced{top}", rows)
     df["replicas"] = [replicas(lname) for lname in df.layout]
-    df["eligible"] = df.deployable.astype(bool) & df.fits.map(lambda v: v is not False)
+    df["runs"] = df.deployable.astype(bool) & df.fits.map(lambda v: v is not False)  # fits, an engine runs it
+    # like for like: where some of them are priced from measured kernel tables, the answer is among those
+    # (a floor is a lower bound); the floor-priced ones are named beside it (`_floor_caveat`)
+    measured = df.experts_source.astype(str).str.startswith("measured")
+    has_measured = (df.runs & measured).groupby(df.tokens).transform("any")
+    df["eligible"] = df.runs & (measured | ~has_measured)
     elig = df[df.eligible].copy()
     if elig.empty:
         return CompareResult(df, None, "no layout that fits and that an engine runs could be priced", rows)
@@ -473,20 +478,20 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
 
 
 def _floor_caveat(df: pd.DataFrame, winners: pd.DataFrame) -> str:
-    """'; at 1024 tokens EP4/TP2's experts time is the roofline floor (no measured table of its
-    shard) against measured times of TP8, ...: a lower bound, not a like-for-like margin' where a
-    winner's experts are priced at the floor and other layouts' from measured tables."""
-    if "experts_source" not in df.columns:
+    """'; priced at the roofline floor only (no measured table of their shard), so not ranked
+    against measured times: EP4/TP2 at 1024 tokens (422 us at its floor)' for the layouts that fit
+    and run, priced at the floor where others are measured, and faster at their floor than the answer."""
+    if "runs" not in df.columns:
         return ""
+    out = []
     for t, w in winners.iterrows():
-        if not str(w.experts_source).startswith("roofline"):
-            continue
-        g = df[(df.tokens == t) & df.eligible & df.experts_source.astype(str).str.startswith("measured")]
-        if not g.empty:
-            names = ", ".join(dict.fromkeys(g.layout))
-            return (f"; at {t} tokens {display(w)}'s experts time is the roofline floor (no measured table of its "
-                    f"shard) against measured times of {names}: a lower bound, not a like-for-like margin")
-    return ""
+        g = df[(df.tokens == t) & df.runs & ~df.eligible & (df.latency_us < w.latency_us)]
+        out += [f"{display(r)} at {t} tokens ({r.latency_us:.0f} us at its floor)" for r in g.itertuples()]
+    if not out:
+        return ""
+    more = f" and {len(out) - 3} more" if len(out) > 3 else ""
+    return (f"; priced at the roofline floor only (no measured table of their shard), so not ranked against measured "
+            f"times: {', '.join(out[:3])}{more}")
 
 
 def flip_columns(df: pd.DataFrame) -> pd.DataFrame:
