@@ -439,10 +439,17 @@ def summarize(rows: list[ResultRow], world_size: int, gpus_per_node: int | None 
     rows_of = {(rec.tokens, rec.candidate): best[(rec.tokens, rec.candidate)] for rec in elig.itertuples()}
     elig = elig.rename(columns={"candidate": "_c", "layout": "_l"}).assign(layout=elig.candidate.values)
     robustness.add_columns(elig, rows_of)
-    for t, g in elig.groupby("tokens"):  # the same communication on both sides moves both alike: no band between them
+    shift = elig.latency_us - elig.latency_serial_us  # a band around the overlapped total, not the plain sum
+    elig["latency_lo_us"] = elig.latency_lo_us.astype(float) + shift
+    elig["latency_hi_us"] = elig.latency_hi_us.astype(float) + shift
+    for t, g in elig.groupby("tokens"):
         g = g.sort_values("latency_us")
-        if len(g) > 1 and math.isclose(float(g.iloc[0].comm_us), float(g.iloc[1].comm_us), rel_tol=1e-6):
-            elig.loc[g.index, "too_close"] = False
+        if len(g) < 2:
+            continue
+        w, l = g.iloc[0], g.iloc[1]
+        # the same communication on both sides moves both alike: no band between them
+        same = math.isclose(float(w.comm_us), float(l.comm_us), rel_tol=1e-6)
+        elig.loc[g.index, "too_close"] = bool(not same and w.latency_hi_us >= l.latency_lo_us)
     flip_columns(elig)
     elig = elig.drop(columns=["layout"]).rename(columns={"_c": "candidate", "_l": "layout"})
     df = df.merge(elig[["tokens", "candidate"] + [c for c in elig.columns if c not in df.columns]],
