@@ -156,3 +156,14 @@ class ParallelLayout:
         w13_r = torch.cat([w13[:, lo:hi], w13[:, inter + lo : inter + hi]], dim=1).contiguous()
         w2_r = w2[:, :, lo:hi].contiguous()
         return w13_r, w2_r
+
+
+def token_split(num_tokens: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) token ranges of each rank; the remainder goes to the first ranks."""
+    base, rem = divmod(num_tokens, world)
+    out, start = [], 0
+    for r in range(world):
+        n = base + (1 if r < rem else 0)
+        out.append((start, start + n))
+        start += n
+    return out

@@ -6,7 +6,7 @@ import pytest
 
 from moebench.backends import get_prepare_finalize_class, prepare_finalize_names
 from moebench.comm import calibration as calibration_
-from moebench.comm.calibration import fit_alpha_beta, measure_link
+from moebench.runtime.link_calibration import fit_alpha_beta, measure_link
 
 
 def test_fit_alpha_beta_recovers_a_line():

@@ -20,7 +20,8 @@ from moebench.kernels.reference import reference_moe
 from moebench.backends import make_experts, make_prepare_finalize
 from moebench.layout import ParallelLayout
 from moebench.runtime.distributed import RankContext, RankFailedError, join_torchrun, single_context, spawn
-from moebench.runtime.rank_case import run_rank_case, token_split
+from moebench.layout import token_split
+from moebench.runtime.rank_case import run_rank_case
 
 H, I, K = 32, 16, 2
 TOL = 1e-4  # fp32

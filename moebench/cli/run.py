@@ -114,7 +114,7 @@ def _calibrate_link(device: str, world_size: int | None) -> str:
 
     from moebench.backends import get_prepare_finalize_class, prepare_finalize_names
     from moebench.bench.hardware import device_summary
-    from moebench.comm.calibration import measure_link
+    from moebench.runtime.link_calibration import measure_link
     from moebench.comm.links import write_measured_link
 
     n = world_size or (torch.cuda.device_count() if device == "cuda" else 2)

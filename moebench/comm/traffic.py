@@ -90,7 +90,7 @@ class LinkRows:
 
 
 def _split_sources(topk_ids_full: torch.Tensor, world: int):
-    from moebench.runtime.rank_case import token_split
+    from moebench.layout import token_split
 
     ids = topk_ids_full.long().cpu()
     src = torch.empty(ids.shape[0], dtype=torch.int64)

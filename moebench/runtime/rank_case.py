@@ -29,19 +29,8 @@ import torch.distributed as dist
 from moebench.bench.timing import Timing, summarize
 from moebench.errors import MoebenchError
 from moebench.kernels.modular import FusedMoEKernel, PrepareAndFinalize
-from moebench.layout import ParallelLayout
+from moebench.layout import ParallelLayout, token_split
 from moebench.runtime.distributed import RankContext, all_reduce, barrier
-
-
-def token_split(num_tokens: int, world: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) token ranges of each rank; the remainder goes to the first ranks."""
-    base, rem = divmod(num_tokens, world)
-    out, start = [], 0
-    for r in range(world):
-        n = base + (1 if r < rem else 0)
-        out.append((start, start + n))
-        start += n
-    return out
 
 
 def communicates(pf: PrepareAndFinalize) -> bool:

@@ -43,7 +43,7 @@ from moebench.comm.traffic import Traffic, gbps, payload_row_bytes
 from moebench.kernels.token_layout import local_topk_ids
 from moebench.routing import load_imbalance
 from moebench.runtime import simulate as sim
-from moebench.runtime.rank_case import token_split
+from moebench.layout import token_split
 from moebench.sweep.cases import CaseRunner, batch_inputs
 from moebench.sweep.layer import (
     layer_args,
