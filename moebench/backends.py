@@ -250,6 +250,9 @@ def _quant_reason(pf_cls: type[PrepareAndFinalize], ex_cls: type[Experts], devic
     """Why the pair cannot run `quant`; declared_only: from what both declare, whatever runs here."""
     if quant is None:
         return None
+    if quant.modeled_only:  # priced at a target GPU's floor, never run
+        return None if declared_only else (f"{quant.describe()} is a modeled precision (no kernel here runs it): "
+                                           f"compare tp-vs-ep or sweep --simulate with a --target-gpu")
     if quant.kind not in ex_cls.supported_quant:
         return f"experts '{ex_cls.name}' do not support {quant.describe()}"
     if not quant.weight_only and not ex_cls.quantizes_input and quant.scales not in pf_cls.supported_quant:

@@ -239,6 +239,12 @@ def plan_compare(spec: SweepSpec, world_size: int, *, experts_given: bool, targe
     experts_model = None
     if gpu is not None:
         experts_model = datasheet_ceilings(gpu)
+        from moebench.backends import gpu_vendor
+
+        if spec.quant is not None and spec.quant.modeled_only and (
+                "fp4" not in experts_model.matmul_tflops or gpu_vendor(gpu) != "nvidia"):
+            raise MoebenchError(f"{spec.quant.describe()} runs on NVIDIA GPUs with 4-bit tensor cores, not {gpu}: pass "
+                                f"--target-gpu B200, B300, GB200 or GB300, or another --dtype")
         if not experts_given:  # every backend shows the same floor: one per activation format
             spec = replace(spec, experts=modeled_experts(spec.dtype, spec.quant, spec.activation, spec.bias, gpu))
     if experts_given:

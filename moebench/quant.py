@@ -74,7 +74,11 @@ AMAX_EPS = 1e-10
 SCALES = ("tensor", "token", "block")
 #: Weight-only schemes (activations unquantised); each is also its own capability kind.
 WEIGHT_ONLY = ("int8_w8a16", "int4_w4a16", "mxfp4")
-QUANT_DTYPES = ("fp8_w8a8",) + WEIGHT_ONLY
+#: Schemes moebench prices but runs no kernel of: NVFP4 (4-bit e2m1 weights and activations, one
+#: e4m3 scale per 16 values and an fp32 scale per tensor), the format Blackwell deployments use.
+MODELED_ONLY = ("nvfp4",)
+NVFP4_GROUP = 16
+QUANT_DTYPES = ("fp8_w8a8",) + WEIGHT_ONLY + MODELED_ONLY
 #: Every capability kind an experts backend may declare in `supported_quant`: the fp8 scale kinds
 #: and the weight-only scheme names (`QuantScheme.kind`).
 QUANT_KINDS = SCALES + WEIGHT_ONLY
@@ -101,6 +105,13 @@ class QuantScheme:
             raise MoebenchError(f"unknown quantised dtype '{self.name}'; use one of {', '.join(QUANT_DTYPES)}")
         if self.name in WEIGHT_ONLY:
             self._check_weight_only()
+            return
+        if self.name in MODELED_ONLY:
+            if self.scales is not None or self.block_shape is not None or self.zero_points \
+                    or self.group_size not in (None, NVFP4_GROUP):
+                raise MoebenchError(f"nvfp4 has one e4m3 scale per {NVFP4_GROUP} values: --block-shape, --scales, "
+                                    f"--group-size and --zero-points do not apply")
+            object.__setattr__(self, "group_size", NVFP4_GROUP)
             return
         if self.scales is None:
             object.__setattr__(self, "scales", "tensor")
@@ -146,9 +157,23 @@ class QuantScheme:
         return self.name if self.weight_only else self.scales
 
     @property
+    def modeled_only(self) -> bool:
+        """A scheme moebench prices (weights, activations, the floor) but has no kernel of."""
+        return self.name in MODELED_ONLY
+
+    @property
     def packed(self) -> bool:
-        """Two 4-bit codes per byte along K (int4_w4a16, mxfp4)."""
-        return self.name in ("int4_w4a16", "mxfp4")
+        """Two 4-bit codes per byte along K (int4_w4a16, mxfp4, nvfp4)."""
+        return self.name in ("int4_w4a16", "mxfp4", "nvfp4")
+
+    def row_bytes(self, hidden: int, act_bytes: float = 2) -> float:
+        """Bytes of one activation row as dispatched: the activation dtype (weight-only schemes),
+        fp8 values and fp32 scales per group (fp8), 4-bit values and an e4m3 scale per 16 (nvfp4)."""
+        if self.weight_only:
+            return hidden * act_bytes
+        if self.modeled_only:
+            return hidden / 2 + -(-hidden // NVFP4_GROUP)
+        return hidden + 4 * self.num_groups(hidden)
 
     def padded_k(self, k: int) -> int:
         """K of the packed layout: K itself (int8), else rounded up to a whole group."""
@@ -160,6 +185,8 @@ class QuantScheme:
         """Bytes of one expert's (N, K) weight as stored: the payload (fp8/int8 1 byte per value,
         int4/mxfp4 half a byte over the padded K) plus its scales (fp8: fp32; int8/int4: the
         activation dtype, `act_bytes`; mxfp4: 1 byte e8m0) and int4's packed zero points."""
+        if self.modeled_only:  # nvfp4: 4-bit values, an e4m3 scale per 16 along K, an fp32 per tensor
+            return n * self.padded_k(k) / 2 + n * -(-k // NVFP4_GROUP) + 4
         if not self.weight_only:
             if self.scales == "tensor":
                 n_scales = 1
@@ -179,8 +206,10 @@ class QuantScheme:
 
     @property
     def group_k(self) -> int | None:
-        """Columns per activation scale: bk for block, None = the whole row (or tensor; weight-only
-        schemes quantise no activation)."""
+        """Columns per activation scale: bk for block, 16 for nvfp4, None = the whole row (or
+        tensor; weight-only schemes quantise no activation)."""
+        if self.modeled_only:
+            return NVFP4_GROUP
         return self.block_shape[1] if self.block_shape else None
 
     def num_groups(self, k: int) -> int:
@@ -197,6 +226,8 @@ class QuantScheme:
             return f"group[{self.group_size}]" + ("+zp" if self.zero_points else "")
         if self.name == "mxfp4":
             return f"e8m0 group[{self.group_size}]"
+        if self.modeled_only:
+            return f"e4m3 group[{self.group_size}]"
         if self.scales == "block":
             return f"block[{self.block_shape[0]},{self.block_shape[1]}]"
         return f"per-{self.scales}"
@@ -240,6 +271,9 @@ def parse_quant(dtype: str | None, block_shape: str | None = None, scales: str |
         if group_size is not None or zero_points:
             raise MoebenchError(f"--group-size/--zero-points apply to --dtype int4_w4a16 only (got --dtype {dtype})")
         return None
+    if dtype in MODELED_ONLY:
+        return QuantScheme(dtype, scales=scales, block_shape=parse_block_shape(block_shape), group_size=group_size,
+                           zero_points=bool(zero_points))
     if dtype in WEIGHT_ONLY:
         if block_shape or scales:
             raise MoebenchError(f"--block-shape/--scales apply to --dtype fp8_w8a8 only (got --dtype {dtype})")

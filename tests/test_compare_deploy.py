@@ -227,3 +227,28 @@ def test_the_kernel_times_job_makes_a_table_from_gpu_sweep_folders(tmp_path):
     from benchmarks.device import JOBS
 
     assert any(j.name == "kernel_times" for j in JOBS)
+
+
+def test_nvfp4_is_a_modeled_precision_of_blackwell_targets(tmp_path):
+    from moebench.comm.traffic import payload_row_bytes
+    from moebench.quant import parse_quant
+
+    q = parse_quant("nvfp4")
+    assert q.scales_label == "e4m3 group[16]" and q.modeled_only and not q.weight_only
+    assert q.weight_bytes(4096, 7168) == 4096 * 7168 / 2 + 4096 * 7168 // 16 + 4  # e2m1 values, e4m3 per 16, fp32
+    assert payload_row_bytes(7168, 2, q) == 7168 // 2 + 7168 // 16  # dispatched rows travel in nvfp4 too
+    with pytest.raises(MoebenchError, match="group"):
+        parse_quant("nvfp4", group_size=32)
+    res, s, run = _run(tmp_path, "--model", "deepseek-v3", "--world-size", "8", "--dtype", "nvfp4", "--target-gpu", "B200",
+                       "--tokens", "64")
+    rows = pd.read_csv(run / "results.csv")
+    assert set(rows[rows.modeled & (rows.status == "ok")].dtype) == {"nvfp4"}
+    fp8 = _run(tmp_path, "--model", "deepseek-v3", "--world-size", "8", "--target-gpu", "B200", "--tokens", "64",
+               name="fp8")[1].set_index("candidate")
+    nv = s.set_index("candidate")
+    assert nv.loc["TP8", "weights_gib"] < 0.65 * fp8.loc["TP8", "weights_gib"]  # the experts at 4.5 bits, not 8
+    assert nv.loc["TP8", "sequences"] > fp8.loc["TP8", "sequences"]
+    assert_bad_input(moebench_inproc("compare", "tp-vs-ep", "--model", "deepseek-v3", "--world-size", "8", "--dtype",
+                                     "nvfp4", "--target-gpu", "H200", "--out", str(tmp_path / "no")), "4-bit tensor cores")
+    assert_bad_input(moebench_inproc("sweep", "--num-experts", "8", "--topk", "2", "--hidden", "64", "--intermediate",
+                                     "32", "--dtype", "nvfp4", "--out", str(tmp_path / "no")), "modeled precision")

@@ -87,7 +87,7 @@ def check_routing(routing: str, shape) -> None:
 
 
 #: --dtype's choices: the float dtypes and the quantised schemes (moebench.quant.QUANT_DTYPES).
-DTYPE_CHOICES = ["bf16", "fp16", "fp32", "fp8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4"]
+DTYPE_CHOICES = ["bf16", "fp16", "fp32", "fp8_w8a8", "int8_w8a16", "int4_w4a16", "mxfp4", "nvfp4"]
 
 #: Every option a command that runs kernels can take, declared once: flag -> (click.option's
 #: positional arguments after the flag, its keyword arguments). A command picks its subset with

@@ -58,9 +58,9 @@ def row_bytes(hidden: int, dtype_bytes: float = 2, scale_groups: int = 0) -> int
 def payload_row_bytes(hidden: int, dtype_bytes: float, quant=None) -> int:
     """Bytes of one dispatched row under a layer's precision: an fp8 QuantScheme's payload plus its
     scales (moebench.quant.pack_rows); weight-only schemes and no scheme: the activation dtype."""
-    if quant is None or quant.weight_only:
+    if quant is None:
         return row_bytes(hidden, dtype_bytes)
-    return row_bytes(hidden, 1, quant.num_groups(hidden))
+    return int(quant.row_bytes(hidden, dtype_bytes))
 
 
 def dtype_row_bytes(dtype: str, hidden: int) -> int:
