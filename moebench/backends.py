@@ -252,7 +252,7 @@ def _quant_reason(pf_cls: type[PrepareAndFinalize], ex_cls: type[Experts], devic
         return None
     if quant.modeled_only:  # priced at a target GPU's floor, never run
         return None if declared_only else (f"{quant.describe()} is a modeled precision (no kernel here runs it): "
-                                           f"compare tp-vs-ep or sweep --simulate with a --target-gpu")
+                                           f"compare tp-vs-ep with a --target-gpu")
     if quant.kind not in ex_cls.supported_quant:
         return f"experts '{ex_cls.name}' do not support {quant.describe()}"
     if not quant.weight_only and not ex_cls.quantizes_input and quant.scales not in pf_cls.supported_quant:
