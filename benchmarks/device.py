@@ -578,15 +578,27 @@ def job_vendor(c: Ctx) -> None:
         return
     ll, ht, r = c.knob("TOKENS_LL", "1,16,64,128"), c.knob("TOKENS_HT", "128,1024,4096"), str(c.results)
     ep2 = ["--model", "deepseek-v3", "--ep", "2", "--world-size", "2", "--device", "cuda"]
+    # MPS=1: CUDA's multi-process service, so that the two ranks' kernels run at once on the one GPU
+    # instead of taking turns in time slices (a daemon of the user's; the card's settings stay as they are)
+    mps = bool(c.knob("MPS")) and shutil.which("nvidia-cuda-mps-control") is not None
+    sweep_s = float(c.knob("SWEEP_S", "200"))  # a two-rank sweep that hangs gives the call back
+    if c.knob("MPS") and not mps:
+        c.say("MPS=1 asked, but this machine has no nvidia-cuda-mps-control: the ranks take turns")
+    if mps:
+        c.step("MPS daemon on (nvidia-cuda-mps-control -d): the two ranks' kernels run at once")
+        mps = c.sh(["nvidia-cuda-mps-control", "-d"], tail=5) == 0
     c.step("(2a) DeepSeek-V3 EP2, two ranks on one GPU: deepep-ll vs all2all-ll, bf16")
     c.mb("sweep", *ep2, "--dtype", "bf16", "--tokens", ll, "--prepare-finalize", "deepep-ll,all2all-ll",
-         "--experts", "batched-triton", "--out", r, tail=25)
+         "--experts", "batched-triton", "--out", r, tail=25, timeout=sweep_s)
     c.step("(2b) the same, fp8 block (DeepEP quantises in its dispatch)")
     c.mb("sweep", *ep2, "--tokens", ll, "--prepare-finalize", "deepep-ll,all2all-ll", "--experts", "batched-triton",
-         "--out", r, tail=25)
+         "--out", r, tail=25, timeout=sweep_s)
     c.step("(2c) DeepSeek-V3 EP2 prefill, two ranks on one GPU: deepep-ht vs allgather-rs, bf16")
     c.mb("sweep", *ep2, "--dtype", "bf16", "--tokens", ht, "--prepare-finalize", "deepep-ht,allgather-rs",
-         "--experts", "triton", "--out", r, tail=25)
+         "--experts", "triton", "--out", r, tail=25, timeout=sweep_s)
+    if mps:
+        c.step("MPS daemon off")
+        c.sh(["sh", "-c", "echo quit | nvidia-cuda-mps-control"], tail=5)
     c.step("(2d) DeepSeek-V3 TP8 fp8 block: deepgemm vs triton (one rank's share)")
     c.mb("sweep", "--model", "deepseek-v3", "--tp", "8", "--tokens", "16,256,4096", "--prepare-finalize", "no-dpep",
          "--experts", "deepgemm,triton", "--out", r, tail=25)
@@ -604,7 +616,7 @@ def job_peers(c: Ctx) -> None:
     """The peers table (benchmarks/peers.py) in one call: DeepGEMM and triton_kernels installed from
     .whl-vendor; one `peers` run of the moebench columns, vllm-triton and deepgemm over every shape
     and precision, then one of triton-kernels (bf16, mxfp4: it takes no fp8 block scales) beside
-    the triton of TK_TRITON, a triton wheel, when given (tokenspeed-triton-kernels does not import
+    the triton of TK_TRITON, a triton wheel or an unpacked one (a folder), when given (tokenspeed-triton-kernels does not import
     with triton 3.6); their run folders kept under PEERS_DIR (.gpu-out/peers, carried: a cut-off
     call resumes at the first unfinished shape); then the table of every finished run into
     $OUT/peers.md."""
@@ -615,7 +627,10 @@ def job_peers(c: Ctx) -> None:
     c.sh(["git", "rev-parse", "--short", "HEAD"])
     tk_env = {"PYTHONPATH": f"{vendor}:{c.env['PYTHONPATH']}"}
     wheel = c.knob("TK_TRITON") or next((str(p) for p in sorted(Path(".whl-vendor").glob("triton-*.whl"))), "")
-    if wheel:
+    if wheel and Path(wheel).is_dir():  # an unpacked triton (a wheel too big for one call travels in parts)
+        c.step(f"(0) triton for the triton-kernels column: {wheel}")
+        tk_env["PYTHONPATH"] = f"{wheel}:{tk_env['PYTHONPATH']}"
+    elif wheel:
         side = c.knob("TK_TRITON_DIR", "/tmp/moebench-tk-triton")
         c.step(f"(0) triton for the triton-kernels column: {wheel} into {side}")
         c.sh([PY, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", side, wheel], tail=5)
@@ -783,7 +798,7 @@ JOBS = (
     Job("reference", "1, 2, 5", "8", "GPU tests, bench_triton (layer, floors, library GEMMs, torch), tune with / without "
         "compile workers", "SKIP_TESTS SKIP_BENCH SKIP_TUNE BENCH_ARGS COMPILE_WORKERS TESTS_S", job_reference),
     Job("vendor", "1", "8", "DeepGEMM / DeepEP installed from carried wheels (.whl-vendor), their GPU tests, EP2 "
-        "sweeps with two ranks on one GPU, TP8 deepgemm vs triton", "SKIP_INSTALL SKIP_TESTS SKIP_SWEEPS TOKENS_LL "
+        "sweeps with two ranks on one GPU, TP8 deepgemm vs triton", "SKIP_INSTALL SKIP_TESTS SKIP_SWEEPS MPS SWEEP_S TOKENS_LL "
         "TOKENS_HT VENDOR SKIP_BREAKDOWN BREAKDOWN_TOKENS", job_vendor),
     Job("peers", "1", "<= 9 per call", "every engine's experts kernel beside moebench's (triton, batched-triton, "
         "vllm-triton with the faster engine file, deepgemm, triton-kernels) at 7 shapes x 2 precisions: ratios to the "
