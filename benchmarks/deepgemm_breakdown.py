@@ -15,7 +15,10 @@ also with `fused_act`: SiLU-and-mul and the requantisation in one launch):
   - the glue's unavoidable bytes (the layer input read, once; GEMM1's output read and the fp8 or
     bf16 intermediate written; GEMM2's rows read and the output written) over the measured read
     ceiling: the least time any glue around DeepGEMM's two GEMMs can take;
-  - target: the layer within 1.10x of (GEMMs + that least glue time).
+  - target: the layer within 1.10x of (GEMMs + that least glue time). Where the profiler records
+    no launch of DeepGEMM's GEMMs (its JIT kernels on Hopper with torch 2.11), their time is the
+    layer's minus the glue's (`gemms_from`), an upper bound, and the target reads: the glue beyond
+    its least time is at most a tenth of the layer.
 Writes deepgemm_breakdown.csv (one row per point and pair), deepgemm_kernels.csv (one row per
 kernel) and deepgemm_breakdown.md to $OUT.
 
@@ -35,6 +38,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections import defaultdict
 
@@ -52,6 +56,8 @@ PAIRS = (("no-dpep", "deepgemm", {}, "no-dpep+deepgemm"),
          ("batched-local", "batched-deepgemm", {}, "batched-local+batched-deepgemm"),
          ("batched-local", "batched-deepgemm", {"fused_act": True}, "batched-local+batched-deepgemm fused-act"))
 TARGET = 1.10
+#: a kernel of torch's own (elementwise, index, cub): never one of DeepGEMM's GEMMs
+TORCH_KERNEL = re.compile(r"\bat(_cuda_detail)?::")
 
 
 def glue_bytes(m: int, topk: int, h: int, inter: int, fp8: bool) -> int:
@@ -145,6 +151,18 @@ def profile_steps(call, calls: int, on_gpu: bool) -> tuple[dict[str, float], lis
     return dict(steps), rows
 
 
+def split_time(layer_us: float, steps: dict[str, float], kernels: list[dict], on_gpu: bool) -> tuple[float, float, bool]:
+    """(GEMMs us, glue us, whether the profiler saw a GEMM launch) of one point. The profiler records
+    no launch of DeepGEMM's JIT kernels (H100, torch 2.11, deep_gemm 2.5: only torch's kernels appear
+    in the GEMM steps): their time is then the layer's minus the glue's, an upper bound (the gaps
+    between launches are in it)."""
+    glue_us = sum(v for s, v in steps.items() if s not in GEMM_STAGES)
+    seen = not on_gpu or any(k["step"] in GEMM_STAGES and not TORCH_KERNEL.search(k["kernel"]) for k in kernels)
+    if seen:
+        return sum(steps.get(s, 0.0) for s in GEMM_STAGES), glue_us, True
+    return max(layer_us - glue_us, 0.0), glue_us, False
+
+
 def read_ceiling_gbps(dev: torch.device) -> float | None:
     """The measured read ceiling of this GPU (moebench env --calibrate's, measured now if missing)."""
     if dev.type != "cuda":
@@ -222,15 +240,15 @@ def run(a, tokens: list[int], dims_of: dict) -> None:
                     call()
                 layer_us = timed(call, reps=a.reps).median_us
                 steps, kern_list = profile_steps(call, 1 if a.smoke else a.calls, on_gpu)
-                gemm_us = sum(steps.get(s, 0.0) for s in GEMM_STAGES)
-                glue_us = sum(v for s, v in steps.items() if s not in GEMM_STAGES)
+                gemm_us, glue_us, seen = split_time(layer_us, steps, kern_list, on_gpu)
                 floor_glue = glue_bytes(m, k, h, inter, fp8) / (read_gbps * 1e3) if read_gbps else None
                 bound = gemm_us + floor_glue if floor_glue is not None else None
                 row = {"shape": shape, "tokens": m, "pair": label, "dtype": "fp8-block" if fp8 else "bf16",
-                       "layer_us": round(layer_us, 1), "kernels_us": round(gemm_us + glue_us, 1),
-                       "gemms_us": round(gemm_us, 1), "glue_us": round(glue_us, 1)}
+                       "layer_us": round(layer_us, 1), "kernels_us": round(glue_us + (gemm_us if seen else 0.0), 1),
+                       "gemms_us": round(gemm_us, 1), "gemms_from": "profiler" if seen else "layer - glue",
+                       "glue_us": round(glue_us, 1)}
                 for s in STAGES[ex] + ("other",):
-                    row[f"{s}_us"] = round(steps.get(s, 0.0), 1)
+                    row[f"{s}_us"] = None if s in GEMM_STAGES and not seen else round(steps.get(s, 0.0), 1)
                 row["glue_floor_us"] = round(floor_glue, 1) if floor_glue is not None else None
                 row["layer_over_bound"] = round(layer_us / bound, 3) if bound else None
                 row["target_met"] = (layer_us <= TARGET * bound) if bound else None
@@ -243,7 +261,8 @@ def run(a, tokens: list[int], dims_of: dict) -> None:
     df = pd.DataFrame(rows)
     pd.DataFrame(kernel_rows).to_csv(out_dir / "deepgemm_kernels.csv", index=False)
     note = (f"# {head}\n{'fp8 block 128x128' if fp8 else 'bf16'}; layer: CUDA-graph replays; steps: torch.profiler "
-            f"device time per call over {1 if a.smoke else a.calls} eager calls; glue_floor_us: the glue's least bytes over the read "
+            f"device time per call over {1 if a.smoke else a.calls} eager calls (gemms_from 'layer - glue': the "
+            "profiler saw no GEMM launch, their time is the layer's minus the glue's, an upper bound); glue_floor_us: the glue's least bytes over the read "
             f"ceiling ({read_gbps} GB/s); target: layer <= {TARGET} x (gemms + glue floor)")
     write_table(df, out_dir, "deepgemm_breakdown", note)
 

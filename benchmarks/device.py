@@ -578,21 +578,22 @@ def job_vendor(c: Ctx) -> None:
         return
     ll, ht, r = c.knob("TOKENS_LL", "1,16,64,128"), c.knob("TOKENS_HT", "128,1024,4096"), str(c.results)
     ep2 = ["--model", "deepseek-v3", "--ep", "2", "--world-size", "2", "--device", "cuda"]
-    # MPS=1: CUDA's multi-process service, so that the two ranks' kernels run at once on the one GPU
-    # instead of taking turns in time slices (a daemon of the user's; the card's settings stay as they are)
+    # MPS=1: CUDA's multi-process service for the normal-mode step (2c), so that the two ranks' kernels
+    # run at once on the one GPU instead of taking turns in time slices (a daemon of the user's; the
+    # card's settings stay as they are)
     mps = bool(c.knob("MPS")) and shutil.which("nvidia-cuda-mps-control") is not None
     sweep_s = float(c.knob("SWEEP_S", "200"))  # a two-rank sweep that hangs gives the call back
     if c.knob("MPS") and not mps:
         c.say("MPS=1 asked, but this machine has no nvidia-cuda-mps-control: the ranks take turns")
-    if mps:
-        c.step("MPS daemon on (nvidia-cuda-mps-control -d): the two ranks' kernels run at once")
-        mps = c.sh(["nvidia-cuda-mps-control", "-d"], tail=5) == 0
     c.step("(2a) DeepSeek-V3 EP2, two ranks on one GPU: deepep-ll vs all2all-ll, bf16")
     c.mb("sweep", *ep2, "--dtype", "bf16", "--tokens", ll, "--prepare-finalize", "deepep-ll,all2all-ll",
          "--experts", "batched-triton", "--out", r, tail=25, timeout=sweep_s)
     c.step("(2b) the same, fp8 block (DeepEP quantises in its dispatch)")
     c.mb("sweep", *ep2, "--tokens", ll, "--prepare-finalize", "deepep-ll,all2all-ll", "--experts", "batched-triton",
          "--out", r, tail=25, timeout=sweep_s)
+    if mps:  # normal mode only: under MPS, DeepEP low-latency's dispatch receive times out (H100, 2026-12-07)
+        c.step("MPS daemon on (nvidia-cuda-mps-control -d): the two ranks' kernels run at once")
+        mps = c.sh(["nvidia-cuda-mps-control", "-d"], tail=5) == 0
     c.step("(2c) DeepSeek-V3 EP2 prefill, two ranks on one GPU: deepep-ht vs allgather-rs, bf16")
     c.mb("sweep", *ep2, "--dtype", "bf16", "--tokens", ht, "--prepare-finalize", "deepep-ht,allgather-rs",
          "--experts", "triton", "--out", r, tail=25, timeout=sweep_s)

@@ -530,3 +530,18 @@ def test_deepgemm_padding_counts_the_alignment_rows(tmp_path):
     assert float(rows[0]["padding_x"]) > float(rows[1]["padding_x"])  # few rows per expert: mostly padding
     bad = _here("deepgemm_breakdown", "--padding", "--gpu", "nope", env={"OUT": str(tmp_path)})
     assert bad.returncode == 2 and "datasheet" in bad.stderr
+
+
+def test_deepgemm_breakdown_gemms_by_difference_when_the_profiler_misses_them():
+    """On a GPU, a GEMM step holding only torch's kernels (DeepGEMM's JIT launches unrecorded): the
+    GEMMs are the layer minus the glue and marked so; a DeepGEMM kernel in a GEMM step is taken as
+    profiled."""
+    from benchmarks.deepgemm_breakdown import split_time
+
+    steps = {"align": 20.0, "sum": 12.0, "gemm2": 0.1}
+    torch_only = [{"kernel": "void at::native::vectorized_elementwise_kernel<2>", "step": "gemm2"},
+                  {"kernel": "void at_cuda_detail::cub::DeviceScanKernel", "step": "align"}]
+    assert split_time(400.0, steps, torch_only, on_gpu=True) == (368.0, 32.0, False)
+    seen = torch_only + [{"kernel": "sm90_fp8_gemm_1d2d_impl<128, 128>", "step": "gemm1"}]
+    assert split_time(400.0, dict(steps, gemm1=300.0), seen, on_gpu=True) == (300.1, 32.0, True)
+    assert split_time(400.0, steps, [], on_gpu=False)[2]  # on a CPU the ranges' own time stands
