@@ -201,13 +201,14 @@ def _fit_refusal(spec: SweepSpec, world: int, gpn: int, gpu: str, mem: float, fi
 def plan_compare(spec: SweepSpec, world_size: int, *, experts_given: bool, target_gpu: str | None,
                  device_name: str | None, link_name: str | None = None, link_gbps: float | None = None,
                  gpus_per_node: int | None = None, rdma_name: str = "rdma-400g", context: int = DEFAULT_CONTEXT,
-                 overlap: str = "engine") -> ComparePlan:
+                 overlap: str = "engine", num_sms: int | None = None) -> ComparePlan:
     """Plan a comparison of `spec` over `world_size` ranks through the sweep's planner (one
     `sweep.plan_run` per candidate: mode, link, what runs here), and refuse (MoebenchError) what
     cannot run: a world the nodes do not divide, a shape no layout can shard, a target GPU without
     a datasheet or a link, a model no layout of which fits the GPUs, real-rank checks that do not
     fit this machine. On a CPU the experts time is the target GPU's floor (default
-    DEFAULT_TARGET_GPU); on a GPU it is measured unless `target_gpu`."""
+    DEFAULT_TARGET_GPU); on a GPU it is measured unless `target_gpu`. num_sms: the SMs DeepEP's
+    normal kernels run on in the EP rows' model (None: DeepEP's default)."""
     from moebench.sweep.driver import plan_run
 
     shape, device = spec.shape, spec.device
@@ -262,7 +263,7 @@ def plan_compare(spec: SweepSpec, world_size: int, *, experts_given: bool, targe
         try:
             run_plan = plan_run([simulated_spec(sp, experts_model)], simulate=True, device_name=measured_on,
                                 link_name=link_name, link_gbps=link_gbps, gpus_per_node=gpus_per_node,
-                                rdma_name=rdma_name, tp_across_nodes=True,
+                                rdma_name=rdma_name, tp_across_nodes=True, num_sms=num_sms,
                                 model_device=device_name if device == "cuda" and target_gpu is None else measured_on)
         except MoebenchError as e:  # e.g. no named experts backend takes this transport's format
             dropped[key] = str(e)

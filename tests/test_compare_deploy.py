@@ -252,3 +252,22 @@ def test_nvfp4_is_a_modeled_precision_of_blackwell_targets(tmp_path):
                                      "nvfp4", "--target-gpu", "H200", "--out", str(tmp_path / "no")), "4-bit tensor cores")
     assert_bad_input(moebench_inproc("sweep", "--num-experts", "8", "--topk", "2", "--hidden", "64", "--intermediate",
                                      "32", "--dtype", "nvfp4", "--out", str(tmp_path / "no")), "modeled precision")
+
+
+def test_num_sms_prices_deepep_normal_mode_in_compare_and_sweep(tmp_path):
+    """--num-sms reaches the model of compare's and a simulated sweep's EP rows: DeepEP normal mode
+    on more SMs moves its rows faster, the other transports stay; refused without a simulation."""
+    args = ("--model", "deepseek-v3", "--world-size", "8", "--tokens", "4096")
+    _, base, _ = _run(tmp_path, *args, name="base")
+    _, more, _ = _run(tmp_path, *args, "--num-sms", "64", name="more")
+    key = ["candidate", "tokens"]
+    base, more = base.set_index(key), more.set_index(key)
+    ht, ll = ("DP8+EP8 deepep-ht", 4096), ("DP8+EP8 deepep-ll", 4096)
+    assert more.loc[ht, "dispatch_us"] < base.loc[ht, "dispatch_us"]
+    assert more.loc[ll, "dispatch_us"] == pytest.approx(base.loc[ll, "dispatch_us"])
+    assert_bad_input(moebench_inproc("compare", "tp-vs-ep", *args, "--num-sms", "0", "--no-check", "--out",
+                                     str(tmp_path / "bad")), "--num-sms")
+    shape = ("--num-experts", "8", "--topk", "2", "--hidden", "64", "--intermediate", "32", "--tokens", "2")
+    assert_bad_input(moebench_inproc("sweep", *shape, "--num-sms", "64", "--out", str(tmp_path / "real")),
+                     "only apply to simulated runs")
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "real").exists()

@@ -52,7 +52,7 @@ def compare():
 @cluster_options
 def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype,
              block_shape, scales, group_size, zero_points, activation, routing, seed, out, experts, link_name, link_gbps,
-             target_gpu, no_check, plot_path, reps, shared, context, overlap, gpus_per_node, rdma_name):
+             target_gpu, no_check, plot_path, reps, shared, context, overlap, gpus_per_node, rdma_name, num_sms):
     """Every layout engines deploy over --world-size GPUs (TP, TP+EP, DP+EP per transport, EP x TP, TP across
     nodes): fit, batch held, breakdown, crossover, the answer and its launch flags."""
     from moebench.bench.hardware import device_summary
@@ -85,13 +85,14 @@ def tp_vs_ep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep,
         check_plot_file(plot_path)
     cmp = plan_compare(spec, world_size, experts_given=experts not in (None, "", "all"), target_gpu=target_gpu,
                        device_name=device_summary(device).get("name"), link_name=link_name, link_gbps=link_gbps,
-                       gpus_per_node=gpus_per_node, rdma_name=rdma_name, context=context, overlap=overlap)
+                       gpus_per_node=gpus_per_node, rdma_name=rdma_name, context=context, overlap=overlap,
+                       num_sms=num_sms)
     spec, link, link_why, experts_model = cmp.spec, cmp.link, cmp.link_why, cmp.experts_model
     gpus_per_node, check_ranks, dev_name = cmp.gpus_per_node, cmp.check_ranks, cmp.measured_on
     folder = ensure_writable_dir(out) / new_run_id("compare", shape.name)
     meta = {"command": "compare tp-vs-ep", "argv": sys.argv[1:], "shape": shape.to_dict(), "world_size": world_size,
             "tokens": tok, "dtype": spec.dtype_label, "quant": spec.quant_label, "device": device, "routing": routing,
-            "seed": seed,
+            "seed": seed, "num_sms": num_sms,
             "link": link.as_dict(), "link_why": link_why,
             "experts_model": None if experts_model is None else experts_model.as_dict(),
             "device_summary": device_summary(device)}

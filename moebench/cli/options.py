@@ -154,6 +154,9 @@ def cluster_options(f):
     f = click.option("--gpus-per-node", "gpus_per_node", type=int, default=None,
                      help="GPUs per NVLink domain [8; 72 for a GB200 NVL72 target]: past it EP traffic goes over "
                           "RDMA; TP stays inside it.")(f)
+    f = click.option("--num-sms", "num_sms", type=int, default=None,
+                     help="SMs DeepEP's normal kernels run on in the modeled EP rows [DeepEP's default, "
+                          "Buffer.num_sms = 20].")(f)
     return f
 
 

@@ -176,7 +176,8 @@ def models(as_json: bool):
 @cluster_options
 def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, world_size, device, dtype, block_shape,
           scales, group_size, zero_points, activation, routing, seed, out, experts, prepare_finalize, simulate, link_name,
-          link_gbps, target_gpu, formats, no_check, resume, reps, routings, show_skipped, shared, gpus_per_node, rdma_name):
+          link_gbps, target_gpu, formats, no_check, resume, reps, routings, show_skipped, shared, gpus_per_node, rdma_name,
+          num_sms):
     """Run every valid prepare/finalize x experts pair; check, time, and write results."""
     from moebench.backends import prepare_finalize_names
     from moebench.layout import ParallelLayout
@@ -229,7 +230,7 @@ def sweep(model, num_experts, topk, hidden, intermediate, tokens, tp, dp, ep, wo
     dev_name = device_summary(device).get("name") if device == "cuda" else None
     run_plan = plan_run(specs, simulate=simulate, world_size=world_size, ctx=ctx, device_name=dev_name,
                         link_name=link_name, link_gbps=link_gbps, gpus_per_node=gpus_per_node, rdma_name=rdma_name,
-                        target_gpu=target_gpu)
+                        target_gpu=target_gpu, num_sms=num_sms)
     mode, link, link_why = run_plan.mode, run_plan.link, run_plan.link_why
     if run_plan.notice:
         say(console, Text.assemble(("notice:", "yellow"), f" {run_plan.notice}"))

@@ -192,14 +192,15 @@ def simulation_link(device: str, device_name: str | None, link_name: str | None,
 def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int | None = None, ctx=None,
              device_name: str | None = None, link_name: str | None = None, link_gbps: float | None = None,
              gpus_per_node: int | None = None, rdma_name: str = "rdma-400g", target_gpu: str | None = None,
-             tp_across_nodes: bool = False, model_device: str | None = None) -> RunPlan:
+             tp_across_nodes: bool = False, model_device: str | None = None, num_sms: int | None = None) -> RunPlan:
     """Decide how `specs` (one per shared-experts form, one layout) run here, and refuse
     (MoebenchError) what cannot, before any folder exists: a fused shared MLP on real ranks, link
     options without a simulation, a world the nodes do not divide, a run that does not fit, a run
     none of whose pairs can run here. target_gpu: the GPU whose link a simulated run models
     (--target-gpu; default this machine's, on a CPU DEFAULT_TARGET_GPU). tp_across_nodes: a TP
     group may span nodes (its all-reduce over NVLink and RDMA: compare's TP16 on two nodes);
-    model_device: the GPU whose measured link fits stand in (default: the target's)."""
+    model_device: the GPU whose measured link fits stand in (default: the target's). num_sms: the
+    SMs DeepEP's normal kernels run on in the model (--num-sms; None: DeepEP's default)."""
     spec = specs[0]
     layout = spec.layout
     mode, notice = choose_mode(layout, spec.device, simulate, world_size, ctx)
@@ -207,6 +208,8 @@ def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int 
         raise MoebenchError("real ranks (--world-size / torchrun) run shared experts as a separate MLP, not fused into "
                             "the routed experts: use --shared-experts separate (or none), or add --simulate")
     run_plan = RunPlan(mode, notice)
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
+        raise MoebenchError(f"--num-sms must be a positive number of SMs, got {num_sms!r}")
     if mode == "simulate":
         gpn = gpus_per_node if gpus_per_node is not None else nvlink_domain(target_gpu or device_name or DEFAULT_TARGET_GPU)
         check_world(layout.world_size, gpn)
@@ -214,9 +217,9 @@ def plan_run(specs: list[SweepSpec], *, simulate: bool = False, world_size: int 
             check_tp(layout.moe_tp_size, gpn)
         run_plan.link, run_plan.link_why = simulation_link(spec.device, device_name, link_name, link_gbps, gpn,
                                                            rdma_name, model_device or target_gpu or device_name,
-                                                           requested_gpu=target_gpu)
-    elif link_gbps is not None or link_name or target_gpu:
-        raise MoebenchError("--link/--link-gbps/--target-gpu only apply to simulated runs (--simulate)")
+                                                           requested_gpu=target_gpu, num_sms=num_sms)
+    elif link_gbps is not None or link_name or target_gpu or num_sms is not None:
+        raise MoebenchError("--link/--link-gbps/--target-gpu/--num-sms only apply to simulated runs (--simulate)")
     check_fits_for(spec, mode)
     # what cannot run here is known now (a simulated run as it plans: every transport modeled)
     check_some_pair_runs([simulated_spec(sp) if mode == "simulate" and not sp.model_comm else sp for sp in specs])
