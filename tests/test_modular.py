@@ -12,7 +12,7 @@ from moebench.kernels.modular import (
     poisoned_outputs,
 )
 from moebench.backends import check_combination, make_kernel
-from moebench.kernels.token_layout import batched_slots, sort_by_expert
+from moebench.kernels.token_layout import batched_slots, local_topk_ids, sort_by_expert
 from moebench.correctness import TOLERANCE, relative_error
 
 PAIRS = [("torch", "no-dpep"), ("batched-torch", "batched-local"), ("reference", "no-dpep")]
@@ -61,7 +61,7 @@ def test_batched_torch_ignores_what_the_padding_rows_hold(dtype, monkeypatch):
     # NaN there must not reach a valid row (torch's CPU bf16 bmm carried it into its batch's rows)
     import moebench.dispatch.batched_local as bl
 
-    real = bl.scatter_to_batched
+    real = bl.batched_rows
 
     def scatter_over_nan(x, slot_map, num_local, max_tokens):
         buf = real(x, slot_map, num_local, max_tokens)
@@ -69,7 +69,7 @@ def test_batched_torch_ignores_what_the_padding_rows_hold(dtype, monkeypatch):
         pad = torch.arange(max_tokens) >= counts.unsqueeze(1)
         return torch.where(pad.unsqueeze(-1), torch.tensor(float("nan"), dtype=buf.dtype), buf)
 
-    monkeypatch.setattr(bl, "scatter_to_batched", scatter_over_nan)
+    monkeypatch.setattr(bl, "batched_rows", scatter_over_nan)
     check_pair("batched-torch", "batched-local", make_case(17, 6, 3, 50, 14, dtype))
 
 
@@ -143,6 +143,33 @@ def test_batched_slots_and_reduce():
     got = TopKWeightAndReduceBatched().apply(out, w, slot)
     exp = torch.stack([out[0, 0] + out[2, 0], 2 * out[2, 1], out[0, 1] + 0.5 * out[1, 0]])
     torch.testing.assert_close(got, exp)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_batched_layout_in_triton_is_the_torch_one(dtype):
+    # the batched layout's two Triton launches (rows into slots, the weighted sum back) against the
+    # torch forms: pairs on another rank copy and add nothing, padding rows (NaN here) are never read
+    from moebench.kernels.token_layout import scatter_to_batched
+    from moebench.kernels.triton.batched_layout import TopKWeightAndReduceBatchedTriton, batched_rows
+
+    g = torch.Generator().manual_seed(3)
+    m, k, e, h = 7, 3, 8, 40
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
+    emap = torch.full((e,), -1)
+    emap[2:7] = torch.arange(5)
+    slot, counts = batched_slots(local_topk_ids(ids, emap), 5, m)
+    assert (slot < 0).any()
+    x = torch.randn(m, h, generator=g).to(dtype)
+    got, want = batched_rows(x, slot, 5, m), scatter_to_batched(x, slot, 5, m)
+    for j, n in enumerate(counts.tolist()):
+        assert torch.equal(got[j, :n].view(torch.uint8), want[j, :n].view(torch.uint8))
+    out = torch.randn(5, m, h, generator=g).to(torch.bfloat16)
+    pad = torch.arange(m) >= counts.unsqueeze(1)
+    out[pad] = float("nan")
+    w = torch.rand(m, k, generator=g)
+    tri = TopKWeightAndReduceBatchedTriton().apply(out, w, slot)
+    assert torch.isfinite(tri.float()).all()
+    assert torch.equal(tri, TopKWeightAndReduceBatched().apply(out, w, slot))
 
 
 def test_sort_by_expert_positions():

@@ -34,7 +34,8 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceBatched,
     TopKWeightAndReduceContiguous,
 )
-from moebench.kernels.token_layout import batched_slots, scatter_to_batched
+from moebench.kernels.token_layout import batched_slots
+from moebench.kernels.triton.batched_layout import batched_rows
 from moebench.quant import pack_rows, unpack_rows
 from moebench.layout import ParallelLayout
 from moebench.runtime.distributed import all_to_all_single, group_rank_world
@@ -156,8 +157,8 @@ class AllToAllLLPrepareAndFinalize(PrepareAndFinalize):
         a_scale = None
         if quant is not None:
             recv_x, recv_scale = unpack_rows(recv_x, hidden)
-            a_scale = scatter_to_batched(recv_scale, slot_map, num_local_experts, cap)
-        a = scatter_to_batched(recv_x, slot_map, num_local_experts, cap)
+            a_scale = batched_rows(recv_scale, slot_map, num_local_experts, cap)
+        a = batched_rows(recv_x, slot_map, num_local_experts, cap)
         handle = All2AllHandle(
             order=order, send_counts=send_counts, recv_counts=recv_counts,
             recv_slots=slot_map.view(-1), num_tokens=m, topk=k,

@@ -1,6 +1,7 @@
 """`batched-local`: the BatchedExperts layout without communication (one process). Scatters each
 (token, k) pair into (E_local, M, H) and gathers back with the router weights on finalize, so
-BatchedExperts backends can run and be checked on a single rank."""
+BatchedExperts backends can run and be checked on a single rank; each half one Triton launch where
+Triton runs (moebench.kernels.triton.batched_layout)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from moebench.kernels.modular import (
     PrepareAndFinalize,
     PrepareResult,
     TopKWeightAndReduce,
-    TopKWeightAndReduceBatched,
 )
-from moebench.kernels.token_layout import batched_slots, local_topk_ids, scatter_to_batched
+from moebench.kernels.token_layout import batched_slots, local_topk_ids
+from moebench.kernels.triton.batched_layout import TopKWeightAndReduceBatchedTriton, batched_rows
 
 
 class BatchedLocalPrepareAndFinalize(PrepareAndFinalize):
@@ -24,7 +25,7 @@ class BatchedLocalPrepareAndFinalize(PrepareAndFinalize):
     communication = ()
 
     def default_weight_and_reduce(self) -> TopKWeightAndReduce:
-        return TopKWeightAndReduceBatched()
+        return TopKWeightAndReduceBatchedTriton()
 
     def prepare(self, x, topk_weights, topk_ids, num_experts, num_local_experts, expert_map, quant=None) -> PrepareResult:
         num_local = num_local_experts
@@ -32,8 +33,8 @@ class BatchedLocalPrepareAndFinalize(PrepareAndFinalize):
         local = local_topk_ids(topk_ids, expert_map)
         slot_map, counts = batched_slots(local, num_local, max_tokens)
         q, scale = maybe_quantize(x, quant)
-        a = scatter_to_batched(q, slot_map, num_local, max_tokens)
-        a_scale = None if scale is None else scatter_to_batched(scale.contiguous(), slot_map, num_local, max_tokens)
+        a = batched_rows(q, slot_map, num_local, max_tokens)
+        a_scale = None if scale is None else batched_rows(scale.contiguous(), slot_map, num_local, max_tokens)
         return PrepareResult(
             a=a, topk_ids=None, topk_weights=None, expert_num_tokens=counts,
             expert_map=expert_map, num_experts=num_experts, handle=slot_map, a_scale=a_scale, quant=quant.scheme if quant else None,

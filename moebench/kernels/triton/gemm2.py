@@ -155,16 +155,19 @@ def topk_sum_kernel(x_ptr, y_ptr, row_ptr, w_ptr, H, TOP_K: tl.constexpr, GATHER
                     BLOCK: tl.constexpr, EXACT: tl.constexpr):
     """One program per (token, column block): y[t, h] = sum_k w[t, k] * x[r(t, k), h] in fp32, cast to
     y's dtype (EXACT: rounded to nearest even also under the interpreter). r(t, k) = t * TOP_K + k, or
-    row_ptr[t * TOP_K + k] (GATHER); w = 1 unless WEIGHTED (w_ptr: (M*K,) fp32)."""
+    row_ptr[t * TOP_K + k] (GATHER; a negative row, a pair whose expert is on another rank, adds
+    nothing); w = 1 unless WEIGHTED (w_ptr: (M*K,) fp32)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in range(TOP_K):
         row = t * TOP_K + k
+        here = ok
         if GATHER:
             row = tl.load(row_ptr + row).to(tl.int64)
-        v = tl.load(x_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
+            here = ok & (offs * 0 + row >= 0)  # over the block: the interpreter broadcasts no scalar into a mask
+        v = tl.load(x_ptr + row * H + offs, mask=here, other=0.0).to(tl.float32)
         if WEIGHTED:
             v = v * tl.load(w_ptr + t * TOP_K + k)
         acc += v

@@ -79,7 +79,7 @@ def topk_sum(rows: torch.Tensor, out: torch.Tensor, topk: int, *, row_index: tor
              weights: torch.Tensor | None = None) -> torch.Tensor:
     """out (M, H) = the sum over K of each token's K rows of `rows` (R, H), in fp32 (both contiguous);
     returns out. The rows of token t are t*K .. t*K + K - 1 (R = M*K), or row_index[t*K + k] ((M*K,)
-    int, any R); weights (M, K): each row times its router weight first."""
+    int, any R; -1: no row, the pair adds nothing); weights (M, K): each row times its router weight first."""
     m, h = out.shape
     assert rows.shape[1] == h and rows.is_contiguous() and out.is_contiguous()
     assert row_index is not None or rows.shape[0] == m * topk
