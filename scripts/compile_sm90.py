@@ -8,7 +8,7 @@ machine, first. Prints one line per kernel variant; exit status 1 on the first f
 
     python scripts/compile_sm90.py                 # not under TRITON_INTERPRET=1
     python scripts/compile_sm90.py --ptx-hashes    # + a hash of each variant's PTX
-    python scripts/compile_sm90.py --sample        # the suite's run: 69 of the 110 variants (below)
+    python scripts/compile_sm90.py --sample        # the suite's run: 70 of the 111 variants (below)
 
 --sample (tests/test_triton_compile.py) builds each weight-only scheme at one of its two tiles and
 leaves out the variants whose every compile-time branch another variant of the sample builds: the
@@ -21,7 +21,7 @@ GEMM1's and GEMM2's, built with int4; int8 and mxfp4 build it in the batched ker
 block GEMM2 and the two-groups GEMM1 without token rows (built with them), the unquantised wide tiles
 (the wide walk as launched, below), the bf16 pair store (built with fp8 block), the bf16 TMA tiles
 (the TMA branch of both GEMMs built with fp8 block weights, GEMM2's bf16 tile as launched) and the
-second softmax top-k shape. The script without --sample builds all 110: run it before and after a
+second softmax top-k shape. The script without --sample builds all 111: run it before and after a
 kernel change.
 
 --ptx-hashes ends each line with a hash of the PTX without its debug information (line
@@ -69,6 +69,7 @@ import triton.language as tl  # noqa: E402
 
 from moebench.kernels.triton import align as A  # noqa: E402
 from moebench.kernels.triton import batched as B  # noqa: E402
+from moebench.kernels.triton import batched_layout as BL  # noqa: E402
 from moebench.kernels.triton import common as C  # noqa: E402
 from moebench.kernels.triton import gemm1 as G1  # noqa: E402
 from moebench.kernels.triton import gemm2 as G2  # noqa: E402
@@ -393,6 +394,8 @@ def main(argv: list[str]) -> int:
                 dict(srows, x_ptr="*fp8e4nv", xs_ptr="*fp8e4nv")))
     print(build(G1.sorted_rows_kernel, dict(TOPK=8, ROWS=32, BLOCK_H=256, ZERO_PAD=True),
                 dict(srows, x_ptr="*fp32", xs_ptr="*fp32")))
+    # the batched layout's rows into their slots (bytes: bf16 as two, fp8 as one)
+    print(build(BL.batched_rows_kernel, dict(TOP_K=8, BLOCK=1024), {"x_ptr": "*u8", "out_ptr": "*u8", "slot_ptr": "*i64"}))
     for q, out in ((True, "*fp8e4nv"), (False, "*bf16")):
         print(build(Q.silu_mul_rows_kernel, dict(QUANT=q, BLOCK_M=16, GROUP=128, EXACT=False),
                     {"gu_ptr": "*bf16", "q_ptr": out, "s_ptr": "*fp32", "limit_ptr": "*i32"}))

@@ -7,7 +7,7 @@ under programmatic dependent launch (griddepcontrol), with an expert map and in 
 layout, GEMM1's wide walk (fp8 block; the prefill tile as launched, also through TMA, A gathered
 or from the sorted copy: its weight box lands in shared memory by TMA), GEMM1 storing a per-tensor
 fp8 intermediate, GEMM2 storing per-pair rows (pair_store, fp8 block) and the top-k sum (also
-gathered and weighted), the deepgemm experts' row copy and SiLU-and-mul-quantise kernels, the fp8
+gathered and weighted), the deepgemm experts' row copy and SiLU-and-mul-quantise kernels, the batched layout's row copy, the fp8
 GEMMs with swapped operands (swap_ab: per-token and block scales, GEMM1 and GEMM2; GEMM1 also with
 two scale groups per K step), both fp8 block GEMMs with TMA weight tiles (GEMM1's paired walk,
 GEMM2), each weight-only scheme, the fp8 activation quantisation kernel (2 variants), the
@@ -33,12 +33,13 @@ def test_kernels_compile_for_hopper(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # really compile, never a cached cubin
     # --sample: each weight-only scheme at one of its two tiles, and none of the variants whose every
     # compile-time branch another variant builds (the script's docstring lists them; the full set,
-    # 110 variants, is the script without it: run it before and after a kernel change)
+    # 111 variants, is the script without it: run it before and after a kernel change)
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--sample"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 69 and all("cubin" in line for line in lines), res.stdout
+    assert len(lines) == 70 and all("cubin" in line for line in lines), res.stdout
+    assert sum(line.startswith("batched_rows_kernel:") for line in lines) == 1, res.stdout
     assert sum("quant_rows_kernel" in line for line in lines) == 2, res.stdout
     # deepgemm's glue: the top-k sum plain and gathered + weighted, sorted rows (fp8, fp32 scales),
     # SiLU-and-mul with and without the requantisation
