@@ -1,5 +1,7 @@
 """What the CLI prints and the reports it writes, end to end as a user runs it: a subprocess at 80
-columns with stdout a pipe (a log: nohup, CI, slurm), or a forced terminal where the test says so."""
+columns with stdout a pipe (a log: nohup, CI, slurm), or a forced terminal where the test says so;
+the other commands whose output is read run through the entry point in this process, at 80
+columns with stdout not a terminal (what a pipe gives)."""
 
 import json
 import os
@@ -27,6 +29,18 @@ def run_cli(*args, columns=80, tty=False, timeout=300):
         env.update(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1", TERM="xterm")
     res = subprocess.run([sys.executable, "-m", "moebench.cli", *map(str, args)], capture_output=True, text=True,
                          env=env, timeout=timeout)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    return res
+
+
+def run_here_at(*args, columns=80):
+    """As run_cli (stdout not a terminal: plain text, as in a log), through the entry point in this
+    process: the commands whose output a test reads, where being a process of its own is not the
+    point (the sweep fixture and the terminal test start one)."""
+    from moebench.cli.options import console
+
+    res = moebench_inproc(*map(str, args), env={"COLUMNS": str(columns)})
+    assert not console.is_terminal  # (a FORCE_COLOR or TTY_COMPATIBLE at import would make it one)
     assert res.returncode == 0, (res.stdout, res.stderr)
     return res
 
@@ -124,7 +138,7 @@ def test_default_sweep_fits_one_screen_and_counts_skipped(default_sweep):
 
 
 def test_show_skipped_lists_every_pair(tmp_path):
-    res = run_cli("sweep", *TINY, "--tokens", "1", *ALL, "--out", tmp_path, "--show-skipped")
+    res = run_here_at("sweep", *TINY, "--tokens", "1", *ALL, "--out", tmp_path, "--show-skipped")
     assert_fits(res.stdout)
     df = pd.read_csv(next(tmp_path.iterdir()) / "results.csv")
     skipped = df[df.status == "skipped"]
@@ -167,7 +181,7 @@ def test_report_keeps_shapes_and_routings_apart_and_finds_run_folders(tmp_path):
     # the run folders (their sweeps' output is not what this test reads: in this process)
     for args in (TINY, [("8" if a == "6" else a) for a in TINY], [*TINY, "--routing", "hot:0.5"]):  # E=6, E=8, hot
         assert moebench_inproc("sweep", *args, *one).returncode == 0
-    res = run_cli("report", results, "--out", tmp_path / "report.md")  # a folder of run folders
+    res = run_here_at("report", results, "--out", tmp_path / "report.md")  # a folder of run folders
     assert_fits(res.stdout)
     heads, rows = parse_table(res.stdout)
     assert heads[:3] == ["shape", "routing", "tokens"], heads
@@ -210,8 +224,8 @@ def test_series_labels_name_layout_link_and_precision_apart():
 # -- item 14: the breakdown adds up ----------------------------------------------------------------
 
 def test_breakdown_shows_the_remainder_as_other(tmp_path):
-    res = run_cli("sweep", *TINY, "--tokens", "1,3", "--tp", "2", "--world-size", "2", "--experts", "torch",
-                  "--prepare-finalize", "no-dpep", "--out", tmp_path, timeout=600)
+    res = run_here_at("sweep", *TINY, "--tokens", "1,3", "--tp", "2", "--world-size", "2", "--experts", "torch",
+                      "--prepare-finalize", "no-dpep", "--out", tmp_path)
     assert_fits(res.stdout)
     heads, rows = parse_table(res.stdout)
     unit = heads[heads.index(next(h for h in heads if h.startswith("latency")))].split()[-1]
@@ -237,10 +251,10 @@ def test_breakdown_shows_the_remainder_as_other(tmp_path):
 def ep_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
     shape = ["--num-experts", "8", "--topk", "2", "--hidden", "24", "--intermediate", "16", "--device", "cpu"]
-    sweep = run_cli("sweep", *shape, "--tokens", "2", "--ep", "2", "--experts", "torch,batched-torch",
-                    "--out", out / "sweep")
-    compare = run_cli("compare", "tp-vs-ep", *shape, "--tokens", "2,8", "--world-size", "2", "--no-check",
-                      "--experts", "torch,batched-torch", "--out", out / "compare", timeout=600)
+    sweep = run_here_at("sweep", *shape, "--tokens", "2", "--ep", "2", "--experts", "torch,batched-torch",
+                        "--out", out / "sweep")
+    compare = run_here_at("compare", "tp-vs-ep", *shape, "--tokens", "2,8", "--world-size", "2", "--no-check",
+                          "--experts", "torch,batched-torch", "--out", out / "compare")
     meta = {k: json.loads(next((out / k).iterdir()).joinpath("metadata.json").read_text()) for k in ("sweep", "compare")}
     return sweep, compare, meta
 
