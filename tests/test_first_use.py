@@ -35,8 +35,7 @@ def test_python_dash_m_moebench_runs_the_cli():
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert "qwen3-30b-a3b" in res.stdout
-    ver = subprocess.run([sys.executable, "-m", "moebench", "--version"], capture_output=True, text=True, env=_env(),
-                         timeout=120)
+    ver = moebench_inproc("--version")  # (the same entry point: in this process)
     assert ver.returncode == 0 and ver.stdout.startswith("moebench, version"), ver.stdout + ver.stderr
 
 
@@ -139,7 +138,7 @@ def test_refused_sweep_and_tune_leave_the_out_folder_unchanged(tmp_path):
 def test_retuning_keeps_the_tuned_files_permissions(tmp_path):
     import stat
 
-    args = ["tune", *TINY, "--device", "cpu", "--budget", "2", "--reps", "1", "--final-reps", "1",
+    args = ["tune", *TINY, "--device", "cpu", "--budget", "1", "--reps", "1", "--final-reps", "1",
             "--out", tmp_path / "cfg", "--results-dir", tmp_path / "res"]
     first = moebench_inproc(*args, "--tokens", "1")
     assert first.returncode == 0, first.stderr
@@ -203,10 +202,12 @@ def test_sigterm_to_a_two_rank_sweep_keeps_rows_and_says_how_to_resume(tmp_path)
 # -- tables fit their width; prose never breaks a path --------------------------------------------
 
 def _at_80(*args, cwd=None, **env):
-    """moebench *args in a subprocess writing to a log 80 columns wide (what a terminal of 80 and a
-    CI log get)."""
-    res = subprocess.run([sys.executable, "-m", "moebench", *map(str, args)], capture_output=True, text=True,
-                         cwd=cwd, env={**_env(), "COLUMNS": "80", **env}, timeout=300)
+    """moebench *args writing to a log 80 columns wide (what a terminal of 80 and a CI log get):
+    through the entry point in this process, stdout not a terminal (plain text, as in a pipe)."""
+    from moebench.cli.options import console
+
+    res = moebench_inproc(*map(str, args), cwd=cwd, env={"COLUMNS": "80", **env})
+    assert not console.is_terminal  # (a FORCE_COLOR or TTY_COMPATIBLE at import would make it one)
     assert res.returncode == 0, res.stderr
     return res.stdout
 
@@ -290,8 +291,7 @@ def test_other_is_never_negative_where_the_parts_add_up_to_more_than_the_layer(t
     rows[0].update(latency_us=1000.0, dispatch_us=400.0, experts_us=500.0, combine_us=300.0)
     rows[1].update(latency_us=1000.0, dispatch_us=200.0, experts_us=500.0, combine_us=200.0)
     (run / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    shown = subprocess.run([sys.executable, "-m", "moebench", "sweep", "--resume", str(run)], capture_output=True,
-                           text=True, env=_env(), timeout=300)  # nothing left to run: the table of the rows
+    shown = moebench_inproc("sweep", "--resume", str(run), env={"COLUMNS": "200"})  # nothing left to run: the table
     assert shown.returncode == 0, shown.stderr
     from test_output import parse_table
 
@@ -333,13 +333,12 @@ def test_config_json_runs_are_named_after_the_file_or_its_model_type(tmp_path):
 
 # -- tune --dry-run plans a tune on any machine ---------------------------------------------------
 
-def test_tune_dry_run_plans_on_a_cpu_for_the_cpu_and_for_a_gpu(tmp_path):
-    env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}  # a CPU user's shell
-
+def test_tune_dry_run_plans_on_a_cpu_for_the_cpu_and_for_a_gpu(tmp_path, monkeypatch):
     def tune(*args):
-        return subprocess.run([sys.executable, "-m", "moebench", "tune", "--model", "mixtral-8x7b", "--tp", "8",
-                               "--tokens", "1,64", "--dry-run", *args], capture_output=True, text=True, env=env,
-                              cwd=tmp_path, timeout=300)
+        with monkeypatch.context() as m:  # a CPU user's shell (in this process: a plan launches no kernel)
+            m.delenv("TRITON_INTERPRET", raising=False)
+            return moebench_inproc("tune", "--model", "mixtral-8x7b", "--tp", "8", "--tokens", "1,64", "--dry-run",
+                                   *args, cwd=tmp_path, env={"COLUMNS": "200"})
 
     results = [tune(), tune("--device", "cuda")]
     for res in results:
