@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +13,14 @@ import torch
 from test_cli import ROOT, assert_bad_input, moebench, moebench_inproc
 
 SHAPE = ["--num-experts", "64", "--topk", "4", "--hidden", "128", "--intermediate", "64"]
+
+
+def _benchmarks_here(*args):
+    """`python -m benchmarks ARGS` (the device scripts' runner) in this process, from the repository root."""
+    import benchmarks.__main__ as runner
+    from test_cli import run_here
+
+    return run_here(lambda: runner.main(list(args)), ["python -m benchmarks", *args], cwd=ROOT)
 
 
 def _summary(out_dir):
@@ -46,8 +52,7 @@ def test_compare_past_one_node(tmp_path):
         text = (run / "compare.md").read_text()
         assert ("wins" in text) or ("too close to call" in text)
         # the device script's table of flip factors reads the run folder
-        table = subprocess.run([sys.executable, "-m", "benchmarks", "flip_table", str(run)], cwd=ROOT,
-                               env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+        table = _benchmarks_here("flip_table", str(run))
         assert table.returncode == 0, table.stderr
         assert "| 32 |" in table.stdout and "| 1024 |" in table.stdout and "flip x runner-up" in table.stdout
     slow, fast = (summaries[k].set_index(["tokens", "candidate"]) for k in ("rdma-400g", "rdma-800g"))
