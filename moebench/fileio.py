@@ -84,8 +84,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def append_line(path: str | os.PathLike, line: str) -> None:
     """Append `line` (and a line end) to the file at `path`, flushed and fsynced. Whole or not at
-    all: a write cut short (a full disk) is cut off again, so the file keeps only whole lines; a
-    disk fault is a WriteError naming the file."""
+    all: a write cut short (a full disk, a signal) is cut off again, so the file keeps only whole
+    lines, and a line written whole stays when a signal lands after it (during the fsync); a disk
+    fault is a WriteError naming the file. `line_landed(path, line)` says which happened."""
     data = (line + "\n").encode()
     with writing(path):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -98,7 +99,22 @@ def append_line(path: str | os.PathLike, line: str) -> None:
                 os.fsync(fd)
             except BaseException:
                 with contextlib.suppress(OSError):
-                    os.ftruncate(fd, size)
+                    if os.fstat(fd).st_size != size + len(data):  # cut short: not a whole line
+                        os.ftruncate(fd, size)
                 raise
         finally:
             os.close(fd)
+
+
+def line_landed(path: str | os.PathLike, line: str) -> bool:
+    """Whether the file at `path` ends with `line` and its line end (after an append_line that raised)."""
+    data = (line + "\n").encode()
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() < len(data):
+                return False
+            f.seek(-len(data), os.SEEK_END)
+            return f.read() == data
+    except OSError:
+        return False

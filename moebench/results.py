@@ -28,7 +28,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from moebench.errors import MoebenchError, WriteError
-from moebench.fileio import append_line, writing
+from moebench.fileio import append_line, line_landed, writing
 from moebench.fileio import atomic_write_bytes, atomic_write_text, atomic_write_with  # noqa: F401  (re-exported)
 
 # The columns of design.md, in order; these names stay. Extra columns follow.
@@ -449,11 +449,13 @@ class RunStore:
         self._keys.add(row.key())
         if not self.write:
             return
+        line = json.dumps(row.as_dict(), default=str)
         try:  # whole lines only: a row cut short by a full disk is cut off again
-            append_line(self.path, json.dumps(row.as_dict(), default=str))
+            append_line(self.path, line)
         except BaseException:
-            self.rows.pop()
-            self._keys.discard(row.key())
+            if not line_landed(self.path, line):  # a signal after the whole line keeps the row
+                self.rows.pop()
+                self._keys.discard(row.key())
             raise
 
 

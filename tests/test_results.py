@@ -33,6 +33,37 @@ def test_rows_survive_a_crash_and_resume_skips_them(tmp_path):
     assert meta["command"] == "test" and "git_revision" in meta
 
 
+def test_ctrl_c_after_a_row_is_written_whole_keeps_it_and_during_its_write_drops_it(tmp_path, monkeypatch):
+    # Ctrl-C landing in the fsync after a whole line (a loaded machine: the signal waits there) keeps
+    # the finished row on disk and in the store; one landing mid-write leaves no torn line and no row
+    import moebench.fileio as fileio
+
+    store = RunStore(tmp_path / "run", metadata={"command": "test"})
+    store.add(_row(1))
+
+    def interrupted_fsync(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fileio.os, "fsync", interrupted_fsync)
+    with pytest.raises(KeyboardInterrupt):
+        store.add(_row(2))
+    monkeypatch.undo()
+    assert [r.tokens for r in store.rows] == [1, 2] and [r.tokens for r in RunStore(tmp_path / "run").rows] == [1, 2]
+    real_write = fileio.os.write
+
+    def half_then_interrupted(fd, data):
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fileio.os, "write", half_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.add(_row(3))
+    monkeypatch.undo()
+    assert [r.tokens for r in store.rows] == [1, 2]
+    assert (tmp_path / "run" / "rows.jsonl").read_bytes().endswith(b"}\n")
+    assert [r.tokens for r in RunStore(tmp_path / "run").rows] == [1, 2]
+
+
 def test_exports_have_the_design_columns_first(tmp_path):
     store = RunStore(tmp_path / "run")
     store.add(_row(1))
