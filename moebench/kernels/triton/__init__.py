@@ -7,6 +7,7 @@
     gemm2.py     the sorted-token layer's GEMM2 kernel and the top-k sum
     launch.py    their launchers (launch_gemm1, launch_gemm2, fused_moe_gemms, topk_sum, sorted_rows)
     batched.py   the batched (E_local, T, H) GEMM kernels
+    batched_layout.py  that layout built from (token, k) rows and reduced back, one launch each
     routing.py   softmax top-k routing in one launch
     quant.py     fp8 activation quantisation
     configs.py   tuned-config files (vLLM names), the lookup and the default heuristic
