@@ -1,5 +1,5 @@
 """The batched layout (E_local, T, H) built and reduced in two Triton launches, for the
-prepare/finalize that makes it on one rank (`batched-local`):
+prepare/finalizes that build it themselves (`batched-local`, `all2all-ll`):
 
     batched_rows   x (M, H) -> (E_local, T, H): each (token, k) pair's row copied into its slot
                    (slot_map, moebench.kernels.token_layout.batched_slots); rows past each
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from moebench.kernels.modular import TopKWeightAndReduceBatched
 from moebench.kernels.token_layout import scatter_to_batched
-from moebench.kernels.triton.env import interpreter_compat, interpreting
+from moebench.kernels.triton.env import interpreter_compat, triton_unavailable_reason
 from moebench.kernels.triton.launch import topk_sum
 
 BLOCK = 1024
@@ -38,8 +38,8 @@ def batched_rows_kernel(x_ptr, out_ptr, slot_ptr, H, TOP_K: tl.constexpr, BLOCK:
 
 
 def runs_triton(t: torch.Tensor) -> bool:
-    """Whether Triton runs on t's device here (a GPU, or the interpreter on a CPU)."""
-    return t.is_cuda or interpreting()
+    """Whether Triton runs on t's device here (env.triton_unavailable_reason)."""
+    return triton_unavailable_reason(t.device.type) is None
 
 
 def batched_rows(x: torch.Tensor, slot_map: torch.Tensor, num_local: int, max_tokens: int) -> torch.Tensor:
