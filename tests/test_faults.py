@@ -72,11 +72,16 @@ def _other_user_unavailable() -> str | None:
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            os._exit(0 if os.geteuid() == NOBODY else 1)
+            if os.geteuid() != NOBODY:
+                os._exit(1)
+            os._exit(0 if os.access(ROOT, os.R_OK | os.X_OK) else 2)  # the CLI runs from the checkout
         except BaseException:  # noqa: BLE001
             os._exit(1)
     _, status = os.waitpid(pid, 0)
-    return None if os.waitstatus_to_exitcode(status) == 0 else "cannot switch a child process to uid 65534"
+    code = os.waitstatus_to_exitcode(status)
+    if code == 2:
+        return f"uid 65534 cannot read this checkout ({ROOT}): a folder above it is closed to other users"
+    return None if code == 0 else "cannot switch a child process to uid 65534"
 
 
 class Disk:
