@@ -679,8 +679,10 @@ LAYER_POINTS = (
     ("deepseek-v3", ["--tp", "8", *FP8_BLOCK, "--shared-experts", "none", "--experts", "triton",
                      "--prepare-finalize", "no-dpep"]),
     ("qwen3-30b-a3b", ["--experts", "batched-triton", "--prepare-finalize", "batched-local"]),
+    ("deepseek-v3", ["--ep", "8", "--simulate", *FP8_BLOCK, "--shared-experts", "none", "--experts", "batched-triton",
+                     "--prepare-finalize", "batched-local"]),
 )
-POINT_KEYS = ["model", "tp", "experts", "dtype", "quant", "tokens"]
+POINT_KEYS = ["model", "tp", "ep", "experts", "dtype", "quant", "tokens"]
 
 
 def job_layer_times(c: Ctx) -> None:
@@ -695,9 +697,11 @@ def job_layer_times(c: Ctx) -> None:
     base = c.knob("BASE")
     trees = [("new", None)] + ([("base", str(Path(base).resolve()))] if base else [])
     rounds = int(c.knob("ROUNDS", "2" if base else "1"))
+    # POINTS=TEXT keeps the points whose model and flags contain TEXT (e.g. batched)
+    points = [(m, f) for m, f in LAYER_POINTS if c.knob("POINTS", "") in " ".join([m, *f])]
     for r in range(rounds):
         for label, root in (trees if r % 2 == 0 else trees[::-1]):
-            for model, flags in LAYER_POINTS:
+            for model, flags in points:
                 c.step(f"{label} round {r}: sweep {model} {' '.join(flags)}")
                 c.mb("sweep", "--model", model, *flags, "--tokens", c.knob("TOKENS", TOKENS6), "--routings", "4",
                      "--out", str(runs / label / f"r{r}"), "--format", "csv", tail=3, timeout=150,
@@ -831,7 +835,7 @@ JOBS = (
         "SWEEP_TOKENS TUNE SKIP_TESTS", job_sweeps),
     Job("layer_times", "1", "5 (x2 ROUNDS x2 trees with BASE)", "GPU tests, then the triton (and batched-triton) layer "
         "times at section 1's points through moebench sweep; with BASE=DIR (another tree's root) a same-run A/B "
-        "($OUT/layer_times.md: new / base per point)", "TOKENS BASE ROUNDS SKIP_TESTS TESTS_S", job_layer_times),
+        "($OUT/layer_times.md: new / base per point)", "TOKENS POINTS BASE ROUNDS SKIP_TESTS TESTS_S", job_layer_times),
 )
 BY_NAME = {j.name: j for j in JOBS}
 
