@@ -143,22 +143,26 @@ def test_layer_times_ab_table_pairs_the_trees(tmp_path):
     def write(tree, rnd, rows):
         d = tmp_path / tree / rnd / "run"
         d.mkdir(parents=True)
-        keys = ["model", "tp", "experts", "dtype", "quant", "tokens", "status", "modeled", "latency_us", "experts_us"]
+        keys = ["model", "tp", "ep", "experts", "dtype", "quant", "tokens", "status", "modeled", "latency_us",
+                "experts_us"]
         with open(d / "results.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(keys)
             w.writerows(rows)
 
-    write("new", "r0", [["m", 1, "triton", "bf16", "", 16, "ok", False, 10.0, ""],
-                        ["m", 8, "triton", "bf16", "", 16, "ok", True, 99.0, 4.0],
-                        ["m", 1, "triton", "bf16", "", 64, "failed", False, "", ""]])
-    write("new", "r1", [["m", 1, "triton", "bf16", "", 16, "ok", False, 12.0, ""]])
-    write("base", "r0", [["m", 1, "triton", "bf16", "", 16, "ok", False, 22.0, ""],
-                         ["m", 8, "triton", "bf16", "", 16, "ok", True, 50.0, 5.0]])
-    table = layer_times_table(tmp_path).set_index(["tp", "tokens"])
-    assert table.loc[(1, 16), "new"] == 11.0 and table.loc[(1, 16), "base"] == 22.0
-    assert table.loc[(1, 16), "new_over_base"] == 0.5 and table.loc[(8, 16), "new_over_base"] == 0.8
-    assert (1, 64) not in table.index
+    write("new", "r0", [["m", 1, 1, "triton", "bf16", "", 16, "ok", False, 10.0, ""],
+                        ["m", 8, 1, "triton", "bf16", "", 16, "ok", True, 99.0, 4.0],
+                        ["m", 1, 8, "triton", "bf16", "", 16, "ok", True, 99.0, 3.0],
+                        ["m", 1, 1, "triton", "bf16", "", 64, "failed", False, "", ""]])
+    write("new", "r1", [["m", 1, 1, "triton", "bf16", "", 16, "ok", False, 12.0, ""]])
+    write("base", "r0", [["m", 1, 1, "triton", "bf16", "", 16, "ok", False, 22.0, ""],
+                         ["m", 8, 1, "triton", "bf16", "", 16, "ok", True, 50.0, 5.0],
+                         ["m", 1, 8, "triton", "bf16", "", 16, "ok", True, 50.0, 6.0]])
+    table = layer_times_table(tmp_path).set_index(["tp", "ep", "tokens"])
+    assert table.loc[(1, 1, 16), "new"] == 11.0 and table.loc[(1, 1, 16), "base"] == 22.0
+    assert table.loc[(1, 1, 16), "new_over_base"] == 0.5 and table.loc[(8, 1, 16), "new_over_base"] == 0.8
+    assert table.loc[(1, 8, 16), "new_over_base"] == 0.5  # an EP shard is its own point
+    assert (1, 1, 64) not in table.index
     md = markdown(table.reset_index())
     assert md.splitlines()[0].endswith("| base | new | new_over_base |") and "| 22 | 11 | 0.5 |" in md
     assert layer_times_table(tmp_path / "none") is None
