@@ -47,7 +47,7 @@ def from_runs(folders: list[Path]) -> pd.DataFrame:
         meta = json.loads((folder / "metadata.json").read_text()) if (folder / "metadata.json").is_file() else {}
         gpu = (meta.get("device_summary") or {}).get("name") or meta.get("gpu") or ""
         date = str(meta.get("created", meta.get("started", "")))[:10]
-        revision = str(meta.get("git_revision", meta.get("revision", "")))[:10]
+        revision = str(meta.get("git_revision", meta.get("revision", "")))
         rows = pd.read_csv(folder / "results.csv")
         rows = rows[(rows.status == "ok") & rows.experts.isin(["triton", "batched-triton"]) & (rows.device == "cuda")]
         for r in rows.itertuples():
@@ -71,7 +71,8 @@ def from_runs(folders: list[Path]) -> pd.DataFrame:
                             precision=precision_key(r.dtype, "" if pd.isna(r.quant) else str(r.quant)),
                             tokens=int(r.tokens), rows_per_expert=rpe, experts_us=us, date=date, revision=revision,
                             source=f"{folder.name}"))
-    return pd.DataFrame(out, columns=COLUMNS)
+    # a simulated TP row comes once per modeled all-reduce, each with the same measured experts time
+    return pd.DataFrame(out, columns=COLUMNS).drop_duplicates(ignore_index=True)
 
 
 def main(argv: list[str]) -> int:

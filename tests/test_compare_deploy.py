@@ -201,7 +201,9 @@ def test_measured_kernel_tables_price_the_shards_they_cover(tmp_path):
     us, src = kernel_tables.lookup("H200", 256, 7168, 256, 8, "bf16", 2.5)
     assert us == pytest.approx(math.exp(math.log(a) + math.log(2.5 / 2) / math.log(3 / 2) * math.log(b / a)))
     assert "5eea1de" in src and "2026-12-03" in src
-    assert kernel_tables.lookup("H100", 256, 7168, 256, 8, "bf16", 2.5) is None  # another GPU
+    assert kernel_tables.lookup("B200", 256, 7168, 256, 8, "bf16", 2.5) is None  # a GPU without a table
+    us100, src100 = kernel_tables.lookup("H100", 256, 7168, 256, 8, "bf16", 2.5)  # the device job's H100 table
+    assert "h100-2026-12-07.csv" in src100 and us100 != us
     assert kernel_tables.lookup("H200", 256, 7168, 256, 8, "bf16", 1e6) is None  # past the measured range
     res, s, _ = _run(tmp_path, "--model", "deepseek-v3", "--world-size", "8", "--tokens", "64")
     by = s.set_index("candidate")
@@ -221,6 +223,12 @@ def test_the_kernel_times_job_makes_a_table_from_gpu_sweep_folders(tmp_path):
                             ep=1, world_size=1, prepare_finalize="no-dpep", experts="triton",
                             activation_format="Standard", dtype="bf16", device="cuda", routing="uniform",
                             latency_us=us, correct=True, status="ok"))
+    for allreduce in ("one-shot", "ring"):  # a simulated TP row per modeled all-reduce: one measured time
+        store.add(ResultRow(model="m", num_experts=8, topk=2, hidden=64, intermediate=32, tokens=32, tp=2, dp=1,
+                            ep=1, world_size=2, prepare_finalize="no-dpep", experts="triton",
+                            activation_format="Standard", dtype="bf16", device="cuda", routing="uniform",
+                            modeled=True, latency_us=90.0 if allreduce == "ring" else 70.0, experts_us=50.0,
+                            allreduce=allreduce, correct=True, status="ok"))
     store.close()
     from moebench.report import write_exports
 
@@ -228,7 +236,9 @@ def test_the_kernel_times_job_makes_a_table_from_gpu_sweep_folders(tmp_path):
     out = tmp_path / "t.csv"
     assert kernel_table.main([str(tmp_path / "run"), "--out", str(out)]) == 0
     t = pd.read_csv(out)
-    assert list(t.rows_per_expert) == [4.0, 16.0] and list(t.experts_us) == [40.0, 80.0]
+    t = t.sort_values("intermediate", ascending=False)
+    assert list(t.intermediate) == [32, 32, 16] and list(t.rows_per_expert) == [4.0, 16.0, 8.0]
+    assert list(t.experts_us) == [40.0, 80.0, 50.0]
     assert set(t.revision) == {"abc1234"} and set(t.date) == {"2026-12-07"} and set(t.gpu) == {"NVIDIA H200"}
     from benchmarks.device import JOBS
 
