@@ -4,8 +4,7 @@ them, per launch, beside the layer as the sweep times it.
     PYTHONPATH=. python -m benchmarks deepgemm_breakdown --shapes dsv3-tp8,dsv3-ep8 \
         --tokens 16,64,256,1024,4096 [--bf16] [--calls 10]
 
-For each shape, token count and pair (`no-dpep+deepgemm`, `batched-local+batched-deepgemm`, the latter
-also with `fused_act`: SiLU-and-mul and the requantisation in one launch):
+For each shape, token count and pair (`no-dpep+deepgemm`, `batched-local+batched-deepgemm`):
   - the layer as the sweep times it (CUDA-graph replays, `bench_common.timed`);
   - torch.profiler over --calls eager calls: every kernel's device time per call, each given to the
     adapter step (`moebench.kernels.deepgemm.STAGES`: the GEMMs, the alignment, gather, activation
@@ -53,8 +52,7 @@ from moebench.kernels.triton.routing import fused_topk_softmax
 
 #: (prepare/finalize, experts, experts' arguments, label): the pairs and the glue variants timed
 PAIRS = (("no-dpep", "deepgemm", {}, "no-dpep+deepgemm"),
-         ("batched-local", "batched-deepgemm", {}, "batched-local+batched-deepgemm"),
-         ("batched-local", "batched-deepgemm", {"fused_act": True}, "batched-local+batched-deepgemm fused-act"))
+         ("batched-local", "batched-deepgemm", {}, "batched-local+batched-deepgemm"))
 TARGET = 1.10
 #: a kernel of torch's own (elementwise, index, cub): never one of DeepGEMM's GEMMs
 TORCH_KERNEL = re.compile(r"\bat(_cuda_detail)?::")

@@ -128,14 +128,12 @@ CASES = [  # (experts, prepare/finalize, experts kwargs)
     ("deepgemm", "no-dpep", {"layout": "psum"}),
     ("deepgemm", "no-dpep", {"layout": "indices"}),
     ("batched-deepgemm", "batched-local", {}),
-    ("batched-deepgemm", "batched-local", {"fused_act": True}),
 ]
 
 
 @pytest.mark.parametrize("quant", [None, BLOCK], ids=["bf16", "fp8-block"])
 @pytest.mark.parametrize("ep", [False, True], ids=["all-local", "ep-shard"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2].get('layout', 'masked')}"
-                         + ("-fused-act" if c[2].get("fused_act") else ""))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2].get('layout', 'masked')}")
 @pytest.mark.parametrize("m", [1, 37, 128])
 def test_adapters_match_reference(monkeypatch, case, ep, quant, m):
     monkeypatch.setitem(__import__("sys").modules, "deep_gemm", fake_deep_gemm())

@@ -35,7 +35,8 @@ Outputs are bf16 only. The intermediate after SiLU-and-mul is rounded to bf16 an
 
 `deepgemm`'s glue around the two GEMMs is moebench's Triton kernels (the block alignment, the row
 gather, SiLU-and-mul with the requantisation, the weighted top-k sum): five launches besides
-DeepGEMM's two and a few small torch ones. The layout helpers (`grouped_layout`, `pair_rows`,
+DeepGEMM's two and a few small torch ones. `batched-deepgemm`'s SiLU-and-mul with the
+requantisation is the same launch over each expert's valid rows in place. The layout helpers (`grouped_layout`, `pair_rows`,
 `masked_rows`, `mn_major_scales`, ...) are plain torch, run on any device and hold no host
 synchronisation, so the adapters stay CUDA-graph capturable.
 deep_gemm is imported lazily; nothing else in moebench needs it.
@@ -50,7 +51,6 @@ import torch
 
 from moebench.activation import SILU
 from moebench.errors import MoebenchError, UnsupportedError
-from moebench.kernels.act_quant import maybe_quantize
 from moebench.kernels.modular import (
     ActivationFormat,
     Experts,
@@ -59,12 +59,11 @@ from moebench.kernels.modular import (
     TopKWeightAndReduceNoOp,
     alloc_output,
 )
-from moebench.kernels.reference import silu_and_mul
 from moebench.kernels.token_layout import local_topk_ids
 from moebench.kernels.triton.align import AlignResult, moe_align_block_size, pair_rows
 from moebench.kernels.triton.launch import sorted_rows, topk_sum
 from moebench.kernels.triton.quant import silu_mul_rows
-from moebench.quant import FP8_DTYPE, ActQuant, QuantScheme, QuantWeight, scheme_of
+from moebench.quant import FP8_DTYPE, QuantScheme, QuantWeight, scheme_of
 
 #: The only fp8 block DeepGEMM's sm90 grouped GEMMs take: 1 x 128 activation groups, 128 x 128
 #: weight blocks (its recipe (1, 128, 128)).
@@ -244,11 +243,6 @@ def _fp8_weights(w13, w2, name: str) -> tuple[QuantWeight, QuantWeight, QuantSch
     return w13, w2, scheme
 
 
-def _quantize(x: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of x -> fp8 rows and (rows, K/128) scales, as prepare quantises the layer input."""
-    return maybe_quantize(x, ActQuant(scheme))
-
-
 class _DeepGemmBackend(Experts):
     """What both DeepGEMM backends declare: bf16 activations and output, CUDA (Hopper), deep_gemm
     importable; fp8 with 128 x 128 block scales (prepare quantises the input, 1 x 128 groups)."""
@@ -363,12 +357,6 @@ class BatchedDeepGemmExperts(_DeepGemmBackend):
     name = "batched-deepgemm"
     activation_format = ActivationFormat.BATCHED
 
-    def __init__(self, fused_act: bool = False):
-        """fused_act: SiLU-and-mul with the requantisation in one Triton launch over each expert's
-        valid rows in place (`silu_mul_rows` on the (E, T', 2I) buffer), instead of gathering the
-        valid rows, computing in torch and scattering them back (several launches and fp32 copies)."""
-        self.fused_act = fused_act
-
     def weight_and_reduce(self):
         return TopKWeightAndReduceDelegate()
 
@@ -440,16 +428,8 @@ class BatchedDeepGemmExperts(_DeepGemmBackend):
             out = out_full[: e * t].view(e, t, h)
             y = out if tp == t else torch.empty((e + 1, tp, h), dtype=out_dtype, device=dev)[:e]
             act_scale = empty_mn_major((e + 1, tp, i // 128), dev) if fp8 else None
-            if self.fused_act:  # in place over each expert's first counts[e] rows
-                silu_mul_rows(gate_up[:e], counts, act_buf[:e], act_scale[:e] if fp8 else None)
-            else:
-                act = silu_and_mul(gate_up.view((e + 1) * tp, two_i).index_select(0, idx_p).float()).to(out_dtype)
-                if fp8:
-                    q, s = _quantize(act, scheme)
-                    _scatter_rows(act_buf.view((e + 1) * tp, i), idx_p, q)
-                    act_scale[idx_p // tp, idx_p % tp] = s
-                else:
-                    act_buf.view((e + 1) * tp, i).index_copy_(0, idx_p, act)
+            # one launch over each expert's first counts[e] rows: SiLU-and-mul, then the requantisation
+            silu_mul_rows(gate_up[:e], counts, act_buf[:e], act_scale[:e] if fp8 else None)
         with stage("gemm2"):
             if fp8:
                 dg.m_grouped_fp8_gemm_nt_masked((act_buf[:e], act_scale[:e]), (w2.q, w2.scale.contiguous()), y, counts,
