@@ -8,21 +8,30 @@ machine, first. Prints one line per kernel variant; exit status 1 on the first f
 
     python scripts/compile_sm90.py                 # not under TRITON_INTERPRET=1
     python scripts/compile_sm90.py --ptx-hashes    # + a hash of each variant's PTX
-    python scripts/compile_sm90.py --sample        # the suite's run: 70 of the 111 variants (below)
+    python scripts/compile_sm90.py --sample        # the suite's run: 51 of the 111 variants (below)
 
 --sample (tests/test_triton_compile.py) builds each weight-only scheme at one of its two tiles and
-leaves out the variants whose every compile-time branch another variant of the sample builds: the
-unquantised decode tile of the first four-kernel group (GEMM1 and GEMM2 at that tile build with
-MAPPED / TOKEN_ROWS, the batched pair's 16-row bf16 dots with the int8 decode tile), that group's
-per-token GEMM1 (built quantising its intermediate, QUANT_OUT) and block GEMM2 (built storing pair
-rows), GEMM1 zeroing alone and both GEMMs' PDL alone (the TOKEN_ROWS GEMM1 zeroes and waits, the
-MAPPED GEMM2 reads its expert from L2 under PDL), the batched pair with int4 (its dequantisation is
-GEMM1's and GEMM2's, built with int4; int8 and mxfp4 build it in the batched kernels), the swapped
-block GEMM2 and the two-groups GEMM1 without token rows (built with them), the unquantised wide tiles
-(the wide walk as launched, below), the bf16 pair store (built with fp8 block), the bf16 TMA tiles
-(the TMA branch of both GEMMs built with fp8 block weights, GEMM2's bf16 tile as launched) and the
-second softmax top-k shape. The script without --sample builds all 111: run it before and after a
-kernel change.
+leaves out the variants whose every compile-time branch (each `if` on a constexpr, in the kernel or
+in a @triton.jit helper it calls) and every kind of TTGIR operation (dots by operand types) another
+variant of the sample builds in the same kernel or helper: the unquantised decode tile of the first
+four-kernel group (GEMM1 and GEMM2 at that tile build with MAPPED / TOKEN_ROWS, the batched pair's
+16-row bf16 dots with the int8 decode tile), that group's mid-size GEMM2 and batched GEMM2 (the
+per-token and MAPPED GEMM2s, the quantised batched GEMM2s build their branches), its per-token and
+block GEMM1s (built quantising the intermediate, QUANT_OUT, and with block weights by TMA), GEMM1
+zeroing alone and both GEMMs' PDL alone (the TOKEN_ROWS GEMM1 zeroes and waits, the MAPPED GEMM2
+reads its expert from L2 under PDL), the MAPPED GEMM1 and the TOKEN_ROWS GEMM2 (each builds its
+branches in the other GEMM's variant: the block-expert and token-rows helpers are shared), each
+weight-only scheme in only the kernels that take a branch of its own (the dequantisation is one
+helper, wq_load: int8 in the batched GEMM2, int4 in GEMM2, int4 with zero points in both GEMM1
+walks, mxfp4 in the wide GEMM1, GEMM2 and the batched GEMM2, and as launched in the paired GEMM1;
+the batched pair with int4 is not built), gpt-oss's paired GEMM1 (its interleaved rows, swigluoai
+and biases are gate-up helpers its batched GEMM1 builds), the swapped GEMM1s with one scale group
+per step (the two-groups one builds the swapped branches; its static_range of K_GROUPS steps is no
+`if`, so it stays), the swapped block GEMM2 and the two-groups GEMM1 without token rows, the fp8
+block GEMM2 through TMA (GEMM2's TMA branch is the as-launched one's), the unquantised wide tiles
+(the wide walk as launched, below), the bf16 pair store (built with fp8 block), the bf16 TMA tiles,
+the vllm-triton GEMM at plain bf16 (its branches build in the other four) and the second softmax
+top-k shape. The script without --sample builds all 111: run it before and after a kernel change.
 
 --ptx-hashes ends each line with a hash of the PTX without its debug information (line
 locations, their labels) and without the kernel's own name and parameter declarations: the entry
@@ -214,12 +223,15 @@ def main(argv: list[str]) -> int:
         # and read as fp8 (after the activation quantisation) by GEMM2.
         p1 = dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv") if fp8 else std_ptrs
         p2 = dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv") if fp8 else std_ptrs
-        if not (sample and quant["QUANT"] == 1):
+        # (--sample: GEMM1 unquantised, GEMM2 per-token, the batched GEMM2 quantised)
+        if not (sample and fp8):
             print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)), p1, ("w13_desc", "x_desc")))
-        if not (sample and quant["QUANT"] == 2):
+        if not (sample and quant["QUANT"] != 1):
             print(build(G2.gemm2_weighted_sum_kernel, c, p2, ("w2_desc",)))
         for name, fp8_ptrs in (("batched_silu_mul_gemm1_kernel", ("a_ptr", "w13_ptr")),
                                ("batched_gemm2_kernel", ("inter_ptr", "w2_ptr"))):
+            if sample and name == "batched_gemm2_kernel" and not fp8:
+                continue
             jit = getattr(B, name)
             params = arg_names(jit)
             ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16")
@@ -236,18 +248,26 @@ def main(argv: list[str]) -> int:
                    (dict(WQ=2, WQ_GROUP=128, WQ_ZP=True, WQ_PACK=2), "*u8", "*bf16"),
                    (dict(WQ=3, WQ_GROUP=32, WQ_ZP=False, WQ_PACK=2), "*u8", "*u8")]
     wq_tiles = ((16, 64, 128), (64, 128, 64))
+    # --sample: the kernels each scheme is built in (its dequantisation is one helper, wq_load, in all)
+    wq_sample = ({"batched_gemm2_kernel"}, {"gemm2"}, {"gemm1_paired", "gemm1_wide"},
+                 {"gemm1_wide", "gemm2", "batched_gemm2_kernel"})
     for i, (wq, wtype, stype) in enumerate(wq_variants):
+        built = (lambda k: True) if not sample else wq_sample[i].__contains__
         for bm, bn, bk in (wq_tiles[i % 2],) if sample else wq_tiles:
             c = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, TOPK=8, EVEN_K=False,
                      UPCAST=False, IEEE_DOT=False, USE_TMA=False, **no_quant, **wq)
             wp = dict(std_ptrs, w13_ptr=wtype, w2_ptr=wtype, w_scale_ptr=stype, wz_ptr="*u8")
             for wide in (False, True):
-                print(build(*gemm1(dict(c, ZERO_OUT=True, WIDE=wide)),
-                                     dict(wp, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
-            print(build(G2.gemm2_weighted_sum_kernel, c, wp, ("w2_desc",)))
+                if built("gemm1_wide" if wide else "gemm1_paired"):
+                    print(build(*gemm1(dict(c, ZERO_OUT=True, WIDE=wide)),
+                                dict(wp, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+            if built("gemm2"):
+                print(build(G2.gemm2_weighted_sum_kernel, c, wp, ("w2_desc",)))
             if sample and wq["WQ"] == 2:
                 continue
             for name in ("batched_silu_mul_gemm1_kernel", "batched_gemm2_kernel"):
+                if not built(name):
+                    continue
                 jit = getattr(B, name)
                 params = arg_names(jit)
                 ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16")
@@ -261,7 +281,8 @@ def main(argv: list[str]) -> int:
              IEEE_DOT=False, USE_TMA=False, ZERO_OUT=True, WIDE=False, ACTIVATION=2, HAS_BIAS=True, INTERLEAVED=True,
              **no_quant, **wq_variants[-1][0])
     wp = dict(std_ptrs, w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8", zero_ptr="*fp32", b13_ptr="*bf16")
-    print(build(*gemm1(c), wp, ("w13_desc", "x_desc")))
+    if not sample:
+        print(build(*gemm1(c), wp, ("w13_desc", "x_desc")))
     params = arg_names(B.batched_silu_mul_gemm1_kernel)
     ptrs = {p: ("*i32" if "num_tokens" in p else "*fp32" if "scale" in p else "*bf16") for p in params if p.endswith("_ptr")}
     ptrs.update(w13_ptr="*u8", w_scale_ptr="*u8", wz_ptr="*u8")
@@ -279,13 +300,15 @@ def main(argv: list[str]) -> int:
         print(build(*gemm1(dict(c, PDL=True)), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
         print(build(G2.gemm2_weighted_sum_kernel, c2, std_ptrs, ("w2_desc",)))
     # a direct alignment under EP: both GEMMs map their block's global expert id (MAPPED)
-    print(build(*gemm1(dict(c, MAPPED=True)), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
+    if not sample:
+        print(build(*gemm1(dict(c, MAPPED=True)), dict(std_ptrs, zero_ptr="*fp32"), ("w13_desc", "x_desc")))
     print(build(G2.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True), std_ptrs, ("w2_desc",)))
     # the token-rows layout (decode: each program finds its expert's tokens in topk_ids), under EP
     # and PDL; and with fp8 block scales on the swapped 16 x 128 tile, two groups per step in GEMM1
     print(build(*gemm1(dict(c, PDL=True, MAPPED=True, TOKEN_ROWS=True)), dict(std_ptrs, zero_ptr="*fp32"),
                 ("w13_desc", "x_desc")))
-    print(build(G2.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True, TOKEN_ROWS=True), std_ptrs, ("w2_desc",)))
+    if not sample:
+        print(build(G2.gemm2_weighted_sum_kernel, dict(c2, MAPPED=True, TOKEN_ROWS=True), std_ptrs, ("w2_desc",)))
     cq = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True, UPCAST=False,
               IEEE_DOT=False, USE_TMA=False, SWAP_AB=True, QUANT=2, GROUP_N=128, GROUP_K=128, PDL=True, TOKEN_ROWS=True)
     print(build(*gemm1(dict(cq, ZERO_OUT=True, WIDE=False, K_GROUPS=2)),
@@ -312,8 +335,9 @@ def main(argv: list[str]) -> int:
     for quant, bn in ((dict(QUANT=1, GROUP_N=1, GROUP_K=1), 64), (dict(QUANT=2, GROUP_N=128, GROUP_K=128), 128)):
         c = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128, GROUP_SIZE_M=16, TOPK=8, EVEN_K=True,
                  UPCAST=False, IEEE_DOT=False, USE_TMA=False, SWAP_AB=True, **quant)
-        print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)),
-                    dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
+        if not sample:
+            print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)),
+                        dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv"), ("w13_desc", "x_desc")))
         if not (sample and quant["QUANT"] == 2):
             print(build(G2.gemm2_weighted_sum_kernel, c, dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv"),
                         ("w2_desc",)))
@@ -342,8 +366,9 @@ def main(argv: list[str]) -> int:
     print(build(*gemm1(dict(c, ZERO_OUT=False, WIDE=False)),
                 dict(std_ptrs, x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv", w13_desc="tensordesc<fp8e4nv[128, 128]>"),
                 ("x_desc",)))
-    print(build(G2.gemm2_weighted_sum_kernel, c,
-                dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv", w2_desc="tensordesc<fp8e4nv[128, 128]>")))
+    if not sample:
+        print(build(G2.gemm2_weighted_sum_kernel, c,
+                    dict(std_ptrs, inter_ptr="*fp8e4nv", w2_ptr="*fp8e4nv", w2_desc="tensordesc<fp8e4nv[128, 128]>")))
     # The activation quantisation of the fp8 path: block groups (one chunk) and per-token rows
     # (looped chunks), dynamic scales, rows limited on the device.
     qptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "limit_ptr": "*i32"}
@@ -381,7 +406,8 @@ def main(argv: list[str]) -> int:
     fp8_block = dict(FP8_BLOCK=True, GROUP_N=128, GROUP_K=128, BLOCK_SIZE_N=128)
     for consts, ptrs in ((vbase, vptrs), (dict(vbase, MUL_WEIGHT=True), vptrs), (dict(vbase, PER_PAIR=True), vptrs),
                          (dict(vbase, **fp8_block), vfp8), (dict(vbase, **fp8_block, SWAP_AB=True), vfp8)):
-        print(build(V.vllm_moe_gemm_kernel, consts, ptrs))
+        if not (sample and consts is vbase):
+            print(build(V.vllm_moe_gemm_kernel, consts, ptrs))
     print(build(V.silu_and_mul_kernel, dict(BLOCK=1024), {"x_ptr": "*bf16", "y_ptr": "*bf16"}))
     tsum = {"x_ptr": "*bf16", "y_ptr": "*bf16", "row_ptr": "*bf16", "w_ptr": "*bf16"}
     print(build(G2.topk_sum_kernel, dict(TOP_K=8, GATHER=False, WEIGHTED=False, BLOCK=1024, EXACT=False), tsum))
