@@ -61,6 +61,10 @@ H, I, E, K = 72, 40, 20, 4
 CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+#: One program along each GEMM's N (GEMM1's 64 gate + 64 up columns >= I, GEMM2's 128 >= H), for
+#: the tests whose subject is a rule that picks a path, or the config lookup, not the tiling: the
+#: interpreter's time goes with the programs run. The tests of each path run CFG's two N tiles.
+ONE_TILE = dict(CFG, BLOCK_SIZE_N=128)
 #: Forces the alignment's two-launch kernels at any pair count.
 TWO_LAUNCHES = TritonOptions(one_launch_max_pairs=0)
 
@@ -449,7 +453,7 @@ def test_triton_direct_align_auto_rule(dtype, monkeypatch):
         w13, w2 = _weights(e_local, dtype)
         x = _x(m, dtype)
         tw, ti = _routing(m, e_global, K)
-        out = _run("triton", "no-dpep", x, w13, w2, tw, ti, emap, e_global, config=CFG)
+        out = _run("triton", "no-dpep", x, w13, w2, tw, ti, emap, e_global, config=ONE_TILE)
         assert calls == want, (m, e_local)
         assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti, emap)) < TOL[dtype]
 
@@ -521,7 +525,7 @@ def test_triton_token_rows_auto_rule(monkeypatch):
         w13, w2 = _weights(e, dtype)
         x = _x(m, dtype)
         tw, ti = _routing(m, e, K)
-        out = fused_moe(x, w13, w2, tw, ti, None, e, dict(CFG, BLOCK_SIZE_M=bm), 1, options=opts)
+        out = fused_moe(x, w13, w2, tw, ti, None, e, dict(ONE_TILE, BLOCK_SIZE_M=bm), 1, options=opts)
         assert calls == want, (e, m, bm, opts)
         assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[dtype], (e, m, bm)
     assert wants_token_rows(TritonOptions(), 8, K, 8, 8, 16)
@@ -554,7 +558,7 @@ def test_fp32_output_is_the_accumulator():
     tw, ti = _routing(5, E, K)
     align = moe_align_block_size(ti, 16, E)
     out = torch.full((5, H), float("nan"), device=DEV)
-    got = fused_moe_gemms(x, w13, w2, tw, align, K, plan_layer(None, x, w13, w2, align, K, CFG), out=out)
+    got = fused_moe_gemms(x, w13, w2, tw, align, K, plan_layer(None, x, w13, w2, align, K, ONE_TILE), out=out)
     assert got is out
     assert rel_err(out, moebench.reference_moe(x, w13, w2, tw, ti)) < TOL[torch.float32]
 
@@ -631,12 +635,14 @@ def test_topk_sum_gathers_and_weights():
     torch.testing.assert_close(unweighted, rows.float()[idx.long()].sum(1), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("use_map", [False, True], ids=["all-local", "expert-map"])
+@pytest.mark.parametrize("dtype,use_map", [(torch.bfloat16, False), (torch.float32, True)],
+                         ids=["bf16-all-local", "fp32-expert-map"])
 def test_pair_store_matches_reference(dtype, use_map):
     # GEMM2 stores each pair's row and topk_sum adds them (no atomics, no zeroing by GEMM1): the
     # reference, with blocks of every fill level; under an expert map the remote pairs' rows are
-    # zeros. The atomic path gives the same result within the dtype's rounding.
+    # zeros. The atomic path gives the same result within the dtype's rounding. Each dtype's rows
+    # (bf16 rows, rounded by topk_sum; fp32 rows) once, and each of the two row buffers (all local:
+    # every row written, left unset; a map: zeroed first) once: the two choices are independent.
     bm, e = 32, 10
     tw, ti = _uneven_routing(3 * bm, e, {0: bm + bm // 4, 1: bm // 2, 2: 0})
     emap = random_expert_map(e, 6, DEV) if use_map else None
@@ -652,19 +658,20 @@ def test_pair_store_matches_reference(dtype, use_map):
 
 def test_pair_store_auto_and_its_split_k():
     # "auto" takes the pair store where the thresholds say (here: any shape, all local); with it
-    # forced, split_k=None means one K split and an explicit split raises
-    dtype = torch.bfloat16
-    tw, ti = _routing(24, E, K)
-    w13, w2 = _weights(E, dtype)
+    # forced, split_k=None means one K split and an explicit split raises (8 experts: the rule and
+    # the forced choice are the subject, the pair store's GEMMs are test_pair_store_matches_reference's)
+    dtype, e = torch.bfloat16, 8
+    tw, ti = _routing(24, e, K)
+    w13, w2 = _weights(e, dtype)
     x = _x(24, dtype)
     ref = moebench.reference_moe(x, w13, w2, tw, ti)
     auto = TritonOptions(pair_store_min_rows=1)
-    assert resolve_pair_store(auto, I, 24 * K / E, False, 1)
-    assert rel_err(fused_moe(x, w13, w2, tw, ti, None, E, CFG, 1, options=auto), ref) < TOL[dtype]
+    assert resolve_pair_store(auto, I, 24 * K / e, False, 1)
+    assert rel_err(fused_moe(x, w13, w2, tw, ti, None, e, ONE_TILE, 1, options=auto), ref) < TOL[dtype]
     forced = TritonOptions(pair_store=True)
-    assert rel_err(fused_moe(x, w13, w2, tw, ti, None, E, CFG, options=forced), ref) < TOL[dtype]
+    assert rel_err(fused_moe(x, w13, w2, tw, ti, None, e, ONE_TILE, options=forced), ref) < TOL[dtype]
     with pytest.raises(MoebenchError, match="pair_store"):
-        fused_moe(x, w13, w2, tw, ti, None, E, CFG, 2, options=forced)
+        fused_moe(x, w13, w2, tw, ti, None, e, ONE_TILE, 2, options=forced)
 
 
 def test_sorted_rows_copies_x_in_sorted_order():
@@ -694,26 +701,26 @@ def test_gemm2_with_its_own_config_matches_reference(tmp_path, monkeypatch):
     # GEMM2 with other N/K/warps/stages than GEMM1 (same BLOCK_SIZE_M), explicit and from a
     # `_down.json` file next to GEMM1's; USE_TMA in the entry switches GEMM2's w2 loads to TMA
     # (GEMM1's 16-row tiles load theirs by pointer).
-    m, dtype = 9, torch.bfloat16
-    w13, w2 = _weights(E, dtype)
-    tw, ti = _routing(m, E, K)
+    m, dtype, e = 9, torch.bfloat16, 8  # 8 experts: GEMM2's own config is the subject, not the layer's size
+    w13, w2 = _weights(e, dtype)
+    tw, ti = _routing(m, e, K)
     x = _x(m, dtype)
     ref = moebench.reference_moe(x, w13, w2, tw, ti)
     down = dict(CFG, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, num_stages=3)
-    out = fused_moe(x, w13, w2, tw, ti, num_experts=E, config=CFG, down_config=dict(down, USE_TMA=True))
+    out = fused_moe(x, w13, w2, tw, ti, num_experts=e, config=CFG, down_config=dict(down, USE_TMA=True))
     assert rel_err(out, ref) < TOL[dtype]
     with pytest.raises(MoebenchError, match="share one alignment"):
-        fused_moe(x, w13, w2, tw, ti, num_experts=E, config=CFG, down_config=dict(down, BLOCK_SIZE_M=32))
+        fused_moe(x, w13, w2, tw, ti, num_experts=e, config=CFG, down_config=dict(down, BLOCK_SIZE_M=32))
     with pytest.raises(MoebenchError, match="BLOCK_SIZE_M must equal"):
         TritonExperts(config=CFG, down_config=dict(down, BLOCK_SIZE_M=32))
     # the lookup: GEMM1's file and GEMM2's `_down` file in $MOEBENCH_CONFIG_DIR (this device's name)
     monkeypatch.setenv(TF.ENV_CONFIG_DIR, str(tmp_path))
     monkeypatch.chdir(tmp_path)
     dev = TF.device_name(w2.device)
-    TF.write_config_file(tmp_path / TF.config_file_name(E, I, dev), {1: CFG})
-    TF.write_config_file(tmp_path / TF.config_file_name(E, I, dev, down=True), {1: dict(down, USE_TMA=False)})
+    TF.write_config_file(tmp_path / TF.config_file_name(e, I, dev), {1: CFG})
+    TF.write_config_file(tmp_path / TF.config_file_name(e, I, dev, down=True), {1: dict(down, USE_TMA=False)})
     kernel = moebench.make_kernel("triton", "no-dpep")
-    out = kernel.apply(x, w13, w2, tw, ti, num_experts=E)
+    out = kernel.apply(x, w13, w2, tw, ti, num_experts=e)
     assert rel_err(out, ref) < TOL[dtype]
     src = kernel.experts.last_config_source
     assert src.startswith(str(tmp_path)) and "; GEMM2: " in src and src.endswith("_down.json[1]")
@@ -813,12 +820,12 @@ def test_apply_looks_nothing_up_after_the_first_call(tmp_path, monkeypatch, expe
     # config folder, and runs with the same tuned entry.
     monkeypatch.setenv(TF.ENV_CONFIG_DIR, str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    dtype, m = torch.float32, 6
-    w13, w2 = _weights(E, dtype)
-    tw, ti = _routing(m, E, K)
+    dtype, m, e = torch.float32, 6, 8  # 8 experts: the lookup is the subject, not the layer's size
+    w13, w2 = _weights(e, dtype)
+    tw, ti = _routing(m, e, K)
     x = _x(m, dtype)
     ref = moebench.reference_moe(x, w13, w2, tw, ti)
-    path = TF.write_config_file(tmp_path / TF.config_file_name(E, I, TF.device_name(DEV)), {4: CFG})
+    path = TF.write_config_file(tmp_path / TF.config_file_name(e, I, TF.device_name(DEV)), {4: ONE_TILE})
     kernel = moebench.make_kernel(experts, pf)
     with poisoned_outputs():
         kernel.apply(x, w13, w2, tw, ti)
