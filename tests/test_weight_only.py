@@ -53,8 +53,11 @@ SCHEMES = {
 #: partial group; H = 201 is odd too (the packed layout pads it).
 E, TOPK, H, I = 4, 2, 200, 72
 #: BLOCK_SIZE_K below the group (one scale column per tile) and above it (one per K index).
-CFG_SMALL_K = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
-CFG_BIG_K = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=256, GROUP_SIZE_M=4, num_warps=4, num_stages=2)
+#: BLOCK_SIZE_N 128: two programs along each GEMM's N, the last one partial (GEMM1: 64 gate + 64 up
+#: columns of I = 72; GEMM2: 128 of H = 200), fewer than 64-wide tiles make (the interpreter's time
+#: goes with the programs run); the scales are per output column, whatever the tile's width.
+CFG_SMALL_K = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+CFG_BIG_K = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=256, GROUP_SIZE_M=4, num_warps=4, num_stages=2)
 
 
 def _problem(scheme, m, hidden=H, inter=I, seed=0):
@@ -183,8 +186,9 @@ def test_batched_triton_matches_reference(name):
 @pytest.mark.parametrize("pair", [("no-dpep", "triton"), ("batched-local", "batched-triton")])
 def test_modular_kernel_odd_hidden(name, pair):
     """Through the modular kernel (prepare leaves the activations alone), one token (direct
-    alignment) and five, an odd hidden size."""
-    kernel = moebench.make_kernel(experts=pair[1], prepare_finalize=pair[0])
+    alignment) and five, an odd hidden size (CFG_SMALL_K: a 9-wide K tail after six 32-wide steps;
+    the default config's lookup with weight-only weights runs in test_sweep_int4_end_to_end)."""
+    kernel = moebench.make_kernel(experts=pair[1], prepare_finalize=pair[0], experts_kwargs={"config": CFG_SMALL_K})
     for m in (1, 5):
         x, w13, w2, wts, ids = _problem(SCHEMES[name], m=m, hidden=201, inter=40)
         out = kernel.apply(x, w13, w2, wts, ids)
