@@ -679,8 +679,6 @@ LAYER_POINTS = (
     ("deepseek-v3", ["--tp", "8", *FP8_BLOCK, "--shared-experts", "none", "--experts", "triton",
                      "--prepare-finalize", "no-dpep"]),
     ("qwen3-30b-a3b", ["--experts", "batched-triton", "--prepare-finalize", "batched-local"]),
-    ("deepseek-v3", ["--ep", "8", "--simulate", *FP8_BLOCK, "--shared-experts", "none", "--experts", "batched-triton",
-                     "--prepare-finalize", "batched-local"]),
 )
 POINT_KEYS = ["model", "tp", "ep", "experts", "dtype", "quant", "tokens"]
 

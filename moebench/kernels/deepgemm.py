@@ -36,9 +36,9 @@ Outputs are bf16 only. The intermediate after SiLU-and-mul is rounded to bf16 an
 `deepgemm`'s glue around the two GEMMs is moebench's Triton kernels (the block alignment, the row
 gather, SiLU-and-mul with the requantisation, the weighted top-k sum): five launches besides
 DeepGEMM's two and a few small torch ones. `batched-deepgemm`'s SiLU-and-mul with the
-requantisation is the same launch over each expert's valid rows in place. The layout helpers (`grouped_layout`, `pair_rows`,
-`masked_rows`, `mn_major_scales`, ...) are plain torch, run on any device and hold no host
-synchronisation, so the adapters stay CUDA-graph capturable.
+requantisation is the same launch over each expert's valid rows in place. The layout helpers
+(`grouped_layout`, `pair_rows`, `masked_rows`, `mn_major_scales`, ...) are plain torch, run on any
+device and hold no host synchronisation, so the adapters stay CUDA-graph capturable.
 deep_gemm is imported lazily; nothing else in moebench needs it.
 """
 
