@@ -277,15 +277,15 @@ def test_decode_launches_fp8_smoke(tmp_path):
 
 
 def test_decode_launches_fp8_block_variants_smoke(tmp_path):
-    # fp8 128 x 128 block weights (H=64: one partial scale group), with an expert map: GEMM2's two
-    # sums over top-k, the TMA weight tiles and both operand orders, correct
-    variants = ("pairstore", "atomic", "tma", "swapab", "noswap")
-    rows = _smoke("decode_launches", tmp_path, "--tokens", "40", "--fp8-block", "--variants", ",".join(variants),
+    # fp8 128 x 128 block weights (H=64: one partial scale group), with an expert map, at 17 tokens
+    # (sorted pairs: neither the direct alignment nor token rows): GEMM2's two sums over top-k, as
+    # the device job times them, correct (the TMA tiles and both operand orders are
+    # tests/test_triton_fp8.py's; every option variant is registered the same way)
+    rows = _smoke("decode_launches", tmp_path, "--tokens", "17", "--fp8-block", "--variants", "pairstore,atomic",
                   "--shapes", "tiny-map", csv_name="decode_launches_fp8block.csv")
-    assert len(rows) == 1 and rows[0]["shape"] == "tiny-map"
-    assert all(float(r[f"{v}_err"]) < 3e-2 for r in rows for v in ("current",) + variants)
-    assert all(float(r["pairstore/atomic"]) > 0 and float(r["tma/current"]) > 0 and float(r["swapab/noswap"]) > 0
-               for r in rows)
+    assert len(rows) == 1 and rows[0]["shape"] == "tiny-map" and rows[0]["direct_rule"] == "False"
+    assert all(float(r[f"{v}_err"]) < 3e-2 for r in rows for v in ("current", "pairstore", "atomic"))
+    assert all(float(r["pairstore/atomic"]) > 0 and float(r["current/atomic"]) > 0 for r in rows)
 
 
 def test_routing_launch_shape_keeps_the_result():

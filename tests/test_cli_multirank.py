@@ -102,7 +102,7 @@ def test_multirank_bad_input():
 def test_qwen3_ep4_all_pairs(tmp_path):
     """The issue's check: qwen3-30b-a3b on 4 gloo ranks, every pair ok or skipped with a reason."""
     res = moebench_inproc("sweep", "--model", "qwen3-30b-a3b", "--world-size", "4", "--ep", "4", "--dp", "4",
-                   "--prepare-finalize", "all", "--experts", "torch,batched-torch", "--tokens", "2",
+                   "--prepare-finalize", "all", "--experts", "torch,batched-torch", "--tokens", "2", "--reps", "1",
                    "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     df, _ = _rows(tmp_path)
