@@ -37,7 +37,7 @@ def _here(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def _runner(*args: str, env: dict | None = None, gpu: bool = False) -> subprocess.CompletedProcess:
     """`python -m benchmarks ARGS`, the repository on PYTHONPATH: Triton kernels under the CPU
     interpreter, or compiled for the GPU (`gpu`: the interpreter would take minutes there)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    env = dict(os.environ, **(env or {}))
     if gpu:
         env.pop("TRITON_INTERPRET", None)
     else:

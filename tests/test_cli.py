@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def moebench(*args, cwd=None, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
+    env = dict(os.environ, COLUMNS="200")
     return subprocess.run([sys.executable, "-m", "moebench.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=timeout)
 

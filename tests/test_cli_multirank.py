@@ -128,7 +128,7 @@ def test_sweep_under_torchrun(tmp_path):
 
     from test_cli import ROOT
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
+    env = dict(os.environ, COLUMNS="200")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "moebench.cli", "sweep", *SHAPE, "--tokens", "3", "--ep", "2",
                           "--experts", "torch,batched-torch", "--out", "res"],

@@ -159,7 +159,7 @@ def _as_nobody(fn, *args):
 
 def _env(**extra):
     # one torch thread: the shapes are tiny, and idle threads spinning would only cost CPU
-    return dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200", OMP_NUM_THREADS="1", **extra)
+    return dict(os.environ, COLUMNS="200", OMP_NUM_THREADS="1", **extra)
 
 
 @contextlib.contextmanager

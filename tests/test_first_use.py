@@ -18,7 +18,7 @@ TINY_SWEEP = [*TINY, "--tokens", "1", "--experts", "torch", "--prepare-finalize"
 
 
 def _env(**extra):
-    return dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200", **extra)
+    return dict(os.environ, COLUMNS="200", **extra)
 
 
 def _tree(folder: Path) -> dict:

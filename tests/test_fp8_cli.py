@@ -94,7 +94,7 @@ def test_nothing_runs_says_why_and_how(tmp_path):
     from tests.test_cli import ROOT
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), COLUMNS="200")
+    env.update(COLUMNS="200")
     res = subprocess.run([sys.executable, "-m", "moebench.cli", "sweep", *SHAPE, "--tokens", "1", "--dtype", "fp8_w8a8",
                           "--experts", "triton", "--prepare-finalize", "no-dpep", "--out", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=300)

@@ -301,7 +301,7 @@ def test_join_torchrun(tmp_path, monkeypatch):
     assert join_torchrun() is None  # not under torchrun
     script = tmp_path / "job.py"
     script.write_text(_TORCHRUN_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
         capture_output=True, text=True, timeout=120, env=env,

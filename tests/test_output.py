@@ -24,7 +24,7 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 def run_cli(*args, columns=80, tty=False, timeout=300):
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
-    env.update(PYTHONPATH=str(ROOT), COLUMNS=str(columns))
+    env.update(COLUMNS=str(columns))
     if tty:  # rich treats stdout as an interactive terminal
         env.update(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1", TERM="xterm")
     res = subprocess.run([sys.executable, "-m", "moebench.cli", *map(str, args)], capture_output=True, text=True,

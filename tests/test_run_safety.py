@@ -27,7 +27,7 @@ CUSTOM_KEYS = {(t, pf, ex) for t in TOKENS for pf in prepare_finalize_names() fo
 
 
 def _env(**extra):
-    return dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200", **extra)
+    return dict(os.environ, COLUMNS="200", **extra)
 
 
 def _here(*args):

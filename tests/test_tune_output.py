@@ -29,7 +29,7 @@ as_root = pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-on
 
 
 def _env(drop=(), **extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200", **extra)
+    env = dict(os.environ, COLUMNS="200", **extra)
     for k in drop:
         env.pop(k, None)
     return env
