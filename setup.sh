@@ -29,7 +29,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   started=$SECONDS
   if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     say "installing torch==2.13.0 into .venv (the CPU build where this machine has one on local disk)..."
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0
+    .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
   fi
   say "installing moebench and its dependencies into .venv (pip install -e '.[test]')..."
   # With setuptools already here (as on machines without a package index), build in place.
@@ -37,7 +37,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if .venv/bin/python -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" >/dev/null 2>&1; then
     iso="--no-build-isolation"
   fi
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile $iso -e '.[test]'
+  .venv/bin/python -m pip install -q --disable-pip-version-check $iso -e '.[test]'
   echo "$want" > "$stamp"
   say "installed in $((SECONDS - started)) s; .venv is ready (later runs skip this until pyproject.toml changes)"
 fi
