@@ -47,7 +47,7 @@ def _runner(*args: str, env: dict | None = None, gpu: bool = False) -> subproces
 
 
 def test_list_names_every_case():
-    r = _runner("--list")
+    r = _here("--list")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert [ln.split()[0] for ln in lines] == list(CASES) and all(len(ln.split()) > 1 for ln in lines)
@@ -58,16 +58,16 @@ def test_list_names_every_case():
 
 
 def test_unknown_case_is_a_one_line_error():
-    r = _runner("no_such_case", "--smoke")
+    r = _here("no_such_case", "--smoke")
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and "no_such_case" in r.stderr
-    assert _runner().returncode == 2  # no case at all: the usage line
+    assert _here().returncode == 2  # no case at all: the usage line
 
 
 def test_device_list_names_every_job():
     from benchmarks.device import JOBS
 
-    r = _runner("device", "--list")
+    r = _here("device", "--list")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()[1:]
     commands = [ln for ln in lines if "python -m benchmarks device" in ln]
@@ -81,7 +81,7 @@ def test_device_list_names_every_job():
 def test_device_dry_run_prints_the_commands(tmp_path):
     # --dry-run: the steps and commands, knobs applied (KNOB=VALUE or the environment), nothing written
     out = tmp_path / "out"
-    r = _runner("device", "--dry-run", "TOKENS=8,16", "pair_store", "fp8", env={"OUT": str(out), "SKIP_TESTS": "1"})
+    r = _here("device", "--dry-run", "TOKENS=8,16", "pair_store", "fp8", env={"OUT": str(out), "SKIP_TESTS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert not out.exists()
     lines = r.stdout.splitlines()
@@ -92,7 +92,7 @@ def test_device_dry_run_prints_the_commands(tmp_path):
                in ln and "--scales token" in ln for ln in lines)
     assert not any("fp8 gpu tests" in ln for ln in lines)  # SKIP_TESTS=1 leaves the tests out
     assert any(ln == f"$ tar czf {out}/fp8-sweeps.tgz -C {out} results" for ln in lines)
-    bad = _runner("device", "nope")
+    bad = _here("device", "nope")
     assert bad.returncode == 2 and "unknown job 'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
