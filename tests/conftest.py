@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 
 # Every process the suite starts (CLI runs, ranks, the fork server and its workers) imports
-# tests/site/sitecustomize.py first: the interpreter speed-up below, there installed on the first
+# tests/site/sitecustomize.py first: the interpreter speed-ups below, there installed on the first
 # kernel launch. A test that sets PYTHONPATH for a subprocess keeps this value's folders.
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,9 +1,10 @@
-"""Two speed-ups of Triton's interpreter for the test suite, installed by `install()` in every
+"""Three speed-ups of Triton's interpreter for the test suite, installed by `install()` in every
 process the suite starts (the pytest processes through tests/conftest.py; CLI runs, ranks, fork
 servers and workers through this folder's sitecustomize.py, which conftest puts first on
 PYTHONPATH): helpers skip re-patching triton.language, integer arithmetic is not checked for
 32-bit overflow (as on a GPU), and the numpy type of a Triton type is looked up in a table made
-once. Together they take an interpreted GEMM's time to about half."""
+once. The suite's CPU time on a 2-core CI machine went from about 690 to 490 CPU-s with them
+(DEVELOPERS.md, "Testing on a CPU")."""
 
 import dataclasses
 
